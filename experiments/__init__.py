@@ -1,0 +1,1 @@
+"""Hydra experiments: LightningModules, data and the training entry point."""

@@ -1,0 +1,141 @@
+"""Causal language models for the experiments, built from configs with random weights.
+
+The model families come from ``transformers`` (an extra of the experiments, never a dependency of
+the library). Nothing is downloaded: every model is built from its config alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+
+# family name -> transformers config class
+FAMILIES = {
+    "gpt2": "GPT2Config",
+    "opt": "OPTConfig",
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+}
+
+
+def build_causal_lm(family: str, config: dict[str, Any]) -> nn.Module:
+    """A ``transformers`` causal LM of ``family`` with random weights, from ``config`` alone."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is not known; choose one of {', '.join(FAMILIES)}.")
+    import transformers
+
+    config_cls = getattr(transformers, FAMILIES[family])
+    return transformers.AutoModelForCausalLM.from_config(config_cls(**config))
+
+
+def _shape(config: Any) -> tuple[int, int]:
+    """(layers, hidden size) of a transformers config, whatever the family calls them."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    return int(layers), int(hidden)
+
+
+def max_positions(config: Any) -> Optional[int]:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+class CausalLM(L.LightningModule):
+    """Next-token prediction on batches of token ids ``[batch, seq]``.
+
+    The network is built in :meth:`configure_model`, so constructing the module is cheap and a
+    strategy can decide where the weights are created.
+
+    Args:
+        family: ``gpt2``, ``opt``, ``llama`` or ``mistral``.
+        config: keyword arguments of the family's ``transformers`` config.
+        name: a short name for tables and logs.
+        lr, weight_decay, betas, warmup_steps: AdamW with linear warm-up and cosine decay to 10%.
+    """
+
+    def __init__(
+        self,
+        family: str,
+        config: dict[str, Any],
+        name: str = "",
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        if family not in FAMILIES:
+            raise ValueError(f"model family {family!r} is not known; choose one of {', '.join(FAMILIES)}.")
+        self.save_hyperparameters()
+        self.family = family
+        self.model_config = dict(config)
+        self.name = name or family
+        self.model: Optional[nn.Module] = None
+        # read by Lightning's ThroughputMonitor after every batch (set per batch in the steps)
+        self.flops_per_batch: Optional[int] = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_causal_lm(self.family, self.model_config)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int, backward: bool = True) -> int:
+        """Matmul FLOPs per token: 2N forward (4N more with backward) plus attention scores.
+
+        The standard estimate (Kaplan et al. 2020; PaLM appendix B): 6N + 12·L·H·T per token for a
+        training step, N parameters, L layers, hidden size H, sequence length T.
+        """
+        assert self.model is not None
+        layers, hidden = _shape(self.model.config)
+        per_token = 2 * self.num_parameters + 4 * layers * hidden * seq_len
+        return per_token * 3 if backward else per_token
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.flops_per_batch = self.flops_per_token(batch.shape[1]) * batch.numel()
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.flops_per_batch = self.flops_per_token(batch.shape[1], backward=False) * batch.numel()
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        # No weight decay on biases and norms (every parameter of fewer than 2 dims), as usual.
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.lr,
+            betas=tuple(self.hparams.betas),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+        warmup = self.hparams.warmup_steps
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,109 @@
+"""What a run reports at the end: a table on stdout and ``metrics.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from offload_strategy.config import format_bytes
+
+
+class MetricsRecorder(Logger):
+    """Keeps every logged metric in memory, so the summary does not depend on the chosen logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[tuple[int, float]]] = {}
+
+    @property
+    @override
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    @override
+    def version(self) -> None:
+        # None keeps the recorder's version out of the progress bar
+        return None
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        for key, value in metrics.items():
+            self.history.setdefault(key, []).append((int(step or 0), float(value)))
+
+    def last(self, key: str) -> Optional[float]:
+        values = self.history.get(key)
+        return values[-1][1] if values else None
+
+    def first(self, key: str) -> Optional[float]:
+        values = self.history.get(key)
+        return values[0][1] if values else None
+
+
+def build_summary(recorder: MetricsRecorder, *, model_name: str, num_parameters: int, strategy: str, steps: int, wall_seconds: float, peak_flops: Optional[float]) -> dict[str, Any]:
+    """Flat, JSON-serialisable run summary from what was logged."""
+    batches_per_sec = recorder.last("train/device/batches_per_sec")
+    flops_per_sec = recorder.last("train/device/flops_per_sec")
+    mfu = recorder.last("train/device/mfu")
+    if mfu is None and flops_per_sec is not None and peak_flops:
+        mfu = flops_per_sec / peak_flops
+    summary: dict[str, Any] = {
+        "model": model_name,
+        "parameters": num_parameters,
+        "strategy": strategy,
+        "steps": steps,
+        "wall_seconds": wall_seconds,
+        "tokens_per_sec": recorder.last("train/device/items_per_sec"),
+        "samples_per_sec": recorder.last("train/device/samples_per_sec"),
+        "step_time_ms": 1000.0 / batches_per_sec if batches_per_sec else None,
+        "flops_per_sec": flops_per_sec,
+        "mfu": mfu,
+        "train_loss_first": recorder.first("train/loss"),
+        "train_loss_last": recorder.last("train/loss"),
+        "val_loss": recorder.last("val/loss"),
+    }
+    for key in sorted(recorder.history):
+        if key.startswith("offload/"):
+            summary[key] = recorder.last(key)
+    return summary
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if key.endswith("_bytes"):
+        return format_bytes(value)
+    if key == "mfu":
+        return f"{value:.1%}"
+    if key == "parameters":
+        return f"{value / 1e6:,.2f} M"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    width = max(len(k) for k in summary)
+    lines = ["", "Run summary", "-" * (width + 24)]
+    lines += [f"{key:<{width}}  {_fmt(key, value)}" for key, value in summary.items()]
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as JSON so that a crash never leaves a half-written file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str))
+    os.replace(tmp, path)

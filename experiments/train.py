@@ -1,0 +1,131 @@
+"""Train a model with the tiered strategy, as configured by Hydra.
+
+    python experiments/train.py                                   # the built-in default
+    python experiments/train.py model=gpt2_small trainer.max_steps=50
+    python experiments/train.py -m model=gpt2_tiny strategy.name=tiered,auto   # a sweep
+
+Prints a summary table, writes ``metrics.json`` into the job's output directory, and returns
+the configured objective for sweepers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+# Models are built from configs; nothing may be fetched from a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+if __package__ in (None, ""):  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.summary import MetricsRecorder, build_summary, format_summary, write_json_atomic
+from offload_strategy import HardwareSpec, OffloadMonitor, TieredStrategy
+
+
+def build_strategy(cfg: DictConfig, hardware: HardwareSpec) -> Union[TieredStrategy, str]:
+    """``strategy.name=tiered`` gives a TieredStrategy; any other name is passed to Lightning."""
+    options: dict[str, Any] = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[assignment]
+    name = options.pop("name")
+    if name != "tiered":
+        return name
+    return TieredStrategy(policy=instantiate(cfg.policy), hardware=hardware, **options)
+
+
+def build_logger(cfg: DictConfig) -> Optional[Logger]:
+    return instantiate(cfg.logger) if cfg.logger.get("_target_") else None
+
+
+def check_shapes(cfg: DictConfig, vocab_size: int, seq_len: int) -> None:
+    """Refuse a model that cannot read the data before anything is built."""
+    model_cfg = cfg.model.config
+    positions = model_cfg.get("n_positions") or model_cfg.get("max_position_embeddings")
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"data.seq_len={seq_len} exceeds the {cfg.model.name} context of {positions} positions; lower data.seq_len.")
+    vocab = model_cfg.get("vocab_size")
+    if vocab is not None and vocab_size > vocab:
+        raise ValueError(f"the data has {vocab_size} token ids but {cfg.model.name} a vocabulary of {vocab}; raise model.config.vocab_size.")
+
+
+def finish_wandb() -> None:
+    # Between multirun jobs the W&B run must be closed, or the next job logs into it.
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
+def run(cfg: DictConfig) -> float:
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    L.seed_everything(cfg.seed, workers=True)
+
+    datamodule = instantiate(cfg.data)
+    check_shapes(cfg, datamodule.vocab_size, datamodule.seq_len)
+    module = instantiate(cfg.model)
+    hardware: HardwareSpec = instantiate(cfg.hardware)
+    strategy = build_strategy(cfg, hardware)
+
+    recorder = MetricsRecorder()
+    logger = build_logger(cfg)
+    loggers: list[Logger] = ([logger] if logger is not None else []) + [recorder]
+    callbacks = [
+        ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0], length_fn=lambda batch: batch.numel(), window_size=cfg.throughput_window),
+        OffloadMonitor(),
+    ]
+    trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=loggers, callbacks=callbacks)
+    if logger is not None:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+
+    try:
+        start = time.perf_counter()
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+        wall = time.perf_counter() - start
+    finally:
+        finish_wandb()
+
+    precision = str(trainer.precision)
+    summary = build_summary(
+        recorder,
+        model_name=module.name,
+        num_parameters=module.num_parameters,
+        strategy=type(trainer.strategy).__name__,
+        steps=trainer.global_step,
+        wall_seconds=wall,
+        peak_flops=hardware.peak_flops("bf16" if "bf16" in precision else "fp16") if trainer.strategy.root_device.type == "cuda" else None,
+    )
+    print(format_summary(summary))
+    payload = {
+        **summary,
+        "precision": precision,
+        "hardware": hardware.to_dict(),
+        "overrides": list(HydraConfig.get().overrides.task),
+        "loss_curve": recorder.history.get("train/loss", []),
+    }
+    write_json_atomic(output_dir / "metrics.json", payload)
+    print(f"metrics written to {output_dir / 'metrics.json'}")
+    objective = summary.get(cfg.objective)
+    if cfg.objective not in summary:
+        raise ValueError(f"objective={cfg.objective!r} is not in the summary; choose one of {', '.join(summary)}.")
+    return float("nan") if objective is None else float(objective)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""offload_strategy: train models larger than GPU memory with ``Trainer(strategy="tiered")``.
+
+Importing the package registers the strategy name ``"tiered"`` with Lightning.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .callbacks import OffloadMonitor
+from .config import Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
+from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
+from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
+
+__version__ = "0.1.0"
+
+
+def _register_strategies() -> None:
+    # Guarded so that re-importing (reloads, notebooks, spawned workers) never raises.
+    if TieredStrategy.strategy_name not in StrategyRegistry:
+        StrategyRegistry.register(
+            TieredStrategy.strategy_name,
+            TieredStrategy,
+            description="Tiers parameters, gradients, optimizer states and activations across GPU, host memory and NVMe.",
+        )
+
+
+_register_strategies()
+
+__all__ = [
+    "KNOWN_MACHINES",
+    "Budget",
+    "HardwareSpec",
+    "MemoryBudgetError",
+    "OffloadMonitor",
+    "PolicyConfig",
+    "TierBudgets",
+    "TieredStrategy",
+    "format_bytes",
+    "known_hardware",
+    "parse_size",
+    "probe_hardware",
+]

@@ -1,0 +1,201 @@
+"""Typed configuration shared by Python users and the Hydra experiments.
+
+Everything here is plain data: parsing and validation of what a user typed, no torch state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+# A budget as a user writes it: bytes (int), a size string ("16GiB"), a fraction of what is
+# free (float in (0, 1], or a string such as "50%"), or None for "all that is free".
+BudgetLike = Union[int, float, str, None]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+
+def parse_size(value: Union[int, float, str], name: str = "size") -> int:
+    """Parse a byte count: ``1024``, ``"512MiB"``, ``"16GiB"``, ``"1.5 TB"``.
+
+    Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024; decimal units
+    (KB, MB, GB, TB) are powers of 1000, as the vendors print them.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not a size: give bytes (int) or a string like '16GiB'.")
+    if isinstance(value, int):
+        result = value
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{name}={value!r} is not a whole number of bytes.")
+        result = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a size: write bytes or a number with a unit "
+                f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '16GiB'."
+            )
+        result = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{name}={value!r} is not a size: give bytes (int) or a string like '16GiB'.")
+    if result < 0:
+        raise ValueError(f"{name}={value!r} is negative; a size must be >= 0 bytes.")
+    return result
+
+
+def format_bytes(n: Optional[float]) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``; ``n/a`` for None."""
+    if n is None:
+        return "n/a"
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of one memory tier the strategy may use.
+
+    Exactly one of ``bytes`` and ``fraction`` is set, or neither ("all that is free").
+    """
+
+    bytes: Optional[int] = None
+    fraction: Optional[float] = None
+
+    @classmethod
+    def parse(cls, value: BudgetLike, name: str) -> "Budget":
+        if value is None:
+            return cls()
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} is not a budget: give bytes, a size like '16GiB', or a fraction in (0, 1].")
+        if isinstance(value, float):
+            if not math.isfinite(value) or value <= 0 or value > 1:
+                raise ValueError(
+                    f"{name}={value!r}: a float is a fraction of the free memory and must lie in (0, 1]; "
+                    f"for an absolute budget give bytes as an int or a string like '16GiB'."
+                )
+            return cls(fraction=value)
+        if isinstance(value, str):
+            percent = _PERCENT_RE.match(value)
+            if percent:
+                return cls.parse(float(percent.group(1)) / 100.0, name)
+        return cls(bytes=parse_size(value, name))
+
+    def resolve(self, free: int) -> int:
+        """Bytes granted given ``free`` bytes available in the tier."""
+        if self.bytes is not None:
+            return self.bytes
+        if self.fraction is not None:
+            return int(free * self.fraction)
+        return free
+
+    def __str__(self) -> str:
+        if self.bytes is not None:
+            return format_bytes(self.bytes)
+        if self.fraction is not None:
+            return f"{self.fraction:.0%} of free"
+        return "all free"
+
+
+POLICY_NAMES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What the planner may do.
+
+    ``auto`` lets the planner choose every placement from the profile; ``none`` keeps every
+    tensor in the GPU tier (plain training through the tiered runtime, the baseline).
+    """
+
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICY_NAMES:
+            raise ValueError(f"policy={self.name!r} is not a known policy; choose one of {', '.join(POLICY_NAMES)}.")
+
+    @classmethod
+    def coerce(cls, value: Union[str, "PolicyConfig", Mapping[str, Any]]) -> "PolicyConfig":
+        if isinstance(value, PolicyConfig):
+            return value
+        if isinstance(value, str):
+            return cls(name=value)
+        if isinstance(value, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - fields - {"_target_"})
+            if unknown:
+                raise ValueError(f"policy has unknown fields {unknown}; known fields: {sorted(fields)}.")
+            return cls(**{k: v for k, v in value.items() if k in fields})
+        raise ValueError(f"policy={value!r} is not a policy name, a PolicyConfig or a mapping of its fields.")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A machine as the planner sees it. Bandwidths in GB/s (10^9 bytes/s), sizes in bytes.
+
+    ``None`` means "not known": the profiler measures it on a real machine.
+    """
+
+    name: str
+    gpu: str
+    gpu_memory: int
+    gpu_bf16_tflops: Optional[float]
+    gpu_fp16_tflops: Optional[float]
+    h2d_gbps: Optional[float]
+    d2h_gbps: Optional[float]
+    host_memory: int
+    cpu_cores: int
+    nvme_count: int = 0
+    nvme_read_gbps: Optional[float] = None
+    nvme_write_gbps: Optional[float] = None
+    source: str = ""
+
+    _SIZE_FIELDS = ("gpu_memory", "host_memory")
+
+    def __post_init__(self) -> None:
+        for field in self._SIZE_FIELDS:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                object.__setattr__(self, field, parse_size(value, f"hardware.{field}"))
+        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"hardware.{field}={value!r} must be a non-negative number or None.")
+        for field in ("cpu_cores", "nvme_count"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"hardware.{field}={value!r} must be a non-negative integer.")
+
+    def peak_flops(self, dtype_name: str) -> Optional[float]:
+        """Dense peak FLOP/s of the GPU for ``bf16`` or ``fp16`` work, if known."""
+        tflops = self.gpu_bf16_tflops if dtype_name == "bf16" else self.gpu_fp16_tflops
+        return None if not tflops else tflops * 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,102 @@
+"""What this machine has: sizes and free memory per tier, read from the OS and the CUDA driver.
+
+Bandwidths and compute rates are measured by the profiler, not here; a probed spec borrows the
+datasheet figures of the known machine whose GPU it recognises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+import torch
+
+from ..config import HardwareSpec
+from .specs import KNOWN_MACHINES
+
+# GPU product-name fragments (as CUDA reports them) -> known spec to borrow peak figures from.
+_GPU_FAMILIES = (
+    ("H200", "h200"),
+    ("H100", "h100_80g"),
+    ("A100", "a100_80g"),
+    ("4090", "rtx4090"),
+    ("3090", "rtx3090"),
+    ("L40S", "l40s"),
+    ("V100", "v100_16g"),
+)
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def host_available() -> int:
+    """Bytes of host memory the OS can give without swapping."""
+    return int(psutil.virtual_memory().available)
+
+
+def gpu_free(device: torch.device) -> int:
+    """Free bytes on a CUDA device; on other devices the GPU tier is emulated in host memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available()
+
+
+def disk_free(path: Optional[str]) -> int:
+    """Free bytes on the file system holding ``path`` (its nearest existing ancestor)."""
+    if path is None:
+        return 0
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return int(shutil.disk_usage(probe).free)
+
+
+def _borrowed_figures(gpu_name: str, gpu_memory: int) -> dict[str, Any]:
+    for fragment, key in _GPU_FAMILIES:
+        if fragment in gpu_name:
+            if key == "a100_80g" and gpu_memory < 60 * 1024**3:
+                key = "a100_40g"
+            spec = KNOWN_MACHINES[key]
+            return {
+                "gpu_bf16_tflops": spec.gpu_bf16_tflops,
+                "gpu_fp16_tflops": spec.gpu_fp16_tflops,
+                "h2d_gbps": spec.h2d_gbps,
+                "d2h_gbps": spec.d2h_gbps,
+            }
+    return {"gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "h2d_gbps": None, "d2h_gbps": None}
+
+
+def probe_hardware(**overrides: Any) -> HardwareSpec:
+    """Describe this machine. ``overrides`` replace probed fields (``gpu_memory="8GiB"``)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu, gpu_memory = props.name, int(props.total_memory)
+        figures = _borrowed_figures(gpu, gpu_memory)
+        source = f"probed; peak figures from the datasheet of the {gpu}" if figures["h2d_gbps"] else "probed"
+    else:
+        gpu, gpu_memory = "none (GPU tier emulated in host memory)", 0
+        figures = _borrowed_figures("", 0)
+        source = "probed"
+    spec = HardwareSpec(
+        name="auto",
+        gpu=gpu,
+        gpu_memory=gpu_memory,
+        host_memory=int(psutil.virtual_memory().total),
+        cpu_cores=cpu_cores(),
+        source=source,
+        **figures,
+    )
+    fields = {f.name for f in dataclasses.fields(spec)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"hardware overrides {unknown} are not fields of HardwareSpec; fields: {sorted(fields)}.")
+    return dataclasses.replace(spec, **overrides) if overrides else spec

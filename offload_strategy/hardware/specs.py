@@ -1,0 +1,152 @@
+"""Specifications of known machines, for planning and what-if simulation without probing.
+
+Link figures are the theoretical per-direction bandwidth of the GPU's PCIe link (PCIe 3.0 x16
+15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63.0 GB/s, as ProTrain §5 quotes them); on a real machine
+the profiler measures what the link actually delivers. GPU peaks are dense (no sparsity) tensor
+core figures with fp32 accumulation, from the vendor datasheets and architecture whitepapers.
+Host memory, cores and SSDs are those of the testbed each spec is named after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import HardwareSpec
+
+PCIE3_X16 = 15.8
+PCIE4_X16 = 31.5
+PCIE5_X16 = 63.0
+
+KNOWN_MACHINES: dict[str, HardwareSpec] = {
+    spec.name: spec
+    for spec in (
+        HardwareSpec(
+            name="h100_80g",
+            gpu="NVIDIA H100 80GB HBM3 (SXM5)",
+            gpu_memory="80GiB",
+            gpu_bf16_tflops=989.4,  # H100 datasheet: 1,979 with sparsity
+            gpu_fp16_tflops=989.4,
+            h2d_gbps=PCIE5_X16,
+            d2h_gbps=PCIE5_X16,
+            host_memory="256GiB",  # one GPU's share of a DGX H100 (2 TB, 112 cores, 8 data NVMe)
+            cpu_cores=14,
+            nvme_count=1,
+            nvme_read_gbps=7.0,  # Samsung PM1733 3.84 TB U.2 datasheet
+            nvme_write_gbps=3.8,
+            source="NVIDIA H100 datasheet; DGX H100 user guide (per-GPU share)",
+        ),
+        HardwareSpec(
+            name="h200",
+            gpu="NVIDIA H200 141GB HBM3e (SXM5)",
+            gpu_memory="141GB",
+            gpu_bf16_tflops=989.4,  # H200 datasheet: 1,979 with sparsity
+            gpu_fp16_tflops=989.4,
+            h2d_gbps=PCIE5_X16,
+            d2h_gbps=PCIE5_X16,
+            host_memory="256GiB",  # one GPU's share of a DGX H200 (2 TB, 112 cores)
+            cpu_cores=14,
+            nvme_count=1,
+            nvme_read_gbps=7.0,
+            nvme_write_gbps=3.8,
+            source="NVIDIA H200 datasheet; DGX H200 user guide (per-GPU share)",
+        ),
+        HardwareSpec(
+            name="a100_40g",
+            gpu="NVIDIA A100 40GB",
+            gpu_memory="40GiB",
+            gpu_bf16_tflops=312.0,  # A100 datasheet: 624 with sparsity
+            gpu_fp16_tflops=312.0,
+            h2d_gbps=PCIE4_X16,
+            d2h_gbps=PCIE4_X16,
+            host_memory="256GB",  # 10Cache Table 3: AMD EPYC 7763 (64 cores), 256 GB, 3 TB Samsung NVMe
+            cpu_cores=64,
+            nvme_count=1,
+            nvme_read_gbps=2.36,  # 10Cache Table 1 (measured, NVMe on PCIe 4.0 x4)
+            nvme_write_gbps=0.73,
+            source="NVIDIA A100 datasheet; 10Cache Tables 1 and 3",
+        ),
+        HardwareSpec(
+            name="a100_80g",
+            gpu="NVIDIA A100 80GB",
+            gpu_memory="80GiB",
+            gpu_bf16_tflops=312.0,
+            gpu_fp16_tflops=312.0,
+            h2d_gbps=PCIE4_X16,  # ProTrain §5 testbed: PCIe 4, 31.5 GB/s
+            d2h_gbps=PCIE4_X16,
+            host_memory="1TB",  # ProTrain §5: Xeon Platinum 8480+ (112 cores), 1 TB DRAM
+            cpu_cores=112,
+            nvme_count=0,
+            source="NVIDIA A100 datasheet; ProTrain §5 testbed",
+        ),
+        HardwareSpec(
+            name="rtx4090",
+            gpu="NVIDIA GeForce RTX 4090",
+            gpu_memory="24GiB",
+            gpu_bf16_tflops=165.2,  # Ada whitepaper, fp32 accumulate (330.3 with fp16 accumulate)
+            gpu_fp16_tflops=165.2,
+            h2d_gbps=PCIE4_X16,
+            d2h_gbps=PCIE4_X16,
+            host_memory="768GB",  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
+            cpu_cores=52,
+            nvme_count=12,  # LoHan Table III: 12x Intel P5510 3.84 TB
+            nvme_read_gbps=12 * 6.5,  # P5510 datasheet: 6.5 GB/s read, 3.4 GB/s write per drive
+            nvme_write_gbps=12 * 3.4,
+            source="NVIDIA Ada whitepaper; LoHan Table III",
+        ),
+        HardwareSpec(
+            name="rtx3090",
+            gpu="NVIDIA GeForce RTX 3090",
+            gpu_memory="24GiB",
+            gpu_bf16_tflops=71.0,  # GA102 whitepaper, fp32 accumulate (142 with fp16 accumulate)
+            gpu_fp16_tflops=71.0,
+            h2d_gbps=PCIE3_X16,  # ProTrain §5 testbed: PCIe 3, 15.8 GB/s
+            d2h_gbps=PCIE3_X16,
+            host_memory="384GB",  # ProTrain §5: Xeon Silver 4214R (24 cores), 384 GB
+            cpu_cores=24,
+            nvme_count=0,
+            source="NVIDIA GA102 whitepaper; ProTrain §5 testbed",
+        ),
+        HardwareSpec(
+            name="l40s",
+            gpu="NVIDIA L40S 48GB",
+            gpu_memory="48GB",
+            gpu_bf16_tflops=362.05,  # L40S datasheet: 733 with sparsity
+            gpu_fp16_tflops=362.05,
+            h2d_gbps=PCIE4_X16,
+            d2h_gbps=PCIE4_X16,
+            host_memory="256GB",  # 10Cache Table 3: 2x Xeon Silver 4314 (32 cores), 256 GB, 2 TB NVMe
+            cpu_cores=32,
+            nvme_count=1,
+            nvme_read_gbps=2.36,  # 10Cache Table 1 (measured)
+            nvme_write_gbps=0.73,
+            source="NVIDIA L40S datasheet; 10Cache Tables 1 and 3",
+        ),
+        HardwareSpec(
+            name="v100_16g",
+            gpu="NVIDIA Tesla V100 16GB (SXM2)",
+            gpu_memory="16GiB",
+            gpu_bf16_tflops=None,  # Volta has no bf16 tensor cores
+            gpu_fp16_tflops=125.0,  # V100 datasheet (SXM2)
+            h2d_gbps=PCIE3_X16,
+            d2h_gbps=PCIE3_X16,
+            host_memory="61GiB",  # AWS p3.2xlarge: 1x V100, 8 vCPU, 61 GiB
+            cpu_cores=8,
+            nvme_count=0,
+            source="NVIDIA V100 datasheet; AWS p3.2xlarge instance specification",
+        ),
+    )
+}
+
+
+def known_hardware(name: str, **overrides: Any) -> HardwareSpec:
+    """The spec of a known machine, with any field replaced (``host_memory="512GiB"``)."""
+    key = name.lower().replace("-", "_")
+    if key not in KNOWN_MACHINES:
+        raise ValueError(f"hardware={name!r} is not a known machine; known: {', '.join(sorted(KNOWN_MACHINES))}, or 'auto' to probe this one.")
+    spec = KNOWN_MACHINES[key]
+    fields = {f.name for f in dataclasses.fields(spec)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"hardware overrides {unknown} are not fields of HardwareSpec; fields: {sorted(fields)}.")
+    return dataclasses.replace(spec, **overrides) if overrides else spec

@@ -1,0 +1,32 @@
+"""Markers skip cleanly where their hardware is absent: ``gpu`` without CUDA, ``nvme`` without
+room on the disk that holds the test's temporary directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+# Tests that write large files need this much free space next to the temporary directory.
+NVME_TEST_FREE_BYTES = 4 * 1024**3
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    no_room = pytest.mark.skip(reason=f"needs {NVME_TEST_FREE_BYTES >> 30} GiB free for NVMe files, {free >> 30} GiB free")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "nvme" in item.keywords and free < NVME_TEST_FREE_BYTES:
+            item.add_marker(no_room)

@@ -1,0 +1,148 @@
+"""Every option of every config group composes and instantiates, with HydraConfig set as Hydra would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from experiments.models import CausalLM
+from experiments.train import build_logger, build_strategy, check_shapes
+from offload_strategy import HardwareSpec, PolicyConfig, TieredStrategy
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+# Published sizes of the shapes each model config copies, in millions of parameters.
+PUBLISHED_MILLIONS = {
+    "gpt2_tiny": 3.29,
+    "gpt2_small": 124,
+    "gpt2_medium": 355,
+    "gpt2_xl": 1558,
+    "opt_1_3b": 1316,
+    "llama_1b": 1236,
+    "llama_7b": 6738,
+    "mistral_7b": 7242,
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_as_hydra(overrides: list[str], output_dir: Path) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)  # set by Hydra when a job starts
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def test_every_group_has_options():
+    for group in ("model", "data", "hardware", "policy", "trainer", "logger", "experiment"):
+        assert options(group), f"conf/{group}/ is empty"
+    assert set(PUBLISHED_MILLIONS) == set(options("model"))
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_model_configs_build_the_published_shapes(name, tmp_path):
+    cfg = compose_as_hydra([f"model={name}"], tmp_path)
+    module = instantiate(cfg.model)
+    assert isinstance(module, CausalLM) and module.model is None  # building is deferred
+    with torch.device("meta"):
+        module.configure_model()
+    millions = module.num_parameters / 1e6
+    assert millions == pytest.approx(PUBLISHED_MILLIONS[name], rel=0.02)
+    assert module.flops_per_token(128) > 6 * module.num_parameters
+
+
+@pytest.mark.parametrize("name", options("data"))
+def test_data_configs_load_batches(name, tmp_path):
+    overrides = [f"data={name}"]
+    if name == "text":
+        corpus = tmp_path / "corpus"
+        corpus.mkdir()
+        for i in range(3):
+            (corpus / f"part{i}.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+        overrides.append(f"data.path={corpus}")
+    if name == "stdlib":
+        overrides.append("data.max_bytes=200000")
+    cfg = compose_as_hydra(overrides, tmp_path)
+    datamodule = instantiate(cfg.data)
+    check_shapes(cfg, datamodule.vocab_size, datamodule.seq_len)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    assert batch.shape == (cfg.data.batch_size, cfg.data.seq_len) and batch.dtype == torch.long
+    assert int(batch.max()) < datamodule.vocab_size
+    assert len(datamodule.val_set) > 0
+
+
+@pytest.mark.parametrize("name", options("hardware"))
+def test_hardware_configs(name, tmp_path):
+    cfg = compose_as_hydra([f"hardware={name}"], tmp_path)
+    spec = instantiate(cfg.hardware)
+    assert isinstance(spec, HardwareSpec)
+    assert spec.name == name
+    strategy = build_strategy(cfg, spec)
+    assert isinstance(strategy, TieredStrategy) and strategy.hardware is spec
+
+
+def test_hardware_fields_can_be_overridden(tmp_path):
+    cfg = compose_as_hydra(["hardware=rtx4090", "+hardware.host_memory=256GiB"], tmp_path)
+    assert instantiate(cfg.hardware).host_memory == 256 * 2**30
+
+
+@pytest.mark.parametrize("name", options("policy"))
+def test_policy_configs(name, tmp_path):
+    cfg = compose_as_hydra([f"policy={name}"], tmp_path)
+    policy = instantiate(cfg.policy)
+    assert isinstance(policy, PolicyConfig) and policy.name == name
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.gpu) if n == "gpu" else n for n in options("trainer")])
+def test_trainer_configs(name, tmp_path):
+    cfg = compose_as_hydra([f"trainer={name}"], tmp_path)
+    trainer = instantiate(cfg.trainer, strategy=build_strategy(cfg, instantiate(cfg.hardware)), logger=False)
+    assert isinstance(trainer, L.Trainer) and isinstance(trainer.strategy, TieredStrategy)
+    assert trainer.default_root_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_logger_configs(name, tmp_path):
+    cfg = compose_as_hydra([f"logger={name}"], tmp_path)
+    logger = build_logger(cfg)
+    if name == "none":
+        assert logger is None
+    else:
+        assert logger is not None and Path(logger.save_dir) == tmp_path
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiment_presets_compose(name, tmp_path):
+    cfg = compose_as_hydra([f"experiment={name}"], tmp_path)
+    assert cfg.hydra.runtime.choices["experiment"] == name
+    with open_dict(cfg):
+        del cfg["hydra"]  # its sweep paths resolve only inside a running multirun
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["trainer"]["default_root_dir"] == str(tmp_path)
+    assert isinstance(instantiate(cfg.model), CausalLM)
+    assert isinstance(instantiate(cfg.hardware), HardwareSpec)
+
+
+def test_plain_lightning_baseline_by_name(tmp_path):
+    cfg = compose_as_hydra(["strategy.name=auto"], tmp_path)
+    assert build_strategy(cfg, instantiate(cfg.hardware)) == "auto"
+
+
+def test_shape_checks_refuse_mismatches(tmp_path):
+    cfg = compose_as_hydra(["data.seq_len=512"], tmp_path)
+    with pytest.raises(ValueError, match="data.seq_len=512 exceeds the gpt2-tiny context of 256 positions"):
+        check_shapes(cfg, 256, 512)
+    with pytest.raises(ValueError, match="the data has 50000 token ids but gpt2-tiny a vocabulary of 256"):
+        check_shapes(cfg, 50000, 128)
