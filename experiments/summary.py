@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from offload_strategy.config import format_bytes
+from offload_strategy.hardware import process_peak_rss
 
 
 class MetricsRecorder(Logger):
@@ -53,8 +54,21 @@ class MetricsRecorder(Logger):
         return values[0][1] if values else None
 
 
-def build_summary(recorder: MetricsRecorder, *, model_name: str, num_parameters: int, strategy: str, steps: int, wall_seconds: float, peak_flops: Optional[float]) -> dict[str, Any]:
-    """Flat, JSON-serialisable run summary from what was logged."""
+def build_summary(
+    recorder: MetricsRecorder,
+    *,
+    model_name: str,
+    num_parameters: int,
+    strategy: str,
+    steps: int,
+    wall_seconds: float,
+    peak_flops: Optional[float],
+    peak_gpu_bytes: Optional[int],
+) -> dict[str, Any]:
+    """Flat, JSON-serialisable run summary from what was logged.
+
+    Peak memory is measured the same way whatever the strategy, so that baselines compare.
+    """
     batches_per_sec = recorder.last("train/device/batches_per_sec")
     flops_per_sec = recorder.last("train/device/flops_per_sec")
     mfu = recorder.last("train/device/mfu")
@@ -74,6 +88,8 @@ def build_summary(recorder: MetricsRecorder, *, model_name: str, num_parameters:
         "train_loss_first": recorder.first("train/loss"),
         "train_loss_last": recorder.last("train/loss"),
         "val_loss": recorder.last("val/loss"),
+        "peak_gpu_bytes": peak_gpu_bytes,
+        "peak_host_bytes": process_peak_rss(),
     }
     for key in sorted(recorder.history):
         if key.startswith("offload/"):

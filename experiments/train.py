@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -21,12 +22,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Lightning 2.6 on torch 2.13 warns about its own pytree helper on every run; nothing to act on.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 if __package__ in (None, ""):  # run as a script: make `experiments` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ThroughputMonitor
@@ -89,23 +93,29 @@ def run(cfg: DictConfig) -> float:
     if logger is not None:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
 
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         start = time.perf_counter()
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
         wall = time.perf_counter() - start
+        precision = str(trainer.precision)
+        summary = build_summary(
+            recorder,
+            model_name=module.name,
+            num_parameters=module.num_parameters,
+            strategy=type(trainer.strategy).__name__,
+            steps=trainer.global_step,
+            wall_seconds=wall,
+            peak_flops=hardware.peak_flops("bf16" if "bf16" in precision else "fp16") if device.type == "cuda" else None,
+            peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        )
+        if logger is not None:
+            numbers = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
+            logger.log_metrics(numbers, step=trainer.global_step)
     finally:
         finish_wandb()
-
-    precision = str(trainer.precision)
-    summary = build_summary(
-        recorder,
-        model_name=module.name,
-        num_parameters=module.num_parameters,
-        strategy=type(trainer.strategy).__name__,
-        steps=trainer.global_step,
-        wall_seconds=wall,
-        peak_flops=hardware.peak_flops("bf16" if "bf16" in precision else "fp16") if trainer.strategy.root_device.type == "cuda" else None,
-    )
     print(format_summary(summary))
     payload = {
         **summary,

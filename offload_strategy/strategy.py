@@ -8,8 +8,6 @@ Lightning's single-device strategy does.
 
 from __future__ import annotations
 
-import resource
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -21,7 +19,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
-from .hardware import disk_free, gpu_free, host_available, known_hardware, resolve_hardware
+from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -181,15 +179,9 @@ class TieredStrategy(SingleDeviceStrategy):
             out["budget/nvme_bytes"] = float(self.budgets.nvme)
         if self.root_device.type == "cuda":
             out["memory/gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.root_device))
-        out["memory/host_peak_bytes"] = float(_process_peak_rss())
+        out["memory/host_peak_bytes"] = float(process_peak_rss())
         out["memory/nvme_bytes"] = 0.0  # nothing is written to the NVMe tier until the engine places tensors there
         return out
-
-
-def _process_peak_rss() -> int:
-    """Peak resident set of this process in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _validate_nvme_path(path: Optional[Union[str, Path]]) -> Optional[Path]:

@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-DEFAULT_COLUMNS = ("model", "strategy", "steps", "tokens_per_sec", "step_time_ms", "mfu", "val_loss", "offload/memory/gpu_peak_bytes", "offload/memory/host_peak_bytes")
+from offload_strategy.config import format_bytes
+
+DEFAULT_COLUMNS = ("model", "strategy", "steps", "tokens_per_sec", "step_time_ms", "mfu", "val_loss", "peak_gpu_bytes", "peak_host_bytes")
 
 
 def load_jobs(root: Path) -> list[dict[str, Any]]:
@@ -30,11 +32,17 @@ def load_jobs(root: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as err:
             print(f"skipping {path}: not valid JSON ({err})", file=sys.stderr)
             continue
-        overrides = metrics.get("overrides") or []
-        job = {"job": str(path.parent.relative_to(root)) or ".", "overrides": " ".join(overrides)}
-        job.update({k: v for k, v in metrics.items() if _is_scalar(v) and k != "overrides"})
+        job = {"job": str(path.parent.relative_to(root)) or ".", "overrides": " ".join(metrics.get("overrides") or [])}
+        job.update({k: v for k, v in metrics.items() if _is_scalar(v)})
         jobs.append(job)
     return jobs
+
+
+def distinguishing_labels(jobs: list[dict[str, Any]]) -> list[str]:
+    """Each job's overrides less those every job shares: what tells the jobs apart."""
+    sets = [job["overrides"].split() for job in jobs]
+    shared = set.intersection(*(set(s) for s in sets)) if len(sets) > 1 else set()
+    return [" ".join(o for o in overrides if o not in shared) or job["job"] for overrides, job in zip(sets, jobs)]
 
 
 def _job_sort_key(job_dir: Path, root: Path) -> tuple:
@@ -46,9 +54,11 @@ def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (int, float, str, bool))
 
 
-def _cell(value: Any) -> str:
+def _cell(key: str, value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
+    if key.endswith("_bytes") and isinstance(value, (int, float)):
+        return format_bytes(value)
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -56,7 +66,7 @@ def _cell(value: Any) -> str:
 
 def format_table(jobs: list[dict[str, Any]], columns: list[str]) -> str:
     header = ["job", "overrides"] + columns
-    rows = [[_cell(job.get(c)) for c in header] for job in jobs]
+    rows = [[_cell(c, job.get(c)) for c in header] for job in jobs]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -76,7 +86,7 @@ def write_csv(jobs: list[dict[str, Any]], path: Path) -> None:
 
 def plot(jobs: list[dict[str, Any]], metric: str, path: Path) -> bool:
     """Bar chart of ``metric`` per job; False when no job has a number for it."""
-    points = [(job["overrides"] or job["job"], job.get(metric)) for job in jobs]
+    points = [(label, job.get(metric)) for label, job in zip(distinguishing_labels(jobs), jobs)]
     points = [(label, value) for label, value in points if isinstance(value, (int, float)) and not math.isnan(value)]
     if not points:
         return False

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from ..config import HardwareSpec
-from .probe import cpu_cores, disk_free, gpu_free, host_available, probe_hardware
+from .probe import cpu_cores, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
 from .specs import KNOWN_MACHINES, known_hardware
 
 
@@ -35,5 +35,6 @@ __all__ = [
     "host_available",
     "known_hardware",
     "probe_hardware",
+    "process_peak_rss",
     "resolve_hardware",
 ]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,6 +50,12 @@ def gpu_free(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return host_available()
+
+
+def process_peak_rss() -> int:
+    """Peak resident set of this process in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def disk_free(path: Optional[str]) -> int:
