@@ -132,9 +132,13 @@ class PolicyConfig:
 
     ``auto`` lets the planner choose every placement from the profile; ``none`` keeps every
     tensor in the GPU tier (plain training through the tiered runtime, the baseline).
+
+    ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
+    memory take as long as the hardware spec's PCIe link would (for what-if runs).
     """
 
     name: str = "auto"
+    throttle: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:

@@ -20,6 +20,10 @@ from typing_extensions import override
 
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
+from .hardware.device import make_device
+from .planning.placement import UnitSize, place_units
+from .runtime.engine import TieredEngine
+from .runtime.units import build_units
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -29,6 +33,15 @@ if TYPE_CHECKING:
 # 16/bf16-true. Others (64-true, bitsandbytes, Transformer Engine, ...) change the module or
 # the step in ways the runtime would silently undo.
 _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision)
+
+
+# Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
+_STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
+
+
+def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
+    """Bytes of optimizer state per trainable parameter byte (2 for Adam, unknown ones count 2)."""
+    return max((_STATE_FACTORS.get(type(o).__name__, 2.0) for o in optimizers), default=0.0)
 
 
 class MemoryBudgetError(ValueError):
@@ -94,6 +107,8 @@ class TieredStrategy(SingleDeviceStrategy):
             raise ValueError(f"nvme_memory={nvme_memory!r} was given without nvme_path: name a directory for the NVMe tier.")
         self.plan_file = _validate_plan_file(plan_file)
         self.budgets: Optional[TierBudgets] = None
+        self.engine: Optional[TieredEngine] = None
+        self._profiled = False
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         if parallel_devices is not None:
@@ -144,6 +159,100 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
         super().setup(trainer)
+        if trainer.training and self.policy.name != "none":
+            self.engine = self._build_engine(trainer)
+
+    def _build_engine(self, trainer: "pl.Trainer") -> Optional[TieredEngine]:
+        """Place every unit within the budgets; None when everything fits in the GPU tier."""
+        assert self.budgets is not None and self.lightning_module is not None
+        model = self.lightning_module
+        units, users = build_units(model)
+        sizes = [UnitSize(u.index, u.nbytes, sum(p.numel() * p.element_size() for p in u.trainable)) for u in units]
+        placement = place_units(
+            sizes,
+            [[u.index for u in used] for used in users.values()],
+            gpu_bytes=self.budgets.gpu,
+            host_bytes=self.budgets.host,
+            nvme_bytes=self.budgets.nvme,
+            state_factor=optimizer_state_factor(self.optimizers),
+        )
+        if not placement.offloaded:
+            return None
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision='16-mixed' scales the loss with a GradScaler, which offloaded units do not support yet; "
+                "use precision='bf16-mixed' or '32-true', or raise gpu_memory so that nothing is offloaded."
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient at once, but offloaded units send "
+                f"theirs home as they are produced; set gradient_clip_val=None, or raise gpu_memory so that nothing is offloaded."
+            )
+        device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
+        try:
+            engine = TieredEngine(model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None)
+        except BaseException:
+            device.close()
+            raise
+        self._profiled = False
+        return engine
+
+    # -- the training step --------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
+            return super().training_step(*args, **kwargs)
+        self.engine.begin_step(profile=not self._profiled)
+        self._profiled = True
+        with self.engine.saved_tensor_hooks():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The strategy owns the step: the precision plugin's own step would update every parameter
+        # at once, where they do not all live.
+        model = model or self.lightning_module
+        loss = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        self.engine.step(optimizer)
+        return loss
+
+    # -- checkpoints: the true state from every tier -----------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        with self.engine.materialized():
+            copies: dict[int, torch.Tensor] = {}
+            return {k: copies.setdefault(id(v), v.detach().clone()) for k, v in self.lightning_module.state_dict().items()}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self.engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        with self.engine.materialized(writeback=True):
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self.engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        # torch moves loaded states to their parameter's device: parameters must be real tensors.
+        with self.engine.materialized():
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            try:
+                engine.close(materialize=True)
+            finally:
+                engine.device.close()
+        super().teardown()
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""
@@ -180,7 +289,11 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cuda":
             out["memory/gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.root_device))
         out["memory/host_peak_bytes"] = float(process_peak_rss())
-        out["memory/nvme_bytes"] = 0.0  # nothing is written to the NVMe tier until the engine places tensors there
+        if self.engine is not None:
+            out.update(self.engine.metrics())
+            out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
+        else:
+            out["memory/nvme_bytes"] = 0.0
         return out
 
 

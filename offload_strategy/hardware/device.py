@@ -1,0 +1,329 @@
+"""The GPU tier and the links to it: buffers, asynchronous copies, and the events that fence them.
+
+The runtime talks to one :class:`Device` and never asks which kind it has:
+
+- :class:`CudaDevice` copies on one side stream per direction and fences compute with CUDA events.
+- :class:`EmulatedDevice` stands in for a GPU on CPU-only machines: the GPU tier is a budget of
+  host memory, and one copy thread per direction makes transfers truly asynchronous (optionally
+  throttled to a link's bandwidth), so every scheduling path, race and metric runs in CI.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch
+
+from ..config import HardwareSpec, format_bytes
+
+_H2D, _D2H = "host-to-device", "device-to-host"
+
+
+class DeviceMemoryError(ValueError):
+    """An allocation would exceed the capacity of the GPU tier.
+
+    Not ``strategy.MemoryBudgetError``: nothing below the strategy imports it (DESIGN.md, "Layout").
+    """
+
+
+class Event:
+    """Completion of one asynchronous copy."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.issued_at = time.perf_counter()
+        self.finished_at: Optional[float] = None
+        self.error: Optional[BaseException] = None
+        self._finished = threading.Event()
+
+    def done(self) -> bool:
+        """True once the copy has completed, or failed (then :meth:`wait` raises its error)."""
+        return self._finished.is_set()
+
+    def wait(self) -> float:
+        """Block the calling host thread until the copy completes; return the seconds blocked."""
+        blocked = 0.0
+        if not self.done():
+            start = time.perf_counter()
+            self._block()
+            blocked = time.perf_counter() - start
+        if self.error is not None:
+            raise self.error
+        return blocked
+
+    def _block(self) -> None:
+        self._finished.wait()
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        self.error = error
+        self.finished_at = time.perf_counter()
+        self._finished.set()
+
+
+class _CudaEvent(Event):
+    """A copy on a CUDA stream. ``finished_at`` stays None: the host never sees the moment it ends."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.cuda_event = torch.cuda.Event(enable_timing=False)
+
+    def done(self) -> bool:
+        return self.cuda_event.query()
+
+    def _block(self) -> None:
+        self.cuda_event.synchronize()
+
+
+class Device(abc.ABC):
+    """The GPU tier (a capacity handed out by :meth:`allocate`) and the two links to it.
+
+    Counters count bytes when a copy is issued. Copies may be issued from several threads: a lock
+    keeps the counters exact and makes issue order the completion order within one direction.
+    """
+
+    is_emulated: bool
+
+    def __init__(self, compute: torch.device, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity={capacity!r} must be a non-negative number of bytes.")
+        self.compute = compute
+        self.capacity = capacity
+        self.allocated = 0
+        self.bytes_to_device = 0
+        self.bytes_to_host = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 buffer of ``nbytes`` on :attr:`compute`.
+
+        Memory pools call this a few times at setup and sub-allocate, so the device only keeps the
+        books; nothing is ever given back.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes={nbytes!r} must be a non-negative number of bytes.")
+        with self._lock:
+            if self.allocated + nbytes > self.capacity:
+                raise DeviceMemoryError(
+                    f"allocating {format_bytes(nbytes)} in the GPU tier would bring it to "
+                    f"{format_bytes(self.allocated + nbytes)}, over its capacity of {format_bytes(self.capacity)} "
+                    f"({format_bytes(self.allocated)} already allocated). Raise gpu_memory, or lower the model's "
+                    f"footprint (smaller batch, fewer persistent parameters, more offloading)."
+                )
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.compute)
+            self.allocated += nbytes
+        return buffer
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Queue a copy of ``src`` (host memory) into ``dst`` (the GPU tier); returns at once."""
+        return self._copy(_H2D, dst, src)
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Queue a copy of ``src`` (the GPU tier) into ``dst`` (host memory); returns at once."""
+        return self._copy(_D2H, dst, src)
+
+    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        # Copies move bytes, so a bf16 parameter can land in a uint8 pool slot of the same size.
+        dst_bytes, src_bytes = _as_bytes(dst, "dst"), _as_bytes(src, "src")
+        nbytes = src_bytes.numel()
+        if dst_bytes.numel() != nbytes:
+            raise ValueError(
+                f"{direction} copy: dst holds {dst_bytes.numel()} bytes ({format_bytes(dst_bytes.numel())}) but "
+                f"src holds {nbytes} bytes ({format_bytes(nbytes)}); give a destination of exactly the source's size."
+            )
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{direction} copy issued on a closed {type(self).__name__}; create a new device.")
+            event = self._issue(direction, dst_bytes, src_bytes)
+            if direction == _H2D:
+                self.bytes_to_device += nbytes
+            else:
+                self.bytes_to_host += nbytes
+        return event
+
+    @abc.abstractmethod
+    def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Start copying the uint8 tensor ``src`` into ``dst`` (same size) without waiting for it."""
+
+    @abc.abstractmethod
+    def wait(self, event: Event) -> float:
+        """Make later compute on :attr:`compute` see the copy's result; return seconds the host blocked."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Return once every queued copy has completed."""
+
+    def close(self) -> None:
+        """Finish queued copies and release the copy machinery. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None: ...
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_bytes(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} (shape {tuple(tensor.shape)}, strides {tensor.stride()}) is not contiguous; copies move raw "
+            f"bytes, so pass a contiguous tensor (call .contiguous() first)."
+        )
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class _Link:
+    """One direction of the emulated link: a FIFO served by one thread, so copies finish in issue order.
+
+    It holds no reference to its device, so a device dropped without ``close()`` can still be
+    collected and stop its threads (they are not daemons: a copy is never cut off mid-way).
+    """
+
+    def __init__(self, name: str, gbps: Optional[float]) -> None:
+        self._seconds_per_byte = 0.0 if gbps is None else 1.0 / (gbps * 1e9)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Optional[Event] = None
+        self.failure: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._serve, name=f"offload-{name}")
+        self.thread.start()
+
+    def put(self, event: Event, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._last = event
+        self._queue.put((event, dst, src))
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._run(*item)
+            item = None  # drop the buffers while idle
+
+    def _run(self, event: Event, dst: torch.Tensor, src: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            dst.copy_(src)
+        except BaseException as err:  # the waiter re-raises it; the link keeps serving
+            self.failure = self.failure or err
+            event._finish(err)
+            return
+        # A real link is busy for nbytes / bandwidth: hold later copies back as long.
+        time.sleep(max(0.0, event.nbytes * self._seconds_per_byte - (time.perf_counter() - start)))
+        event._finish(None)
+
+    def drain(self) -> None:
+        last = self._last
+        if last is not None:
+            last._finished.wait()
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+
+    def stop(self) -> None:
+        self._queue.put(None)  # after every queued copy, so they all complete
+        if self.thread is not threading.current_thread():  # a collection may run on the worker itself
+            self.thread.join()
+
+
+def _stop_links(links: tuple[_Link, ...]) -> None:
+    for link in links:
+        link.stop()
+
+
+class EmulatedDevice(Device):
+    """A GPU tier emulated in host memory, with asynchronous (optionally throttled) copy links.
+
+    With ``h2d_gbps``/``d2h_gbps`` set, a copy of n bytes takes at least n / (gbps * 1e9) seconds
+    on its link, so a CPU run can behave like, e.g., PCIe 4.0 x16 (31.5 GB/s).
+    """
+
+    is_emulated = True
+
+    def __init__(self, capacity: int, h2d_gbps: Optional[float] = None, d2h_gbps: Optional[float] = None) -> None:
+        for name, gbps in (("h2d_gbps", h2d_gbps), ("d2h_gbps", d2h_gbps)):
+            if gbps is not None and not gbps > 0:
+                raise ValueError(f"{name}={gbps!r} must be > 0 GB/s, or None for an unthrottled link.")
+        super().__init__(torch.device("cpu"), capacity)
+        self._links = {_H2D: _Link("h2d", h2d_gbps), _D2H: _Link("d2h", d2h_gbps)}
+        self._stop = weakref.finalize(self, _stop_links, tuple(self._links.values()))
+
+    def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        event = Event(src.numel())
+        self._links[direction].put(event, dst, src)
+        return event
+
+    def wait(self, event: Event) -> float:
+        """Compute runs on the host here, so making it see the copy means blocking the host."""
+        return event.wait()
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy; raise the first error of a copy that failed since the last call."""
+        for link in self._links.values():
+            link.drain()
+
+    def _release(self) -> None:
+        self._stop()  # runs once, however often it is called
+
+
+class CudaDevice(Device):
+    """A CUDA GPU: one side stream per direction, so copies overlap compute and each other."""
+
+    is_emulated = False
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CudaDevice needs a cuda device, got {device}; use EmulatedDevice (or make_device).")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device, capacity)
+        self._streams = {direction: torch.cuda.Stream(device) for direction in (_H2D, _D2H)}
+
+    def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        stream = self._streams[direction]
+        event = _CudaEvent(src.numel())
+        # dst may be a buffer compute is still reading: overwrite it only after the work queued so far.
+        stream.wait_stream(torch.cuda.current_stream(self.compute))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        for tensor in (dst, src):
+            if tensor.is_cuda:  # keep the caching allocator from reusing its memory mid-copy
+                tensor.record_stream(stream)
+        event.cuda_event.record(stream)
+        return event
+
+    def wait(self, event: Event) -> float:
+        """Order later compute after the copy on the GPU; the host does not block."""
+        if not isinstance(event, _CudaEvent):
+            raise TypeError(f"{event!r} was not issued by a CudaDevice; wait on it with the device that issued it.")
+        torch.cuda.current_stream(self.compute).wait_event(event.cuda_event)
+        return 0.0
+
+    def synchronize(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def _release(self) -> None:
+        self.synchronize()
+
+
+def make_device(root: torch.device, capacity: int, spec: Optional[HardwareSpec] = None, throttle: bool = False) -> Device:
+    """The device for ``root``: a CudaDevice on cuda, an EmulatedDevice anywhere else.
+
+    With ``throttle`` and a ``spec``, the emulated links run at the spec's H2D/D2H bandwidths
+    (a bandwidth the spec leaves unknown stays unthrottled).
+    """
+    root = torch.device(root)
+    if root.type == "cuda":
+        return CudaDevice(root, capacity)
+    if throttle and spec is not None:
+        return EmulatedDevice(capacity, h2d_gbps=spec.h2d_gbps, d2h_gbps=spec.d2h_gbps)
+    return EmulatedDevice(capacity)

@@ -1,0 +1,173 @@
+"""Where each transfer unit lives: a GPU-tier → host → NVMe allocator by first use.
+
+This is the tensor allocator of 10Cache §3.3.2: the units needed first in forward take the GPU
+tier (as persistent units, ProTrain §3.1.1) up to its budget, the rest take host memory, and what
+host memory cannot hold goes to NVMe. The GPU tier also keeps a streaming pool of buffers into
+which offloaded units are prefetched; its buffer counts per size follow 10Cache Algorithms 1-2.
+
+Deviations, and why:
+- The GPU tier first reserves twice the smallest working set of the streaming pool (the largest
+  set of units one module needs at once), so that one module can compute while the next one's
+  units are copied in; persistent units take what is left.
+- Buffer counts are never below what one module needs at once, whatever Algorithm 2 says, or
+  that module could not run; a unit may use a buffer of a larger size class.
+Pure: no torch state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .tencache import buffer_counts, tensor_size_distribution
+
+GPU, HOST, NVME = "gpu", "host", "nvme"
+DEVICE_SLOT_ALIGNMENT = 512
+HOST_SLOT_ALIGNMENT = 4096  # O_DIRECT needs page-aligned buffers and lengths
+
+
+def align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class PlacementError(ValueError):
+    """The budgets cannot hold the model; the message gives the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    index: int
+    nbytes: int  # parameter bytes
+    trainable_bytes: int  # bytes of parameters that get gradients and optimizer states
+
+
+@dataclass(frozen=True)
+class Placement:
+    home: dict[int, str]  # unit index -> gpu | host | nvme
+    device_slots: dict[int, int]  # streaming buffers in the GPU tier: slot bytes -> count
+    staging_slots: dict[int, int]  # host buffers that NVMe units pass through: slot bytes -> count
+    gpu_bytes: int  # what the plan uses of each tier
+    host_bytes: int
+    nvme_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def offloaded(self) -> bool:
+        return any(h != GPU for h in self.home.values())
+
+
+def _fmt(n: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], candidates: set[int]) -> dict[int, int]:
+    """The fewest streaming buffers that let every module run: buffers of the largest unit's size
+    (any unit fits one), as many as the most units one module uses at once, plus one to prefetch into."""
+    if not candidates:
+        return {}
+    largest = max(align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in units if u.index in candidates)
+    together = max((len(set(group) & candidates) for group in co_resident), default=1)
+    return {largest: max(together, 1) + 1}
+
+
+def place_units(
+    units: Sequence[UnitSize],
+    co_resident: Sequence[Sequence[int]],
+    *,
+    gpu_bytes: int,
+    host_bytes: int,
+    nvme_bytes: int,
+    state_factor: float,
+    all_on_gpu: bool = False,
+) -> Placement:
+    """Place ``units`` (in first-use order) within the three budgets.
+
+    ``co_resident`` lists the unit indices each module uses together. ``state_factor`` is the
+    optimizer's state bytes per trainable parameter byte (2 for Adam). A persistent unit costs
+    its parameters, gradients and states in the GPU tier; an offloaded unit costs its parameters
+    at home plus gradients and states in host memory.
+    """
+    def gpu_cost(u: UnitSize) -> int:
+        return u.nbytes + int(u.trainable_bytes * (1 + state_factor))
+
+    total_gpu = sum(gpu_cost(u) for u in units)
+    if all_on_gpu or total_gpu <= gpu_bytes:
+        if total_gpu > gpu_bytes:
+            raise PlacementError(
+                f"the model needs {_fmt(total_gpu)} in the GPU tier (parameters, gradients and optimizer states) but "
+                f"gpu_memory grants {_fmt(gpu_bytes)}; raise gpu_memory or use policy='auto' to offload."
+            )
+        return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"])
+
+    everyone = {u.index for u in units}
+    minimum = _slot_minimums(units, co_resident, everyone)
+    working_set = sum(s * c for s, c in minimum.items())
+    if working_set > gpu_bytes:
+        raise PlacementError(
+            f"gpu_memory={_fmt(gpu_bytes)} cannot hold the largest set of parameters one module needs at once plus one "
+            f"prefetch buffer ({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set)}."
+        )
+
+    # Persistent units, by first use, while twice the streaming working set stays free.
+    home: dict[int, str] = {}
+    used = 0
+    reserve = min(2 * working_set, gpu_bytes)
+    for u in units:
+        if used + gpu_cost(u) + reserve <= gpu_bytes:
+            home[u.index] = GPU
+            used += gpu_cost(u)
+    streaming = [u for u in units if u.index not in home]
+
+    # Streaming buffers: what every module needs, then 10Cache Alg. 1-2 over what is left.
+    minimum = _slot_minimums(units, co_resident, {u.index for u in streaming})
+    counts = Counter(align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in streaming)
+    slots = dict(minimum)
+    left = gpu_bytes - used - sum(s * c for s, c in slots.items())
+    gpu_counts, _ = buffer_counts(counts, tensor_size_distribution(counts), max(left, 0), 0)
+    for s, c in gpu_counts.items():
+        slots[s] = min(counts[s], slots.get(s, 0) + c)
+    # Spend what Algorithm 2's floors left over on more buffers of the sizes used first.
+    spare = gpu_bytes - used - sum(s * c for s, c in slots.items())
+    for u in streaming:
+        s = align(u.nbytes, DEVICE_SLOT_ALIGNMENT)
+        if slots.get(s, 0) < counts[s] and s <= spare:
+            slots[s] += 1
+            spare -= s
+    gpu_used = used + sum(s * c for s, c in slots.items())
+
+    # Host: gradients and optimizer states of every offloaded unit, then parameter homes by first
+    # use; what does not fit goes to NVMe through a staging pool.
+    fixed = sum(align(int(u.trainable_bytes * (1 + state_factor)), HOST_SLOT_ALIGNMENT) for u in streaming)
+    homes = [align(u.nbytes, HOST_SLOT_ALIGNMENT) for u in streaming]
+    staging: dict[int, int] = {}
+    if fixed + sum(homes) <= host_bytes:
+        for u in streaming:
+            home[u.index] = HOST
+        host_used = fixed + sum(homes)
+    else:
+        largest = max(homes)
+        staging = {largest: 2}
+        host_used = fixed + 2 * largest
+        if host_used > host_bytes:
+            raise PlacementError(
+                f"host_memory={_fmt(host_bytes)} cannot hold the gradients and optimizer states of the offloaded units "
+                f"plus two NVMe staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
+            )
+        for u, size in zip(streaming, homes):
+            if host_used + size <= host_bytes:
+                home[u.index] = HOST
+                host_used += size
+            else:
+                home[u.index] = NVME
+    nvme_used = sum(size for u, size in zip(streaming, homes) if home[u.index] == NVME)
+    if nvme_used > nvme_bytes:
+        fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
+        raise PlacementError(
+            f"{_fmt(nvme_used)} of parameters do not fit in gpu_memory={_fmt(gpu_bytes)} and host_memory={_fmt(host_bytes)} "
+            f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory."
+        )
+    return Placement(home, dict(slots), staging, gpu_used, host_used, nvme_used)

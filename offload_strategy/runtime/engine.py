@@ -1,0 +1,592 @@
+"""``TieredEngine``: binds every parameter to where it lives and moves it where it is needed.
+
+Each parameter keeps its identity (optimizers, hooks and user code hold the same ``nn.Parameter``)
+while its ``.data`` is rebound by the engine — MemFerry's shadow model:
+
+- a persistent unit's parameters live in a fixed region of the GPU tier;
+- an offloaded unit's parameters point at their home (a host-slab slot) while not resident, and at
+  a GPU-tier buffer while resident; a unit at home on NVMe points at a placeholder of the right
+  shape that holds no memory and is NaN if ever read.
+
+Forward pre-hooks fetch the units a module uses; saved-tensor hooks replace any saved tensor that
+aliases a GPU-tier buffer by a reference (unit, offset, shape, strides), re-fetched when backward
+unpacks it, so a buffer can be reused between forward and backward without corrupting anything.
+Gradients of offloaded units are moved to their host home as autograd produces them. After
+backward the user's optimizer updates each unit where it lives.
+
+Correctness never depends on the prefetch table (DESIGN.md invariant 1): a unit that is not
+resident when needed is fetched synchronously and counted as a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..hardware.device import Device, Event
+from ..memory import HostSlab, SizeClass, Slot, SlotPool
+from ..memory.nvme import NvmeStore
+from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, DEVICE_SLOT_ALIGNMENT, Placement, align
+from .metrics import HIT, LATE_HIT, MISS, RequestStats
+from .scheduler import PrefetchTable
+from .units import TransferUnit
+
+# How many table entries ahead the scheduler looks for units to prefetch.
+PREFETCH_LOOKAHEAD = 16
+# Units used most recently in backward are never evicted: an autograd node may still hold views
+# of their buffers while it unpacks its other saved tensors.
+RECENT_GUARD = 2
+
+
+@dataclass(eq=False)
+class _Fetch:
+    """A copy into the GPU tier in flight: NVMe read (optional), then host → GPU copy."""
+
+    slot: Slot
+    staging: Optional[Slot] = None
+    nvme: Any = None  # Future of the NVMe read
+    event: Optional[Event] = None
+
+
+@dataclass(eq=False)
+class UnitState:
+    unit: TransferUnit
+    home: str
+    device_slot: Optional[Slot] = None  # GPU-tier buffer while resident (persistent: fixed region)
+    home_views: list[torch.Tensor] = field(default_factory=list)  # host home (HOST units)
+    placeholders: list[torch.Tensor] = field(default_factory=list)  # NVME units while not resident
+    grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # host gradient home per param
+    grad_fresh: list[bool] = field(default_factory=list)
+    grad_events: list[Optional[Event]] = field(default_factory=list)
+    fetch: Optional[_Fetch] = None
+    pins: int = 0
+    grads_pending: int = 0
+    bound: bool = False  # parameters currently point into device_slot
+
+    @property
+    def resident(self) -> bool:
+        return self.device_slot is not None and self.fetch is None
+
+
+@dataclass(frozen=True)
+class _SavedRef:
+    """A saved tensor that aliases a unit's GPU-tier buffer, re-materialised on unpack."""
+
+    unit: int
+    byte_offset: int  # from the start of the unit's buffer
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _nan_placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # One element expanded to the parameter's shape: right shape, dtype and device, no memory.
+    return torch.full((1,), float("nan"), dtype=p.dtype, device=device).expand(p.shape)
+
+
+class TieredEngine:
+    """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Sequence[TransferUnit],
+        users: dict[nn.Module, list[TransferUnit]],
+        placement: Placement,
+        device: Device,
+        nvme_path: Optional[str] = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.placement = placement
+        self.states = [UnitState(unit=u, home=placement.home[u.index]) for u in units]
+        self.table = PrefetchTable()
+        self.requests = RequestStats()
+        self._param_slot: dict[int, tuple[UnitState, int]] = {}
+        self._hooks: list[Any] = []
+        self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
+        self._phase = "forward"
+        self._active = False  # inside a training step: the prefetch table applies
+        self.store: Optional[NvmeStore] = None
+        self._closed = False
+        try:
+            self._allocate(nvme_path)
+            self._move_to_homes()
+            self._install_hooks(users)
+        except BaseException:
+            self.close(materialize=True)
+            raise
+
+    # -- set-up -------------------------------------------------------------------------------------
+
+    def _allocate(self, nvme_path: Optional[str]) -> None:
+        persistent = [s for s in self.states if s.home == GPU]
+        persistent_bytes = sum(align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT) for s in persistent)
+        stream_classes = sorted(self.placement.device_slots.items(), reverse=True)
+        stream_classes_sc = [SizeClass(slot_bytes=b, count=c) for b, c in stream_classes]
+        stream_bytes = SlotPool.required_bytes(stream_classes_sc, DEVICE_SLOT_ALIGNMENT) if stream_classes_sc else 0
+        self.arena = self.device.allocate(persistent_bytes + stream_bytes)
+        offset = 0
+        for s in persistent:
+            size = align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT)
+            s.device_slot = Slot(slot_bytes=size, offset=offset, tensor=self.arena[offset : offset + size])
+            offset += size
+        self.device_pool = SlotPool(self.arena[offset:], stream_classes_sc, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
+
+        offloaded = [s for s in self.states if s.home != GPU]
+        home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
+        grad_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
+        staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(self.placement.staging_slots.items(), reverse=True)]
+        staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
+        self.slab = HostSlab(home_bytes + grad_bytes + staging_bytes, pin=self.device.compute.type == "cuda")
+        host = self.slab.tensor
+        offset = 0
+        for s in offloaded:
+            size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+            if s.home == HOST:
+                s.home_views = s.unit.views(host[offset : offset + size])
+                offset += size
+        for s in offloaded:
+            if s.unit.trainable:
+                size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+                views = s.unit.views(host[offset : offset + size])
+                s.grad_views = [v if p.requires_grad else None for v, p in zip(views, s.unit.params)]
+                offset += size
+            else:
+                s.grad_views = [None] * len(s.unit.params)
+            s.grad_fresh = [False] * len(s.unit.params)
+            s.grad_events = [None] * len(s.unit.params)
+        self.staging_pool = SlotPool(host[offset:], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
+        if any(s.home == NVME for s in self.states):
+            assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
+            self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1))
+
+    def _move_to_homes(self) -> None:
+        with torch.no_grad():
+            for s in self.states:
+                values = [p.data for p in s.unit.params]
+                if s.home == GPU:
+                    targets = s.unit.views(s.device_slot.tensor)
+                    for t, v in zip(targets, values):
+                        t.copy_(v)
+                    self._bind(s, targets)
+                    s.bound = True
+                elif s.home == HOST:
+                    for t, v in zip(s.home_views, values):
+                        t.copy_(v)
+                    self._bind(s, s.home_views)
+                else:
+                    staging = self.staging_pool.acquire(s.unit.nbytes)
+                    for t, v in zip(s.unit.views(staging.tensor), values):
+                        t.copy_(v)
+                    self.store.write(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+                    self.staging_pool.release(staging)
+                    s.placeholders = [_nan_placeholder(p, self.device.compute) for p in s.unit.params]
+                    self._bind(s, s.placeholders)
+                for i, p in enumerate(s.unit.params):
+                    self._param_slot[id(p)] = (s, i)
+
+    def _install_hooks(self, users: dict[nn.Module, list[TransferUnit]]) -> None:
+        for module, used in users.items():
+            indices = [u.index for u in used if self.states[u.index].home != GPU]
+            if not indices:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(indices)))
+            self._hooks.append(module.register_forward_hook(self._make_post_hook(indices), always_call=True))
+        for s in self.states:
+            if s.home == GPU:
+                continue
+            for p in s.unit.trainable:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    @staticmethod
+    def _key(s: UnitState) -> str:
+        return f"unit{s.unit.index}"
+
+    @staticmethod
+    def _bind(s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
+        for p, t in zip(s.unit.params, tensors):
+            p.data = t
+
+    # -- residency ----------------------------------------------------------------------------------
+
+    def _make_pre_hook(self, indices: list[int]):
+        def hook(module: nn.Module, args: Any) -> None:
+            for i in indices:
+                self.states[i].pins += 1
+            for i in indices:
+                self.request(i)
+
+        return hook
+
+    def _make_post_hook(self, indices: list[int]):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for i in indices:
+                self.states[i].pins -= 1
+
+        return hook
+
+    def request(self, index: int) -> torch.Tensor:
+        """Make unit ``index`` resident in the GPU tier and bind its parameters there."""
+        s = self.states[index]
+        if s.home == GPU:
+            return s.device_slot.tensor
+        if self._active and not self.table.record(index):
+            self.requests.out_of_order += 1
+        if s.resident:
+            kind, waited = HIT, 0.0
+        elif s.fetch is not None:
+            kind = LATE_HIT if not self._fetch_done(s.fetch) else HIT
+            waited = self._complete(s)
+        else:
+            kind = MISS
+            start = time.perf_counter()
+            self._start_fetch(s, evict=True)
+            self._complete(s)
+            waited = time.perf_counter() - start
+        self.requests.add(kind, waited)
+        if not s.bound:
+            self._bind(s, s.unit.views(s.device_slot.tensor))
+            s.bound = True
+        if not self._recent or self._recent[-1] != index:
+            self._recent.append(index)
+        if self._active:
+            self._prefetch()
+        return s.device_slot.tensor
+
+    @staticmethod
+    def _fetch_done(fetch: _Fetch) -> bool:
+        return (fetch.nvme is None or fetch.nvme.done()) and fetch.event is not None and fetch.event.done()
+
+    def _start_fetch(self, s: UnitState, evict: bool) -> bool:
+        slot = self.device_pool.try_acquire(s.unit.nbytes)
+        if slot is None and evict:
+            slot = self._evict_for(s.unit.nbytes, hard=True)
+            if slot is None:
+                in_use = [self.states[i].unit.name for i in range(len(self.states)) if self.states[i].pins > 0]
+                raise RuntimeError(
+                    f"no GPU-tier buffer of {s.unit.nbytes} bytes is free for unit {s.unit.name!r}: every buffer holds a unit "
+                    f"in use ({', '.join(in_use) or 'none'}). The modules in use need more than gpu_memory holds; raise gpu_memory."
+                )
+        if slot is None:
+            return False
+        fetch = _Fetch(slot=slot)
+        if s.home == HOST:
+            fetch.event = self.device.copy_to_device(slot.tensor[: s.unit.nbytes], self._home_bytes(s))
+        else:
+            staging = self.staging_pool.try_acquire(s.unit.nbytes)
+            if staging is None:
+                if not evict:  # no staging buffer free: leave it for an on-demand fetch
+                    self.device_pool.release(slot)
+                    return False
+                self._drain_staging()
+                staging = self.staging_pool.acquire(s.unit.nbytes)
+            fetch.staging = staging
+            fetch.nvme = self.store.read(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])
+        s.device_slot, s.fetch = slot, fetch
+        return True
+
+    def _home_bytes(self, s: UnitState) -> torch.Tensor:
+        first = s.home_views[0]
+        # The home views are consecutive inside one slab slot: copy the whole unit at once.
+        start = first.data_ptr() - self.slab.tensor.data_ptr()
+        return self.slab.tensor[start : start + s.unit.nbytes]
+
+    def _complete(self, s: UnitState) -> float:
+        """Wait for the unit's fetch to finish; returns seconds this thread was blocked."""
+        fetch = s.fetch
+        start = time.perf_counter()
+        if fetch.nvme is not None:
+            fetch.nvme.result()
+            fetch.event = self.device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
+            fetch.nvme = None
+        self.device.wait(fetch.event)
+        if fetch.staging is not None:
+            self.staging_pool.release(fetch.staging)
+        s.fetch = None
+        return time.perf_counter() - start
+
+    def _drain_staging(self) -> None:
+        for s in self.states:
+            if s.fetch is not None and s.fetch.staging is not None:
+                self._complete(s)
+
+    def _progress_nvme(self) -> None:
+        """Start the host → GPU copy of NVMe reads that have landed, freeing their staging buffers."""
+        for s in self.states:
+            fetch = s.fetch
+            if fetch is not None and fetch.nvme is not None and fetch.nvme.done():
+                fetch.nvme.result()
+                fetch.nvme = None
+                fetch.event = self.device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
+
+    def _evictable(self, hard: bool) -> list[int]:
+        """Resident offloaded units not in use. Soft protection (units whose gradients are still
+        coming, units backward used last) is dropped when nothing else can make room."""
+        out = []
+        for s in self.states:
+            if s.home == GPU or not s.resident or s.pins > 0:
+                continue
+            if not hard and (s.grads_pending > 0 or (self._phase == "backward" and s.unit.index in self._recent)):
+                continue
+            out.append(s.unit.index)
+        return out
+
+    def _evict_for(self, nbytes: int, hard: bool) -> Optional[Slot]:  # noqa: C901
+        """Free a buffer for ``nbytes`` by evicting the unit needed farthest ahead."""
+        while True:
+            slot = self.device_pool.try_acquire(nbytes)
+            if slot is not None:
+                return slot
+            fitting = [i for i in self._evictable(hard=False) if self.states[i].device_slot.slot_bytes >= nbytes]
+            if not fitting and hard:
+                fitting = [i for i in self._evictable(hard=True) if self.states[i].device_slot.slot_bytes >= nbytes]
+            if not fitting:
+                if hard:
+                    self._drain_prefetches()
+                    fitting = [i for i in self._evictable(hard=True) if self.states[i].device_slot.slot_bytes >= nbytes]
+                if not fitting:
+                    return None
+            self.evict(self.table.farthest(fitting))
+
+    def _drain_prefetches(self) -> None:
+        for s in self.states:
+            if s.fetch is not None:
+                self._complete(s)
+
+    def evict(self, index: int) -> None:
+        s = self.states[index]
+        if s.fetch is not None:
+            self._complete(s)
+        self._bind(s, s.home_views if s.home == HOST else s.placeholders)
+        s.bound = False
+        self.device_pool.release(s.device_slot)
+        s.device_slot = None
+
+    def _prefetch(self) -> None:
+        """10Cache Alg. 3: bring the next units of the table into free buffers, asynchronously."""
+        self._progress_nvme()
+        for index in self.table.upcoming(PREFETCH_LOOKAHEAD):
+            s = self.states[index]
+            if s.home == GPU or s.device_slot is not None:
+                continue
+            slot_free = self.device_pool.try_acquire(s.unit.nbytes)
+            if slot_free is None:
+                # Evict only a unit needed later than this one (Belady), never one in use.
+                distance = self.table.next_use(index)
+                victims = [i for i in self._evictable(hard=False) if self.states[i].device_slot.slot_bytes >= s.unit.nbytes]
+                victim = self.table.farthest(victims)
+                victim_distance = self.table.next_use(victim) if victim is not None else None
+                if victim is None or (victim_distance is not None and distance is not None and victim_distance <= distance):
+                    break
+                self.evict(victim)
+            else:
+                self.device_pool.release(slot_free)
+            if not self._start_fetch(s, evict=False):
+                break
+
+    # -- saved tensors ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def saved_tensor_hooks(self) -> Iterator[None]:
+        """Active around a training step's forward; see the module docstring."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device != self.arena.device or t.untyped_storage().data_ptr() != self.arena.untyped_storage().data_ptr():
+            return t
+        for s in self.states:
+            slot = s.device_slot
+            if slot is None or not (slot.tensor.data_ptr() <= t.data_ptr() < slot.tensor.data_ptr() + slot.slot_bytes):
+                continue
+            if s.home == GPU:
+                return t  # persistent buffers never move
+            return _SavedRef(s.unit.index, t.data_ptr() - slot.tensor.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedRef):
+            return packed
+        if self._phase != "backward":
+            self._phase = "backward"
+        buffer = self.request(packed.unit)
+        s = self.states[packed.unit]
+        if s.grads_pending == 0 and s.unit.trainable:
+            s.grads_pending = len(s.unit.trainable)
+        typed = buffer.view(packed.dtype)
+        element = typed.element_size()
+        # as_strided's offset counts from the start of the storage, not of the view
+        return typed.as_strided(packed.shape, packed.stride, typed.storage_offset() + packed.byte_offset // element)
+
+    # -- gradients ----------------------------------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        s, i = self._param_slot[id(p)]
+        grad, home = p.grad, s.grad_views[i]
+        if grad is None or home is None:
+            return
+        if s.grad_fresh[i]:
+            self._wait_grad(s, i)
+            home.add_(grad.to(home.device))
+        else:
+            s.grad_events[i] = self.device.copy_to_host(home, grad)
+            s.grad_fresh[i] = True
+        p.grad = None
+        if s.grads_pending > 0:
+            s.grads_pending -= 1
+
+    def _wait_grad(self, s: UnitState, i: int) -> None:
+        event = s.grad_events[i]
+        if event is not None:
+            event.wait()
+            s.grad_events[i] = None
+
+    # -- training-step boundaries -------------------------------------------------------------------
+
+    def begin_step(self, profile: bool) -> None:
+        self._phase = "forward"
+        self._active = True
+        self._recent.clear()
+        if profile:
+            self.table.start_recording()
+        else:
+            self.table.restart()
+            self._prefetch()
+
+    def evict_all(self) -> None:
+        for s in self.states:
+            if s.home != GPU and s.device_slot is not None:
+                self.evict(s.unit.index)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Update every unit where it lives with the user's optimizer, one unit at a time."""
+        if self.table.recording:
+            self.table.freeze()
+        self._active = False
+        self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for s in self.states:
+            params = [p for p in s.unit.trainable if id(p) in owned]
+            if not params:
+                continue
+            if s.home == GPU:
+                with _only(optimizer, params):
+                    optimizer.step()
+                continue
+            for i in range(len(s.unit.params)):
+                self._wait_grad(s, i)
+            staging = None
+            if s.home == NVME:
+                staging = self.staging_pool.acquire(s.unit.nbytes)
+                padded = staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]
+                self.store.read(self._key(s), padded).result()
+                self._bind(s, s.unit.views(staging.tensor))
+            for p, g, fresh in zip(s.unit.params, s.grad_views, s.grad_fresh):
+                if id(p) in owned and fresh:
+                    p.grad = g
+            with _only(optimizer, [p for p in params if p.grad is not None]):
+                optimizer.step()
+            for i, p in enumerate(s.unit.params):
+                if id(p) in owned:
+                    p.grad = None
+                    s.grad_fresh[i] = False
+            if staging is not None:
+                self.store.write(self._key(s), padded).result()
+                self._bind(s, s.placeholders)
+                self.staging_pool.release(staging)
+        for s in self.states:
+            s.grads_pending = 0
+
+    # -- whole-model views --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def materialized(self, writeback: bool = False) -> Iterator[None]:
+        """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
+        self.evict_all()
+        loaded: list[tuple[UnitState, list[torch.Tensor]]] = []
+        for s in self.states:
+            if s.home == NVME:
+                buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+                self.store.read(self._key(s), buffer).result()
+                views = s.unit.views(buffer)
+                self._bind(s, views)
+                loaded.append((s, buffer))
+        try:
+            yield
+        finally:
+            for s, buffer in loaded:
+                if writeback:
+                    self.store.write(self._key(s), buffer).result()
+                self._bind(s, s.placeholders)
+
+    def close(self, materialize: bool = True) -> None:
+        """Remove hooks, give every parameter a plain tensor with its true value, free all tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if materialize:
+            with torch.no_grad():
+                for s in getattr(self, "states", []):
+                    if s.fetch is not None:
+                        with contextlib.suppress(Exception):
+                            self._complete(s)
+                    for i, p in enumerate(s.unit.params):
+                        if s.home == GPU and s.device_slot is not None:
+                            p.data = p.data.clone()
+                        elif s.home == HOST and s.home_views:
+                            p.data = s.home_views[i].clone()
+                    if s.home == NVME and self.store is not None and s.placeholders:
+                        with contextlib.suppress(Exception):
+                            buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+                            self.store.read(self._key(s), buffer).result()
+                            self._bind(s, [v.clone() for v in s.unit.views(buffer)])
+        if self.store is not None:
+            self.store.close()
+        if getattr(self, "slab", None) is not None:
+            self.slab.close()
+
+    # -- metrics ------------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"cache/{k}": v for k, v in self.requests.report().items()}
+        self.requests.reset()
+        out["link/h2d_bytes"] = float(self.device.bytes_to_device)
+        out["link/d2h_bytes"] = float(self.device.bytes_to_host)
+        out["link/nvme_read_bytes"] = float(self.store.bytes_read if self.store else 0)
+        out["link/nvme_write_bytes"] = float(self.store.bytes_written if self.store else 0)
+        persistent = sum(s.device_slot.slot_bytes for s in self.states if s.home == GPU)
+        out["tier/gpu_bytes"] = float(persistent + self.device_pool.used_bytes)
+        out["tier/gpu_peak_bytes"] = float(persistent + self.device_pool.peak_used_bytes)
+        out["tier/gpu_capacity_bytes"] = float(self.arena.numel())
+        out["tier/host_bytes"] = float(self.slab.nbytes - self.staging_pool.capacity_bytes + self.staging_pool.used_bytes)
+        out["tier/host_peak_bytes"] = float(self.slab.nbytes - self.staging_pool.capacity_bytes + self.staging_pool.peak_used_bytes)
+        out["tier/nvme_bytes"] = float(self.store.used_bytes if self.store else 0)
+        for home in (GPU, HOST, NVME):
+            out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
+        return out
+
+
+@contextlib.contextmanager
+def _only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+    """Let ``optimizer.step()`` see only ``params``, keeping its groups, options and state."""
+    keep = {id(p) for p in params}
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in keep]
+        yield
+    finally:
+        for group, original in zip(optimizer.param_groups, saved):
+            group["params"] = original

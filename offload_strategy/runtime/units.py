@@ -1,0 +1,78 @@
+"""Transfer units: the groups of parameters that move between tiers together.
+
+By default each module that owns parameters directly is one unit. A parameter registered in
+several modules (tied embeddings) belongs to exactly one unit, the first that registers it, and
+every module that registers it *uses* that unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# Each parameter starts at a multiple of this many bytes inside its unit's buffer, so that typed
+# views of every dtype are aligned.
+PARAM_ALIGNMENT = 64
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(eq=False)
+class TransferUnit:
+    """Parameters that are fetched, evicted and updated together."""
+
+    index: int
+    name: str
+    params: list[nn.Parameter]
+    param_names: list[str]
+    offsets: list[int] = field(default_factory=list)  # byte offset of each parameter in the unit buffer
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset = _align(offset + p.numel() * p.element_size(), PARAM_ALIGNMENT)
+        self.nbytes = offset
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.params if p.requires_grad]
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of each parameter inside ``buffer`` (a uint8 tensor of >= nbytes)."""
+        out = []
+        for p, offset in zip(self.params, self.offsets):
+            size = p.numel() * p.element_size()
+            out.append(buffer[offset : offset + size].view(p.dtype).view(p.shape))
+        return out
+
+
+def build_units(model: nn.Module) -> tuple[list[TransferUnit], dict[nn.Module, list[TransferUnit]]]:
+    """Units in registration order, and for every module the units it uses."""
+    units: list[TransferUnit] = []
+    owner: dict[int, TransferUnit] = {}
+    users: dict[nn.Module, list[TransferUnit]] = {}
+    for module_name, module in model.named_modules():
+        used: list[TransferUnit] = []
+        fresh_params, fresh_names = [], []
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in owner:
+                if owner[id(param)] not in used:
+                    used.append(owner[id(param)])
+                continue
+            fresh_params.append(param)
+            fresh_names.append(f"{module_name}.{param_name}" if module_name else param_name)
+        if fresh_params:
+            unit = TransferUnit(index=len(units), name=module_name or "<root>", params=fresh_params, param_names=fresh_names)
+            units.append(unit)
+            for p in fresh_params:
+                owner[id(p)] = unit
+            used.insert(0, unit)
+        if used:
+            users[module] = used
+    return units, users
