@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import torch
@@ -52,15 +52,18 @@ def train(
     precision: str = "32-true",
     seed: int = 7,
     extra_callbacks: tuple[Callback, ...] = (),
+    make_model: Optional[Callable[[], L.LightningModule]] = None,
+    config: Optional[dict[str, Any]] = None,
     **trainer_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], L.Trainer]:
     """Train the tiny model from ``seed``; return the per-step losses, final weights and trainer.
 
-    ``stop_after_epochs`` interrupts a run of ``epochs`` epochs early, as a crash would, so that
+    ``make_model`` builds another model (after seeding) instead of the tiny GPT-2; ``config``
+    replaces the GPT-2 config. ``stop_after_epochs`` interrupts a run of ``epochs`` epochs early, as a crash would, so that
     its learning-rate schedule is the one of the full run.
     """
     L.seed_everything(seed, verbose=False)
-    model = CausalLM(family="gpt2", config=TINY_GPT2, lr=1e-2, warmup_steps=2)
+    model = make_model() if make_model else CausalLM(family="gpt2", config=config or TINY_GPT2, lr=1e-2, warmup_steps=2)
     recorder = LossRecorder()
     callbacks: list[Callback] = [recorder, *extra_callbacks]
     if stop_after_epochs is not None:

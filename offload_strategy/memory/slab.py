@@ -1,0 +1,127 @@
+"""One page-aligned host allocation, pinned for the GPU by registration.
+
+Why not ``torch.empty(..., pin_memory=True)``: PyTorch's pinned caching allocator rounds every
+request up to a power of two (a 20 GiB request pins 32 GiB), its memory is not page-aligned,
+and on a CPU-only build the call raises. An anonymous ``mmap`` is page-aligned (what
+``O_DIRECT`` needs), exactly as large as asked, and can be registered with
+``cudaHostRegister`` where CUDA exists. The pools in :mod:`.pools` sub-allocate from it.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Optional
+
+import torch
+
+from ..config import format_bytes
+
+PAGE_BYTES = mmap.PAGESIZE
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every CUDA context, and mapped
+# into the device address space so that DHA views (GPU kernels reading host memory) work.
+_CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x02
+
+
+class _Mapping(mmap.mmap):
+    """An anonymous mapping that unregisters itself from CUDA before it is unmapped.
+
+    ``torch.frombuffer`` keeps a reference to this object (not a buffer export), so the memory
+    must not be unmapped while any tensor view of it lives: calling ``mmap.close`` would leave
+    those views dangling. Instead the mapping goes away when its last reference does, and this
+    finaliser runs first (``mmap``'s own deallocation is what unmaps), so the driver never
+    holds a registration for memory that is gone.
+    """
+
+    registered_ptr: Optional[int] = None
+
+    def unregister(self) -> None:
+        ptr, self.registered_ptr = self.registered_ptr, None
+        if ptr is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    def __del__(self) -> None:
+        try:
+            self.unregister()
+        except Exception:  # interpreter shutdown or a dead CUDA context: nothing left to pin
+            pass
+
+
+class HostSlab:
+    """One page-aligned host allocation of exactly ``nbytes`` (anonymous mmap), pinned with
+    ``torch.cuda.cudart().cudaHostRegister`` where CUDA exists — never PyTorch's power-of-two
+    pinned allocator.
+
+    Every page is faulted in at creation, in parallel over torch's intra-op threads, so that
+    training never waits on the OS for a first touch. ``pin=False``, a build without CUDA, or
+    ``nbytes == 0`` give an unpinned slab (``pinned`` is False); code that needs pinned memory
+    checks ``pinned``.
+
+    ``close()`` (or leaving a ``with`` block) unregisters the memory and drops the slab's hold
+    on the mapping. The mapping itself is unmapped when the last tensor viewing it is gone, so
+    a view that outlives ``close()`` stays valid (unpinned) instead of pointing at freed memory.
+    Fence outstanding asynchronous copies before closing.
+    """
+
+    def __init__(self, nbytes: int, pin: bool = True) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"HostSlab(nbytes={nbytes!r}): give a whole number of bytes >= 0.")
+        self.nbytes = nbytes
+        self.pinned = False
+        self._closed = False
+        self._mapping: Optional[_Mapping] = None
+        if nbytes == 0:
+            self.tensor = torch.empty(0, dtype=torch.uint8)
+            return
+        try:
+            mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as err:
+            raise MemoryError(
+                f"HostSlab could not map {format_bytes(nbytes)} ({nbytes} bytes) of host memory: {err}. "
+                f"Lower the host budget or free host memory."
+            ) from err
+        try:
+            # Fewer, larger pages: faster to fault in and to register, fewer TLB misses.
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # no transparent huge pages here: 4 KiB pages work too
+            pass
+        self._mapping = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        # A write to one byte per page makes the kernel back every page now.
+        self.tensor[::PAGE_BYTES].fill_(0)
+        if pin and torch.cuda.is_available():
+            ptr = self.tensor.data_ptr()
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS))
+            if err != 0:
+                self.close()
+                raise RuntimeError(
+                    f"cudaHostRegister of {format_bytes(nbytes)} ({nbytes} bytes) at {ptr:#x} failed with "
+                    f"cudaError {err}. The pinned-memory limit (ulimit -l) or host memory may be too small: "
+                    f"lower the host budget, or pass pin=False to use pageable memory."
+                )
+            mapping.registered_ptr = ptr
+            self.pinned = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unregister from CUDA and release the mapping; safe to call more than once."""
+        mapping, self._mapping = self._mapping, None
+        self._closed = True
+        self.pinned = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if mapping is not None:
+            # Dropping our last reference unmaps now, unless a view of the tensor is alive.
+            mapping.unregister()
+
+    def __enter__(self) -> "HostSlab":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("pinned" if self.pinned else "pageable")
+        return f"HostSlab({format_bytes(self.nbytes)}, {state})"
