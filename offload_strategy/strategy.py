@@ -208,6 +208,24 @@ class TieredStrategy(SingleDeviceStrategy):
         with self.engine.saved_tensor_hooks():
             return super().training_step(*args, **kwargs)
 
+    def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            # Evaluation runs the forward part of the profiled order: prefetch along it too.
+            self.engine.begin_step(profile=False)
+        return step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().predict_step, *args, **kwargs)
+
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.engine is None:

@@ -129,7 +129,8 @@ def place_units(
     left = gpu_bytes - used - sum(s * c for s, c in slots.items())
     gpu_counts, _ = buffer_counts(counts, tensor_size_distribution(counts), max(left, 0), 0)
     for s, c in gpu_counts.items():
-        slots[s] = min(counts[s], slots.get(s, 0) + c)
+        floor = minimum.get(s, 0)  # may exceed the units of that size: smaller units use them too
+        slots[s] = max(floor, min(counts[s], floor + c))
     # Spend what Algorithm 2's floors left over on more buffers of the sizes used first.
     spare = gpu_bytes - used - sum(s * c for s, c in slots.items())
     for u in streaming:

@@ -1,0 +1,164 @@
+"""Training with parameters offloaded to host memory and NVMe matches plain Lightning bit for bit
+(fp32, CPU, emulated GPU tier), and the scheduler keeps what it needs resident."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from experiments.models import CausalLM
+from offload_strategy import OffloadMonitor, TieredStrategy
+from offload_strategy.planning.placement import PlacementError
+from tests.helpers import assert_same_weights, train
+
+# Four blocks, so that the embedding (tied to the output head) is a small part of the model.
+GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+
+
+def param_bytes(make) -> int:
+    L.seed_everything(0, verbose=False)
+    model = make()
+    if hasattr(model, "configure_model"):
+        model.configure_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def gpt2_4l() -> CausalLM:
+    return CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+
+
+class Recorder(L.Callback):
+    """The strategy's metrics after every step, and the placement it ran."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+        self.homes: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        engine = trainer.strategy.engine
+        assert engine is not None, "nothing was offloaded"
+        self.homes = {h: sum(1 for s in engine.states if s.home == h) for h in ("gpu", "host", "nvme")}
+        self.metrics.append(trainer.strategy.metrics())
+
+
+def test_gpu_host_and_nvme_tiers_train_identically(tmp_path):
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=4, make_model=gpt2_4l)
+    nvme = tmp_path / "nvme"
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=nvme, nvme_memory="64MiB")
+    recorder = Recorder()
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=4, make_model=gpt2_4l, extra_callbacks=(recorder,))
+    assert recorder.homes["host"] > 0 and recorder.homes["nvme"] > 0, recorder.homes
+    assert len(losses) == 24
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    last = recorder.metrics[-1]
+    assert last["tier/gpu_peak_bytes"] <= 0.3 * total
+    assert last["link/nvme_read_bytes"] > 0 and last["link/nvme_write_bytes"] > 0
+    assert strategy.engine is None and nvme.exists() and not any(nvme.iterdir()), "the run's NVMe files were not removed"
+
+
+def test_gradient_accumulation_and_resume_match(tmp_path):
+    total = param_bytes(gpt2_4l)
+
+    def offloading() -> TieredStrategy:
+        return TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB")
+
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, accumulate_grad_batches=2)
+    losses, weights, _ = train(offloading(), tmp_path / "full", epochs=2, make_model=gpt2_4l, accumulate_grad_batches=2)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+    # a checkpoint written by the offloading run resumes identically, in either strategy
+    train(offloading(), tmp_path / "part", epochs=2, stop_after_epochs=1, save_every_epoch=True, make_model=gpt2_4l, accumulate_grad_batches=2)
+    checkpoint = tmp_path / "part" / "ckpt" / "epoch=0.ckpt"
+    for strategy in (offloading(), "auto"):
+        resumed, resumed_weights, _ = train(strategy, tmp_path / f"resumed-{strategy}", epochs=2, resume=checkpoint, make_model=gpt2_4l, accumulate_grad_batches=2)
+        assert resumed == plain_losses[len(plain_losses) - len(resumed) :]
+        assert_same_weights(plain_weights, resumed_weights)
+
+
+class Quirky(L.LightningModule):
+    """A module called twice per forward, frozen parameters, buffers (batch-norm statistics)."""
+
+    def __init__(self, shuffle: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 24)
+        self.shared = nn.Linear(24, 24)
+        self.frozen = nn.Linear(24, 24)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Linear(24, 24) for _ in range(4))
+        self.norm = nn.BatchNorm1d(24)
+        self.head = nn.Linear(24, 256)
+        self.shuffle = shuffle
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch[:, :-1]).mean(dim=1)
+        x = torch.tanh(self.shared(x))
+        x = torch.tanh(self.shared(x))  # the same module again
+        x = self.frozen(x)
+        order = list(range(len(self.blocks)))
+        if self.shuffle:  # a different execution order every step, the same in both runs
+            generator = torch.Generator().manual_seed(self.calls)
+            order = torch.randperm(len(self.blocks), generator=generator).tolist()
+        self.calls += 1
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        logits = self.head(self.norm(x))
+        return nn.functional.cross_entropy(logits, batch[:, -1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["fixed-order", "shuffled-order"])
+def test_reused_modules_frozen_parameters_buffers_and_changing_order(tmp_path, shuffle):
+    make = lambda: Quirky(shuffle)  # noqa: E731
+    total = param_bytes(make)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=4, make_model=make)
+    recorder = Recorder()
+    strategy = TieredStrategy(gpu_memory=int(0.85 * total), host_memory="1GiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=4, make_model=make, extra_callbacks=(recorder,))
+    assert recorder.homes["host"] > 0
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)  # includes the batch-norm buffers and frozen weights
+    steady = recorder.metrics[2:]
+    if shuffle:
+        assert sum(m["cache/out_of_order"] for m in steady) > 0, "a changed order must be noticed"
+        assert sum(m["cache/miss_rate"] + m["cache/late_hit_rate"] for m in steady) > 0
+
+
+def test_steady_state_hit_rate_with_host_offload(tmp_path):
+    total = param_bytes(gpt2_4l)
+    recorder = Recorder()
+    strategy = TieredStrategy(gpu_memory=int(0.4 * total), host_memory="1GiB")
+    train(strategy, tmp_path / "tiered", epochs=4, make_model=gpt2_4l, extra_callbacks=(recorder,))
+    steady = recorder.metrics[3:]
+    hits = sum(m["cache/hit_rate"] * m["cache/requests"] for m in steady) / sum(m["cache/requests"] for m in steady)
+    assert recorder.homes["host"] > 0
+    assert hits >= 0.95, f"steady-state hit rate {hits:.3f}"
+
+
+def test_metrics_reach_the_logger(tmp_path):
+    total = param_bytes(gpt2_4l)
+    monitor = OffloadMonitor(every_n_steps=1)
+    train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(monitor,))
+    for key in ("cache/hit_rate", "cache/wait_p99_ms", "cache/wait_under_0.01ms", "link/h2d_bytes", "tier/gpu_peak_bytes", "tier/host_bytes"):
+        assert f"offload/{key}" in monitor.last, key
+    assert monitor.last["offload/link/h2d_bytes"] > 0
+
+
+def test_too_small_gpu_budget_is_refused_before_training(tmp_path):
+    with pytest.raises(PlacementError, match=r"gpu_memory=.* cannot hold the largest set of parameters one module needs at once"):
+        train(TieredStrategy(gpu_memory="4KiB", host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l)
+
+
+def test_units_on_nvme_need_an_nvme_path(tmp_path):
+    total = param_bytes(gpt2_4l)
+    with pytest.raises(PlacementError, match=r"must go to NVMe, which grants 0 B; give nvme_path"):
+        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total)), tmp_path, epochs=1, make_model=gpt2_4l)

@@ -1,0 +1,148 @@
+"""Side-by-side step time of plain Lightning and the tiered strategy in several placements.
+
+    python tools/bench.py                       # the CPU table of docs/benchmarks.md
+    python tools/bench.py --layers 8 --width 512 --steps 40 --repeats 5
+
+Every mode trains the same GPT-2-shaped model on random tokens from the same seed, in one
+process, with the modes interleaved round by round so that a noisy machine affects them alike.
+Reported: the median step time over all measured steps (the first ``--warmup`` steps of each run
+are left out), its ratio to plain Lightning, and the tiered runtime's cache figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from experiments.data import SyntheticTokens  # noqa: E402
+from experiments.models import CausalLM  # noqa: E402
+from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
+
+
+class StepTimer(L.Callback):
+    """Wall time of every training step (forward, backward and optimizer step) and the strategy's metrics."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.metrics: list[dict[str, float]] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._start)
+        metrics = getattr(trainer.strategy, "metrics", None)
+        if callable(metrics):
+            self.metrics.append(metrics())
+
+
+@dataclass
+class Mode:
+    name: str
+    make_strategy: Callable[[], Union[str, L.pytorch.strategies.Strategy]]
+    times: list[float] = field(default_factory=list)
+    requests: float = 0.0
+    hits: float = 0.0
+    late: float = 0.0
+    misses: float = 0.0
+    wait_ms: float = 0.0
+    homes: str = ""
+
+
+def model_config(layers: int, width: int) -> dict[str, Any]:
+    return dict(vocab_size=256, n_positions=256, n_embd=width, n_layer=layers, n_head=max(1, width // 64),
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+
+
+def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    model = CausalLM(family="gpt2", config=config, lr=1e-3)
+    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
+    timer = StepTimer()
+    trainer = L.Trainer(strategy=mode.make_strategy(), accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], default_root_dir=root)
+    trainer.fit(model, datamodule=data)
+    mode.times += timer.times[args.warmup :]
+    for m in timer.metrics[args.warmup :]:
+        n = m.get("cache/requests", 0.0)
+        mode.requests += n
+        mode.hits += m.get("cache/hit_rate", 0.0) * n
+        mode.late += m.get("cache/late_hit_rate", 0.0) * n
+        mode.misses += m.get("cache/miss_rate", 0.0) * n
+        mode.wait_ms += m.get("cache/wait_total_ms", 0.0)
+    if timer.metrics and "units/gpu" in timer.metrics[-1]:
+        last = timer.metrics[-1]
+        mode.homes = "/".join(str(int(last[f"units/{h}"])) for h in ("gpu", "host", "nvme"))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu-fraction", type=float, default=0.25, help="gpu_memory as a fraction of the parameter bytes")
+    parser.add_argument("--link", default="a100_80g", help="known machine whose PCIe figures throttle the copies (a100_80g: PCIe 4.0 x16)")
+    parser.add_argument("--nvme-path", default=None, help="directory for the NVMe mode (default: a temporary directory under the working directory)")
+    args = parser.parse_args(argv)
+
+    config = model_config(args.layers, args.width)
+    L.seed_everything(0, verbose=False)
+    probe = CausalLM(family="gpt2", config=config)
+    probe.configure_model()
+    param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    gpu = int(args.gpu_fraction * param_bytes)
+    # Host memory for the NVMe mode: gradients and Adam states of everything, and room for about half the parameters.
+    host_nvme = int(4.2 * param_bytes)
+
+    with tempfile.TemporaryDirectory(dir=args.nvme_path or ".", prefix="bench-nvme-") as nvme, tempfile.TemporaryDirectory() as root:
+        modes = [
+            Mode("lightning (auto)", lambda: "auto"),
+            Mode("tiered, everything fits", lambda: TieredStrategy()),
+            Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host", lambda: TieredStrategy(gpu_memory=gpu, host_memory="4GiB")),
+            Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host, {args.link} link",
+                 lambda: TieredStrategy(gpu_memory=gpu, host_memory="4GiB", hardware=args.link, policy={"name": "auto", "throttle": True})),
+            Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host + NVMe",
+                 lambda: TieredStrategy(gpu_memory=gpu, host_memory=host_nvme, nvme_path=nvme, nvme_memory="1GiB")),
+        ]
+        for repeat in range(args.repeats):
+            for mode in modes:
+                print(f"round {repeat + 1}/{args.repeats}: {mode.name}", file=sys.stderr, flush=True)
+                run_once(mode, config, args, Path(root))
+
+    base = statistics.median(modes[0].times)
+    print(f"\nGPT-2 {args.layers} layers x {args.width} wide, {param_bytes / 4 / 1e6:.2f} M parameters ({format_bytes(param_bytes)} fp32), "
+          f"batch {args.batch_size} x {args.seq_len}, gpu_memory {format_bytes(gpu)}; median of {len(modes[0].times)} steps per mode "
+          f"({args.repeats} interleaved runs of {args.steps} steps, {args.warmup} warm-up steps dropped)\n")
+    print("| mode | units gpu/host/nvme | step (ms) | vs lightning | hit | late hit | miss | wait per step (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in modes:
+        step = statistics.median(mode.times)
+        n = mode.requests
+        cache = (f"{mode.hits / n:.1%} | {mode.late / n:.1%} | {mode.misses / n:.1%} | {mode.wait_ms / len(mode.times):.2f}"
+                 if n else "- | - | - | -")
+        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Train many steps with parameters on NVMe and watch that nothing grows: resident memory, open
+files and threads are sampled as training goes.
+
+    python tools/soak.py --steps 1000
+
+Prints one row per sample and the spread after warm-up; exits non-zero if memory grew by more
+than ``--rss-slack`` or open files or threads grew at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import lightning as L  # noqa: E402
+import psutil  # noqa: E402
+
+from experiments.data import SyntheticTokens  # noqa: E402
+from experiments.models import CausalLM  # noqa: E402
+from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
+
+
+class Sampler(L.Callback):
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.rows: list[tuple[int, int, int, int, float, float]] = []
+        self.process = psutil.Process()
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step % self.every == 0:
+            metrics = trainer.strategy.metrics()
+            self.rows.append((step, self.process.memory_info().rss, len(os.listdir("/proc/self/fd")), threading.active_count(),
+                              metrics.get("link/nvme_read_bytes", 0.0), metrics.get("cache/hit_rate", float("nan"))))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=100, help="steps before the first sample that counts")
+    parser.add_argument("--rss-slack", default="32MiB", help="allowed RSS growth after warm-up")
+    parser.add_argument("--nvme-path", default=None)
+    args = parser.parse_args(argv)
+
+    config = dict(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    L.seed_everything(0, verbose=False)
+    model = CausalLM(family="gpt2", config=config, lr=1e-3)
+    model.configure_model()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sampler = Sampler(args.every)
+    with tempfile.TemporaryDirectory(dir=args.nvme_path or ".", prefix="soak-nvme-") as nvme:
+        strategy = TieredStrategy(gpu_memory=int(0.3 * param_bytes), host_memory=int(4.2 * param_bytes), nvme_path=nvme, nvme_memory="1GiB")
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[sampler])
+        trainer.fit(model, datamodule=SyntheticTokens(seq_len=32, batch_size=4, num_tokens=200_000))
+        leftover = list(Path(nvme).iterdir())
+
+    print(f"\nGPT-2 4 x 64, {format_bytes(param_bytes)} of parameters, gpu_memory 30%, part on NVMe; {args.steps} steps\n")
+    print("| step | RSS | open files | threads | NVMe bytes read | hit rate (last window) |")
+    print("|---|---|---|---|---|---|")
+    for step, rss, fds, threads, read, hit in sampler.rows:
+        print(f"| {step} | {format_bytes(rss)} | {fds} | {threads} | {format_bytes(read)} | {hit:.1%} |")
+    steady = [row for row in sampler.rows if row[0] >= args.warmup]
+    rss_growth = max(r[1] for r in steady) - steady[0][1]
+    fd_growth = max(r[2] for r in steady) - steady[0][2]
+    thread_growth = max(r[3] for r in steady) - steady[0][3]
+    slack = int(__import__("offload_strategy").parse_size(args.rss_slack))
+    print(f"\nafter step {steady[0][0]}: RSS +{format_bytes(rss_growth)}, open files +{fd_growth}, threads +{thread_growth}; "
+          f"files left in the NVMe directory after fit: {len(leftover)}")
+    ok = rss_growth <= slack and fd_growth <= 0 and thread_growth <= 0 and not leftover
+    print("flat" if ok else "GREW")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
