@@ -133,16 +133,24 @@ class PolicyConfig:
     ``auto`` lets the planner choose every placement from the profile; ``none`` keeps every
     tensor in the GPU tier (plain training through the tiered runtime, the baseline).
 
+    ``chunk_size``: merge consecutive transfer units into chunks of up to this many bytes
+    (ProTrain §3.1.1); ``None`` keeps one unit per module that owns parameters.
     ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
     memory take as long as the hardware spec's PCIe link would (for what-if runs).
     """
 
     name: str = "auto"
+    chunk_size: Optional[Union[int, str]] = None
     throttle: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
             raise ValueError(f"policy={self.name!r} is not a known policy; choose one of {', '.join(POLICY_NAMES)}.")
+        if self.chunk_size is not None:
+            size = parse_size(self.chunk_size, "policy.chunk_size")
+            if size == 0:
+                raise ValueError("policy.chunk_size=0: give a positive size such as '32MiB', or None for one unit per module.")
+            object.__setattr__(self, "chunk_size", size)
 
     @classmethod
     def coerce(cls, value: Union[str, "PolicyConfig", Mapping[str, Any]]) -> "PolicyConfig":

@@ -23,7 +23,7 @@ from .hardware import disk_free, gpu_free, host_available, known_hardware, proce
 from .hardware.device import make_device
 from .planning.placement import UnitSize, place_units
 from .runtime.engine import TieredEngine
-from .runtime.units import build_units
+from .runtime.units import build_units, merge_into_chunks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -167,6 +167,8 @@ class TieredStrategy(SingleDeviceStrategy):
         assert self.budgets is not None and self.lightning_module is not None
         model = self.lightning_module
         units, users = build_units(model)
+        if self.policy.chunk_size:
+            units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
         sizes = [UnitSize(u.index, u.nbytes, sum(p.numel() * p.element_size() for p in u.trainable)) for u in units]
         placement = place_units(
             sizes,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -162,3 +163,95 @@ def test_units_on_nvme_need_an_nvme_path(tmp_path):
     total = param_bytes(gpt2_4l)
     with pytest.raises(PlacementError, match=r"must go to NVMe, which grants 0 B; give nvme_path"):
         train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total)), tmp_path, epochs=1, make_model=gpt2_4l)
+
+
+def test_chunks_train_identically(tmp_path):
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l)
+    per_module, chunked = Recorder(), Recorder()
+    train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "units", epochs=1, make_model=gpt2_4l, extra_callbacks=(per_module,))
+    strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy={"name": "auto", "chunk_size": "40KiB"})
+    losses, weights, _ = train(strategy, tmp_path / "chunks", epochs=2, make_model=gpt2_4l, extra_callbacks=(chunked,))
+    assert sum(chunked.homes.values()) < sum(per_module.homes.values()) / 2
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+def test_engine_with_units_computed_in_place_at_home():
+    """DHA units never move: the model computes on their host home. Checked without Lightning,
+    against a plain training loop."""
+    from offload_strategy.hardware.device import EmulatedDevice
+    from offload_strategy.planning.placement import HOST, UnitSize, place_units
+    from offload_strategy.runtime.engine import TieredEngine
+    from offload_strategy.runtime.units import build_units
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 16), nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 64))
+
+    plain, tiered = make(), make()
+    units, users = build_units(tiered)
+    sizes = [UnitSize(u.index, u.nbytes, u.nbytes) for u in units]
+    placement = place_units(sizes, [[u.index for u in used] for used in users.values()], gpu_bytes=18000, host_bytes=2**20, nvme_bytes=0, state_factor=2)
+    norms = frozenset(i for i, u in enumerate(units) if isinstance(dict(tiered.named_modules())[u.name], nn.LayerNorm))
+    assert all(placement.home[i] == HOST for i in norms)
+    placement = dataclasses.replace(placement, dha=norms)
+    engine = TieredEngine(tiered, units, users, placement, EmulatedDevice(capacity=18000))
+    try:
+        opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        opt_tiered = torch.optim.AdamW(tiered.parameters(), lr=1e-2)
+        tokens = torch.randint(0, 64, (8, 5), generator=torch.Generator().manual_seed(1))
+        for step in range(6):
+            loss_plain = nn.functional.cross_entropy(plain(tokens).flatten(0, 1), tokens.flatten())
+            loss_plain.backward()
+            opt_plain.step()
+            opt_plain.zero_grad()
+            engine.begin_step(profile=step == 0)
+            with engine.saved_tensor_hooks():
+                loss_tiered = nn.functional.cross_entropy(tiered(tokens).flatten(0, 1), tokens.flatten())
+            loss_tiered.backward()
+            engine.step(opt_tiered)
+            opt_tiered.zero_grad()
+            assert torch.equal(loss_plain, loss_tiered), step
+            for i in norms:  # never copied in: bound to the home all along
+                assert all(p.data.data_ptr() == h.data_ptr() for p, h in zip(units[i].params, engine.states[i].home_views))
+        assert not any(i in norms for i in engine.table.order)
+    finally:
+        engine.close(materialize=True)
+        engine.device.close()
+    for a, b in zip(plain.parameters(), tiered.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_profile_records_order_sizes_and_times(tmp_path):
+    total = param_bytes(gpt2_4l)
+    profiles = []
+
+    class Keep(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            profiles.append(trainer.strategy.engine.profile)
+
+    train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(Keep(),))
+    profile = profiles[-1]
+    n = len(profile.unit_names)
+    assert sum(profile.unit_bytes) >= total
+    # forward uses every unit once in registration order, then the tied head reuses the embedding;
+    # backward walks the blocks in reverse
+    assert profile.order[:n] == list(range(n))
+    assert profile.order[n] == 0
+    backward = profile.order[n + 1 :]
+    assert backward == sorted(backward, reverse=True) and len(backward) >= n // 2
+    assert all(profile.forward_seconds[i] > 0 for i in range(n))
+    assert profile.backward_seconds and all(t > 0 for t in profile.backward_seconds.values())
+    from offload_strategy.profiling import StepProfile
+
+    assert StepProfile.from_json(profile.to_json()) == profile
+
+
+def test_nvme_units_are_kept_in_host_memory_between_uses(tmp_path):
+    total = param_bytes(gpt2_4l)
+    recorder = Recorder()
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, extra_callbacks=(recorder,))
+    assert recorder.homes["nvme"] > 0
+    assert sum(m["cache/nvme_reads_avoided"] for m in recorder.metrics[1:]) > 0

@@ -111,8 +111,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     probe.configure_model()
     param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
     gpu = int(args.gpu_fraction * param_bytes)
-    # Host memory for the NVMe mode: gradients and Adam states of everything, and room for about half the parameters.
-    host_nvme = int(4.2 * param_bytes)
+    # Host memory for the NVMe mode: gradients and Adam states of everything, and room for some of the parameters.
+    host_nvme = int(3.5 * param_bytes)
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path or ".", prefix="bench-nvme-") as nvme, tempfile.TemporaryDirectory() as root:
         modes = [

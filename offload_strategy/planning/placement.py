@@ -9,6 +9,9 @@ Deviations, and why:
 - The GPU tier first reserves twice the smallest working set of the streaming pool (the largest
   set of units one module needs at once), so that one module can compute while the next one's
   units are copied in; persistent units take what is left.
+- The two NVMe staging buffers keep the last units read from NVMe until the buffer is needed
+  again, so backward and the optimizer step often find them in host memory (10Cache Alg. 4 keeps
+  evicted tensors in CPU buffers for the same reason).
 - Buffer counts are never below what one module needs at once, whatever Algorithm 2 says, or
   that module could not run; a unit may use a buffer of a larger size class.
 Pure: no torch state.
@@ -51,6 +54,8 @@ class Placement:
     host_bytes: int
     nvme_bytes: int
     notes: list[str] = field(default_factory=list)
+    # host-homed units the GPU computes on in place, never copied in (MemFerry's DHA mode)
+    dha: frozenset[int] = frozenset()
 
     @property
     def offloaded(self) -> bool:
@@ -136,8 +141,9 @@ def place_units(
     for u in streaming:
         s = align(u.nbytes, DEVICE_SLOT_ALIGNMENT)
         if slots.get(s, 0) < counts[s] and s <= spare:
-            slots[s] += 1
+            slots[s] = slots.get(s, 0) + 1
             spare -= s
+    slots = {s: c for s, c in slots.items() if c}
     gpu_used = used + sum(s * c for s, c in slots.items())
 
     # Host: gradients and optimizer states of every offloaded unit, then parameter homes by first

@@ -34,6 +34,7 @@ from ..hardware.device import Device, Event
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..memory.nvme import NvmeStore
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, DEVICE_SLOT_ALIGNMENT, Placement, align
+from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .scheduler import PrefetchTable
 from .units import TransferUnit
@@ -66,6 +67,7 @@ class UnitState:
     grad_fresh: list[bool] = field(default_factory=list)
     grad_events: list[Optional[Event]] = field(default_factory=list)
     fetch: Optional[_Fetch] = None
+    host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
     pins: int = 0
     grads_pending: int = 0
     bound: bool = False  # parameters currently point into device_slot
@@ -109,6 +111,8 @@ class TieredEngine:
         self.states = [UnitState(unit=u, home=placement.home[u.index]) for u in units]
         self.table = PrefetchTable()
         self.requests = RequestStats()
+        self.profile = StepProfile(unit_names=[u.name for u in units], unit_bytes=[u.nbytes for u in units])
+        self._last_backward: Optional[tuple[int, float]] = None
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
@@ -195,11 +199,12 @@ class TieredEngine:
 
     def _install_hooks(self, users: dict[nn.Module, list[TransferUnit]]) -> None:
         for module, used in users.items():
-            indices = [u.index for u in used if self.states[u.index].home != GPU]
-            if not indices:
-                continue
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(indices)))
-            self._hooks.append(module.register_forward_hook(self._make_post_hook(indices), always_call=True))
+            # Every user module is hooked, persistent ones too, so the profiled step times them all.
+            indices = [u.index for u in used]
+            fetched = [i for i in indices if self.states[i].home != GPU and i not in self.placement.dha]
+            pre_hook = self._make_pre_hook(indices, fetched)
+            self._hooks.append(module.register_forward_pre_hook(pre_hook))
+            self._hooks.append(module.register_forward_hook(pre_hook.post_hook, always_call=True))
         for s in self.states:
             if s.home == GPU:
                 continue
@@ -217,21 +222,27 @@ class TieredEngine:
 
     # -- residency ----------------------------------------------------------------------------------
 
-    def _make_pre_hook(self, indices: list[int]):
-        def hook(module: nn.Module, args: Any) -> None:
-            for i in indices:
+    def _make_pre_hook(self, indices: list[int], fetched: list[int]):
+        started: list[float] = []
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            for i in fetched:
                 self.states[i].pins += 1
-            for i in indices:
+            for i in fetched:
                 self.request(i)
+            if self.table.recording:
+                started.append(time.perf_counter())
 
-        return hook
-
-    def _make_post_hook(self, indices: list[int]):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for i in indices:
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            for i in fetched:
                 self.states[i].pins -= 1
+            if self.table.recording and started:
+                elapsed = time.perf_counter() - started.pop()
+                for i in indices:
+                    self.profile.forward_seconds[i] = self.profile.forward_seconds.get(i, 0.0) + elapsed
 
-        return hook
+        pre_hook.post_hook = post_hook  # type: ignore[attr-defined]
+        return pre_hook
 
     def request(self, index: int) -> torch.Tensor:
         """Make unit ``index`` resident in the GPU tier and bind its parameters there."""
@@ -278,18 +289,20 @@ class TieredEngine:
         if slot is None:
             return False
         fetch = _Fetch(slot=slot)
+        n = s.unit.nbytes
         if s.home == HOST:
-            fetch.event = self.device.copy_to_device(slot.tensor[: s.unit.nbytes], self._home_bytes(s))
+            fetch.event = self.device.copy_to_device(slot.tensor[:n], self._home_bytes(s))
+        elif s.host_copy is not None:
+            # The copy kept in host memory is current: no NVMe read (10Cache Alg. 4).
+            fetch.event = self.device.copy_to_device(slot.tensor[:n], s.host_copy.tensor[:n])
+            self.requests.nvme_reads_avoided += 1
         else:
-            staging = self.staging_pool.try_acquire(s.unit.nbytes)
-            if staging is None:
-                if not evict:  # no staging buffer free: leave it for an on-demand fetch
-                    self.device_pool.release(slot)
-                    return False
-                self._drain_staging()
-                staging = self.staging_pool.acquire(s.unit.nbytes)
+            staging = self._staging(n, wait=evict)
+            if staging is None:  # no staging buffer free: leave it for an on-demand fetch
+                self.device_pool.release(slot)
+                return False
             fetch.staging = staging
-            fetch.nvme = self.store.read(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])
+            fetch.nvme = self.store.read(self._key(s), staging.tensor[: align(n, HOST_SLOT_ALIGNMENT)])
         s.device_slot, s.fetch = slot, fetch
         return True
 
@@ -309,9 +322,25 @@ class TieredEngine:
             fetch.nvme = None
         self.device.wait(fetch.event)
         if fetch.staging is not None:
-            self.staging_pool.release(fetch.staging)
+            s.host_copy = fetch.staging  # keep it: backward and the optimizer step need the unit again
         s.fetch = None
         return time.perf_counter() - start
+
+    def _staging(self, nbytes: int, wait: bool) -> Optional[Slot]:
+        """A free staging buffer, dropping the kept host copy needed farthest ahead if none is free."""
+        slot = self.staging_pool.try_acquire(nbytes)
+        while slot is None:
+            kept = [x.unit.index for x in self.states if x.host_copy is not None and x.fetch is None and x.host_copy.slot_bytes >= nbytes]
+            if kept:
+                victim = self.states[self.table.farthest(kept)]
+                self.staging_pool.release(victim.host_copy)
+                victim.host_copy = None
+            elif wait and any(x.fetch is not None and x.fetch.staging is not None for x in self.states):
+                self._drain_staging()
+            else:
+                return None
+            slot = self.staging_pool.try_acquire(nbytes)
+        return slot
 
     def _drain_staging(self) -> None:
         for s in self.states:
@@ -319,7 +348,7 @@ class TieredEngine:
                 self._complete(s)
 
     def _progress_nvme(self) -> None:
-        """Start the host → GPU copy of NVMe reads that have landed, freeing their staging buffers."""
+        """Start the host → GPU copy of NVMe reads that have landed."""
         for s in self.states:
             fetch = s.fetch
             if fetch is not None and fetch.nvme is not None and fetch.nvme.done():
@@ -415,8 +444,14 @@ class TieredEngine:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedRef):
             return packed
-        if self._phase != "backward":
-            self._phase = "backward"
+        self._phase = "backward"
+        if self.table.recording:
+            now = time.perf_counter()
+            if self._last_backward is not None and self._last_backward[0] != packed.unit:
+                previous, since = self._last_backward
+                self.profile.backward_seconds[previous] = self.profile.backward_seconds.get(previous, 0.0) + now - since
+            if self._last_backward is None or self._last_backward[0] != packed.unit:
+                self._last_backward = (packed.unit, now)
         buffer = self.request(packed.unit)
         s = self.states[packed.unit]
         if s.grads_pending == 0 and s.unit.trainable:
@@ -471,6 +506,7 @@ class TieredEngine:
         """Update every unit where it lives with the user's optimizer, one unit at a time."""
         if self.table.recording:
             self.table.freeze()
+            self.profile.order = list(self.table.order)
         self._active = False
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -484,12 +520,8 @@ class TieredEngine:
                 continue
             for i in range(len(s.unit.params)):
                 self._wait_grad(s, i)
-            staging = None
             if s.home == NVME:
-                staging = self.staging_pool.acquire(s.unit.nbytes)
-                padded = staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]
-                self.store.read(self._key(s), padded).result()
-                self._bind(s, s.unit.views(staging.tensor))
+                self._bind(s, s.unit.views(self._host_copy(s).tensor))
             for p, g, fresh in zip(s.unit.params, s.grad_views, s.grad_fresh):
                 if id(p) in owned and fresh:
                     p.grad = g
@@ -499,12 +531,21 @@ class TieredEngine:
                 if id(p) in owned:
                     p.grad = None
                     s.grad_fresh[i] = False
-            if staging is not None:
-                self.store.write(self._key(s), padded).result()
+            if s.home == NVME:
+                self.store.write(self._key(s), s.host_copy.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
                 self._bind(s, s.placeholders)
-                self.staging_pool.release(staging)
         for s in self.states:
             s.grads_pending = 0
+
+    def _host_copy(self, s: UnitState) -> Slot:
+        """The NVMe unit's kept host copy, read from NVMe first if there is none."""
+        if s.host_copy is None:
+            staging = self._staging(s.unit.nbytes, wait=True)
+            if staging is None:
+                raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
+            self.store.read(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+            s.host_copy = staging
+        return s.host_copy
 
     # -- whole-model views --------------------------------------------------------------------------
 
@@ -512,20 +553,28 @@ class TieredEngine:
     def materialized(self, writeback: bool = False) -> Iterator[None]:
         """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
         self.evict_all()
-        loaded: list[tuple[UnitState, list[torch.Tensor]]] = []
+        self._drain_staging()
+        # Fresh buffers, not staging ones: every NVMe unit is bound at once, and staging buffers
+        # are fewer than units.
+        loaded: list[tuple[UnitState, torch.Tensor]] = []
         for s in self.states:
-            if s.home == NVME:
-                buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+            if s.home != NVME:
+                continue
+            buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+            if s.host_copy is not None:
+                buffer.copy_(s.host_copy.tensor[: buffer.numel()])
+            else:
                 self.store.read(self._key(s), buffer).result()
-                views = s.unit.views(buffer)
-                self._bind(s, views)
-                loaded.append((s, buffer))
+            self._bind(s, s.unit.views(buffer))
+            loaded.append((s, buffer))
         try:
             yield
         finally:
             for s, buffer in loaded:
                 if writeback:
                     self.store.write(self._key(s), buffer).result()
+                    if s.host_copy is not None:
+                        s.host_copy.tensor[: buffer.numel()].copy_(buffer)
                 self._bind(s, s.placeholders)
 
     def close(self, materialize: bool = True) -> None:

@@ -17,6 +17,7 @@ class RequestStats:
     counts: dict[str, int] = field(default_factory=lambda: {HIT: 0, LATE_HIT: 0, MISS: 0})
     waits: list[float] = field(default_factory=list)
     out_of_order: int = 0
+    nvme_reads_avoided: int = 0  # NVMe units fetched from the copy kept in host memory
 
     def add(self, kind: str, wait: float) -> None:
         self.counts[kind] += 1
@@ -24,7 +25,7 @@ class RequestStats:
 
     def report(self) -> dict[str, float]:
         total = sum(self.counts.values())
-        out: dict[str, float] = {"requests": float(total), "out_of_order": float(self.out_of_order)}
+        out: dict[str, float] = {"requests": float(total), "out_of_order": float(self.out_of_order), "nvme_reads_avoided": float(self.nvme_reads_avoided)}
         if total == 0:
             return out
         out["hit_rate"] = self.counts[HIT] / total
@@ -42,3 +43,4 @@ class RequestStats:
         self.counts = {HIT: 0, LATE_HIT: 0, MISS: 0}
         self.waits = []
         self.out_of_order = 0
+        self.nvme_reads_avoided = 0

@@ -76,3 +76,45 @@ def build_units(model: nn.Module) -> tuple[list[TransferUnit], dict[nn.Module, l
         if used:
             users[module] = used
     return units, users
+
+
+def merge_into_chunks(
+    units: list[TransferUnit], users: dict[nn.Module, list[TransferUnit]], chunk_bytes: int
+) -> tuple[list[TransferUnit], dict[nn.Module, list[TransferUnit]]]:
+    """Merge consecutive units into chunks of up to ``chunk_bytes`` (ProTrain §3.1.1).
+
+    Fewer, larger transfers use the link better; a unit larger than ``chunk_bytes`` stays alone.
+    Every module then uses the chunks that hold its units.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
+    groups: list[list[TransferUnit]] = []
+    size = 0
+    for unit in units:
+        if groups and size + unit.nbytes <= chunk_bytes:
+            groups[-1].append(unit)
+            size += unit.nbytes
+        else:
+            groups.append([unit])
+            size = unit.nbytes
+    chunks: list[TransferUnit] = []
+    chunk_of: dict[int, TransferUnit] = {}
+    for members in groups:
+        name = members[0].name if len(members) == 1 else f"{members[0].name} .. {members[-1].name}"
+        chunk = TransferUnit(
+            index=len(chunks),
+            name=name,
+            params=[p for u in members for p in u.params],
+            param_names=[n for u in members for n in u.param_names],
+        )
+        chunks.append(chunk)
+        for u in members:
+            chunk_of[u.index] = chunk
+    merged_users: dict[nn.Module, list[TransferUnit]] = {}
+    for module, used in users.items():
+        merged: list[TransferUnit] = []
+        for u in used:
+            if chunk_of[u.index] not in merged:
+                merged.append(chunk_of[u.index])
+        merged_users[module] = merged
+    return chunks, merged_users

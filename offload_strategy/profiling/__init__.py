@@ -1,0 +1,5 @@
+"""What one profiled training step measured."""
+
+from .profile import StepProfile
+
+__all__ = ["StepProfile"]

@@ -1,0 +1,78 @@
+"""The GPU → host → NVMe allocator and the prefetch table, on small cases worked out by hand."""
+
+import pytest
+
+from offload_strategy.planning.placement import GPU, HOST, NVME, PlacementError, UnitSize, place_units
+from offload_strategy.runtime.scheduler import PrefetchTable
+
+# Four units of 1024, 2048, 1024 and 512 bytes, all trainable, each used by its own module.
+UNITS = [UnitSize(0, 1024, 1024), UnitSize(1, 2048, 2048), UnitSize(2, 1024, 1024), UnitSize(3, 512, 512)]
+GROUPS = [[0], [1], [2], [3]]
+
+
+def test_everything_fits():
+    # GPU cost = parameters + gradients + 2x Adam states = 4 x 4608 bytes = 18432
+    placement = place_units(UNITS, GROUPS, gpu_bytes=18432, host_bytes=0, nvme_bytes=0, state_factor=2)
+    assert set(placement.home.values()) == {GPU} and placement.gpu_bytes == 18432 and not placement.offloaded
+
+
+def test_streaming_buffers_and_host_homes():
+    # Smallest working set: one module at a time, so 1 buffer of the largest size (2048) + 1 to
+    # prefetch into = 4096. Reserving twice that (8192) leaves nothing persistent in 6144 bytes.
+    # Algorithm 2 over the 2048 bytes left gives floor(0.44*2048/1024) = floor(0.44*2048/2048)
+    # = floor(0.11*2048/512) = 0 buffers; the spare 2048 bytes buy two 1024-byte buffers for
+    # units 0 and 2, the first two that fit.
+    # Host: gradients + states per unit rounded to pages: 4096 + 8192 + 4096 + 4096 = 20480, plus
+    # one page per parameter home (4 x 4096): 36864 in all.
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=36864, nvme_bytes=0, state_factor=2)
+    assert placement.home == {0: HOST, 1: HOST, 2: HOST, 3: HOST}
+    assert placement.device_slots == {2048: 2, 1024: 2}
+    assert placement.gpu_bytes == 6144 and placement.host_bytes == 36864 and placement.staging_slots == {}
+
+
+def test_nvme_takes_what_host_memory_cannot():
+    # 36000 < 36864: two staging pages (8192) join the 20480 fixed bytes = 28672; unit 0's home
+    # brings it to 32768, unit 1's would pass 36000, so units 1, 2, 3 go to NVMe (3 pages).
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=36000, nvme_bytes=1 << 20, state_factor=2)
+    assert placement.home == {0: HOST, 1: NVME, 2: NVME, 3: NVME}
+    assert placement.staging_slots == {4096: 2}
+    assert placement.host_bytes == 32768 and placement.nvme_bytes == 3 * 4096
+
+
+def test_persistent_units_by_first_use():
+    # 16384 bytes, 8192 reserved for streaming: unit 0 costs 4096 (0 + 4096 + 8192 <= 16384:
+    # persistent); unit 1 costs 8192 (4096 + 8192 + 8192 > 16384: offloaded); unit 2 costs 4096
+    # (4096 + 4096 + 8192 = 16384: persistent); unit 3 costs 2048 (8192 + 2048 + 8192 > 16384).
+    placement = place_units(UNITS, GROUPS, gpu_bytes=16384, host_bytes=1 << 20, nvme_bytes=0, state_factor=2)
+    assert placement.home == {0: GPU, 1: HOST, 2: GPU, 3: HOST}
+
+
+@pytest.mark.parametrize(
+    "budgets, message",
+    [
+        (dict(gpu_bytes=4000, host_bytes=1 << 20, nvme_bytes=0), r"gpu_memory=3.91 KiB cannot hold .* \(4.00 KiB\); raise gpu_memory to at least 4.00 KiB"),
+        (dict(gpu_bytes=6144, host_bytes=20000, nvme_bytes=1 << 20), r"host_memory=19.53 KiB cannot hold the gradients and optimizer states .* at least 28.00 KiB"),
+        (dict(gpu_bytes=6144, host_bytes=36000, nvme_bytes=0), r"12.00 KiB of parameters .* must go to NVMe, which grants 0 B; give nvme_path"),
+    ],
+)
+def test_refusals_name_the_numbers(budgets, message):
+    with pytest.raises(PlacementError, match=message):
+        place_units(UNITS, GROUPS, state_factor=2, **budgets)
+
+
+def test_prefetch_table_cursor_and_belady_choice():
+    table = PrefetchTable()
+    table.start_recording()
+    for unit in [0, 1, 1, 2, 1, 0]:  # the repeated 1 is one use
+        table.record(unit)
+    table.freeze()
+    assert table.order == [0, 1, 2, 1, 0]
+    table.restart()
+    assert table.record(0) and table.cursor == 1
+    assert table.next_use(2) == 1 and table.next_use(1) == 0 and table.next_use(0) == 3
+    assert table.farthest([0, 1, 2]) == 0
+    assert table.record(2) and table.cursor == 3  # skipped ahead over a missed use of 1
+    assert table.record(2)  # the same module called again
+    assert not table.record(7) and table.cursor == 3  # unknown use: counted by the caller, cursor stays
+    assert list(table.upcoming(10)) == [1, 0]
+    assert table.next_use(2) is None and table.farthest([2, 1]) == 2  # never used again this step
