@@ -68,3 +68,18 @@ def test_multirun_writes_separate_jobs_and_wandb_runs(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1"]
     png = sweep / "comparison_steps.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
+    run([str(ROOT / "experiments/train.py"), "experiment=offload_cpu", f"hydra.run.dir={tmp_path}", "logger=wandb_offline", "data.max_bytes=1000000",
+         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=3", "throughput_window=3"],
+        cwd=tmp_path)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
+    assert metrics["offload/tier/gpu_capacity_bytes"] <= 3_300_000
+    assert metrics["offload/link/nvme_read_bytes"] > 0
+    assert 0.0 <= metrics["offload/cache/hit_rate"] <= 1.0 and "offload/cache/wait_p99_ms" in metrics
+    assert metrics["train_loss_last"] < metrics["train_loss_first"]
+    assert not any((tmp_path / "nvme").iterdir()), "NVMe files were left behind"
+    assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))

@@ -113,6 +113,7 @@ class TieredEngine:
         self.requests = RequestStats()
         self.profile = StepProfile(unit_names=[u.name for u in units], unit_bytes=[u.nbytes for u in units])
         self._last_backward: Optional[tuple[int, float]] = None
+        self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each offloaded unit, in host memory
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
@@ -527,6 +528,10 @@ class TieredEngine:
                     p.grad = g
             with _only(optimizer, [p for p in params if p.grad is not None]):
                 optimizer.step()
+            if s.unit.index not in self._state_bytes:
+                self._state_bytes[s.unit.index] = sum(
+                    t.numel() * t.element_size() for p in params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)
+                )
             for i, p in enumerate(s.unit.params):
                 if id(p) in owned:
                     p.grad = None
@@ -619,8 +624,10 @@ class TieredEngine:
         out["tier/gpu_bytes"] = float(persistent + self.device_pool.used_bytes)
         out["tier/gpu_peak_bytes"] = float(persistent + self.device_pool.peak_used_bytes)
         out["tier/gpu_capacity_bytes"] = float(self.arena.numel())
-        out["tier/host_bytes"] = float(self.slab.nbytes - self.staging_pool.capacity_bytes + self.staging_pool.used_bytes)
-        out["tier/host_peak_bytes"] = float(self.slab.nbytes - self.staging_pool.capacity_bytes + self.staging_pool.peak_used_bytes)
+        # homes and gradients in the slab, staging buffers in use, and optimizer states
+        fixed = self.slab.nbytes - self.staging_pool.capacity_bytes + sum(self._state_bytes.values())
+        out["tier/host_bytes"] = float(fixed + self.staging_pool.used_bytes)
+        out["tier/host_peak_bytes"] = float(fixed + self.staging_pool.peak_used_bytes)
         out["tier/nvme_bytes"] = float(self.store.used_bytes if self.store else 0)
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
