@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,12 +33,14 @@ class Sampler(L.Callback):
         self.every = every
         self.rows: list[tuple[int, int, int, int, float, float]] = []
         self.process = psutil.Process()
+        self.homes = ""
 
     def on_train_batch_end(self, trainer, *args: Any) -> None:
         step = trainer.global_step
         if step % self.every == 0:
             metrics = trainer.strategy.metrics()
-            self.rows.append((step, self.process.memory_info().rss, len(os.listdir("/proc/self/fd")), threading.active_count(),
+            self.homes = "/".join(str(int(metrics.get(f"units/{h}", 0))) for h in ("gpu", "host", "nvme"))
+            self.rows.append((step, self.process.memory_info().rss, len(os.listdir("/proc/self/fd")), self.process.num_threads(),
                               metrics.get("link/nvme_read_bytes", 0.0), metrics.get("cache/hit_rate", float("nan"))))
 
 
@@ -59,14 +60,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sampler = Sampler(args.every)
     with tempfile.TemporaryDirectory(dir=args.nvme_path or ".", prefix="soak-nvme-") as nvme:
-        strategy = TieredStrategy(gpu_memory=int(0.3 * param_bytes), host_memory=int(4.2 * param_bytes), nvme_path=nvme, nvme_memory="1GiB")
+        strategy = TieredStrategy(gpu_memory=int(0.3 * param_bytes), host_memory=int(3.5 * param_bytes), nvme_path=nvme, nvme_memory="1GiB")
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[sampler])
         trainer.fit(model, datamodule=SyntheticTokens(seq_len=32, batch_size=4, num_tokens=200_000))
         leftover = list(Path(nvme).iterdir())
 
-    print(f"\nGPT-2 4 x 64, {format_bytes(param_bytes)} of parameters, gpu_memory 30%, part on NVMe; {args.steps} steps\n")
-    print("| step | RSS | open files | threads | NVMe bytes read | hit rate (last window) |")
+    print(f"\nGPT-2 4 x 64, {format_bytes(param_bytes)} of parameters, gpu_memory 30%, host_memory 3.5x the parameters "
+          f"(units gpu/host/nvme: {sampler.homes}); {args.steps} steps\n")
+    print("| step | RSS | open files | threads (OS) | NVMe bytes read | hit rate (last window) |")
     print("|---|---|---|---|---|---|")
     for step, rss, fds, threads, read, hit in sampler.rows:
         print(f"| {step} | {format_bytes(rss)} | {fds} | {threads} | {format_bytes(read)} | {hit:.1%} |")
