@@ -46,21 +46,62 @@ class Recorder(L.Callback):
         self.metrics.append(trainer.strategy.metrics())
 
 
+class StatesOnNvme(L.Callback):
+    """Checks, during training, that the optimizer holds no memory for the states of NVMe units."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        engine = trainer.strategy.engine
+        optimizer = trainer.optimizers[0]
+        for s in engine.states:
+            if s.home == "nvme":
+                for p in s.unit.trainable:
+                    tensors = [t for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+                    assert tensors and all(0 in t.stride() for t in tensors), s.unit.name
+                    self.checked += 1
+
+
+def nvme_strategy(total: int, path: Path) -> TieredStrategy:
+    return TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=path, nvme_memory="64MiB")
+
+
 def test_gpu_host_and_nvme_tiers_train_identically(tmp_path):
     total = param_bytes(gpt2_4l)
-    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=4, make_model=gpt2_4l)
+    plain_losses, plain_weights, plain_trainer = train("auto", tmp_path / "plain", epochs=4, make_model=gpt2_4l)
     nvme = tmp_path / "nvme"
-    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=nvme, nvme_memory="64MiB")
-    recorder = Recorder()
-    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=4, make_model=gpt2_4l, extra_callbacks=(recorder,))
+    strategy = nvme_strategy(total, nvme)
+    recorder, states = Recorder(), StatesOnNvme()
+    losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=4, make_model=gpt2_4l, extra_callbacks=(recorder, states))
     assert recorder.homes["host"] > 0 and recorder.homes["nvme"] > 0, recorder.homes
+    assert states.checked > 0
     assert len(losses) == 24
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+    # after fit the optimizer holds its true states again, equal to plain training's
+    ours, theirs = trainer.optimizers[0].state_dict()["state"], plain_trainer.optimizers[0].state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index in theirs:
+        for key in theirs[index]:
+            assert torch.equal(ours[index][key], theirs[index][key]), (index, key)
     last = recorder.metrics[-1]
     assert last["tier/gpu_peak_bytes"] <= 0.3 * total
     assert last["link/nvme_read_bytes"] > 0 and last["link/nvme_write_bytes"] > 0
     assert strategy.engine is None and nvme.exists() and not any(nvme.iterdir()), "the run's NVMe files were not removed"
+
+
+def test_resume_with_units_and_states_on_nvme(tmp_path):
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l)
+    train(nvme_strategy(total, tmp_path / "nvme-a"), tmp_path / "part", epochs=2, stop_after_epochs=1, save_every_epoch=True, make_model=gpt2_4l)
+    checkpoint = tmp_path / "part" / "ckpt" / "epoch=0.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["state"]
+    assert all(torch.isfinite(t).all() for state in saved.values() for t in state.values() if torch.is_tensor(t))
+    for name, strategy in (("tiered", nvme_strategy(total, tmp_path / "nvme-b")), ("plain", "auto")):
+        resumed, resumed_weights, _ = train(strategy, tmp_path / name, epochs=2, resume=checkpoint, make_model=gpt2_4l)
+        assert resumed == plain_losses[len(plain_losses) - len(resumed) :], name
+        assert_same_weights(plain_weights, resumed_weights)
 
 
 def test_gradient_accumulation_and_resume_match(tmp_path):

@@ -22,21 +22,23 @@ def test_streaming_buffers_and_host_homes():
     # Algorithm 2 over the 2048 bytes left gives floor(0.44*2048/1024) = floor(0.44*2048/2048)
     # = floor(0.11*2048/512) = 0 buffers; the spare 2048 bytes buy two 1024-byte buffers for
     # units 0 and 2, the first two that fit.
-    # Host: gradients + states per unit rounded to pages: 4096 + 8192 + 4096 + 4096 = 20480, plus
-    # one page per parameter home (4 x 4096): 36864 in all.
-    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=36864, nvme_bytes=0, state_factor=2)
+    # Host, each part rounded to pages: gradients 4 x 4096, parameter homes 4 x 4096, Adam
+    # states 4 x 4096 (unit 1's 4096 bytes of states fill exactly one page): 49152 in all.
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=49152, nvme_bytes=0, state_factor=2)
     assert placement.home == {0: HOST, 1: HOST, 2: HOST, 3: HOST}
     assert placement.device_slots == {2048: 2, 1024: 2}
-    assert placement.gpu_bytes == 6144 and placement.host_bytes == 36864 and placement.staging_slots == {}
+    assert placement.gpu_bytes == 6144 and placement.host_bytes == 49152 and placement.staging_slots == {}
 
 
 def test_nvme_takes_what_host_memory_cannot():
-    # 36000 < 36864: two staging pages (8192) join the 20480 fixed bytes = 28672; unit 0's home
-    # brings it to 32768, unit 1's would pass 36000, so units 1, 2, 3 go to NVMe (3 pages).
-    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=36000, nvme_bytes=1 << 20, state_factor=2)
+    # 40000 < 49152: gradients (16384) and two staging pages (8192) make 24576; unit 0's home and
+    # states (8192) bring it to 32768; unit 1's would pass 40000, and so would 2's and 3's: those
+    # three keep parameters and states on NVMe (3 x 8192). The 7232 bytes left buy one more
+    # staging page, to keep an NVMe unit in host memory between its uses.
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=40000, nvme_bytes=1 << 20, state_factor=2)
     assert placement.home == {0: HOST, 1: NVME, 2: NVME, 3: NVME}
-    assert placement.staging_slots == {4096: 2}
-    assert placement.host_bytes == 32768 and placement.nvme_bytes == 3 * 4096
+    assert placement.staging_slots == {4096: 3}
+    assert placement.host_bytes == 36864 and placement.nvme_bytes == 3 * 8192
 
 
 def test_persistent_units_by_first_use():
@@ -51,8 +53,8 @@ def test_persistent_units_by_first_use():
     "budgets, message",
     [
         (dict(gpu_bytes=4000, host_bytes=1 << 20, nvme_bytes=0), r"gpu_memory=3.91 KiB cannot hold .* \(4.00 KiB\); raise gpu_memory to at least 4.00 KiB"),
-        (dict(gpu_bytes=6144, host_bytes=20000, nvme_bytes=1 << 20), r"host_memory=19.53 KiB cannot hold the gradients and optimizer states .* at least 28.00 KiB"),
-        (dict(gpu_bytes=6144, host_bytes=36000, nvme_bytes=0), r"12.00 KiB of parameters .* must go to NVMe, which grants 0 B; give nvme_path"),
+        (dict(gpu_bytes=6144, host_bytes=20000, nvme_bytes=1 << 20), r"host_memory=19.53 KiB cannot hold the gradients .* at least 24.00 KiB"),
+        (dict(gpu_bytes=6144, host_bytes=40000, nvme_bytes=0), r"24.00 KiB of parameters and optimizer states .* must go to NVMe, which grants 0 B; give nvme_path"),
     ],
 )
 def test_refusals_name_the_numbers(budgets, message):

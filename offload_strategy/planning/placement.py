@@ -9,9 +9,9 @@ Deviations, and why:
 - The GPU tier first reserves twice the smallest working set of the streaming pool (the largest
   set of units one module needs at once), so that one module can compute while the next one's
   units are copied in; persistent units take what is left.
-- The two NVMe staging buffers keep the last units read from NVMe until the buffer is needed
-  again, so backward and the optimizer step often find them in host memory (10Cache Alg. 4 keeps
-  evicted tensors in CPU buffers for the same reason).
+- NVMe staging buffers (two, plus what host memory has left) keep the units last read from NVMe
+  until the buffer is needed again, so backward and the optimizer step often find them in host
+  memory (10Cache Alg. 4 keeps evicted tensors in CPU buffers for the same reason).
 - Buffer counts are never below what one module needs at once, whatever Algorithm 2 says, or
   that module could not run; a unit may use a buffer of a larger size class.
 Pure: no torch state.
@@ -93,8 +93,8 @@ def place_units(
 
     ``co_resident`` lists the unit indices each module uses together. ``state_factor`` is the
     optimizer's state bytes per trainable parameter byte (2 for Adam). A persistent unit costs
-    its parameters, gradients and states in the GPU tier; an offloaded unit costs its parameters
-    at home plus gradients and states in host memory.
+    its parameters, gradients and states in the GPU tier; an offloaded unit costs its gradients in
+    host memory, and its parameters and states at home (host memory or NVMe).
     """
     def gpu_cost(u: UnitSize) -> int:
         return u.nbytes + int(u.trainable_bytes * (1 + state_factor))
@@ -146,35 +146,47 @@ def place_units(
     slots = {s: c for s, c in slots.items() if c}
     gpu_used = used + sum(s * c for s, c in slots.items())
 
-    # Host: gradients and optimizer states of every offloaded unit, then parameter homes by first
-    # use; what does not fit goes to NVMe through a staging pool.
-    fixed = sum(align(int(u.trainable_bytes * (1 + state_factor)), HOST_SLOT_ALIGNMENT) for u in streaming)
-    homes = [align(u.nbytes, HOST_SLOT_ALIGNMENT) for u in streaming]
+    # Host: gradients of every offloaded unit; then, by first use, parameters and optimizer states
+    # of the units that fit. The others keep both on NVMe and pass through two staging buffers.
+    grads = sum(align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) for u in streaming)
+    cost = {u.index: align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT) for u in streaming}
     staging: dict[int, int] = {}
-    if fixed + sum(homes) <= host_bytes:
+    if grads + sum(cost.values()) <= host_bytes:
         for u in streaming:
             home[u.index] = HOST
-        host_used = fixed + sum(homes)
+        host_used = grads + sum(cost.values())
     else:
-        largest = max(homes)
-        staging = {largest: 2}
-        host_used = fixed + 2 * largest
+        slot = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in streaming)
+        staging = {slot: 2}
+        host_used = grads + 2 * slot
         if host_used > host_bytes:
             raise PlacementError(
-                f"host_memory={_fmt(host_bytes)} cannot hold the gradients and optimizer states of the offloaded units "
-                f"plus two NVMe staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
+                f"host_memory={_fmt(host_bytes)} cannot hold the gradients of the offloaded units plus two NVMe staging "
+                f"buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
             )
-        for u, size in zip(streaming, homes):
-            if host_used + size <= host_bytes:
+        for u in streaming:
+            if host_used + cost[u.index] <= host_bytes:
                 home[u.index] = HOST
-                host_used += size
+                host_used += cost[u.index]
             else:
                 home[u.index] = NVME
-    nvme_used = sum(size for u, size in zip(streaming, homes) if home[u.index] == NVME)
+        # Staging buffers need only fit the units that did go to NVMe; host memory left over
+        # keeps more of them in staging buffers between their uses.
+        on_nvme = [u for u in streaming if home[u.index] == NVME]
+        if on_nvme:
+            fitted = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in on_nvme)
+            host_used -= 2 * (slot - fitted)
+            extra = min(len(on_nvme), (host_bytes - host_used) // fitted)
+            staging = {fitted: 2 + extra}
+            host_used += extra * fitted
+        else:
+            staging = {}
+            host_used -= 2 * slot
+    nvme_used = sum(cost[u.index] for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
         raise PlacementError(
-            f"{_fmt(nvme_used)} of parameters do not fit in gpu_memory={_fmt(gpu_bytes)} and host_memory={_fmt(host_bytes)} "
+            f"{_fmt(nvme_used)} of parameters and optimizer states do not fit in gpu_memory={_fmt(gpu_bytes)} and host_memory={_fmt(host_bytes)} "
             f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory."
         )
     return Placement(home, dict(slots), staging, gpu_used, host_used, nvme_used)

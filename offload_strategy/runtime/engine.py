@@ -36,6 +36,7 @@ from ..memory.nvme import NvmeStore
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, DEVICE_SLOT_ALIGNMENT, Placement, align
 from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
+from .nvme_states import NvmeOptimizerStates
 from .scheduler import PrefetchTable
 from .units import TransferUnit
 
@@ -113,7 +114,9 @@ class TieredEngine:
         self.requests = RequestStats()
         self.profile = StepProfile(unit_names=[u.name for u in units], unit_bytes=[u.nbytes for u in units])
         self._last_backward: Optional[tuple[int, float]] = None
-        self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each offloaded unit, in host memory
+        self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each host-homed unit
+        self.nvme_states: Optional[NvmeOptimizerStates] = None
+        self._optimizers: list[torch.optim.Optimizer] = []
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
@@ -172,6 +175,7 @@ class TieredEngine:
         if any(s.home == NVME for s in self.states):
             assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
             self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1))
+            self.nvme_states = NvmeOptimizerStates(self.store)
 
     def _move_to_homes(self) -> None:
         with torch.no_grad():
@@ -298,7 +302,7 @@ class TieredEngine:
             fetch.event = self.device.copy_to_device(slot.tensor[:n], s.host_copy.tensor[:n])
             self.requests.nvme_reads_avoided += 1
         else:
-            staging = self._staging(n, wait=evict)
+            staging = self._staging(n, wait=evict, keep=s)
             if staging is None:  # no staging buffer free: leave it for an on-demand fetch
                 self.device_pool.release(slot)
                 return False
@@ -327,13 +331,22 @@ class TieredEngine:
         s.fetch = None
         return time.perf_counter() - start
 
-    def _staging(self, nbytes: int, wait: bool) -> Optional[Slot]:
-        """A free staging buffer, dropping the kept host copy needed farthest ahead if none is free."""
+    def _staging(self, nbytes: int, wait: bool, keep: Optional[UnitState] = None) -> Optional[Slot]:
+        """A free staging buffer, dropping the kept host copy needed farthest ahead (never ``keep``'s) if none is free."""
         slot = self.staging_pool.try_acquire(nbytes)
         while slot is None:
-            kept = [x.unit.index for x in self.states if x.host_copy is not None and x.fetch is None and x.host_copy.slot_bytes >= nbytes]
-            if kept:
-                victim = self.states[self.table.farthest(kept)]
+            kept = [
+                x.unit.index
+                for x in self.states
+                if x.host_copy is not None and x.fetch is None and x is not keep and x.host_copy.slot_bytes >= nbytes
+            ]
+            victim = self.states[self.table.farthest(kept)] if kept else None
+            if victim is not None and not wait and keep is not None:
+                # a prefetch may only displace a copy needed later than the unit it brings in
+                theirs, ours = self.table.next_use(victim.unit.index), self.table.next_use(keep.unit.index)
+                if theirs is not None and (ours is None or theirs <= ours):
+                    victim = None
+            if victim is not None:
                 self.staging_pool.release(victim.host_copy)
                 victim.host_copy = None
             elif wait and any(x.fetch is not None and x.fetch.staging is not None for x in self.states):
@@ -510,6 +523,8 @@ class TieredEngine:
             self.profile.order = list(self.table.order)
         self._active = False
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for s in self.states:
             params = [p for p in s.unit.trainable if id(p) in owned]
@@ -521,26 +536,45 @@ class TieredEngine:
                 continue
             for i in range(len(s.unit.params)):
                 self._wait_grad(s, i)
+            states: Optional[Slot] = None
             if s.home == NVME:
                 self._bind(s, s.unit.views(self._host_copy(s).tensor))
+                if self.nvme_states.known(s.unit.index):
+                    states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
+                    self.nvme_states.load(optimizer, s.unit.index, states.tensor)
             for p, g, fresh in zip(s.unit.params, s.grad_views, s.grad_fresh):
                 if id(p) in owned and fresh:
                     p.grad = g
             with _only(optimizer, [p for p in params if p.grad is not None]):
                 optimizer.step()
-            if s.unit.index not in self._state_bytes:
-                self._state_bytes[s.unit.index] = sum(
-                    t.numel() * t.element_size() for p in params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)
-                )
             for i, p in enumerate(s.unit.params):
                 if id(p) in owned:
                     p.grad = None
                     s.grad_fresh[i] = False
             if s.home == NVME:
+                if states is None and self.nvme_states.learn(optimizer, s.unit.index, params):
+                    states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
+                if states is not None:
+                    self.nvme_states.save(optimizer, s.unit.index, states.tensor)
+                    self.staging_pool.release(states)
                 self.store.write(self._key(s), s.host_copy.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
                 self._bind(s, s.placeholders)
+            elif s.unit.index not in self._state_bytes:
+                self._state_bytes[s.unit.index] = sum(
+                    t.numel() * t.element_size() for p in params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)
+                )
         for s in self.states:
             s.grads_pending = 0
+
+    def _state_buffer(self, s: UnitState, nbytes: int) -> Slot:
+        slot = self._staging(nbytes, wait=True, keep=s)
+        if slot is None:
+            raise RuntimeError(
+                f"unit {s.unit.name!r} has {nbytes} bytes of optimizer state, more than an NVMe staging buffer holds "
+                f"({max(self.placement.staging_slots)} bytes): this optimizer keeps more state per parameter than planned for. "
+                f"Raise host_memory so that fewer units live on NVMe."
+            )
+        return slot
 
     def _host_copy(self, s: UnitState) -> Slot:
         """The NVMe unit's kept host copy, read from NVMe first if there is none."""
@@ -551,6 +585,26 @@ class TieredEngine:
             self.store.read(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
             s.host_copy = staging
         return s.host_copy
+
+    @contextlib.contextmanager
+    def optimizer_states_materialized(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """The optimizer holds every state as a real tensor for the duration (saving checkpoints)."""
+        if self.nvme_states is None:
+            yield
+            return
+        with self.nvme_states.materialized(optimizer):
+            yield
+
+    def adopt_optimizer_states(self, optimizer: torch.optim.Optimizer) -> None:
+        """After states were loaded into ``optimizer`` (resuming), move those of NVMe units to NVMe."""
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+        if self.nvme_states is None:
+            return
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for s in self.states:
+            if s.home == NVME:
+                self.nvme_states.adopt(optimizer, s.unit.index, [p for p in s.unit.trainable if id(p) in owned])
 
     # -- whole-model views --------------------------------------------------------------------------
 
@@ -606,6 +660,10 @@ class TieredEngine:
                             buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
                             self.store.read(self._key(s), buffer).result()
                             self._bind(s, [v.clone() for v in s.unit.views(buffer)])
+        if materialize and self.nvme_states is not None:
+            for optimizer in self._optimizers:
+                with contextlib.suppress(Exception):
+                    self.nvme_states.restore(optimizer)
         if self.store is not None:
             self.store.close()
         if getattr(self, "slab", None) is not None:

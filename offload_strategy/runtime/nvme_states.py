@@ -1,0 +1,110 @@
+"""Optimizer states of the units whose home is NVMe: read before their step, written after.
+
+Between steps the optimizer holds, for each such state tensor, a placeholder of the right shape that
+owns no memory (NaN if ever read); the values live in one NVMe file per unit (10Cache §3.4.2 splits
+optimizer states between CPU and NVMe the same way). The layout of a unit's states is learnt from
+the tensors the optimizer creates at its first step, so any per-parameter optimizer works. Scalar
+states (Adam's step count) stay in memory: they are a few bytes and the optimizer may keep them
+on the CPU whatever the parameter's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..memory.nvme import NvmeStore
+from ..planning.placement import HOST_SLOT_ALIGNMENT, align
+from .units import PARAM_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class _Entry:
+    param: nn.Parameter
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class NvmeOptimizerStates:
+    """The NVMe side of the optimizer states, unit by unit."""
+
+    def __init__(self, store: NvmeStore) -> None:
+        self.store = store
+        self.layouts: dict[int, list[_Entry]] = {}
+        self.sizes: dict[int, int] = {}
+
+    @staticmethod
+    def _file(unit: int) -> str:
+        return f"states{unit}"
+
+    def known(self, unit: int) -> bool:
+        return unit in self.layouts
+
+    def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> int:
+        """Record where each non-scalar state tensor of ``params`` goes in the unit's buffer; its size."""
+        entries, offset = [], 0
+        for p in params:
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    entries.append(_Entry(p, key, tuple(value.shape), value.dtype, offset))
+                    offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
+        self.layouts[unit] = entries
+        self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
+        return self.sizes[unit]
+
+    def _views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]
+
+    def load(self, optimizer: torch.optim.Optimizer, unit: int, buffer: torch.Tensor) -> None:
+        """Read the unit's states into ``buffer`` and let the optimizer use them in place."""
+        self.store.read(self._file(unit), buffer[: self.sizes[unit]]).result()
+        for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
+            optimizer.state[entry.param][entry.key] = view
+
+    def save(self, optimizer: torch.optim.Optimizer, unit: int, buffer: torch.Tensor) -> None:
+        """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from memory."""
+        for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
+            value = optimizer.state[entry.param][entry.key]
+            if value.data_ptr() != view.data_ptr():
+                view.copy_(value)
+        self.store.write(self._file(unit), buffer[: self.sizes[unit]]).result()
+        self._drop(optimizer, unit)
+
+    def _drop(self, optimizer: torch.optim.Optimizer, unit: int) -> None:
+        for entry in self.layouts[unit]:
+            optimizer.state[entry.param][entry.key] = torch.full((1,), float("nan"), dtype=entry.dtype).expand(entry.shape)
+
+    @contextlib.contextmanager
+    def materialized(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Every offloaded state is a real tensor of its own for the duration (saving checkpoints)."""
+        for unit in self.layouts:
+            self.load(optimizer, unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+        try:
+            yield
+        finally:
+            for unit in self.layouts:
+                self._drop(optimizer, unit)
+
+    def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> None:
+        """States the optimizer holds in memory for an NVMe unit (just loaded from a checkpoint): offload them."""
+        if self.learn(optimizer, unit, params):
+            self.save(optimizer, unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+        else:
+            del self.layouts[unit], self.sizes[unit]
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the optimizer its states back for good (end of training)."""
+        for unit in list(self.layouts):
+            self.load(optimizer, unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+        self.layouts.clear()
+        self.sizes.clear()
