@@ -98,6 +98,11 @@ class NvmeStore:
         self._local = threading.local()  # one bounce buffer per worker thread
         self._bounces: list[mmap.mmap] = []
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvme")
+        # Start every worker now (the pool would start them lazily, mid-training): each waits at
+        # the barrier, so the pool must spawn a new thread for the next.
+        barrier = threading.Barrier(workers)
+        for started in [self._pool.submit(barrier.wait) for _ in range(workers)]:
+            started.result()
         self._closed = False
 
     @property

@@ -114,6 +114,11 @@ class SlotPool:
         self._peak = 0
         self._lock = threading.Lock()
 
+    @property
+    def slots(self) -> list[Slot]:
+        """Every slot of the pool, free or not, by offset."""
+        return [self._slots[offset] for offset in sorted(self._slots)]
+
     @staticmethod
     def required_bytes(classes: Sequence[SizeClass], alignment: int = 4096) -> int:
         """Bytes of backing the classes need: every slot rounded up to ``alignment``."""

@@ -20,6 +20,7 @@ resident when needed is fetched synchronously and counted as a miss.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections import deque
@@ -147,6 +148,9 @@ class TieredEngine:
             s.device_slot = Slot(slot_bytes=size, offset=offset, tensor=self.arena[offset : offset + size])
             offset += size
         self.device_pool = SlotPool(self.arena[offset:], stream_classes_sc, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
+        # Address of every GPU-tier buffer, to find which unit a saved tensor aliases by bisection.
+        self._slot_starts = sorted([s.device_slot.tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in self.device_pool.slots])
+        self._slot_owner: dict[int, UnitState] = {s.device_slot.tensor.data_ptr(): s for s in persistent}
 
         offloaded = [s for s in self.states if s.home != GPU]
         home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
@@ -284,7 +288,7 @@ class TieredEngine:
     def _start_fetch(self, s: UnitState, evict: bool) -> bool:
         slot = self.device_pool.try_acquire(s.unit.nbytes)
         if slot is None and evict:
-            slot = self._evict_for(s.unit.nbytes, hard=True)
+            slot = self._evict_for(s.unit.nbytes)
             if slot is None:
                 in_use = [self.states[i].unit.name for i in range(len(self.states)) if self.states[i].pins > 0]
                 raise RuntimeError(
@@ -309,6 +313,7 @@ class TieredEngine:
             fetch.staging = staging
             fetch.nvme = self.store.read(self._key(s), staging.tensor[: align(n, HOST_SLOT_ALIGNMENT)])
         s.device_slot, s.fetch = slot, fetch
+        self._slot_owner[slot.tensor.data_ptr()] = s
         return True
 
     def _home_bytes(self, s: UnitState) -> torch.Tensor:
@@ -382,22 +387,18 @@ class TieredEngine:
             out.append(s.unit.index)
         return out
 
-    def _evict_for(self, nbytes: int, hard: bool) -> Optional[Slot]:  # noqa: C901
+    def _evict_for(self, nbytes: int) -> Optional[Slot]:
         """Free a buffer for ``nbytes`` by evicting the unit needed farthest ahead."""
-        while True:
-            slot = self.device_pool.try_acquire(nbytes)
-            if slot is not None:
-                return slot
-            fitting = [i for i in self._evictable(hard=False) if self.states[i].device_slot.slot_bytes >= nbytes]
-            if not fitting and hard:
-                fitting = [i for i in self._evictable(hard=True) if self.states[i].device_slot.slot_bytes >= nbytes]
-            if not fitting:
-                if hard:
-                    self._drain_prefetches()
-                    fitting = [i for i in self._evictable(hard=True) if self.states[i].device_slot.slot_bytes >= nbytes]
-                if not fitting:
+        while (slot := self.device_pool.try_acquire(nbytes)) is None:
+            fits = lambda hard: [i for i in self._evictable(hard) if self.states[i].device_slot.slot_bytes >= nbytes]  # noqa: E731
+            victims = fits(False) or fits(True)
+            if not victims:
+                if not any(x.fetch is not None for x in self.states):
                     return None
-            self.evict(self.table.farthest(fitting))
+                self._drain_prefetches()  # units in flight become evictable once they land
+                continue
+            self.evict(self.table.farthest(victims))
+        return slot
 
     def _drain_prefetches(self) -> None:
         for s in self.states:
@@ -410,6 +411,7 @@ class TieredEngine:
             self._complete(s)
         self._bind(s, s.home_views if s.home == HOST else s.placeholders)
         s.bound = False
+        del self._slot_owner[s.device_slot.tensor.data_ptr()]
         self.device_pool.release(s.device_slot)
         s.device_slot = None
 
@@ -446,14 +448,12 @@ class TieredEngine:
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device != self.arena.device or t.untyped_storage().data_ptr() != self.arena.untyped_storage().data_ptr():
             return t
-        for s in self.states:
-            slot = s.device_slot
-            if slot is None or not (slot.tensor.data_ptr() <= t.data_ptr() < slot.tensor.data_ptr() + slot.slot_bytes):
-                continue
-            if s.home == GPU:
-                return t  # persistent buffers never move
-            return _SavedRef(s.unit.index, t.data_ptr() - slot.tensor.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        return t
+        ptr = t.data_ptr()
+        start = self._slot_starts[bisect.bisect_right(self._slot_starts, ptr) - 1]
+        s = self._slot_owner.get(start)
+        if s is None or s.home == GPU or ptr >= start + s.device_slot.slot_bytes:
+            return t  # persistent buffers never move
+        return _SavedRef(s.unit.index, ptr - start, tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedRef):
