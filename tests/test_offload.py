@@ -296,3 +296,28 @@ def test_nvme_units_are_kept_in_host_memory_between_uses(tmp_path):
     train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, extra_callbacks=(recorder,))
     assert recorder.homes["nvme"] > 0
     assert sum(m["cache/nvme_reads_avoided"] for m in recorder.metrics[1:]) > 0
+
+
+def test_bf16_mixed_with_offload_matches_plain_bf16_mixed(tmp_path):
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, precision="bf16-mixed")
+    losses, weights, _ = train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
+                               make_model=gpt2_4l, precision="bf16-mixed")
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+def test_unsupported_combinations_are_refused_before_training(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from tests.helpers import tiny_data
+
+    total = param_bytes(gpt2_4l)
+    with pytest.raises(ValueError, match=r"gradient_clip_val=1.0 needs every gradient at once"):
+        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, gradient_clip_val=1.0)
+    # Lightning accepts 16-mixed only on GPUs by name; a plugin instance reaches the strategy anywhere.
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(strategy=TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), accelerator="cpu", devices=1,
+                        plugins=[scaled], max_steps=1, logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"precision='16-mixed' scales the loss with a GradScaler"):
+        trainer.fit(gpt2_4l(), datamodule=tiny_data())
