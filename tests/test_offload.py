@@ -321,3 +321,25 @@ def test_unsupported_combinations_are_refused_before_training(tmp_path):
                         plugins=[scaled], max_steps=1, logger=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"precision='16-mixed' scales the loss with a GradScaler"):
         trainer.fit(gpt2_4l(), datamodule=tiny_data())
+
+
+def test_an_exception_mid_training_leaves_no_files_and_real_parameters(tmp_path):
+    class Boom(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("boom")
+
+    total = param_bytes(gpt2_4l)
+    nvme = tmp_path / "nvme"
+    holder = {}
+
+    def make():
+        holder["model"] = gpt2_4l()
+        return holder["model"]
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(nvme_strategy(total, nvme), tmp_path / "run", epochs=2, make_model=make, extra_callbacks=(Boom(),))
+    assert nvme.exists() and not any(nvme.iterdir()), "the run's NVMe files were left behind"
+    for name, p in holder["model"].named_parameters():  # every parameter holds real, finite values again
+        assert 0 not in p.stride(), name  # not a placeholder
+        assert torch.isfinite(p).all(), name
