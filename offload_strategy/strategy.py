@@ -192,7 +192,9 @@ class TieredStrategy(SingleDeviceStrategy):
             )
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
         try:
-            engine = TieredEngine(model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None)
+            engine = TieredEngine(
+                model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers
+            )
         except BaseException:
             device.close()
             raise
@@ -255,26 +257,6 @@ class TieredStrategy(SingleDeviceStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         with self.engine.materialized(writeback=True):
             super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.engine is None:
-            return super().optimizer_state(optimizer)
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        with self.engine.optimizer_states_materialized(raw):
-            state = super().optimizer_state(optimizer)
-            # copy the per-parameter dicts: the optimizer's own go back to placeholders below
-            return {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self.engine is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        # torch moves loaded states to their parameter's device: parameters must be real tensors.
-        with self.engine.materialized():
-            super().load_optimizer_state_dict(checkpoint)
-        for optimizer in self.optimizers:
-            self.engine.adopt_optimizer_states(optimizer)
 
     @override
     def teardown(self) -> None:

@@ -54,11 +54,12 @@ class StatesOnNvme(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         engine = trainer.strategy.engine
-        optimizer = trainer.optimizers[0]
+        slots = engine.unit_optimizers[id(trainer.optimizers[0])].slots
         for s in engine.states:
             if s.home == "nvme":
-                for p in s.unit.trainable:
-                    tensors = [t for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+                slot = slots[s.unit.index]
+                for master in slot.masters:
+                    tensors = [t for t in slot.inner.state[master].values() if torch.is_tensor(t) and t.dim() > 0]
                     assert tensors and all(0 in t.stride() for t in tensors), s.unit.name
                     self.checked += 1
 

@@ -38,6 +38,7 @@ from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, DEVICE_SL
 from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
+from .optimizer import UnitOptimizers, grads_on
 from .scheduler import PrefetchTable
 from .units import TransferUnit
 
@@ -106,6 +107,7 @@ class TieredEngine:
         placement: Placement,
         device: Device,
         nvme_path: Optional[str] = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         self.model = model
         self.device = device
@@ -117,7 +119,7 @@ class TieredEngine:
         self._last_backward: Optional[tuple[int, float]] = None
         self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each host-homed unit
         self.nvme_states: Optional[NvmeOptimizerStates] = None
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self.unit_optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
@@ -129,6 +131,8 @@ class TieredEngine:
             self._allocate(nvme_path)
             self._move_to_homes()
             self._install_hooks(users)
+            for optimizer in optimizers:
+                self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
         except BaseException:
             self.close(materialize=True)
             raise
@@ -515,6 +519,32 @@ class TieredEngine:
             if s.home != GPU and s.device_slot is not None:
                 self.evict(s.unit.index)
 
+    def _unit_optimizers(self, facade: torch.optim.Optimizer) -> UnitOptimizers:
+        """Per-unit optimizers of ``facade``, over master tensors at each unit's home."""
+        units = []
+        for s in self.states:
+            trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
+            if not trainable:
+                continue
+            if s.home == GPU:
+                masters = [p for _, p in trainable]
+            elif s.home == HOST:
+                masters = [s.home_views[i].view(p.shape) for i, p in trainable]
+            else:  # bound to the unit's host copy for each update
+                masters = [_nan_placeholder(p, torch.device("cpu")) for _, p in trainable]
+            units.append((s.unit.index, [p for _, p in trainable], masters))
+        unit_optimizers = UnitOptimizers(facade, units)
+        if self.nvme_states is not None:
+            unit_optimizers._materialize = self.nvme_states.materialized
+            unit_optimizers.after_load = lambda: self._adopt_states(unit_optimizers)
+        return unit_optimizers
+
+    def _adopt_states(self, unit_optimizers: UnitOptimizers) -> None:
+        """States just loaded from a checkpoint: those of NVMe units go to NVMe."""
+        for index, slot in unit_optimizers.slots.items():
+            if self.states[index].home == NVME:
+                self.nvme_states.adopt(slot.inner, index, slot.masters)
+
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Update every unit where it lives with the user's optimizer, one unit at a time."""
@@ -523,48 +553,51 @@ class TieredEngine:
             self.profile.order = list(self.table.order)
         self._active = False
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
-        if optimizer not in self._optimizers:
-            self._optimizers.append(optimizer)
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if id(optimizer) not in self.unit_optimizers:
+            self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
+        unit_optimizers = self.unit_optimizers[id(optimizer)]
         for s in self.states:
-            params = [p for p in s.unit.trainable if id(p) in owned]
-            if not params:
+            if s.unit.index not in unit_optimizers.slots:
                 continue
             if s.home == GPU:
-                with _only(optimizer, params):
-                    optimizer.step()
-                continue
-            for i in range(len(s.unit.params)):
-                self._wait_grad(s, i)
-            states: Optional[Slot] = None
-            if s.home == NVME:
-                self._bind(s, s.unit.views(self._host_copy(s).tensor))
-                if self.nvme_states.known(s.unit.index):
-                    states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
-                    self.nvme_states.load(optimizer, s.unit.index, states.tensor)
-            for p, g, fresh in zip(s.unit.params, s.grad_views, s.grad_fresh):
-                if id(p) in owned and fresh:
-                    p.grad = g
-            with _only(optimizer, [p for p in params if p.grad is not None]):
-                optimizer.step()
-            for i, p in enumerate(s.unit.params):
-                if id(p) in owned:
-                    p.grad = None
-                    s.grad_fresh[i] = False
-            if s.home == NVME:
-                if states is None and self.nvme_states.learn(optimizer, s.unit.index, params):
-                    states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
-                if states is not None:
-                    self.nvme_states.save(optimizer, s.unit.index, states.tensor)
-                    self.staging_pool.release(states)
-                self.store.write(self._key(s), s.host_copy.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
-                self._bind(s, s.placeholders)
-            elif s.unit.index not in self._state_bytes:
-                self._state_bytes[s.unit.index] = sum(
-                    t.numel() * t.element_size() for p in params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)
-                )
+                unit_optimizers.step(s.unit.index)
+            else:
+                self._update_offloaded(unit_optimizers, s)
+        unit_optimizers.count_step()
         for s in self.states:
             s.grads_pending = 0
+
+    def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
+        slot = unit_optimizers.slots[s.unit.index]
+        positions = [self._param_slot[id(p)][1] for p in slot.params]
+        for i in positions:
+            self._wait_grad(s, i)
+        grads = [s.grad_views[i] if s.grad_fresh[i] else None for i in positions]
+        states: Optional[Slot] = None
+        if s.home == NVME:
+            views = s.unit.views(self._host_copy(s).tensor)
+            for master, i in zip(slot.masters, positions):
+                master.data = views[i]
+            if self.nvme_states.known(s.unit.index):
+                states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
+                self.nvme_states.load(s.unit.index, states.tensor)
+        with grads_on(slot.masters, grads):
+            unit_optimizers.step(s.unit.index)
+        for i in positions:
+            s.grad_fresh[i] = False
+        if s.home == NVME:
+            if states is None and self.nvme_states.learn(slot.inner, s.unit.index, slot.masters):
+                states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
+            if states is not None:
+                self.nvme_states.save(s.unit.index, states.tensor)
+                self.staging_pool.release(states)
+            self.store.write(self._key(s), s.host_copy.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+            for master, i in zip(slot.masters, positions):
+                master.data = _nan_placeholder(s.unit.params[i], torch.device("cpu"))
+        elif s.unit.index not in self._state_bytes:
+            self._state_bytes[s.unit.index] = sum(
+                t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
+            )
 
     def _state_buffer(self, s: UnitState, nbytes: int) -> Slot:
         slot = self._staging(nbytes, wait=True, keep=s)
@@ -585,26 +618,6 @@ class TieredEngine:
             self.store.read(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
             s.host_copy = staging
         return s.host_copy
-
-    @contextlib.contextmanager
-    def optimizer_states_materialized(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """The optimizer holds every state as a real tensor for the duration (saving checkpoints)."""
-        if self.nvme_states is None:
-            yield
-            return
-        with self.nvme_states.materialized(optimizer):
-            yield
-
-    def adopt_optimizer_states(self, optimizer: torch.optim.Optimizer) -> None:
-        """After states were loaded into ``optimizer`` (resuming), move those of NVMe units to NVMe."""
-        if optimizer not in self._optimizers:
-            self._optimizers.append(optimizer)
-        if self.nvme_states is None:
-            return
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for s in self.states:
-            if s.home == NVME:
-                self.nvme_states.adopt(optimizer, s.unit.index, [p for p in s.unit.trainable if id(p) in owned])
 
     # -- whole-model views --------------------------------------------------------------------------
 
@@ -660,10 +673,10 @@ class TieredEngine:
                             buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
                             self.store.read(self._key(s), buffer).result()
                             self._bind(s, [v.clone() for v in s.unit.views(buffer)])
-        if materialize and self.nvme_states is not None:
-            for optimizer in self._optimizers:
+        if materialize:
+            for unit_optimizers in self.unit_optimizers.values():
                 with contextlib.suppress(Exception):
-                    self.nvme_states.restore(optimizer)
+                    unit_optimizers.restore_facade(self.nvme_states.materialized if self.nvme_states else contextlib.nullcontext)
         if self.store is not None:
             self.store.close()
         if getattr(self, "slab", None) is not None:
@@ -690,17 +703,3 @@ class TieredEngine:
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
         return out
-
-
-@contextlib.contextmanager
-def _only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
-    """Let ``optimizer.step()`` see only ``params``, keeping its groups, options and state."""
-    keep = {id(p) for p in params}
-    saved = [group["params"] for group in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in keep]
-        yield
-    finally:
-        for group, original in zip(optimizer.param_groups, saved):
-            group["params"] = original

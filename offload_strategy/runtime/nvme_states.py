@@ -42,6 +42,7 @@ class NvmeOptimizerStates:
         self.store = store
         self.layouts: dict[int, list[_Entry]] = {}
         self.sizes: dict[int, int] = {}
+        self.owners: dict[int, torch.optim.Optimizer] = {}  # the optimizer holding each unit's states
 
     @staticmethod
     def _file(unit: int) -> str:
@@ -60,51 +61,48 @@ class NvmeOptimizerStates:
                     offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
         self.layouts[unit] = entries
         self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
+        self.owners[unit] = optimizer
         return self.sizes[unit]
 
     def _views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]
 
-    def load(self, optimizer: torch.optim.Optimizer, unit: int, buffer: torch.Tensor) -> None:
-        """Read the unit's states into ``buffer`` and let the optimizer use them in place."""
+    def load(self, unit: int, buffer: torch.Tensor) -> None:
+        """Read the unit's states into ``buffer`` and let its optimizer use them in place."""
         self.store.read(self._file(unit), buffer[: self.sizes[unit]]).result()
+        optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
             optimizer.state[entry.param][entry.key] = view
 
-    def save(self, optimizer: torch.optim.Optimizer, unit: int, buffer: torch.Tensor) -> None:
+    def save(self, unit: int, buffer: torch.Tensor) -> None:
         """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from memory."""
+        optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
             value = optimizer.state[entry.param][entry.key]
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)
         self.store.write(self._file(unit), buffer[: self.sizes[unit]]).result()
-        self._drop(optimizer, unit)
+        self._drop(unit)
 
-    def _drop(self, optimizer: torch.optim.Optimizer, unit: int) -> None:
+    def _drop(self, unit: int) -> None:
+        optimizer = self.owners[unit]
         for entry in self.layouts[unit]:
             optimizer.state[entry.param][entry.key] = torch.full((1,), float("nan"), dtype=entry.dtype).expand(entry.shape)
 
     @contextlib.contextmanager
-    def materialized(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """Every offloaded state is a real tensor of its own for the duration (saving checkpoints)."""
+    def materialized(self) -> Iterator[None]:
+        """Every offloaded state is a real tensor of its own for the duration (checkpoints)."""
         for unit in self.layouts:
-            self.load(optimizer, unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+            self.load(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
         try:
             yield
         finally:
             for unit in self.layouts:
-                self._drop(optimizer, unit)
+                self._drop(unit)
 
     def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> None:
-        """States the optimizer holds in memory for an NVMe unit (just loaded from a checkpoint): offload them."""
+        """States ``optimizer`` holds in memory for an NVMe unit (just loaded from a checkpoint): offload them."""
         if self.learn(optimizer, unit, params):
-            self.save(optimizer, unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+            self.save(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
         else:
-            del self.layouts[unit], self.sizes[unit]
-
-    def restore(self, optimizer: torch.optim.Optimizer) -> None:
-        """Give the optimizer its states back for good (end of training)."""
-        for unit in list(self.layouts):
-            self.load(optimizer, unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
-        self.layouts.clear()
-        self.sizes.clear()
+            del self.layouts[unit], self.sizes[unit], self.owners[unit]
