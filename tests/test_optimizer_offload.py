@@ -1,0 +1,112 @@
+"""The user's optimizer applied per unit behind a facade: same numbers as plain training for the
+common optimizers and schedulers, and state dicts that move between tiered and plain training."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from offload_strategy import TieredStrategy
+from tests.helpers import assert_same_weights, tiny_data, train
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam-amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "sgd-nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+}
+
+
+class Net(L.LightningModule):
+    """Embedding, blocks and head, two param groups, a per-step LR schedule."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 256)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        logits = self.head(self.norm(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = OPTIMIZERS[self.optimizer]([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Offloaded(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        engine = trainer.strategy.engine
+        assert engine is not None and any(s.home == "host" for s in engine.states)
+
+
+def param_bytes() -> int:
+    return sum(p.numel() * p.element_size() for p in Net().parameters())
+
+
+def offloading(**kwargs) -> TieredStrategy:
+    return TieredStrategy(gpu_memory=int(0.85 * param_bytes()), host_memory="1GiB", **kwargs)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizers_and_schedulers_match_plain_training(tmp_path, name):
+    make = lambda: Net(name)  # noqa: E731
+    plain_losses, plain_weights, plain = train("auto", tmp_path / "plain", epochs=2, make_model=make)
+    losses, weights, tiered = train(offloading(), tmp_path / "tiered", epochs=2, make_model=make, extra_callbacks=(Offloaded(),))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert tiered.optimizers[0].param_groups[0]["lr"] == plain.optimizers[0].param_groups[0]["lr"] < 1e-2
+
+
+def test_state_dicts_move_between_tiered_and_plain(tmp_path):
+    """A checkpoint of either strategy resumes in the other with the same numbers."""
+    full_losses, full_weights, _ = train("auto", tmp_path / "full", epochs=2, make_model=Net)
+    for first, second in (("tiered", "auto"), ("auto", "tiered")):
+        make = lambda kind: offloading() if kind == "tiered" else "auto"  # noqa: E731
+        root = tmp_path / f"{first}-then-{second}"
+        train(make(first), root / "a", epochs=2, stop_after_epochs=1, save_every_epoch=True, make_model=Net)
+        checkpoint = root / "a" / "ckpt" / "epoch=0.ckpt"
+        state = torch.load(checkpoint, weights_only=True)["optimizer_states"][0]
+        assert len(state["state"]) == len(list(Net().parameters())) and len(state["param_groups"]) == 2
+        losses, weights, _ = train(make(second), root / "b", epochs=2, resume=checkpoint, make_model=Net)
+        assert losses == full_losses[len(full_losses) - len(losses) :], (first, second)
+        assert_same_weights(full_weights, weights)
+
+
+def test_optimizer_state_dict_is_standard_during_and_after_training(tmp_path):
+    captured = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            captured["during"] = trainer.optimizers[0].state_dict()
+
+    _, _, plain = train("auto", tmp_path / "plain", epochs=1, make_model=Net)
+    _, _, tiered = train(offloading(), tmp_path / "tiered", epochs=1, make_model=Net, extra_callbacks=(Capture(),))
+    expected = plain.optimizers[0].state_dict()
+    for got in (captured["during"], tiered.optimizers[0].state_dict()):
+        assert got["param_groups"] == expected["param_groups"]
+        assert got["state"].keys() == expected["state"].keys()
+        for index, values in expected["state"].items():
+            for key, value in values.items():
+                assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def test_whole_model_optimizers_are_refused(tmp_path):
+    class WithLbfgs(Net):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="LBFGS re-evaluates the whole model inside its step"):
+        trainer = L.Trainer(strategy=offloading(), accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp_path)
+        trainer.fit(WithLbfgs(), datamodule=tiny_data())
