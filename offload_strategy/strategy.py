@@ -207,10 +207,19 @@ class TieredStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
             return super().training_step(*args, **kwargs)
-        self.engine.begin_step(profile=not self._profiled)
+        trainer = self.lightning_module.trainer
+        self.engine.begin_step(profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer))
         self._profiled = True
         with self.engine.saved_tensor_hooks():
             return super().training_step(*args, **kwargs)
+
+    @staticmethod
+    def _updates_can_start_in_backward(trainer: "pl.Trainer") -> bool:
+        """True when this step's backward is the last before the optimizer step and nothing must see
+        every gradient first: then each unit is updated as soon as its gradients are complete."""
+        if not trainer.lightning_module.automatic_optimization or trainer.gradient_clip_val:
+            return False
+        return not trainer.fit_loop._should_accumulate()
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is not None:

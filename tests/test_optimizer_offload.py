@@ -110,3 +110,28 @@ def test_whole_model_optimizers_are_refused(tmp_path):
     with pytest.raises(ValueError, match="LBFGS re-evaluates the whole model inside its step"):
         trainer = L.Trainer(strategy=offloading(), accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp_path)
         trainer.fit(WithLbfgs(), datamodule=tiny_data())
+
+
+def test_updates_run_while_backward_continues(tmp_path):
+    """LoHan's active gradient offloading: a unit's update starts on the worker before backward
+    has finished with the other units, and every unit is still updated exactly once."""
+    seen = []
+
+    class Timeline(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            engine = trainer.strategy.engine
+            seen.append((list(engine.update_log), list(engine.backward_log), len(engine.unit_optimizers[id(trainer.optimizers[0])].slots)))
+
+    train(offloading(), tmp_path, epochs=1, make_model=Net, extra_callbacks=(Timeline(),))
+    overlapped = 0
+    for updates, backward, units in seen[1:]:
+        assert sorted(u for u, _, _ in updates) == sorted(set(u for u, _, _ in updates)) and len(updates) == units
+        overlapped += sum(1 for _, start, _ in updates if start < backward[-1])
+    assert overlapped > 0, "no update started before backward ended"
+
+
+def test_accumulation_defers_updates_to_the_last_micro_batch(tmp_path):
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, accumulate_grad_batches=3)
+    losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Net, accumulate_grad_batches=3)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

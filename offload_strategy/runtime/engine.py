@@ -39,6 +39,7 @@ from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
 from .optimizer import UnitOptimizers, grads_on
+from .worker import UpdateWorker
 from .scheduler import PrefetchTable
 from .units import TransferUnit
 
@@ -73,6 +74,8 @@ class UnitState:
     host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
     pins: int = 0
     grads_pending: int = 0
+    grads_arrived: int = 0  # this backward; all arrived: the unit can be updated
+    updated: bool = False  # this step, already (during backward)
     bound: bool = False  # parameters currently point into device_slot
 
     @property
@@ -125,6 +128,12 @@ class TieredEngine:
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
         self._phase = "forward"
         self._active = False  # inside a training step: the prefetch table applies
+        self._update_in_backward = False  # this backward ends a step: update units as their gradients complete
+        self.worker = UpdateWorker()
+        self.update_log: list[tuple[int, float, float]] = []  # (unit, start, end) of this step's updates
+        self.backward_log: list[float] = []  # times of this step's backward uses of units
+        # optimizer time hidden behind backward vs left after it, since the last report
+        self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         self.store: Optional[NvmeStore] = None
         self._closed = False
         try:
@@ -463,6 +472,7 @@ class TieredEngine:
         if not isinstance(packed, _SavedRef):
             return packed
         self._phase = "backward"
+        self.backward_log.append(time.perf_counter())
         if self.table.recording:
             now = time.perf_counter()
             if self._last_backward is not None and self._last_backward[0] != packed.unit:
@@ -495,6 +505,23 @@ class TieredEngine:
         p.grad = None
         if s.grads_pending > 0:
             s.grads_pending -= 1
+        s.grads_arrived += 1
+        if self._update_in_backward and s.home == HOST and s.grads_arrived == len(s.unit.trainable):
+            self._submit_update(s)
+
+    def _submit_update(self, s: UnitState) -> None:
+        """LoHan §IV-C: update the unit on the worker now, while backward goes on with the others."""
+        (unit_optimizers,) = self.unit_optimizers.values()
+        if s.unit.index not in unit_optimizers.slots:
+            return
+        s.updated = True
+
+        def update() -> None:
+            start = time.perf_counter()
+            self._update_offloaded(unit_optimizers, s)
+            self.update_log.append((s.unit.index, start, time.perf_counter()))
+
+        self.worker.submit(update)
 
     def _wait_grad(self, s: UnitState, i: int) -> None:
         event = s.grad_events[i]
@@ -504,10 +531,17 @@ class TieredEngine:
 
     # -- training-step boundaries -------------------------------------------------------------------
 
-    def begin_step(self, profile: bool) -> None:
+    def begin_step(self, profile: bool, update_in_backward: bool = False) -> None:
+        """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
+        optimizer step (no accumulation left, nothing that needs every gradient first), so units
+        are updated as soon as their gradients are complete."""
         self._phase = "forward"
         self._active = True
         self._recent.clear()
+        self._update_in_backward = update_in_backward and len(self.unit_optimizers) == 1
+        self.update_log, self.backward_log = [], []
+        for s in self.states:
+            s.grads_arrived = 0
         if profile:
             self.table.start_recording()
         else:
@@ -552,20 +586,29 @@ class TieredEngine:
             self.table.freeze()
             self.profile.order = list(self.table.order)
         self._active = False
+        self._update_in_backward = False
+        started = time.perf_counter()
+        self.worker.drain()  # the updates started during backward
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
         if id(optimizer) not in self.unit_optimizers:
             self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
         unit_optimizers = self.unit_optimizers[id(optimizer)]
         for s in self.states:
-            if s.unit.index not in unit_optimizers.slots:
+            if s.unit.index not in unit_optimizers.slots or s.updated:
                 continue
+            start = time.perf_counter()
             if s.home == GPU:
                 unit_optimizers.step(s.unit.index)
             else:
                 self._update_offloaded(unit_optimizers, s)
+            self.update_log.append((s.unit.index, start, time.perf_counter()))
         unit_optimizers.count_step()
+        self.step_stats["exposed_seconds"] += time.perf_counter() - started
+        self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.update_log)
+        self.step_stats["steps"] += 1
         for s in self.states:
             s.grads_pending = 0
+            s.updated = False
 
     def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
         slot = unit_optimizers.slots[s.unit.index]
@@ -654,6 +697,10 @@ class TieredEngine:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "worker"):
+            with contextlib.suppress(BaseException):
+                self.worker.drain()
+            self.worker.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -702,4 +749,10 @@ class TieredEngine:
         out["tier/nvme_bytes"] = float(self.store.used_bytes if self.store else 0)
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
+        steps = self.step_stats["steps"]
+        if steps:
+            # update: all unit updates of a step; exposed: what the step waited after backward
+            out["optimizer/update_ms"] = 1e3 * self.step_stats["update_seconds"] / steps
+            out["optimizer/exposed_ms"] = 1e3 * self.step_stats["exposed_seconds"] / steps
+        self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         return out
