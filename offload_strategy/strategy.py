@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer import call
 from typing_extensions import override
 
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
@@ -180,16 +181,6 @@ class TieredStrategy(SingleDeviceStrategy):
         )
         if not placement.offloaded:
             return None
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "precision='16-mixed' scales the loss with a GradScaler, which offloaded units do not support yet; "
-                "use precision='bf16-mixed' or '32-true', or raise gpu_memory so that nothing is offloaded."
-            )
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient at once, but offloaded units send "
-                f"theirs home as they are produced; set gradient_clip_val=None, or raise gpu_memory so that nothing is offloaded."
-            )
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
         try:
             engine = TieredEngine(
@@ -208,18 +199,23 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.engine is None:
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
-        self.engine.begin_step(profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer))
+        by_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None
+        self.engine.begin_step(profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer), clip_value=by_value)
         self._profiled = True
         with self.engine.saved_tensor_hooks():
             return super().training_step(*args, **kwargs)
 
-    @staticmethod
-    def _updates_can_start_in_backward(trainer: "pl.Trainer") -> bool:
+    def _updates_can_start_in_backward(self, trainer: "pl.Trainer") -> bool:
         """True when this step's backward is the last before the optimizer step and nothing must see
-        every gradient first: then each unit is updated as soon as its gradients are complete."""
-        if not trainer.lightning_module.automatic_optimization or trainer.gradient_clip_val:
+        every gradient first (loss-scale overflow checks, clipping by norm): then each unit is
+        updated as soon as its gradients are complete."""
+        if not trainer.lightning_module.automatic_optimization or self._needs_all_gradients(trainer):
             return False
         return not trainer.fit_loop._should_accumulate()
+
+    def _needs_all_gradients(self, trainer: "pl.Trainer") -> bool:
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
+        return scaled or bool(trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value")
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is not None:
@@ -244,11 +240,36 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The strategy owns the step: the precision plugin's own step would update every parameter
-        # at once, where they do not all live.
+        # at once, where they do not all live. What it does around the step is done here in the
+        # same order: unscale, hooks, clipping, step (skipped on fp16 overflow), scaler update.
         model = model or self.lightning_module
-        loss = self.precision_plugin._wrap_closure(model, optimizer, closure)
-        self.engine.step(optimizer)
-        return loss
+        trainer = model.trainer
+        closure_result = closure()
+        try:
+            if not self._needs_all_gradients(trainer):
+                self._before_optimizer_step(trainer, optimizer)
+                self.engine.step(optimizer)
+                return closure_result
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            with self.engine.gradient_view(optimizer) as gradients:
+                if scaler is not None:
+                    scaler.unscale_(gradients)
+                self._before_optimizer_step(trainer, optimizer)
+                if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+                    torch.nn.utils.clip_grad_norm_(gradients.params, trainer.gradient_clip_val)
+                if scaler is None:
+                    gradients.step()
+                elif closure_result is not None or not model.automatic_optimization:
+                    scaler.step(gradients)
+                    scaler.update()
+            return closure_result
+        finally:
+            self.engine.end_step()
+
+    @staticmethod
+    def _before_optimizer_step(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
 
     # -- checkpoints: the true state from every tier -----------------------------------------------
 

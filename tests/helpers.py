@@ -49,7 +49,7 @@ def train(
     stop_after_epochs: Optional[int] = None,
     resume: Optional[Path] = None,
     save_every_epoch: bool = False,
-    precision: str = "32-true",
+    precision: Optional[str] = "32-true",
     seed: int = 7,
     extra_callbacks: tuple[Callback, ...] = (),
     make_model: Optional[Callable[[], L.LightningModule]] = None,
@@ -74,7 +74,6 @@ def train(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
-        precision=precision,
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=save_every_epoch,
@@ -83,6 +82,7 @@ def train(
         num_sanity_val_steps=0,
         default_root_dir=root,
         callbacks=callbacks,
+        **({"precision": precision} if precision is not None else {}),
         **trainer_kwargs,
     )
     trainer.fit(model, datamodule=tiny_data(), ckpt_path=resume)

@@ -308,22 +308,6 @@ def test_bf16_mixed_with_offload_matches_plain_bf16_mixed(tmp_path):
     assert_same_weights(plain_weights, weights)
 
 
-def test_unsupported_combinations_are_refused_before_training(tmp_path):
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from tests.helpers import tiny_data
-
-    total = param_bytes(gpt2_4l)
-    with pytest.raises(ValueError, match=r"gradient_clip_val=1.0 needs every gradient at once"):
-        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, gradient_clip_val=1.0)
-    # Lightning accepts 16-mixed only on GPUs by name; a plugin instance reaches the strategy anywhere.
-    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    trainer = L.Trainer(strategy=TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), accelerator="cpu", devices=1,
-                        plugins=[scaled], max_steps=1, logger=False, default_root_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"precision='16-mixed' scales the loss with a GradScaler"):
-        trainer.fit(gpt2_4l(), datamodule=tiny_data())
-
-
 def test_an_exception_mid_training_leaves_no_files_and_real_parameters(tmp_path):
     class Boom(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

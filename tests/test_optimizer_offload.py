@@ -135,3 +135,34 @@ def test_accumulation_defers_updates_to_the_last_micro_batch(tmp_path):
     losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Net, accumulate_grad_batches=3)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_matches_plain_training(tmp_path, algorithm):
+    clip = dict(gradient_clip_val=0.02, gradient_clip_algorithm=algorithm)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, **clip)
+    unclipped, _, _ = train("auto", tmp_path / "unclipped", epochs=2, make_model=Net)
+    assert unclipped != plain_losses, "the clip value is too large to change anything"
+    losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Net, extra_callbacks=(Offloaded(),), **clip)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+def test_fp16_loss_scaling_matches_plain_training(tmp_path):
+    """Lightning allows 16-mixed only on GPUs by name; the same plugin instance runs on CPU. The
+    initial scale overflows fp16, so the first steps are skipped, in both runs alike."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scalers = {}
+
+    def plugin(name):
+        scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**28)
+        return MixedPrecision("16-mixed", "cpu", scaler=scalers[name])
+
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, precision=None, plugins=[plugin("plain")])
+    losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Net, precision=None, plugins=[plugin("tiered")],
+                               extra_callbacks=(Offloaded(),))
+    assert scalers["plain"].get_scale() < 2.0**28, "no step overflowed: the test shows nothing about skipping"
+    assert scalers["tiered"].get_scale() == scalers["plain"].get_scale()
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

@@ -83,6 +83,22 @@ class UnitState:
         return self.device_slot is not None and self.fetch is None
 
 
+class GradientView:
+    """Parameters with their gradients attached, shaped like an optimizer for torch's GradScaler
+    and clipping utilities; ``step()`` runs the engine's update."""
+
+    def __init__(self, params: list[torch.Tensor], step: Any) -> None:
+        self.param_groups = [{"params": params}]
+        self._step = step
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.param_groups[0]["params"]
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self._step()
+
+
 @dataclass(frozen=True)
 class _SavedRef:
     """A saved tensor that aliases a unit's GPU-tier buffer, re-materialised on unpack."""
@@ -129,6 +145,7 @@ class TieredEngine:
         self._phase = "forward"
         self._active = False  # inside a training step: the prefetch table applies
         self._update_in_backward = False  # this backward ends a step: update units as their gradients complete
+        self.clip_value: Optional[float] = None  # gradient clipping by value, applied per unit
         self.worker = UpdateWorker()
         self.update_log: list[tuple[int, float, float]] = []  # (unit, start, end) of this step's updates
         self.backward_log: list[float] = []  # times of this step's backward uses of units
@@ -531,7 +548,7 @@ class TieredEngine:
 
     # -- training-step boundaries -------------------------------------------------------------------
 
-    def begin_step(self, profile: bool, update_in_backward: bool = False) -> None:
+    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:
         """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
         optimizer step (no accumulation left, nothing that needs every gradient first), so units
         are updated as soon as their gradients are complete."""
@@ -539,6 +556,7 @@ class TieredEngine:
         self._active = True
         self._recent.clear()
         self._update_in_backward = update_in_backward and len(self.unit_optimizers) == 1
+        self.clip_value = clip_value
         self.update_log, self.backward_log = [], []
         for s in self.states:
             s.grads_arrived = 0
@@ -590,14 +608,14 @@ class TieredEngine:
         started = time.perf_counter()
         self.worker.drain()  # the updates started during backward
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
-        if id(optimizer) not in self.unit_optimizers:
-            self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
-        unit_optimizers = self.unit_optimizers[id(optimizer)]
+        unit_optimizers = self._ensure_unit_optimizers(optimizer)
         for s in self.states:
             if s.unit.index not in unit_optimizers.slots or s.updated:
                 continue
             start = time.perf_counter()
             if s.home == GPU:
+                if self.clip_value is not None:
+                    torch.nn.utils.clip_grad_value_(unit_optimizers.slots[s.unit.index].params, self.clip_value)
                 unit_optimizers.step(s.unit.index)
             else:
                 self._update_offloaded(unit_optimizers, s)
@@ -606,9 +624,51 @@ class TieredEngine:
         self.step_stats["exposed_seconds"] += time.perf_counter() - started
         self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.update_log)
         self.step_stats["steps"] += 1
+
+    def end_step(self) -> None:
+        """After the optimizer step, taken or skipped (an fp16 overflow): gradients start afresh."""
+        self._active = False
+        self._update_in_backward = False
+        self.worker.drain()
         for s in self.states:
             s.grads_pending = 0
             s.updated = False
+            for i in range(len(s.grad_fresh)):
+                self._wait_grad(s, i)
+                s.grad_fresh[i] = False
+
+    @contextlib.contextmanager
+    def gradient_view(self, optimizer: torch.optim.Optimizer) -> Iterator["GradientView"]:
+        """Every gradient of ``optimizer``'s parameters, attached to tensors in the facade's order,
+        for what needs them all at once: loss-scale unscaling and overflow checks, clipping by norm.
+        Its ``step()`` runs the engine's update (so a GradScaler can skip it)."""
+        unit_optimizers = self._ensure_unit_optimizers(optimizer)
+        holders, attached = [], []
+        for p in unit_optimizers.order:
+            found = unit_optimizers.slot_of.get(id(p))
+            if found is None:
+                continue
+            slot, position = found
+            s = self.states[slot.unit_index]
+            if s.home == GPU:
+                holders.append(p)
+                continue
+            i = self._param_slot[id(p)][1]
+            self._wait_grad(s, i)
+            master = slot.masters[position]
+            master.grad = s.grad_views[i] if s.grad_fresh[i] else None
+            holders.append(master)
+            attached.append(master)
+        try:
+            yield GradientView(holders, lambda: self.step(optimizer))
+        finally:
+            for master in attached:
+                master.grad = None
+
+    def _ensure_unit_optimizers(self, optimizer: torch.optim.Optimizer) -> UnitOptimizers:
+        if id(optimizer) not in self.unit_optimizers:
+            self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
+        return self.unit_optimizers[id(optimizer)]
 
     def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
         slot = unit_optimizers.slots[s.unit.index]
@@ -616,6 +676,10 @@ class TieredEngine:
         for i in positions:
             self._wait_grad(s, i)
         grads = [s.grad_views[i] if s.grad_fresh[i] else None for i in positions]
+        if self.clip_value is not None:  # clipping by value is per element: per unit is exact
+            for g in grads:
+                if g is not None:
+                    g.clamp_(-self.clip_value, self.clip_value)
         states: Optional[Slot] = None
         if s.home == NVME:
             views = s.unit.views(self._host_copy(s).tensor)
