@@ -135,17 +135,24 @@ class PolicyConfig:
 
     ``chunk_size``: merge consecutive transfer units into chunks of up to this many bytes
     (ProTrain §3.1.1); ``None`` keeps one unit per module that owns parameters.
+    ``gradient_reserve``: the share of offloaded units' gradient bytes that may be produced in the
+    GPU tier and copied home afterwards; the rest is written straight into host memory
+    (GO-MemFerry's reserve factor). ``None`` chooses: 0 on the emulated GPU tier, where a direct
+    write is just a write; 1 on CUDA devices for now.
     ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
     memory take as long as the hardware spec's PCIe link would (for what-if runs).
     """
 
     name: str = "auto"
     chunk_size: Optional[Union[int, str]] = None
+    gradient_reserve: Optional[float] = None
     throttle: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
             raise ValueError(f"policy={self.name!r} is not a known policy; choose one of {', '.join(POLICY_NAMES)}.")
+        if self.gradient_reserve is not None and not (isinstance(self.gradient_reserve, (int, float)) and 0.0 <= self.gradient_reserve <= 1.0):
+            raise ValueError(f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None.")
         if self.chunk_size is not None:
             size = parse_size(self.chunk_size, "policy.chunk_size")
             if size == 0:

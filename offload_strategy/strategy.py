@@ -22,6 +22,7 @@ from typing_extensions import override
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
+from .planning.memferry import gradient_offload_plan
 from .planning.placement import UnitSize, place_units
 from .runtime.engine import TieredEngine
 from .runtime.units import build_units, merge_into_chunks
@@ -184,13 +185,27 @@ class TieredStrategy(SingleDeviceStrategy):
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
         try:
             engine = TieredEngine(
-                model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers
+                model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
+                direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
             )
         except BaseException:
             device.close()
             raise
         self._profiled = False
         return engine
+
+    def _direct_gradients(self, sizes: list[UnitSize], placement: Any, emulated: bool) -> frozenset[int]:
+        """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
+        reserve = self.policy.gradient_reserve
+        if not emulated:
+            return frozenset()  # direct writes from a CUDA device need host views it does not map yet
+        reserve = 0.0 if reserve is None else reserve
+        offloaded = [u for u in sizes if placement.home[u.index] != "gpu" and u.trainable_bytes]
+        bandwidth = (self.hardware.d2h_gbps if self.hardware and self.hardware.d2h_gbps else 10.0) * 1e9
+        kept = gradient_offload_plan(
+            [u.trainable_bytes for u in offloaded], [u.trainable_bytes / bandwidth for u in offloaded], [0.0] * len(offloaded), reserve
+        )
+        return frozenset(u.index for k, u in enumerate(offloaded) if k not in kept)
 
     # -- the training step --------------------------------------------------------------------------
 
@@ -234,6 +249,12 @@ class TieredStrategy(SingleDeviceStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(super().predict_step, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.engine is not None:
+            self.engine.attach_direct_gradients()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -166,3 +166,29 @@ def test_fp16_loss_scaling_matches_plain_training(tmp_path):
     assert scalers["tiered"].get_scale() == scalers["plain"].get_scale()
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.parametrize("reserve", [0.0, 0.5, 1.0])
+def test_gradients_written_straight_home_or_copied(tmp_path, reserve):
+    """GO-MemFerry's reserve factor: 0 writes every offloaded unit's gradient straight into host
+    memory (no device-to-host copies), 1 produces them all in the GPU tier and copies them home."""
+    seen = {}
+
+    class Links(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            metrics = trainer.strategy.metrics()
+            seen["direct"] = metrics["units/direct_gradients"]
+            seen["offloaded"] = metrics["units/host"] + metrics["units/nvme"]
+            seen["d2h"] = metrics["link/d2h_bytes"]
+
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, accumulate_grad_batches=2)
+    strategy = offloading(policy={"name": "auto", "gradient_reserve": reserve})
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=Net, accumulate_grad_batches=2, extra_callbacks=(Links(),))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    if reserve == 0.0:
+        assert seen["direct"] == seen["offloaded"] > 0 and seen["d2h"] == 0
+    elif reserve == 1.0:
+        assert seen["direct"] == 0 and seen["d2h"] > 0
+    else:
+        assert 0 < seen["direct"] < seen["offloaded"] and seen["d2h"] > 0

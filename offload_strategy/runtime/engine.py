@@ -127,11 +127,14 @@ class TieredEngine:
         device: Device,
         nvme_path: Optional[str] = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        direct_gradients: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.device = device
         self.placement = placement
         self.states = [UnitState(unit=u, home=placement.home[u.index]) for u in units]
+        # offloaded units whose gradients autograd writes straight into their host buffers
+        self.direct_gradients = frozenset(i for i in direct_gradients if self.states[i].home != GPU)
         self.table = PrefetchTable()
         self.requests = RequestStats()
         self.profile = StepProfile(unit_names=[u.name for u in units], unit_bytes=[u.nbytes for u in units])
@@ -513,13 +516,16 @@ class TieredEngine:
         grad, home = p.grad, s.grad_views[i]
         if grad is None or home is None:
             return
-        if s.grad_fresh[i]:
+        if s.unit.index in self.direct_gradients and grad.data_ptr() == home.data_ptr():
+            s.grad_fresh[i] = True  # already accumulated in place, at home
+        elif s.grad_fresh[i]:
             self._wait_grad(s, i)
             home.add_(grad.to(home.device))
         else:
             s.grad_events[i] = self.device.copy_to_host(home, grad)
             s.grad_fresh[i] = True
-        p.grad = None
+        if grad.data_ptr() != home.data_ptr():
+            p.grad = None
         if s.grads_pending > 0:
             s.grads_pending -= 1
         s.grads_arrived += 1
@@ -565,6 +571,21 @@ class TieredEngine:
         else:
             self.table.restart()
             self._prefetch()
+
+    @torch.no_grad()
+    def attach_direct_gradients(self) -> None:
+        """Right before backward — after Lightning's ``zero_grad`` — make each direct unit's host
+        buffer its parameter's ``.grad``, so autograd accumulates into it in place (GO-MemFerry);
+        zeroed when a new accumulation starts."""
+        for index in self.direct_gradients:
+            s = self.states[index]
+            for i, p in enumerate(s.unit.params):
+                home = s.grad_views[i]
+                if home is None:
+                    continue
+                if not s.grad_fresh[i]:
+                    home.zero_()
+                p.grad = home
 
     def evict_all(self) -> None:
         for s in self.states:
@@ -813,6 +834,7 @@ class TieredEngine:
         out["tier/nvme_bytes"] = float(self.store.used_bytes if self.store else 0)
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
+        out["units/direct_gradients"] = float(len(self.direct_gradients))
         steps = self.step_stats["steps"]
         if steps:
             # update: all unit updates of a step; exposed: what the step waited after backward

@@ -1,0 +1,58 @@
+import itertools
+import random
+
+import pytest
+
+from offload_strategy.planning.memferry import gradient_offload_plan
+
+
+def brute_force(sizes, dha, gpu, reserve):
+    capacity = reserve * sum(sizes)
+    best, best_gain = frozenset(), 0.0
+    for r in range(len(sizes) + 1):
+        for kept in itertools.combinations(range(len(sizes)), r):
+            if sum(sizes[i] for i in kept) <= capacity + 1e-9:
+                gain = sum(dha[i] - gpu[i] for i in kept)
+                if gain > best_gain + 1e-12:
+                    best, best_gain = frozenset(kept), gain
+    return best_gain
+
+
+def gain(plan, dha, gpu):
+    return sum(dha[i] - gpu[i] for i in plan)
+
+
+def test_hand_worked_case():
+    # sizes 4, 3, 2, 1 (total 10), reserve 0.5: at most 5 units of space stay in the GPU tier.
+    # gains 4, 5, 3, 1: {0} 4, {1} 5, {1, 2} 8 (space 5), {0, 3} 5, {2, 3} 4, {0, 1} too big.
+    plan = gradient_offload_plan([4, 3, 2, 1], [5.0, 6.0, 4.0, 2.0], [1.0, 1.0, 1.0, 1.0], 0.5)
+    assert plan == {1, 2}
+
+
+def test_extremes():
+    assert gradient_offload_plan([4, 3], [2.0, 2.0], [1.0, 1.0], 0.0) == frozenset()
+    assert gradient_offload_plan([4, 3], [2.0, 2.0], [1.0, 1.0], 1.0) == {0, 1}
+    assert gradient_offload_plan([4, 3], [1.0, 2.0], [1.0, 1.0], 1.0) == {1}  # no gain: leave it to the host
+    with pytest.raises(ValueError, match="must lie in"):
+        gradient_offload_plan([1], [1.0], [1.0], 1.5)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_brute_force_on_random_instances(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    sizes = [rng.randint(1, 60) for _ in range(n)]
+    gpu = [rng.uniform(0.1, 2.0) for _ in range(n)]
+    dha = [g + rng.uniform(-0.5, 3.0) for g in gpu]
+    reserve = rng.choice([0.1, 0.25, 0.5, 0.75, 0.9])
+    plan = gradient_offload_plan(sizes, dha, gpu, reserve)
+    assert sum(sizes[i] for i in plan) <= reserve * sum(sizes) + 1e-9
+    assert gain(plan, dha, gpu) == pytest.approx(brute_force(sizes, dha, gpu, reserve))
+
+
+def test_large_sizes_stay_within_the_reserve():
+    rng = random.Random(0)
+    sizes = [rng.randint(1, 1 << 30) for _ in range(200)]
+    plan = gradient_offload_plan(sizes, [s * 1e-9 for s in sizes], [0.0] * 200, 0.3)
+    kept = sum(sizes[i] for i in plan)
+    assert kept <= 0.3 * sum(sizes) and kept >= 0.29 * sum(sizes)
