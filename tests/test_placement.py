@@ -31,14 +31,16 @@ def test_streaming_buffers_and_host_homes():
 
 
 def test_nvme_takes_what_host_memory_cannot():
-    # 40000 < 49152: gradients (16384) and two staging pages (8192) make 24576; unit 0's home and
-    # states (8192) bring it to 32768; unit 1's would pass 40000, and so would 2's and 3's: those
-    # three keep parameters and states on NVMe (3 x 8192). The 7232 bytes left buy one more
-    # staging page, to keep an NVMe unit in host memory between its uses.
-    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=40000, nvme_bytes=1 << 20, state_factor=2)
+    # 45000 < 49152: gradients (16384) and four staging pages (two to fetch through, two for the
+    # update worker: 16384) make 32768; unit 0's home and states (8192) bring it to 40960; unit 1's
+    # would pass 45000, and so would 2's and 3's: those three keep parameters and states on NVMe
+    # (3 x 8192). The 4040 bytes left do not buy another staging page.
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=45000, nvme_bytes=1 << 20, state_factor=2)
     assert placement.home == {0: HOST, 1: NVME, 2: NVME, 3: NVME}
-    assert placement.staging_slots == {4096: 3}
-    assert placement.host_bytes == 36864 and placement.nvme_bytes == 3 * 8192
+    assert placement.staging_slots == {4096: 4}
+    assert placement.host_bytes == 40960 and placement.nvme_bytes == 3 * 8192
+    # 4096 more bytes buy a fifth page, which keeps an NVMe unit in host memory between its uses
+    assert place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=49100, nvme_bytes=1 << 20, state_factor=2).staging_slots == {4096: 5}
 
 
 def test_persistent_units_by_first_use():
@@ -53,8 +55,8 @@ def test_persistent_units_by_first_use():
     "budgets, message",
     [
         (dict(gpu_bytes=4000, host_bytes=1 << 20, nvme_bytes=0), r"gpu_memory=3.91 KiB cannot hold .* \(4.00 KiB\); raise gpu_memory to at least 4.00 KiB"),
-        (dict(gpu_bytes=6144, host_bytes=20000, nvme_bytes=1 << 20), r"host_memory=19.53 KiB cannot hold the gradients .* at least 24.00 KiB"),
-        (dict(gpu_bytes=6144, host_bytes=40000, nvme_bytes=0), r"24.00 KiB of parameters and optimizer states .* must go to NVMe, which grants 0 B; give nvme_path"),
+        (dict(gpu_bytes=6144, host_bytes=20000, nvme_bytes=1 << 20), r"host_memory=19.53 KiB cannot hold the gradients .* 4 NVMe staging buffers .* at least 32.00 KiB"),
+        (dict(gpu_bytes=6144, host_bytes=45000, nvme_bytes=0), r"24.00 KiB of parameters and optimizer states .* must go to NVMe, which grants 0 B; give nvme_path"),
     ],
 )
 def test_refusals_name_the_numbers(budgets, message):

@@ -9,7 +9,7 @@ Deviations, and why:
 - The GPU tier first reserves twice the smallest working set of the streaming pool (the largest
   set of units one module needs at once), so that one module can compute while the next one's
   units are copied in; persistent units take what is left.
-- NVMe staging buffers (two, plus what host memory has left) keep the units last read from NVMe
+- NVMe staging buffers (two for fetching, two for updates, plus what host memory has left) keep the units last read from NVMe
   until the buffer is needed again, so backward and the optimizer step often find them in host
   memory (10Cache Alg. 4 keeps evicted tensors in CPU buffers for the same reason).
 - Buffer counts are never below what one module needs at once, whatever Algorithm 2 says, or
@@ -28,6 +28,9 @@ from .tencache import buffer_counts, tensor_size_distribution
 GPU, HOST, NVME = "gpu", "host", "nvme"
 DEVICE_SLOT_ALIGNMENT = 512
 HOST_SLOT_ALIGNMENT = 4096  # O_DIRECT needs page-aligned buffers and lengths
+# NVMe staging buffers: two to fetch units through, two for the update worker (parameters, states)
+NVME_STAGING_BUFFERS = 4
+UPDATE_STAGING_BUFFERS = 2
 
 
 def align(n: int, alignment: int) -> int:
@@ -147,7 +150,8 @@ def place_units(
     gpu_used = used + sum(s * c for s, c in slots.items())
 
     # Host: gradients of every offloaded unit; then, by first use, parameters and optimizer states
-    # of the units that fit. The others keep both on NVMe and pass through two staging buffers.
+    # of the units that fit. The others keep both on NVMe and pass through staging buffers: two
+    # for fetching units into the GPU tier, two for updating them (parameters and states).
     grads = sum(align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) for u in streaming)
     cost = {u.index: align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT) for u in streaming}
     staging: dict[int, int] = {}
@@ -157,12 +161,12 @@ def place_units(
         host_used = grads + sum(cost.values())
     else:
         slot = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in streaming)
-        staging = {slot: 2}
-        host_used = grads + 2 * slot
+        staging = {slot: NVME_STAGING_BUFFERS}
+        host_used = grads + NVME_STAGING_BUFFERS * slot
         if host_used > host_bytes:
             raise PlacementError(
-                f"host_memory={_fmt(host_bytes)} cannot hold the gradients of the offloaded units plus two NVMe staging "
-                f"buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
+                f"host_memory={_fmt(host_bytes)} cannot hold the gradients of the offloaded units plus {NVME_STAGING_BUFFERS} NVMe "
+                f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
             )
         for u in streaming:
             if host_used + cost[u.index] <= host_bytes:
@@ -175,13 +179,13 @@ def place_units(
         on_nvme = [u for u in streaming if home[u.index] == NVME]
         if on_nvme:
             fitted = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in on_nvme)
-            host_used -= 2 * (slot - fitted)
+            host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
             extra = min(len(on_nvme), (host_bytes - host_used) // fitted)
-            staging = {fitted: 2 + extra}
+            staging = {fitted: NVME_STAGING_BUFFERS + extra}
             host_used += extra * fitted
         else:
             staging = {}
-            host_used -= 2 * slot
+            host_used -= NVME_STAGING_BUFFERS * slot
     nvme_used = sum(cost[u.index] for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"

@@ -34,7 +34,7 @@ from torch import nn
 from ..hardware.device import Device, Event
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..memory.nvme import NvmeStore
-from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, DEVICE_SLOT_ALIGNMENT, Placement, align
+from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, UPDATE_STAGING_BUFFERS, Placement, align
 from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
@@ -190,6 +190,9 @@ class TieredEngine:
         grad_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
         staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(self.placement.staging_slots.items(), reverse=True)]
         staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
+        # The update worker's own staging buffers, so it never shares one with the fetch path.
+        update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=UPDATE_STAGING_BUFFERS) for c in staging_classes[:1]]
+        staging_classes = [SizeClass(c.slot_bytes, c.count - (UPDATE_STAGING_BUFFERS if k == 0 else 0)) for k, c in enumerate(staging_classes)]
         self.slab = HostSlab(home_bytes + grad_bytes + staging_bytes, pin=self.device.compute.type == "cuda")
         host = self.slab.tensor
         offset = 0
@@ -208,7 +211,9 @@ class TieredEngine:
                 s.grad_views = [None] * len(s.unit.params)
             s.grad_fresh = [False] * len(s.unit.params)
             s.grad_events = [None] * len(s.unit.params)
-        self.staging_pool = SlotPool(host[offset:], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
+        update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
+        self.update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
+        self.staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
         if any(s.home == NVME for s in self.states):
             assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
             self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1))
@@ -529,7 +534,7 @@ class TieredEngine:
         if s.grads_pending > 0:
             s.grads_pending -= 1
         s.grads_arrived += 1
-        if self._update_in_backward and s.home == HOST and s.grads_arrived == len(s.unit.trainable):
+        if self._update_in_backward and s.home != GPU and s.grads_arrived == len(s.unit.trainable):
             self._submit_update(s)
 
     def _submit_update(self, s: UnitState) -> None:
@@ -541,7 +546,7 @@ class TieredEngine:
 
         def update() -> None:
             start = time.perf_counter()
-            self._update_offloaded(unit_optimizers, s)
+            self._update_offloaded(unit_optimizers, s, on_worker=True)
             self.update_log.append((s.unit.index, start, time.perf_counter()))
 
         self.worker.submit(update)
@@ -629,6 +634,10 @@ class TieredEngine:
         started = time.perf_counter()
         self.worker.drain()  # the updates started during backward
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
+        for s in self.states:
+            if s.updated and s.host_copy is not None:  # updated on the worker: the kept copy is stale
+                self.staging_pool.release(s.host_copy)
+                s.host_copy = None
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
         for s in self.states:
             if s.unit.index not in unit_optimizers.slots or s.updated:
@@ -691,7 +700,9 @@ class TieredEngine:
             self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
         return self.unit_optimizers[id(optimizer)]
 
-    def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
+    def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False) -> None:
+        """Update one offloaded unit at home. On the worker (during backward) an NVMe unit goes
+        through the worker's own two staging buffers, so the fetch path is never touched."""
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self._param_slot[id(p)][1] for p in slot.params]
         for i in positions:
@@ -701,27 +712,39 @@ class TieredEngine:
             for g in grads:
                 if g is not None:
                     g.clamp_(-self.clip_value, self.clip_value)
+        padded = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+        params: Optional[Slot] = None
         states: Optional[Slot] = None
+        known = s.home == NVME and self.nvme_states.known(s.unit.index)
         if s.home == NVME:
-            views = s.unit.views(self._host_copy(s).tensor)
+            if on_worker:
+                params = self.update_pool.acquire(s.unit.nbytes)
+                self.store.read(self._key(s), params.tensor[:padded]).result()
+            else:
+                params = self._host_copy(s)
+            views = s.unit.views(params.tensor)
             for master, i in zip(slot.masters, positions):
                 master.data = views[i]
-            if self.nvme_states.known(s.unit.index):
-                states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
+            if known:
+                size = self.nvme_states.sizes[s.unit.index]
+                states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
                 self.nvme_states.load(s.unit.index, states.tensor)
         with grads_on(slot.masters, grads):
             unit_optimizers.step(s.unit.index)
         for i in positions:
             s.grad_fresh[i] = False
         if s.home == NVME:
-            if states is None and self.nvme_states.learn(slot.inner, s.unit.index, slot.masters):
-                states = self._state_buffer(s, self.nvme_states.sizes[s.unit.index])
+            if not known and self.nvme_states.learn(slot.inner, s.unit.index, slot.masters):
+                size = self.nvme_states.sizes[s.unit.index]
+                states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
             if states is not None:
                 self.nvme_states.save(s.unit.index, states.tensor)
-                self.staging_pool.release(states)
-            self.store.write(self._key(s), s.host_copy.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+                (self.update_pool if on_worker else self.staging_pool).release(states)
+            self.store.write(self._key(s), params.tensor[:padded]).result()
             for master, i in zip(slot.masters, positions):
                 master.data = _nan_placeholder(s.unit.params[i], torch.device("cpu"))
+            if on_worker:
+                self.update_pool.release(params)
         elif s.unit.index not in self._state_bytes:
             self._state_bytes[s.unit.index] = sum(
                 t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
