@@ -34,7 +34,7 @@ from experiments.data import SyntheticTokens  # noqa: E402
 from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.runtime.optimizer import UnitOptimizers, grads_on  # noqa: E402
-from offload_strategy.runtime.units import build_units  # noqa: E402
+from offload_strategy.runtime.units import build_units, merge_into_chunks  # noqa: E402
 
 
 def gpt2(layers: int, width: int) -> dict[str, Any]:
@@ -47,19 +47,22 @@ class FusedAdamW(CausalLM):
         return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
 
 
-def throughput(config: dict[str, Any], repeats: int, steps: int) -> tuple[int, float, float]:
+def throughput(config: dict[str, Any], repeats: int, steps: int, chunk_bytes: Optional[int] = None) -> tuple[int, int, float, float]:
     """Parameters/s of standalone fused AdamW and of the per-unit orchestration, interleaved."""
     L.seed_everything(0, verbose=False)
     model = CausalLM(family="gpt2", config=config)
     model.configure_model()
-    units, _ = build_units(model)
+    units, users = build_units(model)
+    if chunk_bytes:
+        units, _ = merge_into_chunks(units, users, chunk_bytes)
     tensors = [[p.detach().clone() for p in u.trainable] for u in units]
     grads = [[torch.randn_like(t) for t in ts] for ts in tensors]
     flat, flat_grads = [t for ts in tensors for t in ts], [g for gs in grads for g in gs]
     n = sum(t.numel() for t in flat)
 
-    standalone = torch.optim.AdamW(flat, lr=1e-4, fused=True)
-    for t, g in zip(flat, flat_grads):
+    alone = [t.clone() for t in flat]  # its own tensors: the orchestrated run attaches and clears grads on `flat`
+    standalone = torch.optim.AdamW(alone, lr=1e-4, fused=True)
+    for t, g in zip(alone, flat_grads):
         t.grad = g
     facade_params = [torch.nn.Parameter(t.clone()) for t in flat]
     facade = torch.optim.AdamW(facade_params, lr=1e-4, fused=True)
@@ -87,7 +90,7 @@ def throughput(config: dict[str, Any], repeats: int, steps: int) -> tuple[int, f
             for _ in range(steps):
                 fn()
             times[name].append((time.perf_counter() - start) / steps)
-    return n, n / statistics.median(times["standalone"]), n / statistics.median(times["units"])
+    return n, len(units), n / statistics.median(times["standalone"]), n / statistics.median(times["units"])
 
 
 class Metrics(L.Callback):
@@ -127,11 +130,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = gpt2(args.layers, args.width)
 
     print(f"\n## 1. CPU optimizer throughput (fused AdamW, median of {args.repeats}; GPT-2 shapes, one unit per module)\n")
-    print("| model | parameters | mean unit | standalone AdamW(fused=True), one call | per-unit orchestration | ratio |\n|---|---|---|---|---|---|")
-    for layers, width in ((args.layers, args.width), (4, 1024)):
-        n, standalone, units = throughput(gpt2(layers, width), args.repeats, 10)
-        unit_count = layers * 6 + 3
-        print(f"| {layers} x {width} | {n / 1e6:.2f} M | {n / unit_count / 1e6:.2f} M | {standalone / 1e9:.3f} G/s | {units / 1e9:.3f} G/s | {units / standalone:.3f} |")
+    print("| model | parameters | units | mean unit | standalone AdamW(fused=True), one call | per-unit orchestration | ratio |\n|---|---|---|---|---|---|---|")
+    for layers, width, chunk in ((args.layers, args.width, None), (args.layers, args.width, 8 << 20), (4, 1024, None)):
+        n, count, standalone, units = throughput(gpt2(layers, width), args.repeats, 10, chunk)
+        label = f"{layers} x {width}" + (f", chunk_size={format_bytes(chunk)}" if chunk else "")
+        print(f"| {label} | {n / 1e6:.2f} M | {count} | {n / count / 1e6:.2f} M | {standalone / 1e9:.3f} G/s | {units / 1e9:.3f} G/s | {units / standalone:.3f} |")
 
     L.seed_everything(0, verbose=False)
     probe = CausalLM(family="gpt2", config=config)
