@@ -34,8 +34,8 @@ def build_causal_lm(family: str, config: dict[str, Any]) -> nn.Module:
 
 def _shape(config: Any) -> tuple[int, int]:
     """(layers, hidden size) of a transformers config, whatever the family calls them."""
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
     return int(layers), int(hidden)
 
 

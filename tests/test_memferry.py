@@ -8,13 +8,11 @@ from offload_strategy.planning.memferry import gradient_offload_plan
 
 def brute_force(sizes, dha, gpu, reserve):
     capacity = reserve * sum(sizes)
-    best, best_gain = frozenset(), 0.0
+    best_gain = 0.0
     for r in range(len(sizes) + 1):
         for kept in itertools.combinations(range(len(sizes)), r):
             if sum(sizes[i] for i in kept) <= capacity + 1e-9:
-                gain = sum(dha[i] - gpu[i] for i in kept)
-                if gain > best_gain + 1e-12:
-                    best, best_gain = frozenset(kept), gain
+                best_gain = max(best_gain, sum(dha[i] - gpu[i] for i in kept))
     return best_gain
 
 

@@ -26,7 +26,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import lightning as L  # noqa: E402
-import torch  # noqa: E402
 
 from experiments.data import SyntheticTokens  # noqa: E402
 from experiments.models import CausalLM  # noqa: E402
