@@ -328,3 +328,28 @@ def test_an_exception_mid_training_leaves_no_files_and_real_parameters(tmp_path)
     for name, p in holder["model"].named_parameters():  # every parameter holds real, finite values again
         assert 0 not in p.stride(), name  # not a placeholder
         assert torch.isfinite(p).all(), name
+
+
+class CheckpointedGPT2(CausalLM):
+    """transformers' own activation checkpointing (non-reentrant) on every block."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def test_activation_checkpointing_recomputes_with_offloaded_parameters(tmp_path):
+    """Backward recomputes each block's forward, which fetches its units again; the recomputed graph
+    holds plain views of their buffers, so they stay until their gradients are in."""
+    make = lambda: CheckpointedGPT2(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)  # noqa: E731
+    total = param_bytes(make)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=make)
+    recorder = Recorder()
+    losses, weights, _ = train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
+                               make_model=make, extra_callbacks=(recorder,))
+    assert recorder.homes["host"] > 0
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    # a GPU tier too small for a whole recomputed block is refused with the reason, never wrong
+    with pytest.raises(RuntimeError, match="every module of the recomputed block"):
+        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "small", epochs=1, make_model=make)

@@ -11,8 +11,11 @@ while its ``.data`` is rebound by the engine — MemFerry's shadow model:
 Forward pre-hooks fetch the units a module uses; saved-tensor hooks replace any saved tensor that
 aliases a GPU-tier buffer by a reference (unit, offset, shape, strides), re-fetched when backward
 unpacks it, so a buffer can be reused between forward and backward without corrupting anything.
-Gradients of offloaded units are moved to their host home as autograd produces them. After
-backward the user's optimizer updates each unit where it lives.
+Gradients of offloaded units reach their host buffers as autograd produces them: copied from the
+GPU tier, or accumulated there directly (GO-MemFerry). Each unit is then updated where it lives by
+the user's optimizer applied per unit (``optimizer.py``), on a worker thread as soon as the unit's
+gradients are complete while backward goes on (LoHan's active gradient offloading), or after
+backward when something needs every gradient first (clipping by norm, fp16 loss scaling).
 
 Correctness never depends on the prefetch table (DESIGN.md invariant 1): a unit that is not
 resident when needed is fetched synchronously and counted as a miss.
@@ -75,6 +78,9 @@ class UnitState:
     pins: int = 0
     grads_pending: int = 0
     grads_arrived: int = 0  # this backward; all arrived: the unit can be updated
+    # Used by a forward that backward recomputes (activation checkpointing): the recomputed graph
+    # holds plain views of the unit's buffer, so the unit stays until its gradients are complete.
+    recompute_pinned: bool = False
     updated: bool = False  # this step, already (during backward)
     bound: bool = False  # parameters currently point into device_slot
 
@@ -277,6 +283,8 @@ class TieredEngine:
                 self.states[i].pins += 1
             for i in fetched:
                 self.request(i)
+                if self._phase == "backward" and torch.is_grad_enabled():
+                    self.states[i].recompute_pinned = True
             if self.table.recording:
                 started.append(time.perf_counter())
 
@@ -328,10 +336,11 @@ class TieredEngine:
         if slot is None and evict:
             slot = self._evict_for(s.unit.nbytes)
             if slot is None:
-                in_use = [self.states[i].unit.name for i in range(len(self.states)) if self.states[i].pins > 0]
+                in_use = [x.unit.name for x in self.states if x.pins > 0 or x.recompute_pinned]
                 raise RuntimeError(
                     f"no GPU-tier buffer of {s.unit.nbytes} bytes is free for unit {s.unit.name!r}: every buffer holds a unit "
-                    f"in use ({', '.join(in_use) or 'none'}). The modules in use need more than gpu_memory holds; raise gpu_memory."
+                    f"in use ({', '.join(in_use) or 'none'}). The modules in use (with activation checkpointing: every module of "
+                    f"the recomputed block) need more than gpu_memory holds; raise gpu_memory."
                 )
         if slot is None:
             return False
@@ -418,7 +427,7 @@ class TieredEngine:
         coming, units backward used last) is dropped when nothing else can make room."""
         out = []
         for s in self.states:
-            if s.home == GPU or not s.resident or s.pins > 0:
+            if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned:
                 continue
             if not hard and (s.grads_pending > 0 or (self._phase == "backward" and s.unit.index in self._recent)):
                 continue
@@ -534,6 +543,8 @@ class TieredEngine:
         if s.grads_pending > 0:
             s.grads_pending -= 1
         s.grads_arrived += 1
+        if s.grads_arrived == len(s.unit.trainable):
+            s.recompute_pinned = False
         if self._update_in_backward and s.home != GPU and s.grads_arrived == len(s.unit.trainable):
             self._submit_update(s)
 
@@ -571,6 +582,7 @@ class TieredEngine:
         self.update_log, self.backward_log = [], []
         for s in self.states:
             s.grads_arrived = 0
+            s.recompute_pinned = False
         if profile:
             self.table.start_recording()
         else:
@@ -663,6 +675,7 @@ class TieredEngine:
         for s in self.states:
             s.grads_pending = 0
             s.updated = False
+            s.recompute_pinned = False
             for i in range(len(s.grad_fresh)):
                 self._wait_grad(s, i)
                 s.grad_fresh[i] = False
