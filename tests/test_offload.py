@@ -353,3 +353,39 @@ def test_activation_checkpointing_recomputes_with_offloaded_parameters(tmp_path)
     # a GPU tier too small for a whole recomputed block is refused with the reason, never wrong
     with pytest.raises(RuntimeError, match="every module of the recomputed block"):
         train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "small", epochs=1, make_model=make)
+
+
+class Functional(L.LightningModule):
+    """Parameters used outside their module's forward: the head through ``F.linear``, the embedding
+    matrix again as an output projection, read as attributes in ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 16)
+        self.up = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.head = nn.Linear(64, 16)
+
+    def training_step(self, batch, batch_idx):
+        x = self.up(self.embed(batch[:, :-1]))
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        x = nn.functional.linear(x, self.head.weight, self.head.bias)  # the head module is never called
+        logits = x @ self.embed.weight.t()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_parameters_used_outside_their_module(tmp_path, tiers):
+    total = param_bytes(Functional)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Functional)
+    host = "1GiB" if tiers == "host" else int(3.5 * total)
+    strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory=host, nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    recorder = Recorder()
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=Functional, extra_callbacks=(recorder,))
+    assert recorder.homes[tiers] > 0, recorder.homes
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

@@ -51,6 +51,9 @@ PREFETCH_LOOKAHEAD = 16
 # Units used most recently in backward are never evicted: an autograd node may still hold views
 # of their buffers while it unpacks its other saved tensors.
 RECENT_GUARD = 2
+# Units fetched because a parameter was read outside its module's forward stay resident while
+# this many other such units are fetched after them.
+TOUCHED_GUARD = 4
 
 
 @dataclass(eq=False)
@@ -87,6 +90,27 @@ class UnitState:
     @property
     def resident(self) -> bool:
         return self.device_slot is not None and self.fetch is None
+
+
+class _WatchedParameters(dict):
+    """A module's ``_parameters``: reading a parameter as an attribute (``module.weight``) tells the
+    engine, so a parameter used outside its module's forward — through the functional API, or by
+    another module — is fetched like any other use (DESIGN.md invariant 1). Iteration
+    (``parameters()``, ``state_dict()``) reads nothing and fetches nothing."""
+
+    def __init__(self, original: dict, on_read: Any) -> None:
+        super().__init__(original)
+        self.on_read = on_read
+
+    def __getitem__(self, name: str) -> Any:
+        value = dict.__getitem__(self, name)
+        if value is not None:
+            self.on_read(value)
+        return value
+
+    def __reduce__(self) -> Any:
+        # copies and pickles of the module (EMA, checkpoints) get a plain dict, not the engine
+        return (dict, (dict(self),))
 
 
 class GradientView:
@@ -151,6 +175,7 @@ class TieredEngine:
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
+        self._touched: deque[int] = deque(maxlen=TOUCHED_GUARD)  # units fetched by an attribute read
         self._phase = "forward"
         self._active = False  # inside a training step: the prefetch table applies
         self._update_in_backward = False  # this backward ends a step: update units as their gradients complete
@@ -263,6 +288,22 @@ class TieredEngine:
                 continue
             for p in s.unit.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._watched: list[tuple[nn.Module, dict]] = []
+        for module in users:
+            self._watched.append((module, module._parameters))
+            module._parameters = _WatchedParameters(module._parameters, self._on_read)
+
+    def _on_read(self, p: torch.Tensor) -> None:
+        found = self._param_slot.get(id(p))
+        if found is None:
+            return
+        s = found[0]
+        if s.home == GPU or s.unit.index in self.placement.dha or (s.resident and s.bound):
+            return
+        # A read outside a hooked forward: fetch now, and keep the unit while a few others come
+        # and go (the caller is about to compute with it).
+        self._touched.append(s.unit.index)
+        self.request(s.unit.index)
 
     @staticmethod
     def _key(s: UnitState) -> str:
@@ -324,7 +365,11 @@ class TieredEngine:
         if not self._recent or self._recent[-1] != index:
             self._recent.append(index)
         if self._active:
-            self._prefetch()
+            s.pins += 1  # what is prefetched now must not push out what was just asked for
+            try:
+                self._prefetch()
+            finally:
+                s.pins -= 1
         return s.device_slot.tensor
 
     @staticmethod
@@ -427,7 +472,7 @@ class TieredEngine:
         coming, units backward used last) is dropped when nothing else can make room."""
         out = []
         for s in self.states:
-            if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned:
+            if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned or s.unit.index in self._touched:
                 continue
             if not hard and (s.grads_pending > 0 or (self._phase == "backward" and s.unit.index in self._recent)):
                 continue
@@ -570,13 +615,14 @@ class TieredEngine:
 
     # -- training-step boundaries -------------------------------------------------------------------
 
-    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:
+    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:  # noqa: D417
         """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
         optimizer step (no accumulation left, nothing that needs every gradient first), so units
         are updated as soon as their gradients are complete."""
         self._phase = "forward"
         self._active = True
         self._recent.clear()
+        self._touched.clear()
         self._update_in_backward = update_in_backward and len(self.unit_optimizers) == 1
         self.clip_value = clip_value
         self.update_log, self.backward_log = [], []
@@ -825,6 +871,12 @@ class TieredEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for module, original in getattr(self, "_watched", []):
+            current = module._parameters
+            original.clear()
+            original.update(current)  # keeps parameters registered or replaced meanwhile
+            module._parameters = original
+        self._watched = []
         if materialize:
             with torch.no_grad():
                 for s in getattr(self, "states", []):
