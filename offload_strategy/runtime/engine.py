@@ -11,11 +11,9 @@ while its ``.data`` is rebound by the engine — MemFerry's shadow model:
 Forward pre-hooks fetch the units a module uses; saved-tensor hooks replace any saved tensor that
 aliases a GPU-tier buffer by a reference (unit, offset, shape, strides), re-fetched when backward
 unpacks it, so a buffer can be reused between forward and backward without corrupting anything.
-Gradients of offloaded units reach their host buffers as autograd produces them: copied from the
-GPU tier, or accumulated there directly (GO-MemFerry). Each unit is then updated where it lives by
-the user's optimizer applied per unit (``optimizer.py``), on a worker thread as soon as the unit's
-gradients are complete while backward goes on (LoHan's active gradient offloading), or after
-backward when something needs every gradient first (clipping by norm, fp16 loss scaling).
+Gradients and updates are the other half of the engine, in ``updates.py``: gradients reach their
+host buffers as autograd produces them, and each unit is updated where it lives by the user's
+optimizer applied per unit (``optimizer.py``), during backward when it can be.
 
 Correctness never depends on the prefetch table (DESIGN.md invariant 1): a unit that is not
 resident when needed is fetched synchronously and counted as a miss.
@@ -28,20 +26,22 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..hardware.device import Device, Event
+from ..hardware.device import Device
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..memory.nvme import NvmeStore
 from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, UPDATE_STAGING_BUFFERS, Placement, align
 from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
-from .optimizer import UnitOptimizers, grads_on
+from .optimizer import UnitOptimizers
+from .state import Fetch, UnitState, nan_placeholder
+from .updates import UnitUpdates
 from .worker import UpdateWorker
 from .scheduler import PrefetchTable
 from .units import TransferUnit
@@ -54,42 +54,6 @@ RECENT_GUARD = 2
 # Units fetched because a parameter was read outside its module's forward stay resident while
 # this many other such units are fetched after them.
 TOUCHED_GUARD = 4
-
-
-@dataclass(eq=False)
-class _Fetch:
-    """A copy into the GPU tier in flight: NVMe read (optional), then host → GPU copy."""
-
-    slot: Slot
-    staging: Optional[Slot] = None
-    nvme: Any = None  # Future of the NVMe read
-    event: Optional[Event] = None
-
-
-@dataclass(eq=False)
-class UnitState:
-    unit: TransferUnit
-    home: str
-    device_slot: Optional[Slot] = None  # GPU-tier buffer while resident (persistent: fixed region)
-    home_views: list[torch.Tensor] = field(default_factory=list)  # host home (HOST units)
-    placeholders: list[torch.Tensor] = field(default_factory=list)  # NVME units while not resident
-    grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # host gradient home per param
-    grad_fresh: list[bool] = field(default_factory=list)
-    grad_events: list[Optional[Event]] = field(default_factory=list)
-    fetch: Optional[_Fetch] = None
-    host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
-    pins: int = 0
-    grads_pending: int = 0
-    grads_arrived: int = 0  # this backward; all arrived: the unit can be updated
-    # Used by a forward that backward recomputes (activation checkpointing): the recomputed graph
-    # holds plain views of the unit's buffer, so the unit stays until its gradients are complete.
-    recompute_pinned: bool = False
-    updated: bool = False  # this step, already (during backward)
-    bound: bool = False  # parameters currently point into device_slot
-
-    @property
-    def resident(self) -> bool:
-        return self.device_slot is not None and self.fetch is None
 
 
 class _WatchedParameters(dict):
@@ -113,22 +77,6 @@ class _WatchedParameters(dict):
         return (dict, (dict(self),))
 
 
-class GradientView:
-    """Parameters with their gradients attached, shaped like an optimizer for torch's GradScaler
-    and clipping utilities; ``step()`` runs the engine's update."""
-
-    def __init__(self, params: list[torch.Tensor], step: Any) -> None:
-        self.param_groups = [{"params": params}]
-        self._step = step
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self.param_groups[0]["params"]
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        self._step()
-
-
 @dataclass(frozen=True)
 class _SavedRef:
     """A saved tensor that aliases a unit's GPU-tier buffer, re-materialised on unpack."""
@@ -140,12 +88,7 @@ class _SavedRef:
     dtype: torch.dtype
 
 
-def _nan_placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # One element expanded to the parameter's shape: right shape, dtype and device, no memory.
-    return torch.full((1,), float("nan"), dtype=p.dtype, device=device).expand(p.shape)
-
-
-class TieredEngine:
+class TieredEngine(UnitUpdates):
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
 
     def __init__(
@@ -270,7 +213,7 @@ class TieredEngine:
                         t.copy_(v)
                     self.store.write(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
                     self.staging_pool.release(staging)
-                    s.placeholders = [_nan_placeholder(p, self.device.compute) for p in s.unit.params]
+                    s.placeholders = [nan_placeholder(p, self.device.compute) for p in s.unit.params]
                     self._bind(s, s.placeholders)
                 for i, p in enumerate(s.unit.params):
                     self._param_slot[id(p)] = (s, i)
@@ -373,7 +316,7 @@ class TieredEngine:
         return s.device_slot.tensor
 
     @staticmethod
-    def _fetch_done(fetch: _Fetch) -> bool:
+    def _fetch_done(fetch: Fetch) -> bool:
         return (fetch.nvme is None or fetch.nvme.done()) and fetch.event is not None and fetch.event.done()
 
     def _start_fetch(self, s: UnitState, evict: bool) -> bool:
@@ -389,7 +332,7 @@ class TieredEngine:
                 )
         if slot is None:
             return False
-        fetch = _Fetch(slot=slot)
+        fetch = Fetch(slot=slot)
         n = s.unit.nbytes
         if s.home == HOST:
             fetch.event = self.device.copy_to_device(slot.tensor[:n], self._home_bytes(s))
@@ -568,51 +511,6 @@ class TieredEngine:
         # as_strided's offset counts from the start of the storage, not of the view
         return typed.as_strided(packed.shape, packed.stride, typed.storage_offset() + packed.byte_offset // element)
 
-    # -- gradients ----------------------------------------------------------------------------------
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        s, i = self._param_slot[id(p)]
-        grad, home = p.grad, s.grad_views[i]
-        if grad is None or home is None:
-            return
-        if s.unit.index in self.direct_gradients and grad.data_ptr() == home.data_ptr():
-            s.grad_fresh[i] = True  # already accumulated in place, at home
-        elif s.grad_fresh[i]:
-            self._wait_grad(s, i)
-            home.add_(grad.to(home.device))
-        else:
-            s.grad_events[i] = self.device.copy_to_host(home, grad)
-            s.grad_fresh[i] = True
-        if grad.data_ptr() != home.data_ptr():
-            p.grad = None
-        if s.grads_pending > 0:
-            s.grads_pending -= 1
-        s.grads_arrived += 1
-        if s.grads_arrived == len(s.unit.trainable):
-            s.recompute_pinned = False
-        if self._update_in_backward and s.home != GPU and s.grads_arrived == len(s.unit.trainable):
-            self._submit_update(s)
-
-    def _submit_update(self, s: UnitState) -> None:
-        """LoHan §IV-C: update the unit on the worker now, while backward goes on with the others."""
-        (unit_optimizers,) = self.unit_optimizers.values()
-        if s.unit.index not in unit_optimizers.slots:
-            return
-        s.updated = True
-
-        def update() -> None:
-            start = time.perf_counter()
-            self._update_offloaded(unit_optimizers, s, on_worker=True)
-            self.update_log.append((s.unit.index, start, time.perf_counter()))
-
-        self.worker.submit(update)
-
-    def _wait_grad(self, s: UnitState, i: int) -> None:
-        event = s.grad_events[i]
-        if event is not None:
-            event.wait()
-            s.grad_events[i] = None
-
     # -- training-step boundaries -------------------------------------------------------------------
 
     def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:  # noqa: D417
@@ -635,199 +533,10 @@ class TieredEngine:
             self.table.restart()
             self._prefetch()
 
-    @torch.no_grad()
-    def attach_direct_gradients(self) -> None:
-        """Right before backward — after Lightning's ``zero_grad`` — make each direct unit's host
-        buffer its parameter's ``.grad``, so autograd accumulates into it in place (GO-MemFerry);
-        zeroed when a new accumulation starts."""
-        for index in self.direct_gradients:
-            s = self.states[index]
-            for i, p in enumerate(s.unit.params):
-                home = s.grad_views[i]
-                if home is None:
-                    continue
-                if not s.grad_fresh[i]:
-                    home.zero_()
-                p.grad = home
-
     def evict_all(self) -> None:
         for s in self.states:
             if s.home != GPU and s.device_slot is not None:
                 self.evict(s.unit.index)
-
-    def _unit_optimizers(self, facade: torch.optim.Optimizer) -> UnitOptimizers:
-        """Per-unit optimizers of ``facade``, over master tensors at each unit's home."""
-        units = []
-        for s in self.states:
-            trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
-            if not trainable:
-                continue
-            if s.home == GPU:
-                masters = [p for _, p in trainable]
-            elif s.home == HOST:
-                masters = [s.home_views[i].view(p.shape) for i, p in trainable]
-            else:  # bound to the unit's host copy for each update
-                masters = [_nan_placeholder(p, torch.device("cpu")) for _, p in trainable]
-            units.append((s.unit.index, [p for _, p in trainable], masters))
-        unit_optimizers = UnitOptimizers(facade, units)
-        if self.nvme_states is not None:
-            unit_optimizers._materialize = self.nvme_states.materialized
-            unit_optimizers.after_load = lambda: self._adopt_states(unit_optimizers)
-        return unit_optimizers
-
-    def _adopt_states(self, unit_optimizers: UnitOptimizers) -> None:
-        """States just loaded from a checkpoint: those of NVMe units go to NVMe."""
-        for index, slot in unit_optimizers.slots.items():
-            if self.states[index].home == NVME:
-                self.nvme_states.adopt(slot.inner, index, slot.masters)
-
-    @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Update every unit where it lives with the user's optimizer, one unit at a time."""
-        if self.table.recording:
-            self.table.freeze()
-            self.profile.order = list(self.table.order)
-        self._active = False
-        self._update_in_backward = False
-        started = time.perf_counter()
-        self.worker.drain()  # the updates started during backward
-        self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
-        for s in self.states:
-            if s.updated and s.host_copy is not None:  # updated on the worker: the kept copy is stale
-                self.staging_pool.release(s.host_copy)
-                s.host_copy = None
-        unit_optimizers = self._ensure_unit_optimizers(optimizer)
-        for s in self.states:
-            if s.unit.index not in unit_optimizers.slots or s.updated:
-                continue
-            start = time.perf_counter()
-            if s.home == GPU:
-                if self.clip_value is not None:
-                    torch.nn.utils.clip_grad_value_(unit_optimizers.slots[s.unit.index].params, self.clip_value)
-                unit_optimizers.step(s.unit.index)
-            else:
-                self._update_offloaded(unit_optimizers, s)
-            self.update_log.append((s.unit.index, start, time.perf_counter()))
-        unit_optimizers.count_step()
-        self.step_stats["exposed_seconds"] += time.perf_counter() - started
-        self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.update_log)
-        self.step_stats["steps"] += 1
-
-    def end_step(self) -> None:
-        """After the optimizer step, taken or skipped (an fp16 overflow): gradients start afresh."""
-        self._active = False
-        self._update_in_backward = False
-        self.worker.drain()
-        for s in self.states:
-            s.grads_pending = 0
-            s.updated = False
-            s.recompute_pinned = False
-            for i in range(len(s.grad_fresh)):
-                self._wait_grad(s, i)
-                s.grad_fresh[i] = False
-
-    @contextlib.contextmanager
-    def gradient_view(self, optimizer: torch.optim.Optimizer) -> Iterator["GradientView"]:
-        """Every gradient of ``optimizer``'s parameters, attached to tensors in the facade's order,
-        for what needs them all at once: loss-scale unscaling and overflow checks, clipping by norm.
-        Its ``step()`` runs the engine's update (so a GradScaler can skip it)."""
-        unit_optimizers = self._ensure_unit_optimizers(optimizer)
-        holders, attached = [], []
-        for p in unit_optimizers.order:
-            found = unit_optimizers.slot_of.get(id(p))
-            if found is None:
-                continue
-            slot, position = found
-            s = self.states[slot.unit_index]
-            if s.home == GPU:
-                holders.append(p)
-                continue
-            i = self._param_slot[id(p)][1]
-            self._wait_grad(s, i)
-            master = slot.masters[position]
-            master.grad = s.grad_views[i] if s.grad_fresh[i] else None
-            holders.append(master)
-            attached.append(master)
-        try:
-            yield GradientView(holders, lambda: self.step(optimizer))
-        finally:
-            for master in attached:
-                master.grad = None
-
-    def _ensure_unit_optimizers(self, optimizer: torch.optim.Optimizer) -> UnitOptimizers:
-        if id(optimizer) not in self.unit_optimizers:
-            self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
-        return self.unit_optimizers[id(optimizer)]
-
-    def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False) -> None:
-        """Update one offloaded unit at home. On the worker (during backward) an NVMe unit goes
-        through the worker's own two staging buffers, so the fetch path is never touched."""
-        slot = unit_optimizers.slots[s.unit.index]
-        positions = [self._param_slot[id(p)][1] for p in slot.params]
-        for i in positions:
-            self._wait_grad(s, i)
-        grads = [s.grad_views[i] if s.grad_fresh[i] else None for i in positions]
-        if self.clip_value is not None:  # clipping by value is per element: per unit is exact
-            for g in grads:
-                if g is not None:
-                    g.clamp_(-self.clip_value, self.clip_value)
-        padded = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
-        params: Optional[Slot] = None
-        states: Optional[Slot] = None
-        known = s.home == NVME and self.nvme_states.known(s.unit.index)
-        if s.home == NVME:
-            if on_worker:
-                params = self.update_pool.acquire(s.unit.nbytes)
-                self.store.read(self._key(s), params.tensor[:padded]).result()
-            else:
-                params = self._host_copy(s)
-            views = s.unit.views(params.tensor)
-            for master, i in zip(slot.masters, positions):
-                master.data = views[i]
-            if known:
-                size = self.nvme_states.sizes[s.unit.index]
-                states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
-                self.nvme_states.load(s.unit.index, states.tensor)
-        with grads_on(slot.masters, grads):
-            unit_optimizers.step(s.unit.index)
-        for i in positions:
-            s.grad_fresh[i] = False
-        if s.home == NVME:
-            if not known and self.nvme_states.learn(slot.inner, s.unit.index, slot.masters):
-                size = self.nvme_states.sizes[s.unit.index]
-                states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
-            if states is not None:
-                self.nvme_states.save(s.unit.index, states.tensor)
-                (self.update_pool if on_worker else self.staging_pool).release(states)
-            self.store.write(self._key(s), params.tensor[:padded]).result()
-            for master, i in zip(slot.masters, positions):
-                master.data = _nan_placeholder(s.unit.params[i], torch.device("cpu"))
-            if on_worker:
-                self.update_pool.release(params)
-        elif s.unit.index not in self._state_bytes:
-            self._state_bytes[s.unit.index] = sum(
-                t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
-            )
-
-    def _state_buffer(self, s: UnitState, nbytes: int) -> Slot:
-        slot = self._staging(nbytes, wait=True, keep=s)
-        if slot is None:
-            raise RuntimeError(
-                f"unit {s.unit.name!r} has {nbytes} bytes of optimizer state, more than an NVMe staging buffer holds "
-                f"({max(self.placement.staging_slots)} bytes): this optimizer keeps more state per parameter than planned for. "
-                f"Raise host_memory so that fewer units live on NVMe."
-            )
-        return slot
-
-    def _host_copy(self, s: UnitState) -> Slot:
-        """The NVMe unit's kept host copy, read from NVMe first if there is none."""
-        if s.host_copy is None:
-            staging = self._staging(s.unit.nbytes, wait=True)
-            if staging is None:
-                raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
-            self.store.read(self._key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
-            s.host_copy = staging
-        return s.host_copy
 
     # -- whole-model views --------------------------------------------------------------------------
 
