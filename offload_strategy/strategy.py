@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import call
 from typing_extensions import override
 
+from .checkpoint_io import AtomicCheckpointIO
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
@@ -112,7 +113,9 @@ class TieredStrategy(SingleDeviceStrategy):
         self.engine: Optional[TieredEngine] = None
         self._profiled = False
         self._parallel_devices: Optional[list[torch.device]] = None
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(
+            device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin
+        )
         if parallel_devices is not None:
             self.parallel_devices = parallel_devices
 

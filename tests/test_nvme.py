@@ -7,6 +7,7 @@ import mmap
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,8 +139,9 @@ def test_overwrite_replaces_content_and_size(store):
 def test_files_are_private(store):
     store.write("secret", _random(PAGE, torch.uint8)).result()
     assert stat.S_IMODE(store.path.stat().st_mode) == 0o700
-    files = list(store.path.iterdir())
-    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    files = sorted(store.path.iterdir())
+    assert [f.name for f in files] == ["00000000.bin", "owner.lock"]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     assert str(os.getpid()) in store.path.name
 
 
@@ -172,7 +174,7 @@ def test_capacity_exceeded_names_the_numbers(tmp_path, direct):
         assert s.used_bytes == 768 * 1024 and "b" not in [p.name for p in s.path.iterdir()]
         s.write("a", torch.ones(MiB, dtype=torch.uint8)).result()  # overwrite counts the old size as freed
         s.delete("a")
-        assert s.used_bytes == 0 and list(s.path.iterdir()) == []
+        assert s.used_bytes == 0 and [f.name for f in s.path.iterdir()] == ["owner.lock"]
         s.write("b", torch.empty(MiB, dtype=torch.uint8)).result()  # freed space is reusable
 
 
@@ -233,3 +235,32 @@ def test_large_tensor_round_trip(tmp_path):
         dst = torch.empty_like(src)
         s.read("big", dst).result()
     assert torch.equal(dst, src)
+
+
+def test_a_killed_run_leaves_a_directory_the_next_run_removes(tmp_path):
+    """SIGKILL skips every cleanup; the dead run's lock is free, so the next store removes its files,
+    while a live run's directory is left alone."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    root = tmp_path / "nvme"
+    code = textwrap.dedent(f"""
+        import os, signal, torch
+        from offload_strategy.memory.nvme import NvmeStore
+        store = NvmeStore({str(root)!r}, capacity=1 << 20)
+        store.write("x", torch.ones(4096, dtype=torch.uint8)).result()
+        print(store.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    dead = Path(result.stdout.strip())
+    assert dead.is_dir() and any(dead.iterdir()), "the killed run left nothing to clean"
+    with pytest.warns(UserWarning, match=f"removed 1 NVMe swap directory .* {dead.name}"):
+        live = NvmeStore(root, capacity=1 << 20)
+    with live:
+        assert live.removed_stale == [dead] and not dead.exists()
+        with NvmeStore(root, capacity=1 << 20) as other:
+            assert other.removed_stale == [] and live.path.is_dir(), "a live run's directory was removed"

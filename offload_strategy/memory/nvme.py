@@ -12,11 +12,13 @@ here than mmap, numpy.memmap or libaio (DESIGN.md, "Platform facts").
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import shutil
 import tempfile
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,6 +75,39 @@ def _bytes_of(t: torch.Tensor, name: str) -> np.ndarray:
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+RUN_PREFIX = "offload-"
+OWNER_FILE = "owner.lock"
+
+
+def remove_stale_run_directories(root: Path) -> list[Path]:
+    """Remove the run directories under ``root`` whose owner died without cleaning up (a killed
+    process): their owner lock can be taken. Live runs hold theirs and are left alone."""
+    removed = []
+    for candidate in sorted(root.glob(f"{RUN_PREFIX}*")):
+        lock = candidate / OWNER_FILE
+        if not candidate.is_dir() or not lock.exists():
+            continue  # not ours, or still being created
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live run
+        finally:
+            os.close(fd)
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    if removed:
+        warnings.warn(
+            f"removed {len(removed)} NVMe swap director{'y' if len(removed) == 1 else 'ies'} left under {root} by runs that were "
+            f"killed: {', '.join(p.name for p in removed)}",
+            stacklevel=3,
+        )
+    return removed
+
+
 class NvmeStore:
     """Files of one run in a private directory under the NVMe path."""
 
@@ -85,8 +120,13 @@ class NvmeStore:
                 f"{format_bytes(free)} free; free space there, point the NVMe path at a larger disk, or lower the NVMe budget."
             )
         root.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f"offload-{os.getpid()}-", dir=root))  # mode 0700
+        self.removed_stale = remove_stale_run_directories(root)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=root))  # mode 0700
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+        # Held for the store's lifetime; the kernel releases it when the process dies, even by SIGKILL.
+        self._owner = os.open(self.path / OWNER_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(self._owner, str(os.getpid()).encode())
         self.capacity = capacity
         self.direct = direct and _direct_works(self.path)
         self.bytes_written = 0
@@ -168,6 +208,7 @@ class NvmeStore:
             except BufferError:  # a view is still alive somewhere; the GC frees the mapping later
                 pass
         self._bounces.clear()
+        os.close(self._owner)
         self._remove_dir()
 
     def __enter__(self) -> "NvmeStore":

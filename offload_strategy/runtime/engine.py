@@ -40,11 +40,11 @@ from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
 from .optimizer import UnitOptimizers
+from .scheduler import PrefetchTable
 from .state import Fetch, UnitState, nan_placeholder
+from .units import TransferUnit
 from .updates import UnitUpdates
 from .worker import UpdateWorker
-from .scheduler import PrefetchTable
-from .units import TransferUnit
 
 # How many table entries ahead the scheduler looks for units to prefetch.
 PREFETCH_LOOKAHEAD = 16
