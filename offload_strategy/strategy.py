@@ -8,6 +8,7 @@ Lightning's single-device strategy does.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -324,6 +325,8 @@ class TieredStrategy(SingleDeviceStrategy):
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""
+        if self.nvme_path is not None:
+            _check_writable_directory(self.nvme_path)
         free = {
             "gpu_memory": gpu_free(self.root_device),
             "host_memory": host_available(),
@@ -374,6 +377,19 @@ def _validate_nvme_path(path: Optional[Union[str, Path]]) -> Optional[Path]:
     if resolved.exists() and not resolved.is_dir():
         raise ValueError(f"nvme_path={str(path)!r} exists and is not a directory; name a directory (it is created if missing).")
     return resolved
+
+
+def _check_writable_directory(path: Path) -> None:
+    """Create ``path`` if needed and make sure files can be written there, before training starts."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"nvme_path={str(path)!r} cannot hold the NVMe tier's files: {error.strerror or error}. "
+            f"Give a directory this process can create files in, or nvme_path=None for no NVMe tier."
+        ) from None
 
 
 def _validate_plan_file(path: Optional[Union[str, Path]]) -> Optional[Path]:

@@ -114,3 +114,20 @@ def test_probe_and_resolve():
         resolve_hardware({"name": "x"})
     with pytest.raises(ValueError, match=r"hardware.h2d_gbps=-1"):
         HardwareSpec(name="x", gpu="g", gpu_memory=1, gpu_bf16_tflops=None, gpu_fp16_tflops=None, h2d_gbps=-1, d2h_gbps=1, host_memory=1, cpu_cores=1)
+
+
+def test_unwritable_nvme_path_is_refused_before_training(tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        # root writes anywhere: use a path under a regular file instead
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        path = blocker / "nvme"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        path = locked / "nvme"
+    trainer = L.Trainer(strategy=TieredStrategy(nvme_path=path), accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"nvme_path=.* cannot hold the NVMe tier's files: .*Give a directory"):
+        trainer.fit(BoringModel())
