@@ -141,12 +141,14 @@ class PolicyConfig:
     write is just a write; 1 on CUDA devices for now.
     ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
     memory take as long as the hardware spec's PCIe link would (for what-if runs).
+    ``checksums``: verify everything read back from NVMe against a CRC-32 taken when it was written.
     """
 
     name: str = "auto"
     chunk_size: Optional[Union[int, str]] = None
     gradient_reserve: Optional[float] = None
     throttle: bool = False
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:

@@ -190,7 +190,7 @@ class TieredStrategy(SingleDeviceStrategy):
         try:
             engine = TieredEngine(
                 model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
-                direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
+                direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated), checksums=self.policy.checksums,
             )
         except BaseException:
             device.close()

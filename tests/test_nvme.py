@@ -264,3 +264,22 @@ def test_a_killed_run_leaves_a_directory_the_next_run_removes(tmp_path):
         assert live.removed_stale == [dead] and not dead.exists()
         with NvmeStore(root, capacity=1 << 20) as other:
             assert other.removed_stale == [] and live.path.is_dir(), "a live run's directory was removed"
+
+
+def test_checksums_catch_data_that_comes_back_different(tmp_path):
+    from offload_strategy.memory.nvme import NvmeChecksumError
+
+    with NvmeStore(tmp_path, capacity=1 << 20, checksums=True) as store:
+        data = _random(3 * PAGE + 5, torch.uint8)
+        store.write("x", data).result()
+        out = torch.empty_like(data)
+        store.read("x", out).result()
+        assert torch.equal(out, data)
+        (file,) = [f for f in store.path.iterdir() if f.suffix == ".bin"]
+        with open(file, "r+b") as handle:  # the disk flips a bit
+            handle.seek(100)
+            byte = handle.read(1)
+            handle.seek(100)
+            handle.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(NvmeChecksumError, match="came back different from what was written"):
+            store.read("x", out).result()

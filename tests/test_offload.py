@@ -389,3 +389,18 @@ def test_parameters_used_outside_their_module(tmp_path, tiers):
     assert recorder.homes[tiers] > 0, recorder.homes
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+def test_checksums_policy_verifies_nvme_reads(tmp_path):
+    total = param_bytes(gpt2_4l)
+    plain_losses, _, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2_4l)
+    seen = {}
+
+    class Check(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen["checksums"] = trainer.strategy.engine.store.checksums
+
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB",
+                              policy={"name": "auto", "checksums": True})
+    losses, _, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, extra_callbacks=(Check(),))
+    assert seen["checksums"] is True and losses == plain_losses

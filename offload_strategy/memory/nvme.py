@@ -20,11 +20,12 @@ import tempfile
 import threading
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -44,6 +45,11 @@ class NvmeSpaceError(ValueError):
 class _Entry:
     file: Path
     length: int  # true byte length; the file may be padded to whole pages
+    crc: Optional[int] = None  # CRC-32 of what was written, when checksums are on
+
+
+class NvmeChecksumError(OSError):
+    """Data read back from the NVMe tier differs from what was written."""
 
 
 def _round_up(n: int) -> int:
@@ -111,7 +117,7 @@ def remove_stale_run_directories(root: Path) -> list[Path]:
 class NvmeStore:
     """Files of one run in a private directory under the NVMe path."""
 
-    def __init__(self, root: Union[str, Path], capacity: int, workers: int = 4, direct: bool = True) -> None:
+    def __init__(self, root: Union[str, Path], capacity: int, workers: int = 4, direct: bool = True, checksums: bool = False) -> None:
         root = Path(root).expanduser().absolute()
         free = disk_free(str(root))
         if capacity > free:
@@ -128,6 +134,7 @@ class NvmeStore:
         fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(self._owner, str(os.getpid()).encode())
         self.capacity = capacity
+        self.checksums = checksums  # CRC-32 of every write, verified on every read
         self.direct = direct and _direct_works(self.path)
         self.bytes_written = 0
         self.bytes_read = 0
@@ -170,6 +177,7 @@ class NvmeStore:
                 entry = self._entries[key] = _Entry(self.path / f"{self._next_file:08d}.bin", n)
                 self._next_file += 1
             entry.length, self._used = n, used + n
+            entry.crc = zlib.crc32(data) if self.checksums else None
         flags = os.O_CREAT | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
         return self._transfer("write", key, entry.file, flags, data, _round_up(n) if self.direct else n)
 
@@ -185,7 +193,29 @@ class NvmeStore:
             raise ValueError(
                 f"NVMe key {key!r} holds {entry.length} bytes but dst has {data.nbytes} bytes; read into a tensor of the stored size."
             )
-        return self._transfer("read", key, entry.file, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None)
+        transfer = self._transfer("read", key, entry.file, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None)
+        if entry.crc is None:
+            return transfer
+        checked: Future = Future()
+        checked.set_running_or_notify_cancel()
+        expected = entry.crc
+
+        def verify(f: Future) -> None:
+            if f.exception() is not None:
+                checked.set_exception(f.exception())
+                return
+            got = zlib.crc32(data)
+            if got != expected:
+                checked.set_exception(NvmeChecksumError(
+                    5, f"NVMe data of key {key!r} in {entry.file} came back different from what was written "
+                    f"(CRC-32 {got:#010x}, written {expected:#010x}): the disk or file system corrupted it. "
+                    f"Resume from the last checkpoint, and check the device."
+                ))
+            else:
+                checked.set_result(None)
+
+        transfer.add_done_callback(verify)
+        return checked
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -101,6 +101,7 @@ class TieredEngine(UnitUpdates):
         nvme_path: Optional[str] = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         direct_gradients: frozenset[int] = frozenset(),
+        checksums: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -131,7 +132,7 @@ class TieredEngine(UnitUpdates):
         self.store: Optional[NvmeStore] = None
         self._closed = False
         try:
-            self._allocate(nvme_path)
+            self._allocate(nvme_path, checksums)
             self._move_to_homes()
             self._install_hooks(users)
             for optimizer in optimizers:
@@ -142,7 +143,7 @@ class TieredEngine(UnitUpdates):
 
     # -- set-up -------------------------------------------------------------------------------------
 
-    def _allocate(self, nvme_path: Optional[str]) -> None:
+    def _allocate(self, nvme_path: Optional[str], checksums: bool) -> None:
         persistent = [s for s in self.states if s.home == GPU]
         persistent_bytes = sum(align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT) for s in persistent)
         stream_classes = sorted(self.placement.device_slots.items(), reverse=True)
@@ -190,7 +191,7 @@ class TieredEngine(UnitUpdates):
         self.staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
         if any(s.home == NVME for s in self.states):
             assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
-            self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1))
+            self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1), checksums=checksums)
             self.nvme_states = NvmeOptimizerStates(self.store)
 
     def _move_to_homes(self) -> None:
