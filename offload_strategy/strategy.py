@@ -165,7 +165,8 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
         super().setup(trainer)
-        if trainer.training and self.policy.name != "none":
+        if self.policy.name != "none":
+            # every loop offloads: fit, and validate / test / predict on their own (forward only)
             self.engine = self._build_engine(trainer)
 
     def _build_engine(self, trainer: "pl.Trainer") -> Optional[TieredEngine]:
@@ -175,7 +176,8 @@ class TieredStrategy(SingleDeviceStrategy):
         units, users = build_units(model)
         if self.policy.chunk_size:
             units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
-        sizes = [UnitSize(u.index, u.nbytes, sum(p.numel() * p.element_size() for p in u.trainable)) for u in units]
+        # Without training there are no gradients or optimizer states to place.
+        sizes = [UnitSize(u.index, u.nbytes, sum(p.numel() * p.element_size() for p in u.trainable) if trainer.training else 0) for u in units]
         placement = place_units(
             sizes,
             [[u.index for u in used] for used in users.values()],

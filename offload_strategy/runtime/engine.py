@@ -284,6 +284,9 @@ class TieredEngine(UnitUpdates):
         pre_hook.post_hook = post_hook  # type: ignore[attr-defined]
         return pre_hook
 
+    # Views made under inference mode (evaluation loops) would be inference tensors, which training
+    # could not update in place later: the engine makes all of its views outside it.
+    @torch.inference_mode(False)
     def request(self, index: int) -> torch.Tensor:
         """Make unit ``index`` resident in the GPU tier and bind its parameters there."""
         s = self.states[index]
@@ -514,6 +517,7 @@ class TieredEngine(UnitUpdates):
 
     # -- training-step boundaries -------------------------------------------------------------------
 
+    @torch.inference_mode(False)
     def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:  # noqa: D417
         """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
         optimizer step (no accumulation left, nothing that needs every gradient first), so units
