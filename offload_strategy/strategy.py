@@ -304,9 +304,10 @@ class TieredStrategy(SingleDeviceStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return super().lightning_module_state_dict()
+        # Views of where each value lives, as plain training returns views of its parameters: no
+        # second copy of the model, except for units on NVMe, which are read into fresh buffers.
         with self.engine.materialized():
-            copies: dict[int, torch.Tensor] = {}
-            return {k: copies.setdefault(id(v), v.detach().clone()) for k, v in self.lightning_module.state_dict().items()}
+            return self.lightning_module.state_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
