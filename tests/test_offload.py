@@ -404,3 +404,23 @@ def test_checksums_policy_verifies_nvme_reads(tmp_path):
                               policy={"name": "auto", "checksums": True})
     losses, _, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, extra_callbacks=(Check(),))
     assert seen["checksums"] is True and losses == plain_losses
+
+
+def test_keyboard_interrupt_leaves_no_threads_or_files(tmp_path):
+    import threading
+
+    class Interrupt(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                raise KeyboardInterrupt
+
+    total = param_bytes(gpt2_4l)
+    before = {t.ident for t in threading.enumerate()}
+    nvme = tmp_path / "nvme"
+    strategy = nvme_strategy(total, nvme)
+    with pytest.raises(SystemExit):  # Lightning tears down, then exits on a keyboard interrupt
+        train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, extra_callbacks=(Interrupt(),))
+    assert strategy.engine is None
+    leftover = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert not leftover, f"threads left running: {leftover}"
+    assert not any(nvme.iterdir()), "NVMe files left behind"
