@@ -192,3 +192,29 @@ def test_gradients_written_straight_home_or_copied(tmp_path, reserve):
         assert seen["direct"] == 0 and seen["d2h"] > 0
     else:
         assert 0 < seen["direct"] < seen["offloaded"] and seen["d2h"] > 0
+
+
+class Manual(Net):
+    """Manual optimization: two backward passes per step, the user steps and zeroes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        half = batch.shape[0] // 2
+        for part in (batch[:half], batch[half:]):
+            loss = super().training_step(part, batch_idx)
+            self.manual_backward(loss)
+        optimizer.step()
+        self.lr_schedulers().step()
+        return loss
+
+
+def test_manual_optimization_matches_plain_training(tmp_path):
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Manual)
+    losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Manual, extra_callbacks=(Offloaded(),))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

@@ -264,12 +264,14 @@ class TieredEngine(UnitUpdates):
         started: list[float] = []
 
         def pre_hook(module: nn.Module, args: Any) -> None:
+            if self._phase == "backward" and torch._C._current_autograd_node() is None:
+                self._phase = "forward"  # another forward in the same step (manual optimization)
             for i in fetched:
                 self.states[i].pins += 1
             for i in fetched:
                 self.request(i)
-                if self._phase == "backward" and torch.is_grad_enabled():
-                    self.states[i].recompute_pinned = True
+                if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+                    self.states[i].recompute_pinned = True  # a forward that backward recomputes
             if self.table.recording:
                 started.append(time.perf_counter())
 
