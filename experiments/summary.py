@@ -17,22 +17,27 @@ from offload_strategy.hardware import process_peak_rss
 
 
 class MetricsRecorder(Logger):
-    """Keeps every logged metric in memory, so the summary does not depend on the chosen logger."""
+    """Keeps every logged metric in memory, so the summary does not depend on the chosen logger.
 
-    def __init__(self) -> None:
+    It answers with the name and version of ``mirror`` (the user's logger, if any), so Lightning,
+    which joins the names and versions of all loggers into checkpoint paths and the progress bar,
+    sees one run and not two.
+    """
+
+    def __init__(self, mirror: Optional[Logger] = None) -> None:
         super().__init__()
+        self.mirror = mirror
         self.history: dict[str, list[tuple[int, float]]] = {}
 
     @property
     @override
-    def name(self) -> str:
-        return "recorder"
+    def name(self) -> Optional[str]:
+        return self.mirror.name if self.mirror is not None else None
 
     @property
     @override
-    def version(self) -> None:
-        # None keeps the recorder's version out of the progress bar
-        return None
+    def version(self) -> Optional[Any]:
+        return self.mirror.version if self.mirror is not None else None
 
     @override
     @rank_zero_only

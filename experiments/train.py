@@ -82,8 +82,8 @@ def run(cfg: DictConfig) -> float:
     hardware: HardwareSpec = instantiate(cfg.hardware)
     strategy = build_strategy(cfg, hardware)
 
-    recorder = MetricsRecorder()
     logger = build_logger(cfg)
+    recorder = MetricsRecorder(mirror=logger)
     loggers: list[Logger] = ([logger] if logger is not None else []) + [recorder]
     callbacks = [
         ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0], length_fn=lambda batch: batch.numel(), window_size=cfg.throughput_window),
