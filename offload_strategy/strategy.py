@@ -8,12 +8,15 @@ Lightning's single-device strategy does.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -157,6 +160,30 @@ class TieredStrategy(SingleDeviceStrategy):
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
+    def _places_parameters_itself(self) -> bool:
+        """On a GPU, parameters are created in host memory and placed by the engine, so that a model
+        larger than the GPU never has to fit there whole."""
+        return self.policy.name != "none" and self.root_device.type == "cuda"
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        if not self._places_parameters_itself():
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with _EmptyInit(enabled=bool(empty_init)), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        if not self._places_parameters_itself():
+            return super().model_to_device()
+        assert self.model is not None
+        for module in self.model.modules():  # buffers now; parameters once the engine has placed them
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(self.root_device)
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if self.hardware is None:
@@ -168,6 +195,8 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.policy.name != "none":
             # every loop offloads: fit, and validate / test / predict on their own (forward only)
             self.engine = self._build_engine(trainer)
+            if self.engine is None and self._places_parameters_itself():
+                self.model.to(self.root_device)  # it all fits after all
 
     def _build_engine(self, trainer: "pl.Trainer") -> Optional[TieredEngine]:
         """Place every unit within the budgets; None when everything fits in the GPU tier."""

@@ -50,6 +50,7 @@ def train(
     resume: Optional[Path] = None,
     save_every_epoch: bool = False,
     precision: Optional[str] = "32-true",
+    accelerator: str = "cpu",
     seed: int = 7,
     extra_callbacks: tuple[Callback, ...] = (),
     make_model: Optional[Callable[[], L.LightningModule]] = None,
@@ -72,7 +73,7 @@ def train(
         callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}"))
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_epochs=epochs,
         logger=False,
