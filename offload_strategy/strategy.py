@@ -28,7 +28,7 @@ from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import UnitSize, place_units
+from .planning.placement import GPU, Placement, UnitSize, place_units
 from .runtime.engine import TieredEngine
 from .runtime.units import build_units, merge_into_chunks
 
@@ -229,13 +229,13 @@ class TieredStrategy(SingleDeviceStrategy):
         self._profiled = False
         return engine
 
-    def _direct_gradients(self, sizes: list[UnitSize], placement: Any, emulated: bool) -> frozenset[int]:
+    def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
         reserve = self.policy.gradient_reserve
         if not emulated:
             return frozenset()  # direct writes from a CUDA device need host views it does not map yet
         reserve = 0.0 if reserve is None else reserve
-        offloaded = [u for u in sizes if placement.home[u.index] != "gpu" and u.trainable_bytes]
+        offloaded = [u for u in sizes if placement.home[u.index] != GPU and u.trainable_bytes]
         bandwidth = (self.hardware.d2h_gbps if self.hardware and self.hardware.d2h_gbps else 10.0) * 1e9
         kept = gradient_offload_plan(
             [u.trainable_bytes for u in offloaded], [u.trainable_bytes / bandwidth for u in offloaded], [0.0] * len(offloaded), reserve
