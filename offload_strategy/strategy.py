@@ -115,6 +115,7 @@ class TieredStrategy(SingleDeviceStrategy):
         self.plan_file = _validate_plan_file(plan_file)
         self.budgets: Optional[TierBudgets] = None
         self.engine: Optional[TieredEngine] = None
+        self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
         self._profiled = False
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(
@@ -227,6 +228,8 @@ class TieredStrategy(SingleDeviceStrategy):
             device.close()
             raise
         self._profiled = False
+        if engine.store is not None:
+            self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
