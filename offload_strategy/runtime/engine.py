@@ -430,9 +430,11 @@ class TieredEngine(UnitUpdates):
 
     def _evict_for(self, nbytes: int) -> Optional[Slot]:
         """Free a buffer for ``nbytes`` by evicting the unit needed farthest ahead."""
+        def fitting(hard: bool) -> list[int]:
+            return [i for i in self._evictable(hard) if self.states[i].device_slot.slot_bytes >= nbytes]
+
         while (slot := self.device_pool.try_acquire(nbytes)) is None:
-            fits = lambda hard: [i for i in self._evictable(hard) if self.states[i].device_slot.slot_bytes >= nbytes]  # noqa: E731
-            victims = fits(False) or fits(True)
+            victims = fitting(False) or fitting(True)
             if not victims:
                 if not any(x.fetch is not None for x in self.states):
                     return None
@@ -520,7 +522,7 @@ class TieredEngine(UnitUpdates):
     # -- training-step boundaries -------------------------------------------------------------------
 
     @torch.inference_mode(False)
-    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:  # noqa: D417
+    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:
         """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
         optimizer step (no accumulation left, nothing that needs every gradient first), so units
         are updated as soon as their gradients are complete."""
