@@ -142,6 +142,9 @@ class PolicyConfig:
     ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
     memory take as long as the hardware spec's PCIe link would (for what-if runs).
     ``checksums``: verify everything read back from NVMe against a CRC-32 taken when it was written.
+    ``activations``: what each repeated block does with its activations, ``"keep"`` or
+    ``"checkpoint"`` (recompute in backward), one name for all blocks or a list with one per block;
+    ``block_class`` names the blocks' class when they are not found automatically.
     """
 
     name: str = "auto"
@@ -149,12 +152,18 @@ class PolicyConfig:
     gradient_reserve: Optional[float] = None
     throttle: bool = False
     checksums: bool = False
+    activations: Union[str, tuple[str, ...]] = "keep"
+    block_class: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
             raise ValueError(f"policy={self.name!r} is not a known policy; choose one of {', '.join(POLICY_NAMES)}.")
         if self.gradient_reserve is not None and not (isinstance(self.gradient_reserve, (int, float)) and 0.0 <= self.gradient_reserve <= 1.0):
             raise ValueError(f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None.")
+        if not isinstance(self.activations, str):
+            if not all(isinstance(a, str) for a in self.activations):
+                raise ValueError(f"policy.activations={self.activations!r} must be a name or a list of names, one per block.")
+            object.__setattr__(self, "activations", tuple(self.activations))
         if self.chunk_size is not None:
             size = parse_size(self.chunk_size, "policy.chunk_size")
             if size == 0:

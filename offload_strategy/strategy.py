@@ -29,6 +29,7 @@ from .hardware import disk_free, gpu_free, host_available, known_hardware, proce
 from .hardware.device import make_device
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, Placement, UnitSize, place_units
+from .runtime.activations import ActivationPolicies
 from .runtime.engine import TieredEngine
 from .runtime.units import build_units, merge_into_chunks
 
@@ -116,6 +117,7 @@ class TieredStrategy(SingleDeviceStrategy):
         self.budgets: Optional[TierBudgets] = None
         self.engine: Optional[TieredEngine] = None
         self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
+        self._activations: Optional[ActivationPolicies] = None
         self._profiled = False
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(
@@ -193,6 +195,7 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
         super().setup(trainer)
+        self._activations = ActivationPolicies(self.lightning_module, self.policy.activations, self.policy.block_class)
         if self.policy.name != "none":
             # every loop offloads: fit, and validate / test / predict on their own (forward only)
             self.engine = self._build_engine(trainer)
@@ -350,6 +353,9 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._activations is not None:
+            self._activations.remove()
+            self._activations = None
         if self.engine is not None:
             engine, self.engine = self.engine, None
             try:

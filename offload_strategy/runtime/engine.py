@@ -129,6 +129,7 @@ class TieredEngine(UnitUpdates):
         self.backward_log: list[float] = []  # times of this step's backward uses of units
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
+        self.activation_bytes = 0  # saved for backward by the last forward (parameters excluded)
         self.store: Optional[NvmeStore] = None
         self._closed = False
         try:
@@ -156,6 +157,7 @@ class TieredEngine(UnitUpdates):
             s.device_slot = Slot(slot_bytes=size, offset=offset, tensor=self.arena[offset : offset + size])
             offset += size
         self.device_pool = SlotPool(self.arena[offset:], stream_classes_sc, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
+        self._class_sizes = sorted(c.slot_bytes for c in stream_classes_sc)
         # Address of every GPU-tier buffer, to find which unit a saved tensor aliases by bisection.
         self._slot_starts = sorted([s.device_slot.tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in self.device_pool.slots])
         self._slot_owner: dict[int, UnitState] = {s.device_slot.tensor.data_ptr(): s for s in persistent}
@@ -325,8 +327,15 @@ class TieredEngine(UnitUpdates):
     def _fetch_done(fetch: Fetch) -> bool:
         return (fetch.nvme is None or fetch.nvme.done()) and fetch.event is not None and fetch.event.done()
 
+    def _own_class(self, nbytes: int) -> int:
+        """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
+        return self._class_sizes[bisect.bisect_left(self._class_sizes, nbytes)]
+
     def _start_fetch(self, s: UnitState, evict: bool) -> bool:
-        slot = self.device_pool.try_acquire(s.unit.nbytes)
+        # A prefetch only takes a free buffer of the unit's own size class: parking a small unit in
+        # a large buffer would leave a large unit nowhere to go.
+        size = self._own_class(s.unit.nbytes)
+        slot = self.device_pool.acquire(size) if self.device_pool.free_slots(size) else None
         if slot is None and evict:
             slot = self._evict_for(s.unit.nbytes)
             if slot is None:
@@ -429,19 +438,22 @@ class TieredEngine(UnitUpdates):
         return out
 
     def _evict_for(self, nbytes: int) -> Optional[Slot]:
-        """Free a buffer for ``nbytes`` by evicting the unit needed farthest ahead."""
-        def fitting(hard: bool) -> list[int]:
-            return [i for i in self._evictable(hard) if self.states[i].device_slot.slot_bytes >= nbytes]
-
-        while (slot := self.device_pool.try_acquire(nbytes)) is None:
-            victims = fitting(False) or fitting(True)
-            if not victims:
-                if not any(x.fetch is not None for x in self.states):
-                    return None
-                self._drain_prefetches()  # units in flight become evictable once they land
-                continue
-            self.evict(self.table.farthest(victims))
-        return slot
+        """A buffer for ``nbytes``: a free one, else by evicting the unit needed farthest ahead,
+        trying the unit's own size class before larger ones, and units no one still waits for
+        (gradients, a recent backward use) before any other."""
+        sizes = [c for c in self._class_sizes if c >= nbytes]
+        while True:
+            for hard in (False, True):
+                for size in sizes:
+                    if self.device_pool.free_slots(size):
+                        return self.device_pool.acquire(size)
+                    victims = [i for i in self._evictable(hard) if self.states[i].device_slot.slot_bytes == size]
+                    if victims:
+                        self.evict(self.table.farthest(victims))
+                        return self.device_pool.acquire(size)
+            if not any(x.fetch is not None for x in self.states):
+                return None
+            self._drain_prefetches()  # units in flight become evictable once they land
 
     def _drain_prefetches(self) -> None:
         for s in self.states:
@@ -465,18 +477,16 @@ class TieredEngine(UnitUpdates):
             s = self.states[index]
             if s.home == GPU or s.device_slot is not None:
                 continue
-            slot_free = self.device_pool.try_acquire(s.unit.nbytes)
-            if slot_free is None:
+            size = self._own_class(s.unit.nbytes)
+            if not self.device_pool.free_slots(size):
                 # Evict only a unit needed later than this one (Belady), never one in use.
                 distance = self.table.next_use(index)
-                victims = [i for i in self._evictable(hard=False) if self.states[i].device_slot.slot_bytes >= s.unit.nbytes]
+                victims = [i for i in self._evictable(hard=False) if self.states[i].device_slot.slot_bytes == size]
                 victim = self.table.farthest(victims)
                 victim_distance = self.table.next_use(victim) if victim is not None else None
                 if victim is None or (victim_distance is not None and distance is not None and victim_distance <= distance):
                     break
                 self.evict(victim)
-            else:
-                self.device_pool.release(slot_free)
             if not self._start_fetch(s, evict=False):
                 break
 
@@ -490,6 +500,8 @@ class TieredEngine(UnitUpdates):
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device != self.arena.device or t.untyped_storage().data_ptr() != self.arena.untyped_storage().data_ptr():
+            if self._active and self._phase == "forward":
+                self.activation_bytes += t.numel() * t.element_size()  # kept for backward (checkpointed blocks save only inputs)
             return t
         ptr = t.data_ptr()
         start = self._slot_starts[bisect.bisect_right(self._slot_starts, ptr) - 1]
@@ -530,6 +542,7 @@ class TieredEngine(UnitUpdates):
         self._active = True
         self._recent.clear()
         self._touched.clear()
+        self.activation_bytes = 0
         self._update_in_backward = update_in_backward and len(self.unit_optimizers) == 1
         self.clip_value = clip_value
         self.update_log, self.backward_log = [], []
@@ -641,6 +654,7 @@ class TieredEngine(UnitUpdates):
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
         out["units/direct_gradients"] = float(len(self.direct_gradients))
+        out["activations/saved_bytes"] = float(self.activation_bytes)
         steps = self.step_stats["steps"]
         if steps:
             # update: all unit updates of a step; exposed: what the step waited after backward
