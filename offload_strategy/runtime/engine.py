@@ -116,6 +116,7 @@ class TieredEngine(UnitUpdates):
         self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each host-homed unit
         self.nvme_states: Optional[NvmeOptimizerStates] = None
         self.unit_optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
+        self._idle_masters: dict[int, torch.Tensor] = {}  # id(master) of an NVMe unit -> its placeholder between updates
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
@@ -432,7 +433,8 @@ class TieredEngine(UnitUpdates):
         for s in self.states:
             if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned or s.unit.index in self._touched:
                 continue
-            if not hard and (s.grads_pending > 0 or (self._phase == "backward" and s.unit.index in self._recent)):
+            waiting_for_grads = s.used_in_backward and s.grads_arrived < len(s.unit.trainable)
+            if not hard and (waiting_for_grads or (self._phase == "backward" and s.unit.index in self._recent)):
                 continue
             out.append(s.unit.index)
         return out
@@ -524,8 +526,7 @@ class TieredEngine(UnitUpdates):
                 self._last_backward = (packed.unit, now)
         buffer = self.request(packed.unit)
         s = self.states[packed.unit]
-        if s.grads_pending == 0 and s.unit.trainable:
-            s.grads_pending = len(s.unit.trainable)
+        s.used_in_backward = True
         typed = buffer.view(packed.dtype)
         element = typed.element_size()
         # as_strided's offset counts from the start of the storage, not of the view
@@ -548,6 +549,7 @@ class TieredEngine(UnitUpdates):
         self.update_log, self.backward_log = [], []
         for s in self.states:
             s.grads_arrived = 0
+            s.used_in_backward = False
             s.recompute_pinned = False
         if profile:
             self.table.start_recording()

@@ -43,6 +43,7 @@ class NvmeOptimizerStates:
         self.layouts: dict[int, list[_Entry]] = {}
         self.sizes: dict[int, int] = {}
         self.owners: dict[int, torch.optim.Optimizer] = {}  # the optimizer holding each unit's states
+        self.placeholders: dict[int, list[torch.Tensor]] = {}  # made once: dropping states allocates nothing
 
     @staticmethod
     def _file(unit: int) -> str:
@@ -62,6 +63,7 @@ class NvmeOptimizerStates:
         self.layouts[unit] = entries
         self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
         self.owners[unit] = optimizer
+        self.placeholders[unit] = [torch.full((1,), float("nan"), dtype=e.dtype).expand(e.shape) for e in entries]
         return self.sizes[unit]
 
     def _views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -86,8 +88,8 @@ class NvmeOptimizerStates:
 
     def _drop(self, unit: int) -> None:
         optimizer = self.owners[unit]
-        for entry in self.layouts[unit]:
-            optimizer.state[entry.param][entry.key] = torch.full((1,), float("nan"), dtype=entry.dtype).expand(entry.shape)
+        for entry, placeholder in zip(self.layouts[unit], self.placeholders[unit]):
+            optimizer.state[entry.param][entry.key] = placeholder
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
@@ -105,4 +107,4 @@ class NvmeOptimizerStates:
         if self.learn(optimizer, unit, params):
             self.save(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
         else:
-            del self.layouts[unit], self.sizes[unit], self.owners[unit]
+            del self.layouts[unit], self.sizes[unit], self.owners[unit], self.placeholders[unit]

@@ -35,7 +35,7 @@ class UnitState:
     fetch: Optional[Fetch] = None
     host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
     pins: int = 0
-    grads_pending: int = 0
+    used_in_backward: bool = False  # this step; with gradients still to come, evicted only if nothing else can be
     grads_arrived: int = 0  # this backward; all arrived: the unit can be updated
     # Used by a forward that backward recomputes (activation checkpointing): the recomputed graph
     # holds plain views of the unit's buffer, so the unit stays until its gradients are complete.

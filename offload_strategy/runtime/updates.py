@@ -58,8 +58,6 @@ class UnitUpdates:
             s.grad_fresh[i] = True
         if grad.data_ptr() != home.data_ptr():
             p.grad = None
-        if s.grads_pending > 0:
-            s.grads_pending -= 1
         s.grads_arrived += 1
         if s.grads_arrived == len(s.unit.trainable):
             s.recompute_pinned = False
@@ -112,8 +110,10 @@ class UnitUpdates:
                 masters = [p for _, p in trainable]
             elif s.home == HOST:
                 masters = [s.home_views[i].view(p.shape) for i, p in trainable]
-            else:  # bound to the unit's host copy for each update
-                masters = [nan_placeholder(p, torch.device("cpu")) for _, p in trainable]
+            else:  # bound to the unit's host copy for each update, to these placeholders between
+                idle = [nan_placeholder(p, torch.device("cpu")) for _, p in trainable]
+                masters = [t.view(t.shape) for t in idle]
+                self._idle_masters.update((id(m), t) for m, t in zip(masters, idle))
             units.append((s.unit.index, [p for _, p in trainable], masters))
         unit_optimizers = UnitOptimizers(facade, units)
         if self.nvme_states is not None:
@@ -165,7 +165,7 @@ class UnitUpdates:
         self._update_in_backward = False
         self.worker.drain()
         for s in self.states:
-            s.grads_pending = 0
+            s.used_in_backward = False
             s.updated = False
             s.recompute_pinned = False
             for i in range(len(s.grad_fresh)):
@@ -246,8 +246,8 @@ class UnitUpdates:
                 self.nvme_states.save(s.unit.index, states.tensor)
                 (self.update_pool if on_worker else self.staging_pool).release(states)
             self.store.write(self._key(s), params.tensor[:padded]).result()
-            for master, i in zip(slot.masters, positions):
-                master.data = nan_placeholder(s.unit.params[i], torch.device("cpu"))
+            for master in slot.masters:
+                master.data = self._idle_masters[id(master)]
             if on_worker:
                 self.update_pool.release(params)
         elif s.unit.index not in self._state_bytes:

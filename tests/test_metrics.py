@@ -1,0 +1,29 @@
+import pytest
+
+from offload_strategy.runtime.metrics import HIT, LATE_HIT, MISS, QUANTILE_WINDOW, RequestStats
+
+
+def test_rates_thresholds_and_quantiles():
+    stats = RequestStats()
+    # 6 hits (no wait), 2 late hits of 0.02 ms and 0.05 ms, 2 misses of 1 ms
+    for _ in range(6):
+        stats.add(HIT, 0.0)
+    stats.add(LATE_HIT, 0.02e-3)
+    stats.add(LATE_HIT, 0.05e-3)
+    stats.add(MISS, 1e-3)
+    stats.add(MISS, 1e-3)
+    report = stats.report()
+    assert report["requests"] == 10 and report["hit_rate"] == 0.6 and report["late_hit_rate"] == 0.2 and report["miss_rate"] == 0.2
+    assert report["wait_under_0.01ms"] == 0.6 and report["wait_under_0.03ms"] == 0.7 and report["wait_under_0.1ms"] == 0.8
+    assert report["wait_p50_ms"] == 0.0 and report["wait_p99_ms"] == pytest.approx(1.0)
+    assert report["wait_total_ms"] == pytest.approx(2.07)
+    stats.reset()
+    assert stats.report() == {"requests": 0.0, "out_of_order": 0.0, "nvme_reads_avoided": 0.0}
+
+
+def test_memory_stays_bounded_when_nobody_reads_the_metrics():
+    stats = RequestStats()
+    for i in range(QUANTILE_WINDOW + 1000):
+        stats.add(HIT, 0.0)
+    assert len(stats.recent) == QUANTILE_WINDOW
+    assert stats.report()["requests"] == QUANTILE_WINDOW + 1000
