@@ -31,7 +31,7 @@ from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, Placement, UnitSize, place_units
 from .runtime.activations import ActivationPolicies
 from .runtime.engine import TieredEngine
-from .runtime.units import build_units, merge_into_chunks
+from .runtime.units import build_units, master_dtype, merge_into_chunks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -45,6 +45,11 @@ _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision)
 
 # Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
 _STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
+
+
+def master_dtype_size(p: torch.Tensor, fp32_masters: bool) -> int:
+    """Bytes per element of a parameter's gradient, master and states."""
+    return torch.empty((), dtype=master_dtype(p, fp32_masters)).element_size()
 
 
 def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
@@ -209,15 +214,20 @@ class TieredStrategy(SingleDeviceStrategy):
         units, users = build_units(model)
         if self.policy.chunk_size:
             units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
-        # Without training there are no gradients or optimizer states to place.
-        sizes = [UnitSize(u.index, u.nbytes, sum(p.numel() * p.element_size() for p in u.trainable) if trainer.training else 0) for u in units]
+        # Without training there are no gradients or optimizer states to place. Under *-true
+        # precisions gradients and states are in fp32 beside an fp32 master of each parameter.
+        fp32_masters = isinstance(self.precision_plugin, HalfPrecision)
+        sizes = [
+            UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if trainer.training else 0)
+            for u in units
+        ]
         placement = place_units(
             sizes,
             [[u.index for u in used] for used in users.values()],
             gpu_bytes=self.budgets.gpu,
             host_bytes=self.budgets.host,
             nvme_bytes=self.budgets.nvme,
-            state_factor=optimizer_state_factor(self.optimizers),
+            state_factor=optimizer_state_factor(self.optimizers) + (1.0 if fp32_masters else 0.0),
         )
         if not placement.offloaded:
             return None
@@ -226,6 +236,7 @@ class TieredStrategy(SingleDeviceStrategy):
             engine = TieredEngine(
                 model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
                 direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated), checksums=self.policy.checksums,
+                fp32_masters=fp32_masters,
             )
         except BaseException:
             device.close()

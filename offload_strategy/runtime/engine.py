@@ -42,7 +42,7 @@ from .nvme_states import NvmeOptimizerStates
 from .optimizer import UnitOptimizers
 from .scheduler import PrefetchTable
 from .state import Fetch, UnitState, nan_placeholder
-from .units import TransferUnit
+from .units import TransferUnit, master_dtype
 from .updates import UnitUpdates
 from .worker import UpdateWorker
 
@@ -102,13 +102,17 @@ class TieredEngine(UnitUpdates):
         optimizers: Sequence[torch.optim.Optimizer] = (),
         direct_gradients: frozenset[int] = frozenset(),
         checksums: bool = False,
+        fp32_masters: bool = False,
     ) -> None:
         self.model = model
         self.device = device
         self.placement = placement
-        self.states = [UnitState(unit=u, home=placement.home[u.index]) for u in units]
-        # offloaded units whose gradients autograd writes straight into their host buffers
-        self.direct_gradients = frozenset(i for i in direct_gradients if self.states[i].home != GPU)
+        self.states = [
+            UnitState(unit=u, home=placement.home[u.index], master_dtypes=[master_dtype(p, fp32_masters) for p in u.params]) for u in units
+        ]
+        # offloaded units whose gradients autograd writes straight into their host buffers; a
+        # gradient bound for an fp32 master is not the parameter's dtype, so it is copied
+        self.direct_gradients = frozenset(i for i in direct_gradients if self.states[i].home != GPU and not self.states[i].widened)
         self.table = PrefetchTable()
         self.requests = RequestStats()
         self.profile = StepProfile(unit_names=[u.name for u in units], unit_bytes=[u.nbytes for u in units])
@@ -165,7 +169,7 @@ class TieredEngine(UnitUpdates):
 
         offloaded = [s for s in self.states if s.home != GPU]
         home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
-        grad_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
+        grad_bytes = sum(align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
         staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(self.placement.staging_slots.items(), reverse=True)]
         staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
         # The update worker's own staging buffers, so it never shares one with the fetch path.
@@ -181,8 +185,8 @@ class TieredEngine(UnitUpdates):
                 offset += size
         for s in offloaded:
             if s.unit.trainable:
-                size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
-                views = s.unit.views(host[offset : offset + size])
+                size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+                views = s.unit.typed_views(host[offset : offset + size], s.master_dtypes)
                 s.grad_views = [v if p.requires_grad else None for v, p in zip(views, s.unit.params)]
                 offset += size
             else:
@@ -192,6 +196,15 @@ class TieredEngine(UnitUpdates):
         update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
         self.update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
         self.staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
+        # fp32 masters of host-homed low-precision units: never transferred, so not pinned
+        widened = [s for s in offloaded if s.home == HOST and s.widened]
+        sizes = [align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in widened]
+        self.master_region = torch.empty(sum(sizes), dtype=torch.uint8)
+        offset = 0
+        for s, size in zip(widened, sizes):
+            views = s.unit.typed_views(self.master_region[offset : offset + size], s.master_dtypes)
+            s.master_views = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
+            offset += size
         if any(s.home == NVME for s in self.states):
             assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
             self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1), checksums=checksums)

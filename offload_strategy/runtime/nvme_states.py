@@ -6,6 +6,10 @@ optimizer states between CPU and NVMe the same way). The layout of a unit's stat
 the tensors the optimizer creates at its first step, so any per-parameter optimizer works. Scalar
 states (Adam's step count) stay in memory: they are a few bytes and the optimizer may keep them
 on the CPU whatever the parameter's device.
+
+Under ``*-true`` precisions the fp32 master of each low-precision parameter is stored with its
+states (key ``None`` in the layout): it is read and written at the same times, and an update reads
+and writes the low-precision copy, which is what forward fetches, beside it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -25,7 +30,7 @@ from .units import PARAM_ALIGNMENT
 @dataclass(frozen=True)
 class _Entry:
     param: nn.Parameter
-    key: str
+    key: Optional[str]  # None: the master itself
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int
@@ -52,9 +57,23 @@ class NvmeOptimizerStates:
     def known(self, unit: int) -> bool:
         return unit in self.layouts
 
-    def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> int:
-        """Record where each non-scalar state tensor of ``params`` goes in the unit's buffer; its size."""
+    @staticmethod
+    def _tensor_states(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
+        return [key for key, value in optimizer.state.get(p, {}).items() if torch.is_tensor(value) and value.dim() > 0]
+
+    def matches(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> bool:
+        """The learnt layout still holds every state tensor (an optimizer may add some at a later step)."""
+        stored = {(id(e.param), e.key) for e in self.layouts[unit] if e.key is not None}
+        return stored == {(id(p), key) for p in params for key in self._tensor_states(optimizer, p)}
+
+    def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter], masters: Sequence[bool] = ()) -> int:
+        """Record where each non-scalar state tensor of ``params`` goes in the unit's buffer, and
+        each param itself where ``masters`` says so (fp32 masters); return the buffer's size."""
         entries, offset = [], 0
+        for p, stored in zip(params, masters):
+            if stored:
+                entries.append(_Entry(p, None, tuple(p.shape), p.dtype, offset))
+                offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
         for p in params:
             for key, value in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
@@ -74,13 +93,16 @@ class NvmeOptimizerStates:
         self.store.read(self._file(unit), buffer[: self.sizes[unit]]).result()
         optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
-            optimizer.state[entry.param][entry.key] = view
+            if entry.key is None:
+                entry.param.data = view
+            else:
+                optimizer.state[entry.param][entry.key] = view
 
     def save(self, unit: int, buffer: torch.Tensor) -> None:
         """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from memory."""
         optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
-            value = optimizer.state[entry.param][entry.key]
+            value = entry.param.data if entry.key is None else optimizer.state[entry.param][entry.key]
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)
         self.store.write(self._file(unit), buffer[: self.sizes[unit]]).result()
@@ -89,7 +111,10 @@ class NvmeOptimizerStates:
     def _drop(self, unit: int) -> None:
         optimizer = self.owners[unit]
         for entry, placeholder in zip(self.layouts[unit], self.placeholders[unit]):
-            optimizer.state[entry.param][entry.key] = placeholder
+            if entry.key is None:
+                entry.param.data = placeholder
+            else:
+                optimizer.state[entry.param][entry.key] = placeholder
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
@@ -102,9 +127,10 @@ class NvmeOptimizerStates:
             for unit in self.layouts:
                 self._drop(unit)
 
-    def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> None:
-        """States ``optimizer`` holds in memory for an NVMe unit (just loaded from a checkpoint): offload them."""
-        if self.learn(optimizer, unit, params):
+    def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter], masters: Sequence[bool] = ()) -> None:
+        """States ``optimizer`` holds in memory for an NVMe unit (just loaded from a checkpoint), and
+        the masters ``masters`` marks: offload them."""
+        if self.learn(optimizer, unit, params, masters):
             self.save(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
         else:
             del self.layouts[unit], self.sizes[unit], self.owners[unit], self.placeholders[unit]

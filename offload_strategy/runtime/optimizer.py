@@ -10,6 +10,12 @@ it, every unit gets an optimizer of the same class over that unit's *master* par
   at home on NVMe the staging buffer it is read into), with its gradients from the host gradient
   buffers. The model's parameters, whatever their residence, are never touched by an update.
 
+Under ``*-true`` precisions a low-precision parameter's master is an fp32 tensor of its own: the
+inner optimizer and its states work in fp32 and the low-precision copy is refreshed from the master
+after each update. The facade's state dict carries each such master under the key ``"master"``, so
+a checkpoint resumes exactly; a state dict without it (from plain training) starts the master
+from the parameter.
+
 So a unit can be updated on a CPU worker while backward continues with other units (LoHan §IV-C),
 and any per-parameter optimizer works unchanged. Optimizers that need the whole model at once
 (LBFGS: a closure that re-evaluates the loss) are refused.
@@ -51,6 +57,10 @@ class UnitSlot:
     inner: torch.optim.Optimizer
     inner_groups: list[int]  # facade group index of each inner group
 
+    def widened(self, position: int) -> bool:
+        """The parameter computes in low precision and is updated through an fp32 master."""
+        return self.masters[position].dtype != self.params[position].dtype
+
 
 class UnitOptimizers:
     """Inner optimizers of one facade, one per unit, and the facade's standard state dict."""
@@ -63,6 +73,8 @@ class UnitOptimizers:
         self.order = [p for group in facade.param_groups for p in group["params"]]  # facade order = state-dict indices
         self.slots: dict[int, UnitSlot] = {}
         self.slot_of: dict[int, tuple[UnitSlot, int]] = {}  # id(param) -> (slot, position)
+        # fp32 masters whose value is still the parameter's: taken from it right before their update
+        self.stale: set[int] = set()
         for unit_index, params, masters in units:
             chosen = [(p, m) for p, m in zip(params, masters) if id(p) in group_of_param]
             if not chosen:
@@ -118,7 +130,10 @@ class UnitOptimizers:
                 if found is None:
                     continue
                 slot, position = found
-                values = slot.inner.state.get(slot.masters[position])
+                master = slot.masters[position]
+                values = dict(slot.inner.state.get(master, {}))
+                if slot.widened(position) and id(master) not in self.stale:
+                    values["master"] = master
                 if values:
                     state[index] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in values.items()}
         groups = torch.optim.Optimizer.state_dict(self.facade)["param_groups"]
@@ -135,13 +150,26 @@ class UnitOptimizers:
         index_of = {id(p): i for i, p in enumerate(self.order)}
         for slot in self.slots.values():
             inner_state: dict[int, Any] = {}
+            masters: dict[int, torch.Tensor] = {}
             for position, p in enumerate(slot.params):
                 index = index_of[id(p)]
                 if index in saved:
-                    inner_state[self._inner_position(slot, position)] = saved[index]
+                    values = dict(saved[index])
+                    master = values.pop("master", None)
+                    if master is not None and slot.widened(position):
+                        masters[position] = master
+                    inner_state[self._inner_position(slot, position)] = values
             inner_groups = torch.optim.Optimizer.state_dict(slot.inner)["param_groups"]
             slot.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
             self.sync_hyperparameters(slot)
+            for position, master in enumerate(slot.masters):
+                if not slot.widened(position):
+                    continue
+                if position in masters:
+                    self.set_master(master, masters[position].to(torch.float32))
+                    self.stale.discard(id(master))
+                else:
+                    self.stale.add(id(master))
 
     @staticmethod
     def _inner_position(slot: UnitSlot, position: int) -> int:
@@ -164,6 +192,9 @@ class UnitOptimizers:
             units.after_load()
 
         self.after_load: Callable[[], None] = lambda: None
+        # where a loaded fp32 master goes: into the master's memory (an NVMe unit's master has
+        # none between updates, so the engine binds it to the value until it offloads it)
+        self.set_master: Callable[[torch.Tensor, torch.Tensor], None] = lambda master, value: master.copy_(value)
         self.facade.state_dict = types.MethodType(state_dict, self.facade)  # type: ignore[method-assign]
         self.facade.load_state_dict = types.MethodType(load_state_dict, self.facade)  # type: ignore[method-assign]
 
@@ -171,10 +202,15 @@ class UnitOptimizers:
         """End of training: the facade holds the real states of its own parameters, as after plain training."""
         with materialize():
             for slot in self.slots.values():
-                for p, master in zip(slot.params, slot.masters):
+                for position, (p, master) in enumerate(zip(slot.params, slot.masters)):
                     values = slot.inner.state.get(master)
                     if values:
-                        self.facade.state[p] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in values.items()}
+                        # fp32 states of a low-precision parameter take its dtype, as plain training has them
+                        cast = slot.widened(position)
+                        self.facade.state[p] = {
+                            k: (v.to(p.dtype) if cast and k != "step" and v.is_floating_point() else v.clone()) if torch.is_tensor(v) else v
+                            for k, v in values.items()
+                        }
         for name in ("state_dict", "load_state_dict"):
             self.facade.__dict__.pop(name, None)
 

@@ -29,7 +29,9 @@ class UnitState:
     device_slot: Optional[Slot] = None  # GPU-tier buffer while resident (persistent: fixed region)
     home_views: list[torch.Tensor] = field(default_factory=list)  # host home (HOST units)
     placeholders: list[torch.Tensor] = field(default_factory=list)  # NVME units while not resident
-    grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # host gradient home per param
+    master_dtypes: list[torch.dtype] = field(default_factory=list)  # per param: what it is updated in
+    master_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # HOST units: fp32 masters of low-precision params
+    grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # host gradient home per param, in its master dtype
     grad_fresh: list[bool] = field(default_factory=list)
     grad_events: list[Optional[Event]] = field(default_factory=list)
     fetch: Optional[Fetch] = None
@@ -42,6 +44,11 @@ class UnitState:
     recompute_pinned: bool = False
     updated: bool = False  # this step, already (during backward)
     bound: bool = False  # parameters currently point into device_slot
+
+    @property
+    def widened(self) -> bool:
+        """Some parameter is computed in low precision and updated through an fp32 master."""
+        return any(d != p.dtype for d, p in zip(self.master_dtypes, self.unit.params))
 
     @property
     def resident(self) -> bool:

@@ -51,6 +51,36 @@ class TransferUnit:
             out.append(buffer[offset : offset + size].view(p.dtype).view(p.shape))
         return out
 
+    def layout_nbytes(self, dtypes: list[torch.dtype]) -> int:
+        """Bytes of a buffer holding each parameter as ``dtypes`` (fp32 masters of bf16 parameters)."""
+        offset = 0
+        for p, dtype in zip(self.params, dtypes):
+            offset = _align(offset + p.numel() * _element_size(dtype), PARAM_ALIGNMENT)
+        return offset
+
+    def typed_views(self, buffer: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Views of each parameter's shape in ``dtypes`` inside ``buffer`` (>= ``layout_nbytes``)."""
+        out, offset = [], 0
+        for p, dtype in zip(self.params, dtypes):
+            size = p.numel() * _element_size(dtype)
+            out.append(buffer[offset : offset + size].view(dtype).view(p.shape))
+            offset = _align(offset + size, PARAM_ALIGNMENT)
+        return out
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# Parameters computed in these dtypes get fp32 masters when the precision asks for them.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def master_dtype(p: torch.Tensor, widen: bool) -> torch.dtype:
+    """The dtype a parameter is updated in: fp32 for a trainable low-precision parameter when
+    ``widen`` (``*-true`` precisions: the compute copy stays low precision), else its own."""
+    return torch.float32 if widen and p.requires_grad and p.dtype in LOW_PRECISION else p.dtype
+
 
 def build_units(model: nn.Module) -> tuple[list[TransferUnit], dict[nn.Module, list[TransferUnit]]]:
     """Units in registration order, and for every module the units it uses."""

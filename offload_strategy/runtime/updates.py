@@ -21,7 +21,7 @@ import torch
 from ..memory import Slot
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
 from .optimizer import UnitOptimizers, grads_on
-from .state import UnitState, nan_placeholder
+from .state import UnitState
 
 
 class GradientView:
@@ -50,6 +50,13 @@ class UnitUpdates:
             return
         if s.unit.index in self.direct_gradients and grad.data_ptr() == home.data_ptr():
             s.grad_fresh[i] = True  # already accumulated in place, at home
+        elif home.dtype != grad.dtype:  # an fp32 master's gradient: widened as it lands, accumulated in fp32
+            self._wait_grad(s, i)
+            if s.grad_fresh[i]:
+                home.add_(grad.to(home.device, home.dtype))
+            else:
+                home.copy_(grad)
+            s.grad_fresh[i] = True
         elif s.grad_fresh[i]:
             self._wait_grad(s, i)
             home.add_(grad.to(home.device))
@@ -106,26 +113,42 @@ class UnitUpdates:
             trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
             if not trainable:
                 continue
-            if s.home == GPU:
-                masters = [p for _, p in trainable]
+            if s.home == GPU:  # fp32 masters of a persistent unit stay in the GPU tier with its states
+                masters = [p if s.master_dtypes[i] == p.dtype else p.detach().to(s.master_dtypes[i], copy=True) for i, p in trainable]
             elif s.home == HOST:
-                masters = [s.home_views[i].view(p.shape) for i, p in trainable]
-            else:  # bound to the unit's host copy for each update, to these placeholders between
-                idle = [nan_placeholder(p, torch.device("cpu")) for _, p in trainable]
+                masters = [s.home_views[i].view(p.shape) if s.master_dtypes[i] == p.dtype else s.master_views[i] for i, p in trainable]
+                for i, _ in trainable:
+                    if s.master_views and s.master_views[i] is not None:
+                        s.master_views[i].copy_(s.home_views[i])
+            else:  # bound to the unit's host copy (or its stored master) for each update, to these placeholders between
+                idle = [torch.full((1,), float("nan"), dtype=s.master_dtypes[i]).expand(p.shape) for i, p in trainable]
                 masters = [t.view(t.shape) for t in idle]
                 self._idle_masters.update((id(m), t) for m, t in zip(masters, idle))
             units.append((s.unit.index, [p for _, p in trainable], masters))
         unit_optimizers = UnitOptimizers(facade, units)
+        for index, slot in unit_optimizers.slots.items():
+            if self.states[index].home == NVME:  # the master's first value is on NVMe with the parameter
+                unit_optimizers.stale.update(id(m) for position, m in enumerate(slot.masters) if slot.widened(position))
         if self.nvme_states is not None:
             unit_optimizers._materialize = self.nvme_states.materialized
             unit_optimizers.after_load = lambda: self._adopt_states(unit_optimizers)
+            unit_optimizers.set_master = self._set_master
         return unit_optimizers
 
+    def _set_master(self, master: torch.Tensor, value: torch.Tensor) -> None:
+        if id(master) in self._idle_masters:  # an NVMe unit's: held until ``_adopt_states`` offloads it
+            master.data = value.clone()
+        else:
+            master.copy_(value)
+
     def _adopt_states(self, unit_optimizers: UnitOptimizers) -> None:
-        """States just loaded from a checkpoint: those of NVMe units go to NVMe."""
+        """States just loaded from a checkpoint: those of NVMe units go to NVMe, with their masters."""
         for index, slot in unit_optimizers.slots.items():
             if self.states[index].home == NVME:
-                self.nvme_states.adopt(slot.inner, index, slot.masters)
+                widened = [slot.widened(position) for position in range(len(slot.masters))]
+                self.nvme_states.adopt(slot.inner, index, slot.masters, widened)
+                for master in slot.masters:
+                    master.data = self._idle_masters[id(master)]
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -148,9 +171,7 @@ class UnitUpdates:
                 continue
             start = time.perf_counter()
             if s.home == GPU:
-                if self.clip_value is not None:
-                    torch.nn.utils.clip_grad_value_(unit_optimizers.slots[s.unit.index].params, self.clip_value)
-                unit_optimizers.step(s.unit.index)
+                self._update_persistent(unit_optimizers, s)
             else:
                 self._update_offloaded(unit_optimizers, s)
             self.update_log.append((s.unit.index, start, time.perf_counter()))
@@ -205,6 +226,31 @@ class UnitUpdates:
             self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
         return self.unit_optimizers[id(optimizer)]
 
+    def _update_persistent(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
+        """Update a unit whose parameters, states and masters stay in the GPU tier."""
+        slot = unit_optimizers.slots[s.unit.index]
+        if self.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(slot.params, self.clip_value)
+        if not s.widened:
+            unit_optimizers.step(s.unit.index)
+            return
+        grads = [(p.grad.to(m.dtype) if p.grad is not None else None) if slot.widened(k) else p.grad for k, (p, m) in enumerate(zip(slot.params, slot.masters))]
+        self._update_masters(unit_optimizers, slot, grads, [p.data for p in slot.params])
+
+    @staticmethod
+    def _update_masters(unit_optimizers: UnitOptimizers, slot: Any, grads: list, copies: list[torch.Tensor]) -> None:
+        """One unit's update on its masters; ``copies`` are the tensors forward computes with (the
+        masters themselves, or the low-precision copies of fp32 masters, refreshed after)."""
+        for position, master in enumerate(slot.masters):
+            if id(master) in unit_optimizers.stale:
+                master.copy_(copies[position])
+                unit_optimizers.stale.discard(id(master))
+        with grads_on(slot.masters, grads):
+            unit_optimizers.step(slot.unit_index)
+        for position, master in enumerate(slot.masters):
+            if slot.widened(position) and grads[position] is not None:
+                copies[position].copy_(master)
+
     def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False) -> None:
         """Update one offloaded unit at home. On the worker (during backward) an NVMe unit goes
         through the worker's own two staging buffers, so the fetch path is never touched."""
@@ -221,6 +267,7 @@ class UnitUpdates:
         params: Optional[Slot] = None
         states: Optional[Slot] = None
         known = s.home == NVME and self.nvme_states.known(s.unit.index)
+        widened = [slot.widened(position) for position in range(len(slot.masters))]
         if s.home == NVME:
             if on_worker:
                 params = self.update_pool.acquire(s.unit.nbytes)
@@ -228,20 +275,31 @@ class UnitUpdates:
             else:
                 params = self._host_copy(s)
             views = s.unit.views(params.tensor)
-            for master, i in zip(slot.masters, positions):
-                master.data = views[i]
+            copies = [views[i] for i in positions]
+            for master, copy, wide in zip(slot.masters, copies, widened):
+                # an fp32 master is read with the states; before it was ever stored, it starts from the copy
+                master.data = torch.empty(copy.shape, dtype=master.dtype) if wide else copy
             if known:
                 size = self.nvme_states.sizes[s.unit.index]
                 states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
                 self.nvme_states.load(s.unit.index, states.tensor)
-        with grads_on(slot.masters, grads):
-            unit_optimizers.step(s.unit.index)
+        else:
+            copies = [s.home_views[i] for i in positions]
+        self._update_masters(unit_optimizers, slot, grads, copies)
         for i in positions:
             s.grad_fresh[i] = False
         if s.home == NVME:
-            if not known and self.nvme_states.learn(slot.inner, s.unit.index, slot.masters):
-                size = self.nvme_states.sizes[s.unit.index]
-                states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
+            if not known or not self.nvme_states.matches(slot.inner, s.unit.index, slot.masters):
+                if states is not None:  # the optimizer added states: own the loaded ones, then a larger buffer
+                    for master, wide in zip(slot.masters, widened):
+                        if wide:
+                            master.data = master.data.clone()
+                    self._own_states(slot.inner, slot.masters)
+                    (self.update_pool if on_worker else self.staging_pool).release(states)
+                    states = None
+                if self.nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
+                    size = self.nvme_states.sizes[s.unit.index]
+                    states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
             if states is not None:
                 self.nvme_states.save(s.unit.index, states.tensor)
                 (self.update_pool if on_worker else self.staging_pool).release(states)
@@ -250,10 +308,17 @@ class UnitUpdates:
                 master.data = self._idle_masters[id(master)]
             if on_worker:
                 self.update_pool.release(params)
-        elif s.unit.index not in self._state_bytes:
+        if s.home != NVME and s.unit.index not in self._state_bytes:
             self._state_bytes[s.unit.index] = sum(
                 t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
             )
+
+    @staticmethod
+    def _own_states(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
+        for m in masters:
+            for key, value in optimizer.state.get(m, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    optimizer.state[m][key] = value.clone()
 
     def _state_buffer(self, s: UnitState, nbytes: int) -> Slot:
         slot = self._staging(nbytes, wait=True, keep=s)
