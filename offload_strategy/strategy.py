@@ -201,6 +201,13 @@ class TieredStrategy(SingleDeviceStrategy):
             torch.cuda.reset_peak_memory_stats(self.root_device)
         super().setup(trainer)
         self._activations = ActivationPolicies(self.lightning_module, self.policy.activations, self.policy.block_class)
+        if trainer.training and not any(p.requires_grad for p in self.lightning_module.parameters()):
+            total = sum(p.numel() for p in self.lightning_module.parameters())
+            raise ValueError(
+                f"the model has no trainable parameters ({total:,} parameters, all with requires_grad=False), so fit has "
+                f"nothing to update; unfreeze the parameters to train (p.requires_grad_(True)), or run trainer.validate / "
+                f"test / predict for inference."
+            )
         if self.policy.name != "none":
             # every loop offloads: fit, and validate / test / predict on their own (forward only)
             self.engine = self._build_engine(trainer)
@@ -215,7 +222,8 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.policy.chunk_size:
             units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
         # Without training there are no gradients or optimizer states to place. Under *-true
-        # precisions gradients and states are in fp32 beside an fp32 master of each parameter.
+        # precisions gradients and states are in fp32 beside an fp32 master of each parameter,
+        # and each 16-bit gradient lands in a buffer of half a master's size before widening.
         fp32_masters = isinstance(self.precision_plugin, HalfPrecision)
         sizes = [
             UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if trainer.training else 0)
@@ -227,7 +235,7 @@ class TieredStrategy(SingleDeviceStrategy):
             gpu_bytes=self.budgets.gpu,
             host_bytes=self.budgets.host,
             nvme_bytes=self.budgets.nvme,
-            state_factor=optimizer_state_factor(self.optimizers) + (1.0 if fp32_masters else 0.0),
+            state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0),
         )
         if not placement.offloaded:
             return None

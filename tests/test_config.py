@@ -131,3 +131,14 @@ def test_unwritable_nvme_path_is_refused_before_training(tmp_path):
     trainer = L.Trainer(strategy=TieredStrategy(nvme_path=path), accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"nvme_path=.* cannot hold the NVMe tier's files: .*Give a directory"):
         trainer.fit(BoringModel())
+
+
+def test_a_model_without_trainable_parameters_is_refused_before_training(tmp_path):
+    model = BoringModel()
+    model.requires_grad_(False)
+    trainer = L.Trainer(strategy=TieredStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"no trainable parameters \(66 parameters, all with requires_grad=False\).*unfreeze"):
+        trainer.fit(model)
+    # inference needs none
+    trainer = L.Trainer(strategy=TieredStrategy(), accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    assert trainer.validate(model, verbose=False)

@@ -2,6 +2,7 @@
 
     python tools/bench.py                       # the CPU table of docs/benchmarks.md
     python tools/bench.py --layers 8 --width 512 --steps 40 --repeats 5
+    python tools/bench.py --precision bf16-true  # 16-bit units on the link, fp32 masters at home
 
 Every mode trains the same GPT-2-shaped model on random tokens from the same seed, in one
 process, with the modes interleaved round by round so that a noisy machine affects them alike.
@@ -61,6 +62,7 @@ class Mode:
     misses: float = 0.0
     wait_ms: float = 0.0
     homes: str = ""
+    link_bytes: list[float] = field(default_factory=list)  # host -> GPU tier bytes per measured step
 
 
 def model_config(layers: int, width: int) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
     timer = StepTimer()
     trainer = L.Trainer(strategy=mode.make_strategy(), accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], default_root_dir=root)
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], default_root_dir=root, precision=args.precision)
     trainer.fit(model, datamodule=data)
     mode.times += timer.times[args.warmup :]
     for m in timer.metrics[args.warmup :]:
@@ -85,6 +87,8 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
         mode.late += m.get("cache/late_hit_rate", 0.0) * n
         mode.misses += m.get("cache/miss_rate", 0.0) * n
         mode.wait_ms += m.get("cache/wait_total_ms", 0.0)
+    moved = [m.get("link/h2d_bytes", 0.0) for m in timer.metrics[args.warmup :]]
+    mode.link_bytes += [b - a for a, b in zip(moved, moved[1:])]
     if timer.metrics and "units/gpu" in timer.metrics[-1]:
         last = timer.metrics[-1]
         mode.homes = "/".join(str(int(last[f"units/{h}"])) for h in ("gpu", "host", "nvme"))
@@ -101,6 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-fraction", type=float, default=0.25, help="gpu_memory as a fraction of the parameter bytes")
     parser.add_argument("--link", default="a100_80g", help="known machine whose PCIe figures throttle the copies (a100_80g: PCIe 4.0 x16)")
+    parser.add_argument("--precision", default="32-true", help="Lightning precision flag for every mode (32-true, bf16-mixed, bf16-true, ...)")
     parser.add_argument("--nvme-path", default=None, help="directory for the NVMe mode (default: a temporary directory under the working directory)")
     args = parser.parse_args(argv)
 
@@ -109,9 +114,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     probe = CausalLM(family="gpt2", config=config)
     probe.configure_model()
     param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
-    gpu = int(args.gpu_fraction * param_bytes)
-    # Host memory for the NVMe mode: gradients and Adam states of everything, and room for some of the parameters.
-    host_nvme = int(3.5 * param_bytes)
+    half = args.precision in ("bf16-true", "16-true")
+    # gpu_memory is a fraction of the parameters in the dtype they compute in
+    gpu = int(args.gpu_fraction * param_bytes / (2 if half else 1))
+    # Host memory for the NVMe mode: gradients and Adam states of everything, and room for some of
+    # the parameters (with 16-bit parameters: fp32 masters and gradient landing areas too).
+    host_nvme = int(3.5 * param_bytes * (1.25 if half else 1.0))
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path or ".", prefix="bench-nvme-") as nvme, tempfile.TemporaryDirectory() as root:
         modes = [
@@ -130,16 +138,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     base = statistics.median(modes[0].times)
     print(f"\nGPT-2 {args.layers} layers x {args.width} wide, {param_bytes / 4 / 1e6:.2f} M parameters ({format_bytes(param_bytes)} fp32), "
-          f"batch {args.batch_size} x {args.seq_len}, gpu_memory {format_bytes(gpu)}; median of {len(modes[0].times)} steps per mode "
+          f"batch {args.batch_size} x {args.seq_len}, precision {args.precision}, gpu_memory {format_bytes(gpu)}; median of {len(modes[0].times)} steps per mode "
           f"({args.repeats} interleaved runs of {args.steps} steps, {args.warmup} warm-up steps dropped)\n")
-    print("| mode | units gpu/host/nvme | step (ms) | vs lightning | hit | late hit | miss | wait per step (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | units gpu/host/nvme | step (ms) | vs lightning | hit | late hit | miss | wait per step (ms) | host->GPU per step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         step = statistics.median(mode.times)
         n = mode.requests
         cache = (f"{mode.hits / n:.1%} | {mode.late / n:.1%} | {mode.misses / n:.1%} | {mode.wait_ms / len(mode.times):.2f}"
                  if n else "- | - | - | -")
-        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} |")
+        moved = format_bytes(int(statistics.median(mode.link_bytes))) if mode.link_bytes else "-"
+        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} | {moved} |")
     return 0
 
 

@@ -170,6 +170,7 @@ class TieredEngine(UnitUpdates):
         offloaded = [s for s in self.states if s.home != GPU]
         home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
         grad_bytes = sum(align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
+        grad_bytes += sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.widened)  # 16-bit landing areas
         staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(self.placement.staging_slots.items(), reverse=True)]
         staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
         # The update worker's own staging buffers, so it never shares one with the fetch path.
@@ -191,8 +192,15 @@ class TieredEngine(UnitUpdates):
                 offset += size
             else:
                 s.grad_views = [None] * len(s.unit.params)
+            s.grad_landing = [None] * len(s.unit.params)
+            if s.widened:
+                size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+                views = s.unit.views(host[offset : offset + size])
+                s.grad_landing = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
+                offset += size
             s.grad_fresh = [False] * len(s.unit.params)
             s.grad_events = [None] * len(s.unit.params)
+            s.grad_pending = [None] * len(s.unit.params)
         update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
         self.update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
         self.staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")

@@ -34,6 +34,10 @@ class UnitState:
     grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # host gradient home per param, in its master dtype
     grad_fresh: list[bool] = field(default_factory=list)
     grad_events: list[Optional[Event]] = field(default_factory=list)
+    # fp32 masters: a 16-bit gradient lands here (pinned, the copy is async) and is widened into
+    # grad_views when waited for, copied over a stale gradient or added to a fresh one
+    grad_landing: list[Optional[torch.Tensor]] = field(default_factory=list)
+    grad_pending: list[Optional[str]] = field(default_factory=list)  # None, "copy" or "add"
     fetch: Optional[Fetch] = None
     host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
     pins: int = 0

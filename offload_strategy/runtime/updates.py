@@ -50,12 +50,10 @@ class UnitUpdates:
             return
         if s.unit.index in self.direct_gradients and grad.data_ptr() == home.data_ptr():
             s.grad_fresh[i] = True  # already accumulated in place, at home
-        elif home.dtype != grad.dtype:  # an fp32 master's gradient: widened as it lands, accumulated in fp32
+        elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
             self._wait_grad(s, i)
-            if s.grad_fresh[i]:
-                home.add_(grad.to(home.device, home.dtype))
-            else:
-                home.copy_(grad)
+            s.grad_events[i] = self.device.copy_to_host(s.grad_landing[i], grad)
+            s.grad_pending[i] = "add" if s.grad_fresh[i] else "copy"
             s.grad_fresh[i] = True
         elif s.grad_fresh[i]:
             self._wait_grad(s, i)
@@ -90,6 +88,12 @@ class UnitUpdates:
         if event is not None:
             event.wait()
             s.grad_events[i] = None
+        if s.grad_pending[i] is not None:
+            if s.grad_pending[i] == "add":
+                s.grad_views[i].add_(s.grad_landing[i])
+            else:
+                s.grad_views[i].copy_(s.grad_landing[i])
+            s.grad_pending[i] = None
 
     @torch.no_grad()
     def attach_direct_gradients(self) -> None:
