@@ -142,8 +142,9 @@ class PolicyConfig:
     ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
     memory take as long as the hardware spec's PCIe link would (for what-if runs).
     ``checksums``: verify everything read back from NVMe against a CRC-32 taken when it was written.
-    ``activations``: what each repeated block does with its activations, ``"keep"`` or
-    ``"checkpoint"`` (recompute in backward), one name for all blocks or a list with one per block;
+    ``activations``: what each repeated block does with its activations: ``"keep"``,
+    ``"checkpoint"`` (recompute in backward), ``"swap_host"`` or ``"swap_nvme"`` (copied out of the
+    GPU tier after forward, back ahead of backward); one name for all blocks or a list with one per block;
     ``block_class`` names the blocks' class when they are not found automatically.
     """
 

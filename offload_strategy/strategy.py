@@ -26,9 +26,11 @@ from typing_extensions import override
 from .checkpoint_io import AtomicCheckpointIO
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
-from .hardware.device import make_device
+from .hardware.device import Device, make_device
+from .memory.nvme import NvmeStore
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, Placement, UnitSize, place_units
+from .runtime.activation_swap import SWAP_NVME, ActivationSwap
 from .runtime.activations import ActivationPolicies
 from .runtime.engine import TieredEngine
 from .runtime.units import build_units, master_dtype, merge_into_chunks
@@ -123,6 +125,8 @@ class TieredStrategy(SingleDeviceStrategy):
         self.engine: Optional[TieredEngine] = None
         self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
         self._activations: Optional[ActivationPolicies] = None
+        self._swap_store: Optional[NvmeStore] = None
+        self._swap_device: Optional[Device] = None
         self._profiled = False
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(
@@ -213,6 +217,45 @@ class TieredStrategy(SingleDeviceStrategy):
             self.engine = self._build_engine(trainer)
             if self.engine is None and self._places_parameters_itself():
                 self.model.to(self.root_device)  # it all fits after all
+        if self._activations.swaps:
+            self._attach_swap()
+
+    def _attach_swap(self) -> None:
+        """The saved-tensor hooks of swap blocks: the engine's device (or one of their own) and,
+        for ``swap_nvme``, an NVMe store of their own beside the engine's."""
+        assert self._activations is not None and self.budgets is not None
+        if SWAP_NVME in self._activations.swaps and self.nvme_path is None:
+            raise ValueError(
+                "policy.activations asks for swap_nvme but the strategy has no nvme_path; give nvme_path (a directory on "
+                "a fast disk), or use swap_host."
+            )
+        if self.engine is not None:
+            device = self.engine.device
+        else:
+            device = make_device(self.root_device, capacity=0, spec=self.hardware, throttle=self.policy.throttle)
+            self._swap_device = device
+        store = None
+        if SWAP_NVME in self._activations.swaps:
+            used = self.engine.store.capacity if self.engine is not None and self.engine.store is not None else 0
+            store = NvmeStore(self.nvme_path, capacity=max(self.budgets.nvme - used, 1))
+        self._swap_store = store
+        self._param_storages: set[int] = set()
+        swap = ActivationSwap(device, store, lambda t: t.untyped_storage().data_ptr() in self._param_storages)
+        if self.engine is not None:
+            swap.outer = (self.engine._pack, self.engine._unpack)
+        self._activations.swap = swap
+
+    def _begin_swapped_forward(self) -> None:
+        """Storages that parameters live in for this step: their tensors are never swapped."""
+        swap = self._activations.swap if self._activations is not None else None
+        if swap is None:
+            return
+        storages = {p.untyped_storage().data_ptr() for p in self.lightning_module.parameters()}
+        if self.engine is not None:
+            storages |= {self.engine.arena.untyped_storage().data_ptr(), self.engine.slab.tensor.untyped_storage().data_ptr()}
+        self._param_storages.clear()
+        self._param_storages.update(storages)
+        swap.begin_forward()
 
     def _build_engine(self, trainer: "pl.Trainer") -> Optional[TieredEngine]:
         """Place every unit within the budgets; None when everything fits in the GPU tier."""
@@ -271,6 +314,7 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_swapped_forward()
         if self.engine is None:
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
@@ -373,8 +417,16 @@ class TieredStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         if self._activations is not None:
+            if self._activations.swap is not None:
+                self._activations.swap.close()
             self._activations.remove()
             self._activations = None
+        if self._swap_store is not None:
+            self._swap_store.close()
+            self._swap_store = None
+        if self._swap_device is not None:
+            self._swap_device.close()
+            self._swap_device = None
         if self.engine is not None:
             engine, self.engine = self.engine, None
             try:
@@ -425,6 +477,14 @@ class TieredStrategy(SingleDeviceStrategy):
             out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
         else:
             out["memory/nvme_bytes"] = 0.0
+        swap = self._activations.swap if self._activations is not None else None
+        if swap is not None:
+            stats = swap.stats
+            out["activations/swapped_host_bytes"] = float(stats.host_bytes)
+            out["activations/swapped_nvme_bytes"] = float(stats.nvme_bytes)
+            out["activations/swap_prefetched"] = float(stats.prefetched)
+            out["activations/swap_waits"] = float(stats.waited)
+            out["activations/swap_wait_ms"] = 1e3 * stats.wait_seconds
         return out
 
 

@@ -66,3 +66,59 @@ def test_checkpointing_keeps_fewer_activation_bytes(tmp_path):
         train(strategy, tmp_path / activations, epochs=1, make_model=gpt2, extra_callbacks=(seen,))
         saved[activations] = seen.bytes[-1]
     assert 0 < saved["checkpoint"] < saved["keep"] / 3, saved
+
+
+class Swapped(L.Callback):
+    def __init__(self) -> None:
+        self.metrics = []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.metrics.append(trainer.strategy.metrics())
+
+
+SWAP_LAYOUTS = {
+    "host": "swap_host",
+    "nvme": "swap_nvme",
+    "interleaved": ("swap_host", "checkpoint", "swap_nvme", "keep"),
+}
+
+
+@pytest.mark.parametrize("layout", list(SWAP_LAYOUTS))
+@pytest.mark.parametrize("offload", [False, True], ids=["in-gpu-tier", "offloaded"])
+def test_swapped_blocks_match_plain_training(tmp_path, layout, offload):
+    total = param_bytes(gpt2)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
+    budget = dict(gpu_memory=int(0.5 * total), host_memory="1GiB") if offload else {}
+    nvme = tmp_path / "nvme"
+    seen = Swapped()
+    strategy = TieredStrategy(policy={"name": "auto", "activations": SWAP_LAYOUTS[layout]}, nvme_path=nvme, **budget)
+    losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    last = seen.metrics[-1]
+    assert (last["activations/swapped_host_bytes"] > 0) == (layout != "nvme")
+    assert (last["activations/swapped_nvme_bytes"] > 0) == (layout != "host")
+    assert last["activations/swap_prefetched"] > last["activations/swap_waits"] > 0
+    assert not any("forward" in vars(b) for b in find_blocks(trainer.lightning_module)), "the policies were not taken off"
+    assert not nvme.exists() or not any(nvme.iterdir()), "swap files left behind"
+
+
+def test_swapping_keeps_as_few_bytes_as_checkpointing(tmp_path):
+    """keep > swap ~ checkpoint in what the GPU tier holds for backward, and swap moves what keep holds."""
+    total = param_bytes(gpt2)
+    metrics = {}
+    for activations in ("keep", "swap_host", "checkpoint"):
+        seen = Swapped()
+        strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy={"name": "auto", "activations": activations})
+        train(strategy, tmp_path / activations, epochs=1, make_model=gpt2, extra_callbacks=(seen,))
+        metrics[activations] = seen.metrics[-1]
+    kept = {a: m["activations/saved_bytes"] for a, m in metrics.items()}
+    assert kept["swap_host"] < kept["keep"] / 3 and kept["checkpoint"] < kept["keep"] / 3, kept
+    swapped = metrics["swap_host"]["activations/swapped_host_bytes"]
+    assert swapped + kept["swap_host"] >= 0.9 * kept["keep"], (swapped, kept)
+
+
+def test_swap_nvme_needs_an_nvme_path(tmp_path):
+    strategy = TieredStrategy(policy={"name": "auto", "activations": "swap_nvme"})
+    with pytest.raises(ValueError, match="swap_nvme but the strategy has no nvme_path"):
+        train(strategy, tmp_path, epochs=1, make_model=gpt2)

@@ -6,8 +6,10 @@ A checkpointed block runs under non-reentrant ``torch.utils.checkpoint``: it sav
 and recomputes the rest in backward, with the RNG state of the first run (dropout matches). The
 engine keeps a recomputed block's parameter units resident until their gradients are in.
 
-Swapping activations to host memory or NVMe, and choosing the policy per block from the cost model
-(ProTrain §3.1.2's interleaving, LoHan Alg. 1), build on this.
+A swap block (``swap_host``, ``swap_nvme``) runs its forward under the saved-tensor hooks of an
+:class:`~offload_strategy.runtime.activation_swap.ActivationSwap`, which the strategy attaches once
+it knows the device and the NVMe store; the interleaved layout of ProTrain §3.1.2 (swap blocks
+first, checkpointed ones next, kept ones last) comes from ``planning/activations.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
+
 KEEP, CHECKPOINT = "keep", "checkpoint"
-POLICIES = (KEEP, CHECKPOINT)
+POLICIES = (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
 
 
 def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.Module]:
@@ -58,11 +62,25 @@ class ActivationPolicies:
             where = f"of class {block_class!r}" if block_class else "(no ModuleList or Sequential of modules of one class)"
             raise ValueError(f"policy.activations={policy!r} needs repeated blocks, but the model has none {where}; name them with policy.block_class.")
         self.policies = resolve_policies(self.blocks, policy)
+        self.swap: Optional[ActivationSwap] = None  # attached by the strategy when some block swaps
         self._wrapped: list[nn.Module] = []
-        for block, choice in zip(self.blocks, self.policies):
+        for index, (block, choice) in enumerate(zip(self.blocks, self.policies)):
             if choice == CHECKPOINT:
                 block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
+            elif choice in (SWAP_HOST, SWAP_NVME):
+                block.forward = functools.partial(self._swapped, index, choice, block.forward)  # type: ignore[method-assign]
+                self._wrapped.append(block)
+
+    @property
+    def swaps(self) -> set[str]:
+        return {p for p in self.policies if p in (SWAP_HOST, SWAP_NVME)}
+
+    def _swapped(self, index: int, destination: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or self.swap is None:
+            return forward(*args, **kwargs)
+        with self.swap.hooks(index, destination):
+            return forward(*args, **kwargs)
 
     def remove(self) -> None:
         for block in self._wrapped:
