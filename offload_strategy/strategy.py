@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
@@ -28,8 +29,9 @@ from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
+from .planning.activations import ActivationPlan, Links, choose_layout
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, Placement, UnitSize, place_units
+from .planning.placement import GPU, Placement, UnitSize, minimum_gpu_bytes, place_units
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
 from .runtime.activations import ActivationPolicies
 from .runtime.engine import TieredEngine
@@ -57,6 +59,9 @@ def master_dtype_size(p: torch.Tensor, fp32_masters: bool) -> int:
 def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
     """Bytes of optimizer state per trainable parameter byte (2 for Adam, unknown ones count 2)."""
     return max((_STATE_FACTORS.get(type(o).__name__, 2.0) for o in optimizers), default=0.0)
+
+
+_LAYOUT_LETTERS = {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}
 
 
 class MemoryBudgetError(ValueError):
@@ -126,6 +131,9 @@ class TieredStrategy(SingleDeviceStrategy):
         self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
         self._activations: Optional[ActivationPolicies] = None
         self._swap_store: Optional[NvmeStore] = None
+        self.activation_plan: Optional[ActivationPlan] = None  # what activations="auto" chose
+        self._unit_sizes: list[UnitSize] = []
+        self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
         self._profiled = False
         self._parallel_devices: Optional[list[torch.device]] = None
@@ -217,6 +225,8 @@ class TieredStrategy(SingleDeviceStrategy):
             self.engine = self._build_engine(trainer)
             if self.engine is None and self._places_parameters_itself():
                 self.model.to(self.root_device)  # it all fits after all
+        if self.engine is not None:
+            self._activations.outer = (self.engine._pack, self.engine._unpack)
         if self._activations.swaps:
             self._attach_swap()
 
@@ -239,26 +249,100 @@ class TieredStrategy(SingleDeviceStrategy):
             used = self.engine.store.capacity if self.engine is not None and self.engine.store is not None else 0
             store = NvmeStore(self.nvme_path, capacity=max(self.budgets.nvme - used, 1))
         self._swap_store = store
-        self._param_storages: set[int] = set()
-        swap = ActivationSwap(device, store, lambda t: t.untyped_storage().data_ptr() in self._param_storages)
-        if self.engine is not None:
-            swap.outer = (self.engine._pack, self.engine._unpack)
+        swap = ActivationSwap(device, store, self._activations.is_parameter)
+        swap.outer = self._activations.outer
         self._activations.swap = swap
 
-    def _begin_swapped_forward(self) -> None:
-        """Storages that parameters live in for this step: their tensors are never swapped."""
-        swap = self._activations.swap if self._activations is not None else None
-        if swap is None:
+    def _begin_block_forward(self) -> None:
+        """Before a training forward: plan the blocks once the profiling step is in, and note the
+        storages parameters live in this step (their tensors are never swapped or counted)."""
+        activations = self._activations
+        if activations is None or not (activations.swaps or activations.profile is not None):
             return
         storages = {p.untyped_storage().data_ptr() for p in self.lightning_module.parameters()}
         if self.engine is not None:
             storages |= {self.engine.arena.untyped_storage().data_ptr(), self.engine.slab.tensor.untyped_storage().data_ptr()}
-        self._param_storages.clear()
-        self._param_storages.update(storages)
-        swap.begin_forward()
+        activations.param_storages.clear()
+        activations.param_storages.update(storages)
+        if activations.swap is not None:
+            activations.swap.begin_forward()
 
-    def _build_engine(self, trainer: "pl.Trainer") -> Optional[TieredEngine]:
-        """Place every unit within the budgets; None when everything fits in the GPU tier."""
+    def _plan_activations(self, trainer: "pl.Trainer") -> None:
+        """``activations="auto"``, after the profiling step: choose every block's policy (ProTrain's
+        search under LoHan's step-time model, planning/activations.py) and put it in place. When no
+        layout fits beside the parameters' share of the GPU tier, that share shrinks to what the
+        smallest working set needs, the layout is chosen for what remains, and the parameters are
+        placed again (the optimizer states move through their standard state dicts, exactly)."""
+        activations = self._activations
+        assert activations is not None and self.budgets is not None
+        costs = activations.block_costs()
+        activations.end_profile()
+        try:
+            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
+                                 host_bytes=self._host_left())
+        except ValueError:
+            smallest = minimum_gpu_bytes(self._unit_sizes, self._co_resident) if self._unit_sizes else 0
+            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
+            self._replace_engine(trainer, gpu_bytes=self.budgets.gpu - plan.peak_bytes)
+            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
+                                 host_bytes=self._host_left())
+        self.activation_plan = plan
+        activations.apply(plan.layout)
+        if activations.swaps and activations.swap is None:
+            self._attach_swap()
+        counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
+        rank_zero_info(
+            f"tiered: activation layout {' '.join(_LAYOUT_LETTERS[p] for p in plan.layout)} "
+            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), predicted {plan.seconds * 1e3:.1f} ms per step, "
+            f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
+        )
+
+    def _gpu_parameter_bytes(self) -> int:
+        if self.engine is not None:
+            return self.engine.arena.numel()
+        return sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
+
+    def _host_left(self) -> int:
+        used = self.engine.slab.tensor.numel() + self.engine.master_region.numel() if self.engine is not None else 0
+        return max(self.budgets.host - used, 0)
+
+    def _replace_engine(self, trainer: "pl.Trainer", gpu_bytes: int) -> None:
+        """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps."""
+        states = [optimizer.state_dict() for optimizer in self.optimizers]
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            try:
+                engine.close(materialize=True)
+            finally:
+                engine.device.close()
+        self.engine = self._build_engine(trainer, gpu_bytes=gpu_bytes)
+        if self.engine is None:
+            raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+        self._activations.outer = (self.engine._pack, self.engine._unpack)
+        if self._activations.swap is not None:
+            self._activations.swap.outer = self._activations.outer
+
+    def _activation_links(self) -> Links:
+        spec = self.hardware
+        gbps = lambda value: (value or 0.0) * 1e9  # noqa: E731
+        moved = sum(s.unit.nbytes for s in self.engine.states if s.home != GPU) if self.engine is not None else 0
+        # bandwidths the hardware spec does not know: a PCIe 3.0 x16 link and a SATA-class disk
+        h2d = gbps(spec.h2d_gbps if spec else None) or 10e9
+        ssd = self.nvme_path is not None
+        return Links(
+            d2h=gbps(spec.d2h_gbps if spec else None) or 10e9,
+            h2d=h2d,
+            nvme_write=(gbps(spec.nvme_write_gbps if spec else None) or 0.5e9) if ssd else 0.0,
+            nvme_read=(gbps(spec.nvme_read_gbps if spec else None) or 0.5e9) if ssd else 0.0,
+            parameter_forward_seconds=moved / h2d,
+            parameter_backward_seconds=moved / h2d,
+        )
+
+    def _build_engine(self, trainer: "pl.Trainer", gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
+        """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
+        may use, all of it by default); None when everything fits in the GPU tier."""
         assert self.budgets is not None and self.lightning_module is not None
         model = self.lightning_module
         units, users = build_units(model)
@@ -272,10 +356,11 @@ class TieredStrategy(SingleDeviceStrategy):
             UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if trainer.training else 0)
             for u in units
         ]
+        self._unit_sizes, self._co_resident = sizes, [[u.index for u in used] for used in users.values()]
         placement = place_units(
             sizes,
             [[u.index for u in used] for used in users.values()],
-            gpu_bytes=self.budgets.gpu,
+            gpu_bytes=self.budgets.gpu if gpu_bytes is None else gpu_bytes,
             host_bytes=self.budgets.host,
             nvme_bytes=self.budgets.nvme,
             state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0),
@@ -314,7 +399,7 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_swapped_forward()
+        self._begin_block_forward()
         if self.engine is None:
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
@@ -362,6 +447,14 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        try:
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            activations = self._activations
+            if activations is not None and activations.profile is not None and activations.profiled:
+                self._plan_activations((model or self.lightning_module).trainer)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The strategy owns the step: the precision plugin's own step would update every parameter
@@ -477,6 +570,12 @@ class TieredStrategy(SingleDeviceStrategy):
             out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
         else:
             out["memory/nvme_bytes"] = 0.0
+        if self._activations is not None and self._activations.blocks:
+            for policy in ("keep", "checkpoint", "swap_host", "swap_nvme"):
+                out[f"activations/blocks_{policy}"] = float(self._activations.policies.count(policy))
+        if self.activation_plan is not None:
+            out["activations/predicted_step_ms"] = 1e3 * self.activation_plan.seconds
+            out["activations/predicted_peak_bytes"] = float(self.activation_plan.peak_bytes)
         swap = self._activations.swap if self._activations is not None else None
         if swap is not None:
             stats = swap.stats

@@ -122,3 +122,44 @@ def test_swap_nvme_needs_an_nvme_path(tmp_path):
     strategy = TieredStrategy(policy={"name": "auto", "activations": "swap_nvme"})
     with pytest.raises(ValueError, match="swap_nvme but the strategy has no nvme_path"):
         train(strategy, tmp_path, epochs=1, make_model=gpt2)
+
+
+class PlanSeen(L.Callback):
+    def __init__(self) -> None:
+        self.arenas: list[int] = []
+        self.metrics: list[dict] = []
+
+    def on_train_start(self, trainer, *args):
+        engine = trainer.strategy.engine
+        self.arenas.append(engine.arena.numel() if engine is not None else 0)
+
+    def on_train_batch_end(self, trainer, *args):
+        engine = trainer.strategy.engine
+        self.arenas.append(engine.arena.numel() if engine is not None else 0)
+        self.metrics.append(trainer.strategy.metrics())
+
+
+def test_auto_plans_the_blocks_and_trains_like_plain_training(tmp_path):
+    """A GPU tier too small for the kept activations: the profiling step measures the blocks, the
+    planner picks a layout, the parameters make room for it, and every number stays the same."""
+    total = param_bytes(gpt2)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
+    seen = PlanSeen()
+    budget = 2 * total
+    strategy = TieredStrategy(gpu_memory=budget, host_memory="1GiB", policy={"name": "auto", "activations": "auto"})
+    losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    plan = strategy.activation_plan
+    assert plan is not None and set(plan.layout) != {"keep"}, plan
+    assert seen.arenas[-1] < seen.arenas[0], "the parameters did not make room for the activations"
+    assert seen.arenas[-1] + plan.peak_bytes <= budget
+    last = seen.metrics[-1]
+    assert sum(last[f"activations/blocks_{p}"] for p in ("keep", "checkpoint", "swap_host", "swap_nvme")) == 4
+    assert last["activations/blocks_keep"] < 4 and last["activations/predicted_peak_bytes"] == plan.peak_bytes
+
+
+def test_auto_keeps_every_block_when_the_activations_fit(tmp_path):
+    strategy = TieredStrategy(policy={"name": "auto", "activations": "auto"})
+    train(strategy, tmp_path, epochs=1, make_model=gpt2)
+    assert strategy.activation_plan.layout == ("keep",) * 4

@@ -82,6 +82,11 @@ def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int
     return {largest: max(together, 1) + 1}
 
 
+def minimum_gpu_bytes(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]]) -> int:
+    """The least GPU tier any placement of ``units`` runs in: the streaming buffers of the fewest kind."""
+    return sum(size * count for size, count in _slot_minimums(units, co_resident, {u.index for u in units}).items())
+
+
 def place_units(
     units: Sequence[UnitSize],
     co_resident: Sequence[Sequence[int]],

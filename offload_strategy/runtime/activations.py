@@ -15,13 +15,16 @@ first, checkpointed ones next, kept ones last) comes from ``planning/activations
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..planning.activations import BlockCost
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 
 KEEP, CHECKPOINT = "keep", "checkpoint"
@@ -42,6 +45,9 @@ def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.
     return best
 
 
+AUTO = "auto"
+
+
 def resolve_policies(blocks: Sequence[nn.Module], policy: Union[str, Sequence[str]]) -> list[str]:
     """One policy per block, from one name for all or a list with one per block."""
     per_block = [policy] * len(blocks) if isinstance(policy, str) else list(policy)
@@ -49,21 +55,53 @@ def resolve_policies(blocks: Sequence[nn.Module], policy: Union[str, Sequence[st
         raise ValueError(f"policy.activations lists {len(per_block)} block policies but the model has {len(blocks)} blocks; give one per block or one name for all.")
     unknown = sorted({p for p in per_block if p not in POLICIES})
     if unknown:
-        raise ValueError(f"policy.activations={unknown} is not a block policy; choose from {', '.join(POLICIES)}.")
+        raise ValueError(f"policy.activations={unknown} is not a block policy; choose from {', '.join(POLICIES)}, or 'auto' for all blocks.")
     return per_block
 
 
+@dataclass
+class BlockProfile:
+    """What the profiling step saw of each block."""
+
+    forward_seconds: list[float] = field(default_factory=list)
+    input_bytes: list[int] = field(default_factory=list)
+    activation_bytes: int = 0  # saved for backward by the first block, kept (the blocks are alike)
+
+
 class ActivationPolicies:
-    """Applies block policies to a model and takes them off again."""
+    """Applies block policies to a model, changes them, and takes them off again.
+
+    With ``policy="auto"`` the first training step profiles: the first block keeps its
+    activations and counts them, the others are checkpointed (little memory whatever the batch),
+    and every block's forward time and input size are recorded; :meth:`block_costs` then feeds the
+    planner, whose layout :meth:`apply` puts in place for the following steps.
+    """
 
     def __init__(self, model: nn.Module, policy: Union[str, Sequence[str]], block_class: Optional[str] = None) -> None:
         self.blocks = find_blocks(model, block_class)
-        if not self.blocks and (not isinstance(policy, str) or policy != KEEP):
+        if not self.blocks and (not isinstance(policy, str) or policy not in (KEEP, AUTO)):
             where = f"of class {block_class!r}" if block_class else "(no ModuleList or Sequential of modules of one class)"
             raise ValueError(f"policy.activations={policy!r} needs repeated blocks, but the model has none {where}; name them with policy.block_class.")
-        self.policies = resolve_policies(self.blocks, policy)
+        self.auto = policy == AUTO and bool(self.blocks)
         self.swap: Optional[ActivationSwap] = None  # attached by the strategy when some block swaps
+        self.param_storages: set[int] = set()  # storages parameters live in this step: never swapped, never counted
+        # the saved-tensor hooks that block hooks stand in for (the engine's), or None
+        self.outer: Optional[tuple[Any, Any]] = None
+        self.profile: Optional[BlockProfile] = None
         self._wrapped: list[nn.Module] = []
+        self._profile_hooks: list[Any] = []
+        if self.auto:
+            self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
+            self._start_profile()
+        else:
+            self.policies = [KEEP] * len(self.blocks) if policy == AUTO else resolve_policies(self.blocks, policy)
+        self.apply(self.policies)
+
+    def apply(self, policies: Sequence[str]) -> None:
+        """Put ``policies`` (one per block) in place of the current ones."""
+        policies = resolve_policies(self.blocks, list(policies))
+        self._unwrap()
+        self.policies = policies
         for index, (block, choice) in enumerate(zip(self.blocks, self.policies)):
             if choice == CHECKPOINT:
                 block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
@@ -71,10 +109,16 @@ class ActivationPolicies:
             elif choice in (SWAP_HOST, SWAP_NVME):
                 block.forward = functools.partial(self._swapped, index, choice, block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
+            elif self.profile is not None and index == 0:
+                block.forward = functools.partial(self._counted, block.forward)  # type: ignore[method-assign]
+                self._wrapped.append(block)
 
     @property
     def swaps(self) -> set[str]:
         return {p for p in self.policies if p in (SWAP_HOST, SWAP_NVME)}
+
+    def is_parameter(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.param_storages
 
     def _swapped(self, index: int, destination: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or self.swap is None:
@@ -82,10 +126,84 @@ class ActivationPolicies:
         with self.swap.hooks(index, destination):
             return forward(*args, **kwargs)
 
-    def remove(self) -> None:
+    # -- profiling (policy "auto") ------------------------------------------------------------------
+
+    def _start_profile(self) -> None:
+        self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks))
+        started: dict[int, float] = {}
+        done: set[int] = set()
+
+        def pre(index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+            if index in done or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+                return  # only the first training forward, not a recomputation
+            self.profile.input_bytes[index] = sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a))
+            _synchronize(args)
+            started[index] = time.perf_counter()
+
+        def post(index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if index not in started:
+                return
+            _synchronize(args)
+            self.profile.forward_seconds[index] = time.perf_counter() - started.pop(index)
+            done.add(index)
+
+        for index, block in enumerate(self.blocks):
+            self._profile_hooks.append(block.register_forward_pre_hook(functools.partial(pre, index), with_kwargs=True))
+            self._profile_hooks.append(block.register_forward_hook(functools.partial(post, index), with_kwargs=True))
+        self._done = done
+
+    @property
+    def profiled(self) -> bool:
+        return self.profile is not None and len(self._done) == len(self.blocks)
+
+    def _counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or self.profile is None or 0 in self._done:
+            return forward(*args, **kwargs)
+        outer = self.outer
+
+        def pack(t: torch.Tensor) -> Any:
+            if not self.is_parameter(t):
+                self.profile.activation_bytes += t.numel() * t.element_size()
+            return outer[0](t) if outer else t
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return outer[1](packed) if outer else packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return forward(*args, **kwargs)
+
+    def block_costs(self) -> list[BlockCost]:
+        """The profiled blocks as the planner sees them (every block saves what the first one did)."""
+        assert self.profiled
+        return [
+            BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f)
+            for i, f in zip(self.profile.input_bytes, self.profile.forward_seconds)
+        ]
+
+    def end_profile(self) -> None:
+        for hook in self._profile_hooks:
+            hook.remove()
+        self._profile_hooks = []
+        self.profile = None
+
+    # -- taking it all off -------------------------------------------------------------------------
+
+    def _unwrap(self) -> None:
         for block in self._wrapped:
             block.__dict__.pop("forward", None)  # back to the class's forward
         self._wrapped = []
+
+    def remove(self) -> None:
+        self._unwrap()
+        self.end_profile()
+
+
+def _synchronize(args: Any) -> None:
+    """Forward times on CUDA need the queued kernels finished."""
+    for a in args:
+        if torch.is_tensor(a) and a.is_cuda:
+            torch.cuda.synchronize(a.device)
+            return
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,148 @@
+"""What each block does with its activations: the interleaved layout and the search that sizes it.
+
+Pure functions on measured block costs:
+
+- :func:`interleaved_layout` is ProTrain's block layout (§3.1.2, Fig. 2): swap blocks early, each
+  followed by its share of checkpointed blocks, kept blocks last. Swapping early gives the copies
+  the most forward compute to hide behind; interleaving checkpointed blocks between swapped ones
+  keeps swapped activations from piling up in the GPU tier; kept blocks last are consumed first
+  by backward, which leaves time to bring the swapped ones back.
+- :func:`step_seconds` is LoHan's overlapped step-time model (§IV-B, Eq. 2 and 5) applied to a
+  layout: each pass takes as long as its busiest resource (compute, either PCIe direction, the
+  SSD), recomputation adds to backward compute, swapped activations add to both PCIe directions,
+  and the part that host memory cannot hold adds to the SSD (Eq. 3: α·A = A − MEM_avail).
+- :func:`choose_layout` is ProTrain's search (§3.3) over the two counts (swapped blocks,
+  checkpointed blocks): every pair is laid out, its peak checked against the GPU-tier budget for
+  activations, and the fastest that fits wins (fewer managed blocks on a tie).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = "keep", "checkpoint", "swap_host", "swap_nvme"
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block, as profiled: what it saves for backward, what a checkpoint of it saves, its forward time."""
+
+    activation_bytes: int
+    input_bytes: int
+    forward_seconds: float
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths in bytes/s (0: that path does not exist) and the parameter traffic already planned."""
+
+    d2h: float
+    h2d: float
+    nvme_write: float = 0.0
+    nvme_read: float = 0.0
+    parameter_forward_seconds: float = 0.0  # host -> GPU tier parameter copies in forward
+    parameter_backward_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    layout: tuple[str, ...]
+    seconds: float  # predicted forward + backward
+    peak_bytes: int  # activations held in the GPU tier at the worst moment
+
+
+def interleaved_layout(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[str]:
+    """ProTrain Fig. 2: ``interleaved_layout(8, 2, 4)`` is S C C S C C K K (swap, checkpoint, keep)."""
+    if n_swap < 0 or n_checkpoint < 0 or n_swap + n_checkpoint > n_blocks:
+        raise ValueError(f"{n_swap} swapped + {n_checkpoint} checkpointed blocks do not fit in {n_blocks} blocks.")
+    layout: list[str] = []
+    if n_swap == 0:
+        layout = [CHECKPOINT] * n_checkpoint
+    else:
+        share, extra = divmod(n_checkpoint, n_swap)
+        for group in range(n_swap):  # earlier groups take the remainder
+            layout += [SWAP_HOST] + [CHECKPOINT] * (share + (1 if group < extra else 0))
+    return layout + [KEEP] * (n_blocks - len(layout))
+
+
+def split_swaps(costs: Sequence[BlockCost], layout: Sequence[str], host_bytes: int) -> list[str]:
+    """LoHan Eq. 3: host memory takes swapped blocks in forward order while it can; the rest go to NVMe."""
+    out, used = [], 0
+    for cost, choice in zip(costs, layout):
+        if choice in (SWAP_HOST, SWAP_NVME):
+            fits = used + cost.activation_bytes <= host_bytes
+            used += cost.activation_bytes if fits else 0
+            choice = SWAP_HOST if fits else SWAP_NVME
+        out.append(choice)
+    return out
+
+
+def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
+    """The most activation bytes the GPU tier holds at once, over the moments that matter:
+
+    - the end of forward: kept blocks hold their activations, checkpointed ones their inputs, and
+      the last swapped block may still be on its way out;
+    - backward at block j (last to first): the blocks below j still hold theirs, block j is
+      materialised (kept, recomputed or brought back), and a swapped block j has started bringing
+      back the swapped block below it (the runtime prefetches one swap block ahead).
+    """
+    held = [c.activation_bytes if p == KEEP else c.input_bytes if p == CHECKPOINT else 0 for c, p in zip(costs, layout)]
+    swapped = [i for i, p in enumerate(layout) if p in (SWAP_HOST, SWAP_NVME)]
+    in_flight = max((costs[i].activation_bytes for i in swapped), default=0)
+    peak = sum(held) + in_flight
+    below = 0
+    for j, (cost, policy) in enumerate(zip(costs, layout)):
+        prefetch = 0
+        if policy in (SWAP_HOST, SWAP_NVME):
+            lower = [i for i in swapped if i < j]
+            prefetch = costs[lower[-1]].activation_bytes if lower else 0
+        peak = max(peak, below + cost.activation_bytes + prefetch)
+        below += held[j]
+    return peak
+
+
+def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links) -> float:
+    """LoHan Eq. 2 + Eq. 5 for one layout: the busiest resource of each pass sets its length."""
+    forward = sum(c.forward_seconds for c in costs)
+    recompute = sum(c.forward_seconds for c, p in zip(costs, layout) if p == CHECKPOINT)
+    swapped = sum(c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME))
+    on_nvme = sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_NVME)
+
+    def over(nbytes: float, bandwidth: float) -> float:
+        if nbytes == 0:
+            return 0.0
+        return nbytes / bandwidth if bandwidth > 0 else float("inf")
+
+    t_forward = max(forward, over(swapped, links.d2h), links.parameter_forward_seconds, over(on_nvme, links.nvme_write))
+    t_backward = max(2 * forward + recompute, links.parameter_backward_seconds + over(swapped, links.h2d), over(on_nvme, links.nvme_read))
+    return t_forward + t_backward
+
+
+def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
+    """ProTrain §3.3's search over (swapped, checkpointed) block counts: the fastest layout whose
+    activation peak fits ``gpu_bytes``; swaps beyond ``host_bytes`` go to NVMe where there is a
+    link to it. Raises ValueError, with the smallest peak any layout reaches, when none fits."""
+    n = len(costs)
+    best: ActivationPlan | None = None
+    best_key: tuple[float, int] | None = None
+    smallest = None
+    for n_swap in range(n + 1):
+        for n_checkpoint in range(n - n_swap + 1):
+            layout = split_swaps(costs, interleaved_layout(n, n_swap, n_checkpoint), host_bytes)
+            if SWAP_NVME in layout and links.nvme_write <= 0:
+                continue
+            peak = peak_bytes(costs, layout)
+            smallest = peak if smallest is None else min(smallest, peak)
+            if peak > gpu_bytes:
+                continue
+            seconds = step_seconds(costs, layout, links)
+            key = (round(seconds, 12), n_swap + n_checkpoint)
+            if best_key is None or key < best_key:
+                best, best_key = ActivationPlan(tuple(layout), seconds, peak), key
+    if best is None:
+        raise ValueError(
+            f"no layout of keep / checkpoint / swap fits the activations of {n} blocks in {gpu_bytes:,} bytes of the GPU tier "
+            f"(the smallest peak is {smallest:,} bytes); lower the batch size or sequence length, or raise gpu_memory."
+        )
+    return best

@@ -1,0 +1,86 @@
+"""The activation planner on small cases worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_strategy.planning.activations import (
+    CHECKPOINT,
+    KEEP,
+    SWAP_HOST,
+    SWAP_NVME,
+    BlockCost,
+    Links,
+    choose_layout,
+    interleaved_layout,
+    peak_bytes,
+    split_swaps,
+    step_seconds,
+)
+
+S, C, K, N = SWAP_HOST, CHECKPOINT, KEEP, SWAP_NVME
+
+
+def test_interleaved_layout_is_protrain_figure_2():
+    # ProTrain Fig. 2: 8 blocks, blocks 1 and 4 swapped, 2 3 5 6 checkpointed, 7 8 kept
+    assert interleaved_layout(8, 2, 4) == [S, C, C, S, C, C, K, K]
+    assert interleaved_layout(5, 2, 3) == [S, C, C, S, C]  # the remainder goes to the earlier group
+    assert interleaved_layout(4, 0, 2) == [C, C, K, K]
+    assert interleaved_layout(3, 3, 0) == [S, S, S]
+    with pytest.raises(ValueError, match="do not fit in 4 blocks"):
+        interleaved_layout(4, 3, 2)
+
+
+def test_host_takes_swaps_in_forward_order_the_rest_go_to_nvme():
+    costs = [BlockCost(10, 1, 1.0)] * 3
+    assert split_swaps(costs, [S, S, K], host_bytes=15) == [S, N, K]
+    assert split_swaps(costs, [S, S, S], host_bytes=20) == [S, S, N]
+
+
+def test_peak_and_step_time_by_hand():
+    costs = [BlockCost(activation_bytes=100, input_bytes=10, forward_seconds=1.0)] * 4
+    # end of forward: 0 + 10 + 100 + 100 held, plus the swapped block's 100 still leaving
+    assert peak_bytes(costs, [S, C, K, K]) == 310
+    assert peak_bytes(costs, [K] * 4) == 400
+    # backward at the top block: 30 below it + 100 recomputed
+    assert peak_bytes(costs, [C] * 4) == 130
+    # backward at block 1: block 1 back (100) and block 0 prefetched behind it (100)
+    assert peak_bytes(costs, [S, S, K, K]) == 200 + 100  # end of forward: 200 kept + 100 leaving
+    # end of forward 20 + 100 leaving; backward at block 1: 100 back + 100 prefetched
+    assert peak_bytes(costs, [S, S, C, C]) == 200
+    links = Links(d2h=100.0, h2d=100.0)
+    # forward max(4 s compute, 100 B / 100 B/s); backward max(2*4 + 1 s recompute, 1 s swap-in)
+    assert step_seconds(costs, [S, C, K, K], links) == pytest.approx(4 + 9)
+    slow = Links(d2h=10.0, h2d=10.0, parameter_backward_seconds=5.0)
+    # the swap takes 10 s each way; in backward it queues behind 5 s of parameter copies
+    assert step_seconds(costs, [S, C, K, K], slow) == pytest.approx(10 + 15)
+    assert step_seconds(costs, [N, K, K, K], Links(d2h=100.0, h2d=100.0)) == float("inf")  # no SSD link
+    assert step_seconds(costs, [N, K, K, K], Links(100.0, 100.0, nvme_write=20.0, nvme_read=50.0)) == pytest.approx(5 + 8)
+
+
+def test_slow_link_checkpoints_fast_link_swaps():
+    costs = [BlockCost(100, 10, 1.0)] * 3
+    # Budget 250: keep-all (300) does not fit. Slow link (a block's swap takes 2 s each way):
+    # C K K takes 3 + (6 + 1) s, as do S C K (3 + 7) and S S K (4 + 6); fewest managed blocks wins.
+    slow = choose_layout(costs, Links(d2h=50.0, h2d=50.0), gpu_bytes=250, host_bytes=10**6)
+    assert slow.layout == (C, K, K) and slow.seconds == pytest.approx(10) and slow.peak_bytes == 210
+    # fast link (0.5 s per block): S S K hides both swaps behind compute, 3 + 6 s (S S S ties, more blocks)
+    fast = choose_layout(costs, Links(d2h=200.0, h2d=200.0), gpu_bytes=250, host_bytes=10**6)
+    assert fast.layout == (S, S, K) and fast.seconds == pytest.approx(9) and fast.peak_bytes == 200
+    # nothing to manage when everything fits
+    assert choose_layout(costs, Links(50.0, 50.0), gpu_bytes=300, host_bytes=0).layout == (K, K, K)
+
+
+def test_swaps_beyond_host_memory_go_to_nvme_or_are_not_chosen():
+    costs = [BlockCost(100, 10, 1.0)] * 3
+    links = Links(d2h=200.0, h2d=200.0, nvme_write=1000.0, nvme_read=1000.0)
+    plan = choose_layout(costs, links, gpu_bytes=250, host_bytes=150)
+    assert plan.layout == (S, N, K)
+    without_ssd = choose_layout(costs, Links(d2h=200.0, h2d=200.0), gpu_bytes=250, host_bytes=150)
+    assert without_ssd.layout == (C, K, K)
+
+
+def test_no_layout_fits_names_the_smallest_peak():
+    costs = [BlockCost(100, 10, 1.0)] * 3
+    with pytest.raises(ValueError, match=r"the smallest peak is 120 bytes"):
+        choose_layout(costs, Links(50.0, 50.0), gpu_bytes=100, host_bytes=10**6)
