@@ -29,7 +29,7 @@ from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import ActivationPlan, Links, choose_layout
+from .planning.activations import ActivationPlan, BlockCost, Links, choose_layout
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, Placement, UnitSize, minimum_gpu_bytes, place_units
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
@@ -59,6 +59,10 @@ def master_dtype_size(p: torch.Tensor, fp32_masters: bool) -> int:
 def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
     """Bytes of optimizer state per trainable parameter byte (2 for Adam, unknown ones count 2)."""
     return max((_STATE_FACTORS.get(type(o).__name__, 2.0) for o in optimizers), default=0.0)
+
+
+def _unchanged(t: Any) -> Any:
+    return t
 
 
 _LAYOUT_LETTERS = {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}
@@ -132,7 +136,10 @@ class TieredStrategy(SingleDeviceStrategy):
         self._activations: Optional[ActivationPolicies] = None
         self._swap_store: Optional[NvmeStore] = None
         self.activation_plan: Optional[ActivationPlan] = None  # what activations="auto" chose
+        self.activation_costs: list[BlockCost] = []  # ... from these block costs
+        self.activation_links: Optional[Links] = None  # ... and these links
         self._unit_sizes: list[UnitSize] = []
+        self._saved_bytes = 0
         self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
         self._profiled = False
@@ -225,8 +232,7 @@ class TieredStrategy(SingleDeviceStrategy):
             self.engine = self._build_engine(trainer)
             if self.engine is None and self._places_parameters_itself():
                 self.model.to(self.root_device)  # it all fits after all
-        if self.engine is not None:
-            self._activations.outer = (self.engine._pack, self.engine._unpack)
+        self._use_saved_tensor_hooks()
         if self._activations.swaps:
             self._attach_swap()
 
@@ -254,10 +260,10 @@ class TieredStrategy(SingleDeviceStrategy):
         self._activations.swap = swap
 
     def _begin_block_forward(self) -> None:
-        """Before a training forward: plan the blocks once the profiling step is in, and note the
-        storages parameters live in this step (their tensors are never swapped or counted)."""
+        """Before a training forward: note the storages parameters live in this step (their
+        tensors are never swapped or counted as activations)."""
         activations = self._activations
-        if activations is None or not (activations.swaps or activations.profile is not None):
+        if activations is None or not activations.blocks:
             return
         storages = {p.untyped_storage().data_ptr() for p in self.lightning_module.parameters()}
         if self.engine is not None:
@@ -276,6 +282,7 @@ class TieredStrategy(SingleDeviceStrategy):
         activations = self._activations
         assert activations is not None and self.budgets is not None
         costs = activations.block_costs()
+        self.activation_costs = costs
         activations.end_profile()
         try:
             plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
@@ -287,6 +294,7 @@ class TieredStrategy(SingleDeviceStrategy):
             plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())
         self.activation_plan = plan
+        self.activation_links = self._activation_links()
         activations.apply(plan.layout)
         if activations.swaps and activations.swap is None:
             self._attach_swap()
@@ -320,9 +328,23 @@ class TieredStrategy(SingleDeviceStrategy):
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
         for optimizer, state in zip(self.optimizers, states):
             optimizer.load_state_dict(state)
-        self._activations.outer = (self.engine._pack, self.engine._unpack)
+        self._use_saved_tensor_hooks()
+
+    def _use_saved_tensor_hooks(self) -> None:
+        """The hooks block policies stand in for: the engine's, or without one a counter of the
+        bytes kept for backward."""
+        if self.engine is not None:
+            outer = (self.engine._pack, self.engine._unpack)
+        else:
+            outer = (self._count_saved, _unchanged)
+        self._activations.outer = outer
         if self._activations.swap is not None:
-            self._activations.swap.outer = self._activations.outer
+            self._activations.swap.outer = outer
+
+    def _count_saved(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._activations.is_parameter(t):
+            self._saved_bytes += t.numel() * t.element_size()
+        return t
 
     def _activation_links(self) -> Links:
         spec = self.hardware
@@ -401,7 +423,11 @@ class TieredStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._begin_block_forward()
         if self.engine is None:
-            return super().training_step(*args, **kwargs)
+            if self._activations is None or not self._activations.blocks:
+                return super().training_step(*args, **kwargs)
+            self._saved_bytes = 0  # what this forward keeps for backward, as the engine counts it
+            with torch.autograd.graph.saved_tensors_hooks(*self._activations.outer):
+                return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
         by_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None
         self.engine.begin_step(profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer), clip_value=by_value)
@@ -570,6 +596,8 @@ class TieredStrategy(SingleDeviceStrategy):
             out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
         else:
             out["memory/nvme_bytes"] = 0.0
+            if self._activations is not None and self._activations.blocks:
+                out["activations/saved_bytes"] = float(self._saved_bytes)
         if self._activations is not None and self._activations.blocks:
             for policy in ("keep", "checkpoint", "swap_host", "swap_nvme"):
                 out[f"activations/blocks_{policy}"] = float(self._activations.policies.count(policy))
