@@ -9,7 +9,8 @@ for backward, its input, its forward time). The GPU tier is then set to the para
 does not fit, and each policy trains the same model from the same seed with the copies throttled
 to the ``--link`` machine's PCIe figures. Reported per policy: median step time and its ratio to
 keep-all, the bytes the GPU tier held for backward at the end of forward (measured), the
-planner's predicted peak and step time for that layout, and whether the layout fits the budget.
+planner's predicted peak and step time for that layout (from the planned run's own profile of the
+blocks), and whether the layout fits the budget with the parameters streamed.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in ("keep", "checkpoint", "swap_host", "auto"):
             print(f"policy {name}", file=sys.stderr, flush=True)
             strategy, timer = run(args, config, Path(root), args.steps, gpu_memory=budget, policy={**policy, "activations": name}, **common)
+            if name == "auto":  # the planner's own profile of this run prices every layout
+                costs = strategy.activation_costs
+                results = [(*r[:5], step_seconds(costs, r[1], strategy.activation_links), r[6]) for r in results]
             layout = strategy.activation_plan.layout if name == "auto" else (name,) * len(costs)
             links = strategy.activation_links or measured.activation_links
             room = budget - minimum_gpu_bytes(strategy._unit_sizes, strategy._co_resident)  # with parameters streamed

@@ -134,9 +134,13 @@ class ActivationPolicies:
         done: set[int] = set()
 
         def pre(index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-            if index in done or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
-                return  # only the first training forward, not a recomputation
-            self.profile.input_bytes[index] = sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a))
+            if not torch.is_grad_enabled():
+                return
+            recompute = torch._C._current_autograd_node() is not None
+            if (index in done) != recompute:
+                return  # the first training forward, then its recomputation in backward
+            if not recompute:
+                self.profile.input_bytes[index] = sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a))
             _synchronize(args)
             started[index] = time.perf_counter()
 
@@ -144,7 +148,10 @@ class ActivationPolicies:
             if index not in started:
                 return
             _synchronize(args)
-            self.profile.forward_seconds[index] = time.perf_counter() - started.pop(index)
+            elapsed = time.perf_counter() - started.pop(index)
+            # a recomputation runs warm: the lesser time is the block's own
+            seconds = self.profile.forward_seconds
+            seconds[index] = elapsed if index not in done else min(seconds[index], elapsed)
             done.add(index)
 
         for index, block in enumerate(self.blocks):
@@ -175,9 +182,13 @@ class ActivationPolicies:
     def block_costs(self) -> list[BlockCost]:
         """The profiled blocks as the planner sees them (every block saves what the first one did)."""
         assert self.profiled
+        seconds = list(self.profile.forward_seconds)
+        if len(seconds) > 1:  # the first block ran once, cold; its recomputed likes ran warm
+            others = sorted(seconds[1:])
+            seconds[0] = min(seconds[0], others[len(others) // 2])
         return [
             BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f)
-            for i, f in zip(self.profile.input_bytes, self.profile.forward_seconds)
+            for i, f in zip(self.profile.input_bytes, seconds)
         ]
 
     def end_profile(self) -> None:
