@@ -424,3 +424,22 @@ def test_keyboard_interrupt_leaves_no_threads_or_files(tmp_path):
     leftover = [t.name for t in threading.enumerate() if t.ident not in before]
     assert not leftover, f"threads left running: {leftover}"
     assert not any(nvme.iterdir()), "NVMe files left behind"
+
+
+def test_nvme_updates_read_ahead_and_write_behind(tmp_path):
+    """LoHan Fig. 3b on the worker: a unit's parameters and states are read from NVMe when its
+    gradients complete, and its writes are left in flight while the next unit updates."""
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l)
+    seen = {}
+
+    class Pipeline(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            engine = trainer.strategy.engine
+            seen.update(engine.pipeline, buffers=engine.update_buffers)
+
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, extra_callbacks=(Pipeline(),))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert seen["buffers"] > 2 and seen["reads_ahead"] > 0 and seen["writes_behind"] > 0, seen

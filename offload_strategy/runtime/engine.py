@@ -35,7 +35,17 @@ from torch import nn
 from ..hardware.device import Device
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..memory.nvme import NvmeStore
-from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, UPDATE_STAGING_BUFFERS, Placement, align
+from ..planning.placement import (
+    DEVICE_SLOT_ALIGNMENT,
+    GPU,
+    HOST,
+    HOST_SLOT_ALIGNMENT,
+    NVME,
+    NVME_STAGING_BUFFERS,
+    UPDATE_STAGING_BUFFERS,
+    Placement,
+    align,
+)
 from ..profiling import StepProfile
 from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
@@ -131,6 +141,11 @@ class TieredEngine(UnitUpdates):
         self.clip_value: Optional[float] = None  # gradient clipping by value, applied per unit
         self.worker = UpdateWorker()
         self.update_log: list[tuple[int, float, float]] = []  # (unit, start, end) of this step's updates
+        # NVMe updates on the worker: reads issued when a unit's gradients complete, writes left
+        # in flight while the next unit updates (unit -> (parameters, states, reads); [(writes, buffers)])
+        self._reads_ahead: dict[int, tuple[Slot, Optional[Slot], list[Any]]] = {}
+        self._writes_behind: deque[tuple[list[Any], list[Slot]]] = deque()
+        self.pipeline = {"reads_ahead": 0, "writes_behind": 0}
         self.backward_log: list[float] = []  # times of this step's backward uses of units
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
@@ -174,8 +189,14 @@ class TieredEngine(UnitUpdates):
         staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(self.placement.staging_slots.items(), reverse=True)]
         staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
         # The update worker's own staging buffers, so it never shares one with the fetch path.
-        update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=UPDATE_STAGING_BUFFERS) for c in staging_classes[:1]]
-        staging_classes = [SizeClass(c.slot_bytes, c.count - (UPDATE_STAGING_BUFFERS if k == 0 else 0)) for k, c in enumerate(staging_classes)]
+        # Two at least (parameters and states of the unit being updated). Of the buffers the
+        # planner added beyond the minimum, half (up to four) let the worker read the next NVMe
+        # unit and write the last one back while it updates this one (LoHan Fig. 3b); the others
+        # keep NVMe units in host memory between forward and backward.
+        spare = max(staging_classes[0].count - NVME_STAGING_BUFFERS, 0) if staging_classes else 0
+        self.update_buffers = UPDATE_STAGING_BUFFERS + min(2 * UPDATE_STAGING_BUFFERS, spare - spare // 2)
+        update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=self.update_buffers) for c in staging_classes[:1]]
+        staging_classes = [SizeClass(c.slot_bytes, c.count - (self.update_buffers if k == 0 else 0)) for k, c in enumerate(staging_classes)]
         self.slab = HostSlab(home_bytes + grad_bytes + staging_bytes, pin=self.device.compute.type == "cuda")
         host = self.slab.tensor
         offset = 0
@@ -621,6 +642,8 @@ class TieredEngine(UnitUpdates):
         if hasattr(self, "worker"):
             with contextlib.suppress(BaseException):
                 self.worker.drain()
+            with contextlib.suppress(BaseException):
+                self._finish_pipeline()
             self.worker.close()
         for handle in self._hooks:
             handle.remove()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -88,9 +88,14 @@ class NvmeOptimizerStates:
     def _views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]
 
-    def load(self, unit: int, buffer: torch.Tensor) -> None:
-        """Read the unit's states into ``buffer`` and let its optimizer use them in place."""
-        self.store.read(self._file(unit), buffer[: self.sizes[unit]]).result()
+    def read(self, unit: int, buffer: torch.Tensor) -> Any:
+        """Start reading the unit's states into ``buffer``; a Future."""
+        return self.store.read(self._file(unit), buffer[: self.sizes[unit]])
+
+    def load(self, unit: int, buffer: torch.Tensor, read: bool = True) -> None:
+        """Read the unit's states into ``buffer`` (unless already read there) and let its optimizer use them in place."""
+        if read:
+            self.read(unit, buffer).result()
         optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
             if entry.key is None:
@@ -98,15 +103,19 @@ class NvmeOptimizerStates:
             else:
                 optimizer.state[entry.param][entry.key] = view
 
-    def save(self, unit: int, buffer: torch.Tensor) -> None:
-        """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from memory."""
+    def save(self, unit: int, buffer: torch.Tensor, wait: bool = True) -> Any:
+        """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from
+        memory; with ``wait=False`` the write's Future is returned and ``buffer`` must stay untouched until it is done."""
         optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
             value = entry.param.data if entry.key is None else optimizer.state[entry.param][entry.key]
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)
-        self.store.write(self._file(unit), buffer[: self.sizes[unit]]).result()
+        written = self.store.write(self._file(unit), buffer[: self.sizes[unit]])
         self._drop(unit)
+        if wait:
+            written.result()
+        return written
 
     def _drop(self, unit: int) -> None:
         optimizer = self.owners[unit]

@@ -75,6 +75,8 @@ class UnitUpdates:
         if s.unit.index not in unit_optimizers.slots:
             return
         s.updated = True
+        if s.home == NVME:
+            self._start_reads(s)
 
         def update() -> None:
             start = time.perf_counter()
@@ -82,6 +84,78 @@ class UnitUpdates:
             self.update_log.append((s.unit.index, start, time.perf_counter()))
 
         self.worker.submit(update)
+
+    # -- the NVMe update pipeline (LoHan Fig. 3b): read unit i+1, update unit i, write unit i-1 --------
+
+    def _start_reads(self, s: UnitState) -> None:
+        """Training thread, as the unit's gradients complete: read its parameters and states from
+        NVMe now, while the worker is busy with the units before it. One unit ahead, with buffers
+        that are free; a worker that runs short takes them back (``_update_buffer``)."""
+        if self._reads_ahead:
+            return
+        size = self.update_pool.classes[0].slot_bytes
+        known = self.nvme_states.known(s.unit.index)
+        if self.update_pool.free_slots(size) < (2 if known else 1):
+            return
+        # the worker may take buffers meanwhile: try, and give back what was got if not both
+        params = self.update_pool.try_acquire(s.unit.nbytes)
+        states = self.update_pool.try_acquire(self.nvme_states.sizes[s.unit.index]) if known and params is not None else None
+        if params is None or (known and states is None):
+            for got in (params, states):
+                if got is not None:
+                    self.update_pool.release(got)
+            return
+        reads = [self.store.read(self._key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])]
+        if states is not None:
+            reads.append(self.nvme_states.read(s.unit.index, states.tensor))
+        self._reads_ahead[s.unit.index] = (params, states, reads)
+
+    def _update_buffer(self, nbytes: int) -> Slot:
+        """Worker thread: a free update buffer, waiting for the oldest write behind if there is none."""
+        while True:
+            slot = self.update_pool.try_acquire(nbytes)
+            if slot is not None:
+                return slot
+            if self._writes_behind:
+                self._reap_writes(block=True, one=True)
+                continue
+            try:  # the buffers of a read ahead: that unit will read for itself
+                _, (params, states, reads) = self._reads_ahead.popitem()
+            except KeyError:
+                return self.update_pool.acquire(nbytes)  # raises with the numbers
+            for r in reads:
+                r.exception()
+            self.update_pool.release(params)
+            if states is not None:
+                self.update_pool.release(states)
+
+    def _reap_writes(self, block: bool, one: bool = False) -> None:
+        """Release the buffers of finished writes (waiting for them with ``block``). Only the
+        worker, or the training thread once the worker is idle, calls this."""
+        while self._writes_behind:
+            writes, buffers = self._writes_behind[0]
+            if not block and not all(w.done() for w in writes):
+                return
+            self._writes_behind.popleft()
+            for w in writes:
+                w.result()  # a failed write (a full disk) fails the update
+            for buffer in buffers:
+                self.update_pool.release(buffer)
+            if one:
+                return
+
+    def _finish_pipeline(self) -> None:
+        """Training thread, worker idle: every write done, every unused read released."""
+        try:
+            self._reap_writes(block=True)
+        finally:
+            for params, states, reads in self._reads_ahead.values():
+                for r in reads:
+                    r.exception()
+                self.update_pool.release(params)
+                if states is not None:
+                    self.update_pool.release(states)
+            self._reads_ahead.clear()
 
     def _wait_grad(self, s: UnitState, i: int) -> None:
         event = s.grad_events[i]
@@ -163,7 +237,10 @@ class UnitUpdates:
         self._active = False
         self._update_in_backward = False
         started = time.perf_counter()
-        self.worker.drain()  # the updates started during backward
+        try:
+            self.worker.drain()  # the updates started during backward
+        finally:
+            self._finish_pipeline()
         self.evict_all()  # parameters are about to change: copies in the GPU tier go stale
         for s in self.states:
             if s.updated and s.host_copy is not None:  # updated on the worker: the kept copy is stale
@@ -188,7 +265,10 @@ class UnitUpdates:
         """After the optimizer step, taken or skipped (an fp16 overflow): gradients start afresh."""
         self._active = False
         self._update_in_backward = False
-        self.worker.drain()
+        try:
+            self.worker.drain()
+        finally:
+            self._finish_pipeline()
         for s in self.states:
             s.used_in_backward = False
             s.updated = False
@@ -272,9 +352,19 @@ class UnitUpdates:
         states: Optional[Slot] = None
         known = s.home == NVME and self.nvme_states.known(s.unit.index)
         widened = [slot.widened(position) for position in range(len(slot.masters))]
+        staged = self._reads_ahead.pop(s.unit.index, None) if on_worker else None
         if s.home == NVME:
             if on_worker:
-                params = self.update_pool.acquire(s.unit.nbytes)
+                if self._writes_behind and not all(w.done() for w in self._writes_behind[-1][0]):
+                    self.pipeline["writes_behind"] += 1  # the last unit is still being written
+                self._reap_writes(block=False)
+            if staged is not None:
+                params, states, reads = staged
+                for r in reads:
+                    r.result()
+                self.pipeline["reads_ahead"] += 1
+            elif on_worker:
+                params = self._update_buffer(s.unit.nbytes)
                 self.store.read(self._key(s), params.tensor[:padded]).result()
             else:
                 params = self._host_copy(s)
@@ -283,9 +373,11 @@ class UnitUpdates:
             for master, copy, wide in zip(slot.masters, copies, widened):
                 # an fp32 master is read with the states; before it was ever stored, it starts from the copy
                 master.data = torch.empty(copy.shape, dtype=master.dtype) if wide else copy
-            if known:
+            if known and states is not None:  # read ahead with the parameters
+                self.nvme_states.load(s.unit.index, states.tensor, read=False)
+            elif known:
                 size = self.nvme_states.sizes[s.unit.index]
-                states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
+                states = self._update_buffer(size) if on_worker else self._state_buffer(s, size)
                 self.nvme_states.load(s.unit.index, states.tensor)
         else:
             copies = [s.home_views[i] for i in positions]
@@ -303,15 +395,20 @@ class UnitUpdates:
                     states = None
                 if self.nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
                     size = self.nvme_states.sizes[s.unit.index]
-                    states = self.update_pool.acquire(size) if on_worker else self._state_buffer(s, size)
+                    states = self._update_buffer(size) if on_worker else self._state_buffer(s, size)
+            writes = []
             if states is not None:
-                self.nvme_states.save(s.unit.index, states.tensor)
-                (self.update_pool if on_worker else self.staging_pool).release(states)
-            self.store.write(self._key(s), params.tensor[:padded]).result()
+                writes.append(self.nvme_states.save(s.unit.index, states.tensor, wait=not on_worker))
+            writes.append(self.store.write(self._key(s), params.tensor[:padded]))
             for master in slot.masters:
                 master.data = self._idle_masters[id(master)]
-            if on_worker:
-                self.update_pool.release(params)
+            if on_worker:  # written behind: the next unit's update does not wait for it
+                self._writes_behind.append((writes, [params] + ([states] if states is not None else [])))
+            else:
+                for w in writes:
+                    w.result()
+                if states is not None:
+                    self.staging_pool.release(states)
         if s.home != NVME and s.unit.index not in self._state_bytes:
             self._state_bytes[s.unit.index] = sum(
                 t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
