@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from experiments.models import CausalLM
+from offload_strategy import TieredStrategy
 from tests.helpers import assert_same_weights, train
 from tests.test_offload import GPT2_4L, gpt2_4l, nvme_strategy, param_bytes
 
@@ -127,3 +128,38 @@ def test_true_precision_checkpoints_load_into_plain_training_and_back(tmp_path):
         losses, weights, _ = train(make(second, "b"), root / "b", epochs=2, resume=checkpoint, make_model=gpt2_4l, precision="bf16-true")
         assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
         assert all(w.dtype == torch.bfloat16 and torch.isfinite(w).all() for w in weights.values())
+
+
+class FP32MasterMixin:
+    """Plain-Lightning reference for any module: the same fp32-master step as FP32MasterLM."""
+
+    optimizer_step = FP32MasterLM.optimizer_step
+
+
+def fp32_master_net(name: str):
+    from tests.test_optimizer_offload import Net
+
+    class Reference(FP32MasterMixin, Net):
+        def __init__(self) -> None:
+            super().__init__(name)
+            self.fp32 = {}
+
+    return Reference()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("name", ["adamw", "adamw-fused", "adam-amsgrad", "sgd-nesterov"])
+def test_every_optimizer_in_every_precision(tmp_path, precision, name):
+    """Each optimizer with its per-step LR schedule, parameters offloaded to host memory."""
+    from tests.test_optimizer_offload import Net
+    from tests.test_optimizer_offload import param_bytes as net_bytes
+
+    half = precision.endswith("-true")
+    reference = (lambda: fp32_master_net(name)) if half else (lambda: Net(name))
+    expected_losses, expected_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=reference, precision=precision)
+    homes = Homes()
+    strategy = TieredStrategy(gpu_memory=int(0.85 * net_bytes() / (2 if half else 1)), host_memory="1GiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=lambda: Net(name), precision=precision, extra_callbacks=(homes,))
+    assert "host" in homes.homes and homes.master_dtypes == {torch.float32}
+    assert losses == expected_losses
+    assert_same_weights(expected_weights, weights)
