@@ -218,3 +218,21 @@ def test_manual_optimization_matches_plain_training(tmp_path):
     losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Manual, extra_callbacks=(Offloaded(),))
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+def test_optimizer_state_dict_holds_no_second_copy_of_host_states(tmp_path):
+    """Like torch's own state_dict, the facade's gives the state tensors themselves (a checkpoint
+    of a model whose states fill host memory must not need that memory twice)."""
+    shared = {}
+
+    class Check(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            engine = trainer.strategy.engine
+            unit_optimizers = engine.unit_optimizers[id(trainer.optimizers[0])]
+            state = trainer.optimizers[0].state_dict()["state"]
+            live = {t.data_ptr() for slot in unit_optimizers.slots.values() for m in slot.masters for t in slot.inner.state[m].values() if torch.is_tensor(t) and t.dim()}
+            saved = [t for values in state.values() for t in values.values() if torch.is_tensor(t) and t.dim()]
+            shared["all"] = bool(saved) and all(t.data_ptr() in live for t in saved)
+
+    train(offloading(), tmp_path, epochs=1, make_model=Net, extra_callbacks=(Check(),))
+    assert shared["all"]

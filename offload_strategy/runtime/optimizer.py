@@ -133,9 +133,11 @@ class UnitOptimizers:
                 master = slot.masters[position]
                 values = dict(slot.inner.state.get(master, {}))
                 if slot.widened(position) and id(master) not in self.stale:
-                    values["master"] = master
+                    values["master"] = master.detach()  # its memory now: an NVMe unit's master is rebound after
                 if values:
-                    state[index] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in values.items()}
+                    # the tensors themselves, as torch's own state_dict gives them: a checkpoint
+                    # holds no second copy of the states (those read from NVMe are fresh buffers)
+                    state[index] = values
         groups = torch.optim.Optimizer.state_dict(self.facade)["param_groups"]
         return {"state": state, "param_groups": groups}
 
