@@ -29,11 +29,12 @@ from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import ActivationPlan, BlockCost, Links, choose_layout
+from .planning.activations import SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, Placement, UnitSize, minimum_gpu_bytes, place_units
+from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
-from .runtime.activations import ActivationPolicies
+from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.engine import TieredEngine
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 
@@ -94,7 +95,9 @@ class TieredStrategy(SingleDeviceStrategy):
             that is free. On a machine without a GPU, ``gpu_memory`` is the capacity of the
             emulated GPU tier.
         nvme_path: a directory for the NVMe tier; ``None`` means no NVMe tier.
-        plan_file: a JSON plan (as dumped by ``tools/plan.py``) to run instead of planning.
+        plan_file: a JSON plan (as written by ``tools/plan.py`` or :meth:`dump_plan`) to run
+            instead of planning: every unit's home and every block's activation policy. A plan
+            made for another model is refused with the first difference.
     """
 
     strategy_name = "tiered"
@@ -139,6 +142,9 @@ class TieredStrategy(SingleDeviceStrategy):
         self.activation_costs: list[BlockCost] = []  # ... from these block costs
         self.activation_links: Optional[Links] = None  # ... and these links
         self._unit_sizes: list[UnitSize] = []
+        self._unit_names: list[str] = []
+        self._gpu_placed: Optional[int] = None  # GPU tier the placement gave parameters, gradients and states
+        self._plan: Optional[PlanFile] = None
         self._saved_bytes = 0
         self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
@@ -219,7 +225,13 @@ class TieredStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
         super().setup(trainer)
-        self._activations = ActivationPolicies(self.lightning_module, self.policy.activations, self.policy.block_class)
+        self._plan = load_plan(self.plan_file) if self.plan_file is not None else None
+        activations = self.policy.activations
+        if self._plan is not None and self._plan.activations is not None:
+            blocks = len(find_blocks(self.lightning_module, self.policy.block_class))
+            check_plan(self._plan, [u.name for u in self._plan.units], [u.nbytes for u in self._plan.units], blocks)  # blocks only, here
+            activations = self._plan.activations
+        self._activations = ActivationPolicies(self.lightning_module, activations, self.policy.block_class)
         if trainer.training and not any(p.requires_grad for p in self.lightning_module.parameters()):
             total = sum(p.numel() for p in self.lightning_module.parameters())
             raise ValueError(
@@ -289,7 +301,14 @@ class TieredStrategy(SingleDeviceStrategy):
                                  host_bytes=self._host_left())
         except ValueError:
             smallest = minimum_gpu_bytes(self._unit_sizes, self._co_resident) if self._unit_sizes else 0
-            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
+            try:
+                plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
+            except ValueError as error:
+                least = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
+                raise ValueError(
+                    f"{error} With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
+                    f"{format_bytes(smallest + least)} (it is {format_bytes(self.budgets.gpu)})."
+                ) from None
             self._replace_engine(trainer, gpu_bytes=self.budgets.gpu - plan.peak_bytes)
             plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())
@@ -306,8 +325,9 @@ class TieredStrategy(SingleDeviceStrategy):
         )
 
     def _gpu_parameter_bytes(self) -> int:
-        if self.engine is not None:
-            return self.engine.arena.numel()
+        """GPU tier taken by parameters, their gradients and optimizer states, as placed."""
+        if self._gpu_placed is not None:
+            return self._gpu_placed
         return sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
 
     def _host_left(self) -> int:
@@ -379,6 +399,11 @@ class TieredStrategy(SingleDeviceStrategy):
             for u in units
         ]
         self._unit_sizes, self._co_resident = sizes, [[u.index for u in used] for used in users.values()]
+        self._unit_names = [u.name for u in units]
+        homes = None
+        if self._plan is not None:
+            check_plan(self._plan, self._unit_names, [u.nbytes for u in units], len(self._activations.blocks) if self._activations else 0)
+            homes = {u.index: planned.home for u, planned in zip(units, self._plan.units)}
         placement = place_units(
             sizes,
             [[u.index for u in used] for used in users.values()],
@@ -386,7 +411,9 @@ class TieredStrategy(SingleDeviceStrategy):
             host_bytes=self.budgets.host,
             nvme_bytes=self.budgets.nvme,
             state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0),
+            homes=homes,
         )
+        self._gpu_placed = placement.gpu_bytes
         if not placement.offloaded:
             return None
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
@@ -403,6 +430,25 @@ class TieredStrategy(SingleDeviceStrategy):
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    def dump_plan(self, path: Union[str, Path]) -> Path:
+        """Write what this run decided (every unit's home, every block's activation policy) as a
+        plan file that ``plan_file=`` runs again without planning. Call it after setup."""
+        if self.budgets is None or self.lightning_module is None:
+            raise RuntimeError("dump_plan needs a strategy that has been set up; call it from a callback (on_train_start or later).")
+        if not self._unit_sizes:  # nothing was placed (policy 'none'): every unit in the GPU tier
+            units, _ = build_units(self.lightning_module)
+            names, nbytes, homes = [u.name for u in units], [u.nbytes for u in units], [GPU] * len(units)
+        else:
+            names, nbytes = self._unit_names, [u.nbytes for u in self._unit_sizes]
+            homes = [self.engine.placement.home[u.index] if self.engine is not None else GPU for u in self._unit_sizes]
+        blocks = self._activations is not None and bool(self._activations.blocks)
+        plan = PlanFile(
+            units=tuple(PlannedUnit(n, b, h) for n, b, h in zip(names, nbytes, homes)),
+            activations=tuple(self._activations.policies) if blocks else None,
+            budgets={"gpu": self.budgets.gpu, "host": self.budgets.host, "nvme": self.budgets.nvme},
+        )
+        return save_plan(plan, path)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""

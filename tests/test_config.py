@@ -1,6 +1,7 @@
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from offload_strategy import Budget, HardwareSpec, MemoryBudgetError, PolicyConfig, TieredStrategy, known_hardware, parse_size
@@ -142,3 +143,11 @@ def test_a_model_without_trainable_parameters_is_refused_before_training(tmp_pat
     # inference needs none
     trainer = L.Trainer(strategy=TieredStrategy(), accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
     assert trainer.validate(model, verbose=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_gpu_asked_for_where_there_is_none_is_refused_before_training(tmp_path):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="No supported gpu backend found"):
+        L.Trainer(strategy=TieredStrategy(), accelerator="gpu", devices=1, logger=False, default_root_dir=tmp_path)

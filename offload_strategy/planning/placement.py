@@ -20,8 +20,9 @@ Pure: no torch state.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .tencache import buffer_counts, tensor_size_distribution
 
@@ -96,19 +97,24 @@ def place_units(
     nvme_bytes: int,
     state_factor: float,
     all_on_gpu: bool = False,
+    homes: Optional[Mapping[int, str]] = None,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
     ``co_resident`` lists the unit indices each module uses together. ``state_factor`` is the
     optimizer's state bytes per trainable parameter byte (2 for Adam). A persistent unit costs
     its parameters, gradients and states in the GPU tier; an offloaded unit costs its gradients in
-    host memory, and its parameters and states at home (host memory or NVMe).
+    host memory, and its parameters and states at home (host memory or NVMe). ``homes`` (from a
+    plan file) fixes every unit's home instead of choosing it; buffers are sized as usual and the
+    budgets still hold.
     """
     def gpu_cost(u: UnitSize) -> int:
         return u.nbytes + int(u.trainable_bytes * (1 + state_factor))
 
     total_gpu = sum(gpu_cost(u) for u in units)
-    if all_on_gpu or total_gpu <= gpu_bytes:
+    if homes is not None and all(homes[u.index] == GPU for u in units):
+        all_on_gpu = True
+    if all_on_gpu or (homes is None and total_gpu <= gpu_bytes):
         if total_gpu > gpu_bytes:
             raise PlacementError(
                 f"the model needs {_fmt(total_gpu)} in the GPU tier (parameters, gradients and optimizer states) but "
@@ -130,10 +136,15 @@ def place_units(
     used = 0
     reserve = min(2 * working_set, gpu_bytes)
     for u in units:
-        if used + gpu_cost(u) + reserve <= gpu_bytes:
+        if (homes[u.index] == GPU) if homes is not None else (used + gpu_cost(u) + reserve <= gpu_bytes):
             home[u.index] = GPU
             used += gpu_cost(u)
     streaming = [u for u in units if u.index not in home]
+    if used + sum(s * c for s, c in _slot_minimums(units, co_resident, {u.index for u in streaming}).items()) > gpu_bytes:
+        raise PlacementError(
+            f"the plan keeps {_fmt(used)} of units in the GPU tier, which leaves too little of gpu_memory={_fmt(gpu_bytes)} "
+            f"for the streaming buffers; raise gpu_memory or dump a new plan for this budget."
+        )
 
     # Streaming buffers: what every module needs, then 10Cache Alg. 1-2 over what is left.
     minimum = _slot_minimums(units, co_resident, {u.index for u in streaming})
@@ -160,7 +171,8 @@ def place_units(
     grads = sum(align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) for u in streaming)
     cost = {u.index: align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT) for u in streaming}
     staging: dict[int, int] = {}
-    if grads + sum(cost.values()) <= host_bytes:
+    on_host = (lambda u, host_used: homes[u.index] == HOST) if homes is not None else (lambda u, host_used: host_used + cost[u.index] <= host_bytes)
+    if (homes is None and grads + sum(cost.values()) <= host_bytes) or (homes is not None and all(homes[u.index] == HOST for u in streaming)):
         for u in streaming:
             home[u.index] = HOST
         host_used = grads + sum(cost.values())
@@ -174,7 +186,7 @@ def place_units(
                 f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
             )
         for u in streaming:
-            if host_used + cost[u.index] <= host_bytes:
+            if on_host(u, host_used):
                 home[u.index] = HOST
                 host_used += cost[u.index]
             else:
@@ -185,12 +197,17 @@ def place_units(
         if on_nvme:
             fitted = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in on_nvme)
             host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
-            extra = min(len(on_nvme), (host_bytes - host_used) // fitted)
+            extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
             staging = {fitted: NVME_STAGING_BUFFERS + extra}
             host_used += extra * fitted
         else:
             staging = {}
             host_used -= NVME_STAGING_BUFFERS * slot
+    if homes is not None and host_used > host_bytes:
+        raise PlacementError(
+            f"the plan keeps {_fmt(host_used)} in host memory (gradients, staging buffers, and the units it homes there) but "
+            f"host_memory grants {_fmt(host_bytes)}; raise host_memory or dump a new plan for this budget."
+        )
     nvme_used = sum(cost[u.index] for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"

@@ -1,0 +1,97 @@
+"""Plans on disk: what a run decided (every unit's home, every block's activation policy), written
+so that it can be read, compared, edited and run again without planning.
+
+A plan names each unit with its parameters' bytes, so a plan made for another model, or for the
+same model with other dtypes, is refused with the first difference instead of running wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .placement import GPU, HOST, NVME
+
+PLAN_VERSION = 1
+HOMES = (GPU, HOST, NVME)
+_FIX = "dump a plan for this model and these budgets (tools/plan.py, or strategy.dump_plan after setup), or leave plan_file unset to plan anew"
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    name: str
+    nbytes: int
+    home: str
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    units: tuple[PlannedUnit, ...]
+    activations: Optional[tuple[str, ...]] = None  # one policy per block; None: the policy config's
+    budgets: Optional[dict[str, int]] = None  # what the plan was made for (informative)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "units": [{"name": u.name, "bytes": u.nbytes, "home": u.home} for u in self.units],
+            "activations": list(self.activations) if self.activations is not None else None,
+            "budgets": self.budgets,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "the plan") -> "PlanFile":
+        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
+            found = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{source} is not a version-{PLAN_VERSION} plan (found version {found!r}); {_FIX}.")
+        try:
+            units = tuple(PlannedUnit(str(u["name"]), int(u["bytes"]), str(u["home"])) for u in data["units"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{source} has a malformed unit entry ({error!r}); each needs name, bytes and home. {_FIX}.") from error
+        bad = sorted({u.home for u in units} - set(HOMES))
+        if bad:
+            raise ValueError(f"{source} names homes {bad}; a home is one of {', '.join(HOMES)}.")
+        activations = data.get("activations")
+        return cls(units, tuple(activations) if activations is not None else None, data.get("budgets"))
+
+
+def save_plan(plan: PlanFile, path: Union[str, Path]) -> Path:
+    """Write ``plan`` as JSON, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(plan.to_json(), handle, indent=1)
+            handle.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_plan(path: Union[str, Path]) -> PlanFile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"plan_file={str(path)!r} is not JSON ({error}); {_FIX}.") from error
+    return PlanFile.from_json(data, source=f"plan_file={str(path)!r}")
+
+
+def check_plan(plan: PlanFile, names: Sequence[str], nbytes: Sequence[int], blocks: int) -> None:
+    """Refuse a plan made for another model: unit count, then each unit's name and bytes, then the block count."""
+    if len(plan.units) != len(names):
+        raise ValueError(f"the plan has {len(plan.units)} units but this model has {len(names)}; {_FIX}.")
+    for index, (planned, name, size) in enumerate(zip(plan.units, names, nbytes)):
+        if planned.name != name or planned.nbytes != size:
+            raise ValueError(
+                f"unit {index} of the plan is {planned.name!r} of {planned.nbytes:,} bytes but this model's is {name!r} of "
+                f"{size:,} bytes; {_FIX}."
+            )
+    if plan.activations is not None and len(plan.activations) != blocks:
+        raise ValueError(f"the plan gives {len(plan.activations)} block policies but this model has {blocks} blocks; {_FIX}.")
