@@ -647,6 +647,7 @@ class TieredStrategy(SingleDeviceStrategy):
         if self._activations is not None and self._activations.blocks:
             for policy in ("keep", "checkpoint", "swap_host", "swap_nvme"):
                 out[f"activations/blocks_{policy}"] = float(self._activations.policies.count(policy))
+            out["activations/recomputed_flops"] = float(self._activations.recomputed_flops)
         if self.activation_plan is not None:
             out["activations/predicted_step_ms"] = 1e3 * self.activation_plan.seconds
             out["activations/predicted_peak_bytes"] = float(self.activation_plan.peak_bytes)

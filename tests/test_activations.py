@@ -113,6 +113,9 @@ def test_swapping_keeps_as_few_bytes_as_checkpointing(tmp_path):
         train(strategy, tmp_path / activations, epochs=1, make_model=gpt2, extra_callbacks=(seen,))
         metrics[activations] = seen.metrics[-1]
     kept = {a: m["activations/saved_bytes"] for a, m in metrics.items()}
+    recomputed = {a: m["activations/recomputed_flops"] for a, m in metrics.items()}
+    assert recomputed["keep"] == recomputed["swap_host"] == 0 and recomputed["checkpoint"] > 0
+    assert recomputed["checkpoint"] % 4 == 0  # four blocks, each counted as the first
     assert kept["swap_host"] < kept["keep"] / 3 and kept["checkpoint"] < kept["keep"] / 3, kept
     swapped = metrics["swap_host"]["activations/swapped_host_bytes"]
     assert swapped + kept["swap_host"] >= 0.9 * kept["keep"], (swapped, kept)

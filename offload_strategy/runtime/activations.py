@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..planning.activations import BlockCost
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
@@ -88,6 +89,7 @@ class ActivationPolicies:
         # the saved-tensor hooks that block hooks stand in for (the engine's), or None
         self.outer: Optional[tuple[Any, Any]] = None
         self.profile: Optional[BlockProfile] = None
+        self.block_flops: Optional[int] = None  # one forward of the first block, counted at the first training step
         self._wrapped: list[nn.Module] = []
         self._profile_hooks: list[Any] = []
         if self.auto:
@@ -112,6 +114,25 @@ class ActivationPolicies:
             elif self.profile is not None and index == 0:
                 block.forward = functools.partial(self._counted, block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
+        if self.blocks and self.block_flops is None:
+            first = self.blocks[0]
+            first.forward = functools.partial(self._flops_counted, first.forward)  # type: ignore[method-assign]
+            if first not in self._wrapped:
+                self._wrapped.append(first)
+
+    @property
+    def recomputed_flops(self) -> int:
+        """FLOPs a training step spends recomputing checkpointed blocks (each counted as the first)."""
+        return (self.block_flops or 0) * self.policies.count(CHECKPOINT)
+
+    def _flops_counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.block_flops is not None or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            return forward(*args, **kwargs)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = forward(*args, **kwargs)
+        self.block_flops = int(counter.get_total_flops())
+        return out
 
     @property
     def swaps(self) -> set[str]:
