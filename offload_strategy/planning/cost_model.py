@@ -1,0 +1,135 @@
+"""A discrete-event model of one training step under a placement: what the planner compares plans by.
+
+Four resources work in parallel and each does one thing at a time: the GPU's compute stream, the
+host -> GPU link, the GPU -> host link, and the NVMe drive (reads and writes share it); a CPU
+worker updates offloaded units. Events, in the order the runtime issues them:
+
+- forward, units in execution order: an offloaded unit is copied into a streaming buffer as soon
+  as a buffer is free (a buffer frees when the unit computing in it finishes), after an NVMe read
+  for units at home on NVMe; its compute starts when the copy is in and the stream is free;
+- backward, in reverse: the units still in their buffers at the end of forward (the last ones, as
+  many as there are buffers) are used in place, the others are fetched again the same way;
+- after a unit's backward its gradient goes to the host (offloaded units), and the worker updates
+  it (LoHan §IV-C's updates during backward); an NVMe unit's parameters and states are read as
+  its gradient lands and written back behind the worker (LoHan Fig. 3b); persistent units update
+  in the GPU tier after backward;
+- the step ends when the last backward, the last update and the last write have.
+
+Copies of different units queue on their link in issue order, so the model captures MemFerry's
+and ProTrain's observation that loading, not compute, bounds offloaded training when the link is
+slow, and how many buffers it takes to hide it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GPU, HOST, NVME = "gpu", "host", "nvme"
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit as the model sees it, in execution order."""
+
+    nbytes: int  # parameters as they travel
+    forward_seconds: float
+    backward_seconds: float
+    home: str = HOST
+    gradient_bytes: int = 0  # what goes back to the host after backward (0: frozen)
+    state_bytes: int = 0  # optimizer states (and masters) read and written around an NVMe unit's update
+    update_seconds: float = 0.0  # the optimizer's work on the CPU (or GPU, for persistent units)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Bandwidths in bytes/s."""
+
+    h2d: float
+    d2h: float
+    nvme_read: float = 0.0
+    nvme_write: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    seconds: float  # the whole step
+    forward_seconds: float
+    backward_seconds: float  # from the end of forward to the end of the last backward
+    compute_seconds: float  # forward + backward compute alone
+    update_tail_seconds: float  # what the step waits for updates after backward
+    h2d_bytes: int
+
+    @property
+    def exposed_seconds(self) -> float:
+        """Time the step is longer than its compute: transfers and updates not hidden."""
+        return self.seconds - self.compute_seconds
+
+
+def _over(nbytes: float, bandwidth: float) -> float:
+    if nbytes <= 0:
+        return 0.0
+    if bandwidth <= 0:
+        return float("inf")
+    return nbytes / bandwidth
+
+
+def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> StepPrediction:
+    """Predict one training step; ``buffers`` is the number of streaming buffers in the GPU tier."""
+    offloaded = [i for i, u in enumerate(units) if u.home != GPU]
+    if offloaded and buffers < 1:
+        raise ValueError(f"{len(offloaded)} units are offloaded but the GPU tier has {buffers} streaming buffers; give at least one.")
+    compute = h2d = d2h = nvme = worker = 0.0
+    moved = 0
+    free = [0.0] * max(buffers, 0)  # when each buffer frees
+    heapq.heapify(free)
+
+    def fetch(u: UnitCost) -> float:
+        """Issue the copy of ``u`` into the next free buffer; when it is in."""
+        nonlocal h2d, nvme, moved
+        slot = heapq.heappop(free)
+        start = slot
+        if u.home == NVME:
+            nvme = max(nvme, slot) + _over(u.nbytes, machine.nvme_read)
+            start = nvme
+        h2d = max(h2d, start) + _over(u.nbytes, machine.h2d)
+        moved += u.nbytes
+        return h2d
+
+    # forward
+    for u in units:
+        ready = fetch(u) if u.home != GPU else 0.0
+        compute = max(compute, ready) + u.forward_seconds
+        if u.home != GPU:
+            heapq.heappush(free, compute)
+    forward_end = compute
+
+    # backward: the last `buffers` offloaded units are still resident
+    resident = set(offloaded[-buffers:]) if buffers else set()
+    held = len(resident)
+    free = sorted(free)[held:] if held else free  # their buffers stay taken until their backward
+    heapq.heapify(free)
+    gpu_updates = 0.0
+    for i in reversed(range(len(units))):
+        u = units[i]
+        ready = 0.0
+        if u.home != GPU and i not in resident:
+            ready = fetch(u)
+        compute = max(compute, ready) + u.backward_seconds
+        if u.home == GPU:
+            gpu_updates += u.update_seconds
+            continue
+        heapq.heappush(free, compute)
+        d2h = max(d2h, compute) + _over(u.gradient_bytes, machine.d2h)
+        start = max(worker, d2h)
+        if u.home == NVME:  # read as the gradient lands, while the worker finishes the unit before
+            nvme = max(nvme, d2h) + _over(u.state_bytes + u.nbytes, machine.nvme_read)
+            start = max(worker, nvme)
+        worker = start + u.update_seconds
+        if u.home == NVME:  # written behind: the worker goes on
+            nvme = max(nvme, worker) + _over(u.state_bytes + u.nbytes, machine.nvme_write)
+    backward_end = compute + gpu_updates
+    end = max(backward_end, worker, nvme)
+    compute_alone = sum(u.forward_seconds + u.backward_seconds for u in units)
+    return StepPrediction(end, forward_end, backward_end - forward_end, compute_alone, end - backward_end, moved)

@@ -1,0 +1,52 @@
+"""The step-time model on small cases worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_strategy.planning.cost_model import GPU, HOST, NVME, Machine, UnitCost, simulate_step
+
+LINK = Machine(h2d=100.0, d2h=100.0, nvme_read=100.0, nvme_write=300.0)
+
+
+def test_one_buffer_serialises_copies_and_compute():
+    units = [UnitCost(100, 2.0, 3.0), UnitCost(100, 2.0, 3.0)]  # a copy takes 1 s
+    step = simulate_step(units, buffers=1, machine=LINK)
+    # forward: copy u0 0-1, compute 1-3; copy u1 waits for the buffer: 3-4, compute 4-6
+    assert step.forward_seconds == pytest.approx(6)
+    # backward: u1 is still in its buffer: 6-9; u0 is copied again 9-10, computes 10-13
+    assert step.seconds == pytest.approx(13) and step.compute_seconds == pytest.approx(10)
+    assert step.exposed_seconds == pytest.approx(3) and step.h2d_bytes == 300
+
+
+def test_a_second_buffer_hides_the_copies_behind_compute():
+    units = [UnitCost(100, 2.0, 3.0), UnitCost(100, 2.0, 3.0)]
+    step = simulate_step(units, buffers=2, machine=LINK)
+    # forward: u0 copied 0-1, computes 1-3; u1 copied 1-2 meanwhile, computes 3-5; both stay for backward
+    assert step.forward_seconds == pytest.approx(5) and step.seconds == pytest.approx(11)
+    assert step.exposed_seconds == pytest.approx(1) and step.h2d_bytes == 200
+
+
+def test_nvme_update_is_read_ahead_written_behind_and_ends_the_step():
+    units = [
+        UnitCost(0, 1.0, 1.0, home=GPU, update_seconds=0.5),
+        UnitCost(100, 1.0, 1.0, home=NVME, gradient_bytes=100, state_bytes=200, update_seconds=1.0),
+    ]
+    step = simulate_step(units, buffers=1, machine=LINK)
+    # forward: u0 0-1; u1 read from NVMe 0-1, copied 1-2, computes 2-3
+    assert step.forward_seconds == pytest.approx(3)
+    # backward: u1 resident 3-4, gradient to host 4-5, parameters and states read 5-8, update 8-9,
+    # written 9-10; u0 4-5 and its GPU update 0.5 s: backward ends at 5.5, the step at 10
+    assert step.backward_seconds == pytest.approx(2.5)
+    assert step.seconds == pytest.approx(10) and step.update_tail_seconds == pytest.approx(4.5)
+
+
+def test_everything_in_the_gpu_tier_is_pure_compute():
+    units = [UnitCost(100, 1.0, 2.0, home=GPU)] * 3
+    step = simulate_step(units, buffers=0, machine=LINK)
+    assert step.seconds == pytest.approx(9) and step.exposed_seconds == pytest.approx(0) and step.h2d_bytes == 0
+
+
+def test_no_buffer_for_offloaded_units_is_refused():
+    with pytest.raises(ValueError, match="2 units are offloaded but the GPU tier has 0 streaming buffers"):
+        simulate_step([UnitCost(1, 1.0, 1.0, home=HOST)] * 2, buffers=0, machine=LINK)
