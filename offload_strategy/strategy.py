@@ -146,6 +146,7 @@ class TieredStrategy(SingleDeviceStrategy):
         self._gpu_placed: Optional[int] = None  # GPU tier the placement gave parameters, gradients and states
         self._plan: Optional[PlanFile] = None
         self._saved_bytes = 0
+        self._optimizer_stepped = False
         self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
         self._profiled = False
@@ -467,6 +468,12 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        activations = self._activations
+        if activations is not None and activations.profile is not None and activations.profiled and self._optimizer_stepped:
+            # between two optimizer steps' worth of batches: no gradient is waiting at home, so
+            # the parameters may be placed again (every optimizer of the last batch has stepped)
+            self._plan_activations(self.lightning_module.trainer)
+        self._optimizer_stepped = False
         self._begin_block_forward()
         if self.engine is None:
             if self._activations is None or not self._activations.blocks:
@@ -519,12 +526,9 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        try:
-            return self._optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            activations = self._activations
-            if activations is not None and activations.profile is not None and activations.profiled:
-                self._plan_activations((model or self.lightning_module).trainer)
+        result = self._optimizer_step(optimizer, closure, model, **kwargs)
+        self._optimizer_stepped = True  # no gradient is pending until the next forward
+        return result
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.engine is None:

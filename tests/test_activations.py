@@ -166,3 +166,13 @@ def test_auto_keeps_every_block_when_the_activations_fit(tmp_path):
     strategy = TieredStrategy(policy={"name": "auto", "activations": "auto"})
     train(strategy, tmp_path, epochs=1, make_model=gpt2)
     assert strategy.activation_plan.layout == ("keep",) * 4
+
+
+def test_auto_with_accumulation_plans_between_optimizer_steps(tmp_path):
+    total = param_bytes(gpt2)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2, accumulate_grad_batches=2)
+    strategy = TieredStrategy(gpu_memory=2 * total, host_memory="1GiB", policy={"name": "auto", "activations": "auto"})
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, accumulate_grad_batches=2)
+    assert strategy.activation_plan is not None and set(strategy.activation_plan.layout) != {"keep"}
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
