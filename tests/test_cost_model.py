@@ -50,3 +50,22 @@ def test_everything_in_the_gpu_tier_is_pure_compute():
 def test_no_buffer_for_offloaded_units_is_refused():
     with pytest.raises(ValueError, match="2 units are offloaded but the GPU tier has 0 streaming buffers"):
         simulate_step([UnitCost(1, 1.0, 1.0, home=HOST)] * 2, buffers=0, machine=LINK)
+
+
+def test_protrain_search_trades_persistent_units_for_buffers():
+    from offload_strategy.planning.placement import UnitSize
+    from offload_strategy.planning.protrain import search_persistent
+
+    # four frozen units of 512 bytes (one buffer's alignment), each module uses one; a copy takes 1 s
+    sizes = [UnitSize(i, 512, 0) for i in range(4)]
+    costs = {i: UnitCost(512, 1.0, 2.0) for i in range(4)}
+    machine = Machine(h2d=512.0, d2h=512.0)
+    candidates = search_persistent(sizes, [[0], [1], [2], [3]], [0, 1, 2, 3], costs, machine, gpu_bytes=1536, host_bytes=10**6, nvme_bytes=0, state_factor=2.0)
+    by_count = {c.persistent: c for c in candidates}
+    # two persistent units leave 512 bytes, less than the streaming working set (two buffers): the search ends
+    assert sorted(by_count) == [0, 1]
+    # all streamed (2 or 3 buffers alike): u1 and u0 come back late in backward, 13 s for 12 of
+    # compute; u0 resident: its forward hides u1's copy, the buffers the rest, 12 s and nothing exposed
+    assert by_count[0].prediction.seconds == pytest.approx(13)
+    assert by_count[1].prediction.seconds == pytest.approx(12) and by_count[1].buffers == 2
+    assert candidates[0].persistent == 1 and by_count[1].prediction.exposed_seconds == pytest.approx(0)

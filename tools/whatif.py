@@ -8,7 +8,8 @@ The model is built on the meta device from its config (nothing allocated), its u
 the same placement the strategy runs, each unit is costed from its shapes and the hardware spec
 (profiling/analytic.py), and planning/cost_model.py simulates the step. Printed per budget: where
 the units live, what each tier holds, the predicted step time and tokens/s, and the share of the
-step that transfers and updates leave exposed.
+step that transfers and updates leave exposed; and ProTrain's search (planning/protrain.py): the
+count of leading units kept resident that the step model predicts fastest, with its buffers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from offload_strategy import format_bytes, parse_size
     from offload_strategy.planning.cost_model import GPU, Machine, UnitCost, simulate_step
     from offload_strategy.planning.placement import NVME, PlacementError, UnitSize, place_units
+    from offload_strategy.planning.protrain import search_persistent
     from offload_strategy.profiling.analytic import analytic_units
     from offload_strategy.runtime.units import build_units
 
@@ -74,8 +76,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{cfg.model.get('name', cfg.model.family)}: {params / 1e9:.2f} B parameters in {len(units)} units, {args.precision}; "
           f"{hardware.name} ({hardware.gpu}, {format_bytes(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
           f"{tokens:,} tokens per step; compute alone {compute:.2f} s per step at {args.efficiency:.0%} of peak\n")
-    print("| gpu_memory | units gpu/host/nvme | GPU tier | host | NVMe | streaming buffers | step (s) | tokens/s | exposed | host->GPU per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| gpu_memory | units gpu/host/nvme | GPU tier | host | NVMe | streaming buffers | step (s) | tokens/s | exposed | host->GPU per step | searched: persistent units, buffers, step (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for gpu in budgets:
         try:
             placement = place_units(sizes, co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=state_factor)
@@ -94,9 +96,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         buffers = sum(placement.device_slots.values())
         step = simulate_step(step_units, buffers, machine)
         homes = "/".join(str(sum(h == home for h in placement.home.values())) for home in ("gpu", "host", "nvme"))
+        unit_costs = {u.index: c for u, c in zip(units, step_units)}
+        best = search_persistent(sizes, co_resident, [u.index for u in units], unit_costs, machine, gpu_bytes=gpu, host_bytes=host,
+                                 nvme_bytes=nvme, state_factor=state_factor)[0]
         print(f"| {format_bytes(gpu)} | {homes} | {format_bytes(placement.gpu_bytes)} | {format_bytes(placement.host_bytes)} | "
               f"{format_bytes(placement.nvme_bytes)} | {buffers} | {step.seconds:.2f} | {tokens / step.seconds:,.0f} | "
-              f"{step.exposed_seconds / step.seconds:.0%} | {format_bytes(step.h2d_bytes)} |")
+              f"{step.exposed_seconds / step.seconds:.0%} | {format_bytes(step.h2d_bytes)} | "
+              f"{best.persistent}, {best.buffers}, {best.prediction.seconds:.2f} |")
     return 0
 
 

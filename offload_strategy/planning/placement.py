@@ -20,7 +20,7 @@ Pure: no torch state.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -98,6 +98,7 @@ def place_units(
     state_factor: float,
     all_on_gpu: bool = False,
     homes: Optional[Mapping[int, str]] = None,
+    persistent: Optional[Collection[int]] = None,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -105,8 +106,9 @@ def place_units(
     optimizer's state bytes per trainable parameter byte (2 for Adam). A persistent unit costs
     its parameters, gradients and states in the GPU tier; an offloaded unit costs its gradients in
     host memory, and its parameters and states at home (host memory or NVMe). ``homes`` (from a
-    plan file) fixes every unit's home instead of choosing it; buffers are sized as usual and the
-    budgets still hold.
+    plan file) fixes every unit's home instead of choosing it; ``persistent`` fixes only which
+    units stay in the GPU tier (the planner's search); buffers are sized as usual and the budgets
+    still hold.
     """
     def gpu_cost(u: UnitSize) -> int:
         return u.nbytes + int(u.trainable_bytes * (1 + state_factor))
@@ -114,7 +116,7 @@ def place_units(
     total_gpu = sum(gpu_cost(u) for u in units)
     if homes is not None and all(homes[u.index] == GPU for u in units):
         all_on_gpu = True
-    if all_on_gpu or (homes is None and total_gpu <= gpu_bytes):
+    if all_on_gpu or (homes is None and persistent is None and total_gpu <= gpu_bytes):
         if total_gpu > gpu_bytes:
             raise PlacementError(
                 f"the model needs {_fmt(total_gpu)} in the GPU tier (parameters, gradients and optimizer states) but "
@@ -136,7 +138,13 @@ def place_units(
     used = 0
     reserve = min(2 * working_set, gpu_bytes)
     for u in units:
-        if (homes[u.index] == GPU) if homes is not None else (used + gpu_cost(u) + reserve <= gpu_bytes):
+        if homes is not None:
+            keep = homes[u.index] == GPU
+        elif persistent is not None:
+            keep = u.index in persistent
+        else:
+            keep = used + gpu_cost(u) + reserve <= gpu_bytes
+        if keep:
             home[u.index] = GPU
             used += gpu_cost(u)
     streaming = [u for u in units if u.index not in home]
