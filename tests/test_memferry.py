@@ -54,3 +54,22 @@ def test_large_sizes_stay_within_the_reserve():
     plan = gradient_offload_plan(sizes, [s * 1e-9 for s in sizes], [0.0] * 200, 0.3)
     kept = sum(sizes[i] for i in plan)
     assert kept <= 0.3 * sum(sizes) and kept >= 0.29 * sum(sizes)
+
+
+def test_forward_modes_by_hand():
+    from offload_strategy.planning.memferry import DHA, GFGB, forward_modes
+
+    # unit 0: DHA (3 s) beats copy + GPU (4 + 1 s); its 3 s hide unit 1's 2 s copy
+    modes, total = forward_modes([4.0, 2.0], [1.0, 1.0], [3.0, 5.0])
+    assert modes == [DHA, GFGB] and total == pytest.approx(4.0)
+    # backtracking (Fig. 7): unit 2's 4 s copy cannot hide behind 1.5 s of reserve; turning unit 1
+    # to DHA gives its 0.5 s copy back and 3 s of DHA compute: 6 s instead of 6.5 s. By hand:
+    # GFGB copy 0-1, compute 1-2; unit 1 DHA 2-5 while unit 2 copies 1-5; unit 2 computes 5-6.
+    modes, total = forward_modes([1.0, 0.5, 4.0], [1.0, 1.0, 1.0], [2.5, 3.0, 6.0])
+    assert modes == [GFGB, DHA, GFGB] and total == pytest.approx(6.0)
+    # compute between units adds to both the time and the reserve
+    modes, total = forward_modes([2.0, 2.0], [1.0, 1.0], [9.0, 9.0], between_seconds=[2.0, 0.0])
+    # unit 0 waits for its copy (0-2, compute 2-3), 2 s between; unit 1's copy ran 2-4: hidden (reserve 3 > 2)
+    assert modes == [GFGB, GFGB] and total == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="one entry per unit"):
+        forward_modes([1.0], [1.0, 2.0], [1.0])

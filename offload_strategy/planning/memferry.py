@@ -1,5 +1,21 @@
-"""MemFerry: which units write their gradients straight into host memory (GO-MemFerry, §IV-D).
+"""MemFerry: which units the GPU computes on in host memory in forward (Alg. 1, §IV-B), and which
+write their gradients straight into host memory (GO-MemFerry, §IV-D).
 
+**Forward modes (Alg. 1).** Each unit runs GFGB (copied into the GPU tier, then computed) or DHA
+(computed by the GPU directly on pinned host memory: no copy, a slower forward). Going through
+the units in order, the algorithm keeps the forward time so far (``T_all``) and the *reserved
+overlap time* (``T_res``): compute during which the link is free to load later units. A unit whose
+DHA forward is no slower than its copy plus GPU forward runs DHA, and its compute adds to the
+reserve. Otherwise it runs GFGB: if the reserve hides its copy, its copy is taken from the reserve;
+if not, earlier GFGB units whose copies were hidden are turned to DHA, first to last, while that
+shortens the forward (backtracking, Fig. 7), and what is still not hidden is waited for.
+
+Interpretation of the printed pseudo-code: ``update`` at the end of ``backtrack`` *sets* ``T_all``
+and ``T_res`` (the base it computes already contains the old ``T_all``; adding would count it
+twice), and only earlier GFGB units are candidates (the unit being placed runs GFGB whatever the
+loop decides, line 13).
+
+**Gradient placement (GO-MemFerry).**
 A unit's gradient is either produced in a GPU-tier buffer and copied to host memory afterwards
 (fast backward, but the buffer occupies GPU memory), or written by the GPU directly into its host
 buffer over PCIe (DHA: no GPU memory, a slower backward). The user allows a share of the gradient
@@ -20,6 +36,54 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Optional
+
+GFGB, DHA = "gfgb", "dha"
+
+
+def forward_modes(
+    transfer_seconds: Sequence[float],
+    gpu_forward_seconds: Sequence[float],
+    dha_forward_seconds: Sequence[float],
+    between_seconds: Optional[Sequence[float]] = None,
+) -> tuple[list[str], float]:
+    """MemFerry Alg. 1: a mode per unit (``"gfgb"`` or ``"dha"``) and the forward time it predicts.
+
+    ``between_seconds[l]``: compute between unit l and the next that uses no parameters (``T_FP(A_{l,l+1})``).
+    """
+    n = len(transfer_seconds)
+    if not len(gpu_forward_seconds) == len(dha_forward_seconds) == n:
+        raise ValueError("transfer, GPU-forward and DHA-forward times need one entry per unit each.")
+    between = list(between_seconds) if between_seconds is not None else [0.0] * n
+    trans, fp, dha = list(transfer_seconds), list(gpu_forward_seconds), list(dha_forward_seconds)
+    modes = [GFGB] * n
+    t_all = t_res = 0.0
+    tag = -1  # first GFGB unit since the last backtrack whose copy the reserve hid
+    for l in range(n):
+        if dha[l] <= fp[l] + max(trans[l], 0.0):
+            modes[l] = DHA
+            t_all, t_res = t_all + dha[l], t_res + dha[l]
+        elif trans[l] < t_res:
+            if tag == -1:
+                tag = l
+            t_all, t_res = t_all + fp[l], t_res + fp[l] - trans[l]
+        else:
+            base = t_all + trans[l] + fp[l] - t_res  # wait for what the reserve does not hide
+            reserve = t_res
+            if tag != -1:
+                for i in range(tag, l):
+                    if modes[i] != GFGB:
+                        continue
+                    gain = trans[i] + dha[i] - fp[i]
+                    candidate = max(trans[l] - reserve - gain, 0.0) + t_all + (dha[i] - fp[i] + fp[l])
+                    if candidate < base:
+                        modes[i], tag = DHA, i + 1
+                        base, reserve = candidate, reserve + gain
+                        if reserve >= trans[l]:
+                            break
+            t_all, t_res = base, max(reserve - trans[l], 0.0) + fp[l]
+        t_all, t_res = t_all + between[l], t_res + between[l]
+    return modes, t_all
 
 
 def gradient_offload_plan(
