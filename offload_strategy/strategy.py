@@ -337,13 +337,8 @@ class TieredStrategy(SingleDeviceStrategy):
 
     def _replace_engine(self, trainer: "pl.Trainer", gpu_bytes: int) -> None:
         """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps."""
-        states = [optimizer.state_dict() for optimizer in self.optimizers]
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            try:
-                engine.close(materialize=True)
-            finally:
-                engine.device.close()
+        states = [optimizer.state_dict() for optimizer in self.optimizers]  # standard, exact: they move through these
+        self._close_engine()
         self.engine = self._build_engine(trainer, gpu_bytes=gpu_bytes)
         if self.engine is None:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
@@ -596,13 +591,17 @@ class TieredStrategy(SingleDeviceStrategy):
         if self._swap_device is not None:
             self._swap_device.close()
             self._swap_device = None
+        self._close_engine()
+        super().teardown()
+
+    def _close_engine(self) -> None:
+        """Parameters back to plain tensors with their true values, every tier freed."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             try:
                 engine.close(materialize=True)
             finally:
                 engine.device.close()
-        super().teardown()
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""
