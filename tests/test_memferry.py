@@ -73,3 +73,20 @@ def test_forward_modes_by_hand():
     assert modes == [GFGB, GFGB] and total == pytest.approx(6.0)
     with pytest.raises(ValueError, match="one entry per unit"):
         forward_modes([1.0], [1.0, 2.0], [1.0])
+
+
+def test_backward_modes_fill_the_idle_window_by_seconds_saved_per_byte():
+    from offload_strategy.planning.memferry import DFGB, DHA, GFGB, backward_modes
+
+    modes = [DHA, DHA, GFGB, DHA, DHA]
+    nbytes = [100, 200, 100, 100, 50]
+    transfer = [1.0, 2.0, 1.0, 1.0, 0.5]
+    gpu_bp = [1.0, 1.0, 1.0, 1.0, 1.0]
+    dha_bp = [3.0, 5.0, 4.0, 2.0, 1.0]
+    # saved per byte: unit 0 0.02, unit 1 0.02, unit 3 0.01; unit 4 saves nothing; unit 2 is not DHA.
+    # Ties go to the later unit: 1 (2 s of copy), then 0 (1 s) fill a 3.5 s window; 3 does not fit.
+    assert backward_modes(modes, nbytes, transfer, gpu_bp, dha_bp, idle_seconds=3.5, gpu_bytes_free=10**6) == [DFGB, DFGB, GFGB, DHA, DHA]
+    # 250 bytes of GPU memory: unit 1 (200) fits, unit 0 (100) no longer does, unit 3 (100) neither
+    assert backward_modes(modes, nbytes, transfer, gpu_bp, dha_bp, idle_seconds=10.0, gpu_bytes_free=250) == [DHA, DFGB, GFGB, DHA, DHA]
+    # a 1.5 s window: unit 1 does not fit and is skipped; unit 0 does
+    assert backward_modes(modes, nbytes, transfer, gpu_bp, dha_bp, idle_seconds=1.5, gpu_bytes_free=10**6) == [DFGB, DHA, GFGB, DHA, DHA]

@@ -15,6 +15,9 @@ and ``T_res`` (the base it computes already contains the old ``T_all``; adding w
 twice), and only earlier GFGB units are candidates (the unit being placed runs GFGB whatever the
 loop decides, line 13).
 
+**Backward modes.** ``backward_modes`` turns DHA units into DFGB where the idle link allows (see
+its docstring).
+
 **Gradient placement (GO-MemFerry).**
 A unit's gradient is either produced in a GPU-tier buffer and copied to host memory afterwards
 (fast backward, but the buffer occupies GPU memory), or written by the GPU directly into its host
@@ -84,6 +87,44 @@ def forward_modes(
             t_all, t_res = base, max(reserve - trans[l], 0.0) + fp[l]
         t_all, t_res = t_all + between[l], t_res + between[l]
     return modes, t_all
+
+
+DFGB = "dfgb"
+
+
+def backward_modes(
+    modes: Sequence[str],
+    nbytes: Sequence[int],
+    transfer_seconds: Sequence[float],
+    gpu_backward_seconds: Sequence[float],
+    dha_backward_seconds: Sequence[float],
+    idle_seconds: float,
+    gpu_bytes_free: int,
+) -> list[str]:
+    """MemFerry's backward pass: which DHA units become DFGB (computed in place in forward, then
+    copied into the GPU tier so that their backward runs on the GPU, §IV-B).
+
+    The link is idle between the end of forward's parameter loading and the start of backward's
+    gradient transfers (``idle_seconds``). Greedy, precisely: the candidates are the DHA units
+    whose backward is faster on the GPU (``dha_backward > gpu_backward``); they are taken in
+    decreasing order of backward seconds saved per byte copied, ``(dha_backward - gpu_backward) /
+    nbytes`` (ties: the later unit first, as backward reaches it first), each while its copy time
+    fits in what is left of the idle window and its bytes in ``gpu_bytes_free``; a candidate that
+    does not fit is skipped and the next tried. Returns the modes with the chosen units as ``"dfgb"``.
+    """
+    n = len(modes)
+    if not (len(nbytes) == len(transfer_seconds) == len(gpu_backward_seconds) == len(dha_backward_seconds) == n):
+        raise ValueError("modes, sizes, transfer and backward times need one entry per unit each.")
+    candidates = [i for i in range(n) if modes[i] == DHA and dha_backward_seconds[i] > gpu_backward_seconds[i] and nbytes[i] > 0]
+    candidates.sort(key=lambda i: ((dha_backward_seconds[i] - gpu_backward_seconds[i]) / nbytes[i], i), reverse=True)
+    out = list(modes)
+    window, free = idle_seconds, gpu_bytes_free
+    for i in candidates:
+        if transfer_seconds[i] <= window and nbytes[i] <= free:
+            out[i] = DFGB
+            window -= transfer_seconds[i]
+            free -= nbytes[i]
+    return out
 
 
 def gradient_offload_plan(
