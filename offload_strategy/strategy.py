@@ -264,11 +264,11 @@ class TieredStrategy(SingleDeviceStrategy):
             device = make_device(self.root_device, capacity=0, spec=self.hardware, throttle=self.policy.throttle)
             self._swap_device = device
         store = None
-        if SWAP_NVME in self._activations.swaps:
+        if self.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory
             used = self.engine.store.capacity if self.engine is not None and self.engine.store is not None else 0
             store = NvmeStore(self.nvme_path, capacity=max(self.budgets.nvme - used, 1))
         self._swap_store = store
-        swap = ActivationSwap(device, store, self._activations.is_parameter)
+        swap = ActivationSwap(device, store, self._activations.is_parameter, host_limit=self._host_left())
         swap.outer = self._activations.outer
         self._activations.swap = swap
 
@@ -662,6 +662,7 @@ class TieredStrategy(SingleDeviceStrategy):
             out["activations/swap_prefetched"] = float(stats.prefetched)
             out["activations/swap_waits"] = float(stats.waited)
             out["activations/swap_wait_ms"] = 1e3 * stats.wait_seconds
+            out["activations/swap_host_full_bytes"] = float(stats.host_full_bytes)
         return out
 
 

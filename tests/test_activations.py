@@ -176,3 +176,21 @@ def test_auto_with_accumulation_plans_between_optimizer_steps(tmp_path):
     assert strategy.activation_plan is not None and set(strategy.activation_plan.layout) != {"keep"}
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.parametrize("with_nvme", [False, True], ids=["no-nvme", "nvme"])
+def test_swap_host_beyond_host_memory_goes_to_nvme_or_stays(tmp_path, with_nvme):
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2)
+    seen = Swapped()
+    nvme = {"nvme_path": tmp_path / "nvme"} if with_nvme else {}
+    # everything fits in the GPU tier, so host memory is all for swapped activations: 256 KiB of them
+    strategy = TieredStrategy(host_memory="256KiB", policy={"name": "auto", "activations": "swap_host"}, **nvme)
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2, extra_callbacks=(seen,))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    last = seen.metrics[-1]
+    assert 0 < last["activations/swapped_host_bytes"] <= 256 * 1024
+    if with_nvme:
+        assert last["activations/swapped_nvme_bytes"] > 0 and last["activations/swap_host_full_bytes"] == 0
+    else:
+        assert last["activations/swapped_nvme_bytes"] == 0 and last["activations/swap_host_full_bytes"] > 0

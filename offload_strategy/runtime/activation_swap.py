@@ -8,7 +8,9 @@ offload side of LoHan §IV-B) hand every tensor autograd saves for backward to t
 - a tensor smaller than ``MIN_SWAP_BYTES`` stays (the copy would cost more than it frees);
 - any other tensor is copied to host memory asynchronously and the GPU-tier original is let go; a
   ``swap_nvme`` block's copies continue from host memory to the NVMe store, and their host buffers
-  are let go once written.
+  are let go once written. Host memory holds at most ``host_limit`` bytes of swapped activations
+  per step: beyond it a ``swap_host`` tensor goes on to NVMe when there is a store, and otherwise
+  stays in the GPU tier (counted in ``stats.host_full_bytes``).
 
 Backward unpacks a block's tensors in reverse order. The first unpack of a block brings back all of
 that block's tensors and starts bringing back the next swap block's (prefetch by block order), so
@@ -27,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from ..hardware.device import Device, Event
-from ..memory.nvme import NvmeStore
+from ..memory.nvme import NvmeSpaceError, NvmeStore
 
 SWAP_HOST, SWAP_NVME = "swap_host", "swap_nvme"
 # Saved tensors below this size stay in the GPU tier.
@@ -60,6 +62,7 @@ class SwapStats:
     prefetched: int = 0
     waited: int = 0  # unpacks that had to fetch synchronously
     wait_seconds: float = 0.0
+    host_full_bytes: int = 0  # swap_host tensors kept in the GPU tier: host limit reached, no NVMe store
     blocks: dict[int, list[_Swapped]] = field(default_factory=dict)
 
 
@@ -70,9 +73,10 @@ class ActivationSwap:
     of hooks that would have packed it otherwise (the engine's), or None.
     """
 
-    def __init__(self, device: Device, store: Optional[NvmeStore], is_parameter: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, device: Device, store: Optional[NvmeStore], is_parameter: Callable[[torch.Tensor], bool], host_limit: Optional[int] = None) -> None:
         self.device = device
         self.store = store
+        self.host_limit = host_limit
         self.is_parameter = is_parameter
         self.outer: Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
         self.stats = SwapStats()
@@ -99,7 +103,12 @@ class ActivationSwap:
         nbytes = t.numel() * t.element_size()
         if self.is_parameter(t):
             return ("outer", self.outer[0](t)) if self.outer else t
-        if nbytes < MIN_SWAP_BYTES or t.layout != torch.strided:
+        requested = destination
+        if destination == SWAP_HOST and self.host_limit is not None and self.stats.host_bytes + nbytes > self.host_limit:
+            destination = SWAP_NVME if self.store is not None else ""
+            if not destination:
+                self.stats.host_full_bytes += nbytes
+        if nbytes < MIN_SWAP_BYTES or t.layout != torch.strided or not destination:
             self.stats.kept_bytes += nbytes
             return ("outer", self.outer[0](t)) if self.outer else t
         pin = self.device.compute.type == "cuda"
@@ -108,8 +117,16 @@ class ActivationSwap:
         if destination == SWAP_NVME and self.store is not None:
             swapped.to_host.wait()
             swapped.to_host = None
-            swapped.key = f"activation{next(self._keys)}"
-            swapped.written = self.store.write(swapped.key, host)
+            key = f"activation{next(self._keys)}"
+            try:
+                swapped.written = self.store.write(key, host)
+            except NvmeSpaceError:
+                if requested == SWAP_NVME:
+                    raise
+                self.stats.host_full_bytes += nbytes  # over host memory and the NVMe budget: it stays
+                self.stats.kept_bytes += nbytes
+                return ("outer", self.outer[0](t)) if self.outer else t
+            swapped.key = key
             self.stats.nvme_bytes += nbytes
         else:
             self.stats.host_bytes += nbytes
