@@ -36,6 +36,7 @@ from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, sa
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
 from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.engine import TieredEngine
+from .runtime.optimizer import compact
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 
 if TYPE_CHECKING:
@@ -568,8 +569,10 @@ class TieredStrategy(SingleDeviceStrategy):
             return super().lightning_module_state_dict()
         # Views of where each value lives, as plain training returns views of its parameters: no
         # second copy of the model, except for units on NVMe, which are read into fresh buffers.
+        # Each over only its own bytes, so that a checkpoint does not carry whole slabs.
         with self.engine.materialized():
-            return self.lightning_module.state_dict()
+            state = self.lightning_module.state_dict()
+        return type(state)((k, compact(v)) for k, v in state.items())
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -43,3 +43,21 @@ def test_the_strategy_writes_checkpoints_atomically(tmp_path):
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     saved = list((tmp_path / "ckpt").iterdir())
     assert [p.name for p in saved] == ["epoch=0.ckpt"] and torch.load(saved[0], weights_only=True)["global_step"] > 0
+
+
+def test_checkpoints_hold_each_value_once_not_the_slabs_it_lives_in(tmp_path):
+    """Parameters and states view shared slabs (homes, masters, NVMe buffers); torch.save writes
+    whole storages, so the strategy hands it views over exactly their own bytes."""
+    from tests.test_offload import gpt2_4l, nvme_strategy, param_bytes
+
+    total = param_bytes(gpt2_4l)
+    sizes = {}
+    for name, strategy in (
+        ("plain", "auto"),
+        ("host", TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB")),
+        ("nvme", nvme_strategy(total, tmp_path / "nvme")),
+    ):
+        train(strategy, tmp_path / name, epochs=1, make_model=gpt2_4l, save_every_epoch=True)
+        sizes[name] = next((tmp_path / name / "ckpt").glob("*.ckpt")).stat().st_size
+    # the same values: within a few per cent (one storage record per tensor instead of shared ones)
+    assert sizes["host"] <= 1.06 * sizes["plain"] and sizes["nvme"] <= 1.06 * sizes["plain"], sizes

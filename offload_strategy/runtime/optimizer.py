@@ -135,9 +135,9 @@ class UnitOptimizers:
                 if slot.widened(position) and id(master) not in self.stale:
                     values["master"] = master.detach()  # its memory now: an NVMe unit's master is rebound after
                 if values:
-                    # the tensors themselves, as torch's own state_dict gives them: a checkpoint
-                    # holds no second copy of the states (those read from NVMe are fresh buffers)
-                    state[index] = values
+                    # the tensors themselves (no second copy of the states, as torch's own
+                    # state_dict gives them), each over only its own bytes
+                    state[index] = {k: compact(v) if torch.is_tensor(v) else v for k, v in values.items()}
         groups = torch.optim.Optimizer.state_dict(self.facade)["param_groups"]
         return {"state": state, "param_groups": groups}
 
@@ -215,6 +215,22 @@ class UnitOptimizers:
                         }
         for name in ("state_dict", "load_state_dict"):
             self.facade.__dict__.pop(name, None)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over a storage of exactly its own bytes, sharing memory with it.
+
+    torch.save writes a tensor's whole storage; a parameter or state that views a shared slab
+    (a unit's home, the masters' region, an NVMe unit's buffer) would carry the whole slab into
+    the checkpoint. A slice of the storage shares the memory and saves only what it holds.
+    """
+    if not torch.is_tensor(t) or t.numel() == 0 or not t.is_contiguous():
+        return t
+    storage = t.untyped_storage()
+    start, nbytes = t.storage_offset() * t.element_size(), t.numel() * t.element_size()
+    if start == 0 and storage.nbytes() == nbytes:
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage[start : start + nbytes], 0, t.shape, t.stride())
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
