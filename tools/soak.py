@@ -38,7 +38,7 @@ class Sampler(L.Callback):
     def __init__(self, every: int, nvme: Path, checkpoints: Path) -> None:
         self.every = every
         self.nvme, self.checkpoints = nvme, checkpoints
-        self.rows: list[tuple[int, int, int, int, float, float, int, int]] = []
+        self.rows: list[tuple[int, int, int, int, float, float, int, int, float, float]] = []
         self.process = psutil.Process()
         self.homes = ""
 
@@ -49,7 +49,8 @@ class Sampler(L.Callback):
             self.homes = "/".join(str(int(metrics.get(f"units/{h}", 0))) for h in ("gpu", "host", "nvme"))
             self.rows.append((step, self.process.memory_info().rss, len(os.listdir("/proc/self/fd")), self.process.num_threads(),
                               metrics.get("link/nvme_read_bytes", 0.0), metrics.get("cache/hit_rate", float("nan")),
-                              directory_bytes(self.nvme), directory_bytes(self.checkpoints)))
+                              directory_bytes(self.nvme), directory_bytes(self.checkpoints),
+                              metrics.get("tier/gpu_capacity_bytes", 0.0), metrics.get("tier/host_bytes", 0.0)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -82,20 +83,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nGPT-2 4 x 64, {format_bytes(param_bytes)} of parameters, gpu_memory 30%, host_memory 3.5x the parameters "
           f"(units gpu/host/nvme: {sampler.homes}); {args.steps} steps, "
           f"{f'a checkpoint every {args.checkpoint_every} steps' if args.checkpoint_every else 'no checkpoints'}\n")
-    print("| step | RSS | open files | threads (OS) | NVMe bytes read | hit rate (last window) | NVMe directory | checkpoint directory |")
-    print("|---|---|---|---|---|---|---|---|")
-    for step, rss, fds, threads, read, hit, swap, ckpt in sampler.rows:
-        print(f"| {step} | {format_bytes(rss)} | {fds} | {threads} | {format_bytes(read)} | {hit:.1%} | {format_bytes(swap)} | {format_bytes(ckpt)} |")
+    print("| step | RSS | open files | threads (OS) | NVMe bytes read | hit rate (last window) | NVMe directory | checkpoint directory | GPU-tier arena | host tier in use |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for step, rss, fds, threads, read, hit, swap, ckpt, arena, host in sampler.rows:
+        print(f"| {step} | {format_bytes(rss)} | {fds} | {threads} | {format_bytes(read)} | {hit:.1%} | {format_bytes(swap)} | {format_bytes(ckpt)} | "
+              f"{format_bytes(int(arena))} | {format_bytes(int(host))} |")
     steady = [row for row in sampler.rows if row[0] >= args.warmup]
     rss_growth = max(r[1] for r in steady) - steady[0][1]
     fd_growth = max(r[2] for r in steady) - steady[0][2]
     thread_growth = max(r[3] for r in steady) - steady[0][3]
     swap_growth = max(r[6] for r in steady) - steady[0][6]
+    tier_growth = max(r[8] + r[9] for r in steady) - (steady[0][8] + steady[0][9])
     slack = int(__import__("offload_strategy").parse_size(args.rss_slack))
     print(f"\nafter step {steady[0][0]}: RSS +{format_bytes(rss_growth)}, open files +{fd_growth}, threads +{thread_growth}, "
-          f"NVMe directory +{format_bytes(swap_growth)}; "
+          f"NVMe directory +{format_bytes(swap_growth)}, GPU arena and host tier +{format_bytes(int(tier_growth))}; "
           f"files left in the NVMe directory after fit: {len(leftover)}")
-    ok = rss_growth <= slack and fd_growth <= 0 and thread_growth <= 0 and swap_growth <= 0 and not leftover
+    ok = rss_growth <= slack and fd_growth <= 0 and thread_growth <= 0 and swap_growth <= 0 and tier_growth <= 0 and not leftover
     print("flat" if ok else "GREW")
     return 0 if ok else 1
 
