@@ -301,7 +301,9 @@ class TieredStrategy(SingleDeviceStrategy):
         try:
             plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())
-        except ValueError:
+        except ValueError as error:
+            if self.policy.name == "none":
+                raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
             smallest = minimum_gpu_bytes(self._unit_sizes, self._co_resident) if self._unit_sizes else 0
             try:
                 plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
