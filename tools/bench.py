@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -28,27 +27,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import lightning as L  # noqa: E402
 
-from experiments.data import SyntheticTokens  # noqa: E402
-from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
-
-
-class StepTimer(L.Callback):
-    """Wall time of every training step (forward, backward and optimizer step) and the strategy's metrics."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.metrics: list[dict[str, float]] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
-        metrics = getattr(trainer.strategy, "metrics", None)
-        if callable(metrics):
-            self.metrics.append(metrics())
+from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 
 @dataclass
@@ -65,20 +45,9 @@ class Mode:
     link_bytes: list[float] = field(default_factory=list)  # host -> GPU tier bytes per measured step
 
 
-def model_config(layers: int, width: int) -> dict[str, Any]:
-    return dict(vocab_size=256, n_positions=256, n_embd=width, n_layer=layers, n_head=max(1, width // 64),
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-
-
 def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root: Path) -> None:
-    L.seed_everything(0, verbose=False)
-    model = CausalLM(family="gpt2", config=config, lr=1e-3)
-    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
     timer = StepTimer()
-    trainer = L.Trainer(strategy=mode.make_strategy(), accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], default_root_dir=root, precision=args.precision)
-    trainer.fit(model, datamodule=data)
+    fit(mode.make_strategy(), config, args, root, timer, args.steps, precision=args.precision)
     mode.times += timer.times[args.warmup :]
     for m in timer.metrics[args.warmup :]:
         n = m.get("cache/requests", 0.0)
@@ -96,12 +65,7 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    add_run_arguments(parser, layers=4, width=256, seq_len=128, batch_size=8, steps=30, warmup=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-fraction", type=float, default=0.25, help="gpu_memory as a fraction of the parameter bytes")
     parser.add_argument("--link", default="a100_80g", help="known machine whose PCIe figures throttle the copies (a100_80g: PCIe 4.0 x16)")
@@ -109,11 +73,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--nvme-path", default=None, help="directory for the NVMe mode (default: a temporary directory under the working directory)")
     args = parser.parse_args(argv)
 
-    config = model_config(args.layers, args.width)
-    L.seed_everything(0, verbose=False)
-    probe = CausalLM(family="gpt2", config=config)
-    probe.configure_model()
-    param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    config = gpt2_config(args.layers, args.width)
+    param_bytes = parameter_bytes(config)
     half = args.precision in ("bf16-true", "16-true")
     # gpu_memory is a fraction of the parameters in the dtype they compute in
     gpu = int(args.gpu_fraction * param_bytes / (2 if half else 1))

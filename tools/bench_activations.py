@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,59 +27,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import lightning as L  # noqa: E402
-
-from experiments.data import SyntheticTokens  # noqa: E402
-from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.planning.activations import peak_bytes, step_seconds  # noqa: E402
 from offload_strategy.planning.placement import minimum_gpu_bytes  # noqa: E402
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.saved: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
-        self.saved.append(trainer.strategy.metrics().get("activations/saved_bytes", float("nan")))
+from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 
 def run(args: argparse.Namespace, config: dict[str, Any], root: Path, steps: int, **strategy_kwargs: Any) -> tuple[TieredStrategy, StepTimer]:
-    L.seed_everything(0, verbose=False)
-    model = CausalLM(family="gpt2", config=config, lr=1e-3)
-    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (steps + 2) * 2)
-    timer = StepTimer()
     strategy = TieredStrategy(**strategy_kwargs)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[timer], default_root_dir=root)
-    trainer.fit(model, datamodule=data)
+    timer = StepTimer()
+    fit(strategy, config, args, root, timer, steps)
     return strategy, timer
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_run_arguments(parser, layers=6, width=256, seq_len=256, batch_size=8, steps=12, warmup=3)
     parser.add_argument("--activation-share", type=float, default=0.5, help="GPU tier = parameters + this share of keep-all activations")
     parser.add_argument("--link", default="a100_80g", help="known machine whose PCIe figures throttle the copies")
     args = parser.parse_args(argv)
 
-    config = dict(vocab_size=256, n_positions=args.seq_len, n_embd=args.width, n_layer=args.layers, n_head=max(1, args.width // 64),
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    probe = CausalLM(family="gpt2", config=config)
-    probe.configure_model()
-    param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    config = gpt2_config(args.layers, args.width, positions=args.seq_len)
+    param_bytes = parameter_bytes(config)
     common = dict(host_memory="8GiB", hardware=args.link)
     with tempfile.TemporaryDirectory() as root:
         print("profiling the blocks", file=sys.stderr, flush=True)
@@ -99,7 +67,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             layout = strategy.activation_plan.layout if name == "auto" else (name,) * len(costs)
             links = strategy.activation_links or measured.activation_links
             room = budget - minimum_gpu_bytes(strategy._unit_sizes, strategy._co_resident)  # with parameters streamed
-            results.append((name, layout, statistics.median(timer.times[args.warmup :]), timer.saved[-1], peak_bytes(costs, layout),
+            saved = timer.metrics[-1].get("activations/saved_bytes", float("nan"))
+            results.append((name, layout, statistics.median(timer.times[args.warmup :]), saved, peak_bytes(costs, layout),
                             step_seconds(costs, layout, links), room))
 
     keep_time = results[0][2]

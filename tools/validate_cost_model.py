@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,29 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import lightning as L  # noqa: E402
-
-from experiments.data import SyntheticTokens  # noqa: E402
-from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.planning.cost_model import GPU, Machine, UnitCost, simulate_step  # noqa: E402
+from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 # fused AdamW on this machine, parameters per second (docs/benchmarks.md, optimizer offload)
 CPU_UPDATE_RATE = 1.5e9
 
 
-class Probe(L.Callback):
+class Probe(StepTimer):
+    """Step times, and the step model's prediction from the run's first-step profile."""
+
     def __init__(self) -> None:
-        self.times: list[float] = []
+        super().__init__()
         self.prediction: Optional[float] = None
         self.homes = "-"
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        super().on_train_batch_end(trainer, *args)
         engine = trainer.strategy.engine
         if engine is None or self.prediction is not None or not engine.profile.forward_seconds:
             return
@@ -69,36 +63,22 @@ class Probe(L.Callback):
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_run_arguments(parser, layers=4, width=256, seq_len=128, batch_size=8, steps=12, warmup=3)
     parser.add_argument("--link-gbps", type=float, default=0.2, help="throttle of the emulated PCIe link, GB/s each way")
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.3, 0.5, 0.8], help="gpu_memory as fractions of the parameter bytes")
     args = parser.parse_args(argv)
 
-    config = dict(vocab_size=256, n_positions=args.seq_len, n_embd=args.width, n_layer=args.layers, n_head=max(1, args.width // 64),
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    probe = CausalLM(family="gpt2", config=config)
-    probe.configure_model()
-    param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    config = gpt2_config(args.layers, args.width, positions=args.seq_len)
+    param_bytes = parameter_bytes(config)
     hardware = {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
                 "h2d_gbps": args.link_gbps, "d2h_gbps": args.link_gbps, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for fraction in args.fractions:
             print(f"gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
-            L.seed_everything(0, verbose=False)
-            model = CausalLM(family="gpt2", config=config, lr=1e-3)
-            data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
             probe_cb = Probe()
             strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, policy={"name": "auto", "throttle": True})
-            trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                                callbacks=[probe_cb], default_root_dir=root)
-            trainer.fit(model, datamodule=data)
+            fit(strategy, config, args, root, probe_cb, args.steps)
             measured = statistics.median(probe_cb.times[args.warmup :])
             rows.append((fraction, probe_cb.homes, probe_cb.prediction, measured))
     print(f"\nGPT-2 {args.layers} x {args.width}, batch {args.batch_size} x {args.seq_len}, {format_bytes(param_bytes)} of parameters, "
