@@ -163,3 +163,48 @@ def test_every_optimizer_in_every_precision(tmp_path, precision, name):
     assert "host" in homes.homes and homes.master_dtypes == {torch.float32}
     assert losses == expected_losses
     assert_same_weights(expected_weights, weights)
+
+
+class FP32AccumulatingLM(FP32MasterLM):
+    """The reference, accumulating gradients in fp32 as they arrive (what tiered does for every
+    unit under ``*-true``), and clipping the fp32 gradients of the masters."""
+
+    def on_fit_start(self) -> None:
+        self.accumulated: dict[nn.Parameter, torch.Tensor] = {}
+
+        def accumulate(p: torch.Tensor) -> None:
+            total = self.accumulated.get(p)
+            self.accumulated[p] = p.grad.to(torch.float32) if total is None else total.add_(p.grad)
+            p.grad = None
+
+        for p in self.parameters():
+            p.register_post_accumulate_grad_hook(accumulate)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        low = {p: p.data for p in params}
+
+        def closure():
+            loss = optimizer_closure()
+            for p in params:
+                p.data = self.fp32.setdefault(p, p.data.float())
+                p.grad = self.accumulated.pop(p, None)
+            return loss
+
+        optimizer.step(closure=closure)
+        with torch.no_grad():
+            for p in params:
+                p.data = low[p]
+                p.data.copy_(self.fp32[p])
+
+
+def test_true_precision_accumulates_and_clips_in_fp32(tmp_path):
+    """Accumulation over 2 micro-batches and clipping by norm, units in every tier: gradients of
+    every unit, persistent ones included, are summed and clipped in fp32."""
+    kwargs = dict(precision="bf16-true", accumulate_grad_batches=2, gradient_clip_val=0.05)
+    expected_losses, expected_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=FP32AccumulatingLM, **kwargs)
+    homes = Homes()
+    losses, weights, _ = train(tiers(tmp_path / "nvme"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, extra_callbacks=(homes,), **kwargs)
+    assert homes.homes == {"gpu", "host", "nvme"}
+    assert losses == expected_losses
+    assert_same_weights(expected_weights, weights)

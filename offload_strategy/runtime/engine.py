@@ -130,6 +130,7 @@ class TieredEngine(UnitUpdates):
         self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each host-homed unit
         self.nvme_states: Optional[NvmeOptimizerStates] = None
         self.unit_optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
+        self._persistent_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient of a 16-bit persistent parameter
         self._idle_masters: dict[int, torch.Tensor] = {}  # id(master) of an NVMe unit -> its placeholder between updates
         self._param_slot: dict[int, tuple[UnitState, int]] = {}
         self._hooks: list[Any] = []
@@ -274,6 +275,10 @@ class TieredEngine(UnitUpdates):
             self._hooks.append(module.register_forward_hook(pre_hook.post_hook, always_call=True))
         for s in self.states:
             if s.home == GPU:
+                # a 16-bit persistent parameter's gradients accumulate in fp32, as offloaded ones do at home
+                for p, dtype in zip(s.unit.params, s.master_dtypes):
+                    if p.requires_grad and dtype != p.dtype:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_persistent_grad))
                 continue
             for p in s.unit.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))

@@ -69,6 +69,17 @@ class UnitUpdates:
         if self._update_in_backward and s.home != GPU and s.grads_arrived == len(s.unit.trainable):
             self._submit_update(s)
 
+    def _on_persistent_grad(self, p: torch.Tensor) -> None:
+        """A 16-bit persistent parameter's gradient, widened and accumulated in fp32 in the GPU tier."""
+        if p.grad is None:
+            return
+        total = self._persistent_grads.get(id(p))
+        if total is None:
+            self._persistent_grads[id(p)] = p.grad.to(torch.float32)
+        else:
+            total.add_(p.grad)
+        p.grad = None
+
     def _submit_update(self, s: UnitState) -> None:
         """LoHan §IV-C: update the unit on the worker now, while backward goes on with the others."""
         (unit_optimizers,) = self.unit_optimizers.values()
@@ -269,6 +280,7 @@ class UnitUpdates:
             self.worker.drain()
         finally:
             self._finish_pipeline()
+        self._persistent_grads.clear()
         for s in self.states:
             s.used_in_backward = False
             s.updated = False
@@ -291,7 +303,13 @@ class UnitUpdates:
             slot, position = found
             s = self.states[slot.unit_index]
             if s.home == GPU:
-                holders.append(p)
+                if id(p) in self._persistent_grads:  # a 16-bit parameter's fp32 gradient, on its master
+                    master = slot.masters[position]
+                    master.grad = self._persistent_grads[id(p)]
+                    holders.append(master)
+                    attached.append(master)
+                else:
+                    holders.append(p)
                 continue
             i = self._param_slot[id(p)][1]
             self._wait_grad(s, i)
@@ -313,12 +331,16 @@ class UnitUpdates:
     def _update_persistent(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
         """Update a unit whose parameters, states and masters stay in the GPU tier."""
         slot = unit_optimizers.slots[s.unit.index]
-        if self.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(slot.params, self.clip_value)
         if not s.widened:
+            if self.clip_value is not None:
+                torch.nn.utils.clip_grad_value_(slot.params, self.clip_value)
             unit_optimizers.step(s.unit.index)
             return
-        grads = [(p.grad.to(m.dtype) if p.grad is not None else None) if slot.widened(k) else p.grad for k, (p, m) in enumerate(zip(slot.params, slot.masters))]
+        grads = [self._persistent_grads.get(id(p)) if slot.widened(k) else p.grad for k, p in enumerate(slot.params)]
+        if self.clip_value is not None:
+            for g in grads:
+                if g is not None:
+                    g.clamp_(-self.clip_value, self.clip_value)
         self._update_masters(unit_optimizers, slot, grads, [p.data for p in slot.params])
 
     @staticmethod
