@@ -42,9 +42,9 @@ def test_flops_and_times_by_hand():
 
 
 @pytest.mark.slow
-def test_whatif_predicts_a_model_that_is_never_built(tmp_path):
+def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools/whatif.py"), "model=llama_7b", "hardware=rtx4090", "--gpu-memory", "4GiB", "16GiB", "--nvme-memory", "1TB"],
+        [sys.executable, str(ROOT / "tools/simulate.py"), "model=llama_7b", "hardware=rtx4090", "--gpu-memory", "4GiB", "16GiB", "--nvme-memory", "1TB"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

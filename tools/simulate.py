@@ -1,8 +1,8 @@
 """Predict a training step of a model on a machine that may not be at hand, for several GPU budgets.
 
-    python tools/whatif.py model=llama_7b hardware=rtx4090
-    python tools/whatif.py model=gpt2_xl hardware=a100_80g --gpu-memory 8GiB 16GiB 32GiB --nvme-memory 2TB
-    python tools/whatif.py model=llama_7b hardware=rtx4090 --precision 32-true data.batch_size=8
+    python tools/simulate.py model=llama_7b hardware=rtx4090
+    python tools/simulate.py model=gpt2_xl hardware=a100_80g --gpu-memory 8GiB 16GiB 32GiB --nvme-memory 2TB
+    python tools/simulate.py model=llama_7b hardware=rtx4090 --precision 32-true data.batch_size=8
 
 The model is built on the meta device from its config (nothing allocated), its units are placed by
 the same placement the strategy runs, each unit is costed from its shapes and the hardware spec
