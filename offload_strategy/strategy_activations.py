@@ -1,0 +1,198 @@
+"""The activation half of :class:`~offload_strategy.strategy.TieredStrategy`: block policies,
+swapping, and the layout the planner chooses after the profiling step.
+
+``ActivationControl`` is mixed into the strategy (as ``UnitUpdates`` is into the engine) and works
+on the strategy's budgets, engine and policy; it owns the swap machinery and the planned layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from .config import format_bytes
+from .hardware.device import Device, make_device
+from .memory.nvme import NvmeStore
+from .planning.activations import SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes
+from .planning.placement import GPU, minimum_gpu_bytes
+from .runtime.activation_swap import SWAP_NVME, ActivationSwap
+from .runtime.activations import ActivationPolicies
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+_LAYOUT_LETTERS = {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}
+
+
+def _unchanged(t: Any) -> Any:
+    return t
+
+
+class ActivationControl:
+    """Mixed into the strategy: see the module docstring."""
+
+    _activations: Optional[ActivationPolicies]
+    _swap_store: Optional[NvmeStore]
+    _swap_device: Optional[Device]
+    activation_plan: Optional[ActivationPlan]
+    activation_costs: list[BlockCost]
+    activation_links: Optional[Links]
+    _saved_bytes: int
+
+    def _attach_swap(self) -> None:
+        """The saved-tensor hooks of swap blocks: the engine's device (or one of their own) and,
+        for ``swap_nvme``, an NVMe store of their own beside the engine's."""
+        assert self._activations is not None and self.budgets is not None
+        if SWAP_NVME in self._activations.swaps and self.nvme_path is None:
+            raise ValueError(
+                "policy.activations asks for swap_nvme but the strategy has no nvme_path; give nvme_path (a directory on "
+                "a fast disk), or use swap_host."
+            )
+        if self.engine is not None:
+            device = self.engine.device
+        else:
+            device = make_device(self.root_device, capacity=0, spec=self.hardware, throttle=self.policy.throttle)
+            self._swap_device = device
+        store = None
+        if self.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory
+            used = self.engine.store.capacity if self.engine is not None and self.engine.store is not None else 0
+            store = NvmeStore(self.nvme_path, capacity=max(self.budgets.nvme - used, 1))
+        self._swap_store = store
+        swap = ActivationSwap(device, store, self._activations.is_parameter, host_limit=self._host_left())
+        swap.outer = self._activations.outer
+        self._activations.swap = swap
+
+    def _begin_block_forward(self) -> None:
+        """Before a training forward: note the storages parameters live in this step (their
+        tensors are never swapped or counted as activations)."""
+        activations = self._activations
+        if activations is None or not activations.blocks:
+            return
+        storages = {p.untyped_storage().data_ptr() for p in self.lightning_module.parameters()}
+        if self.engine is not None:
+            storages |= {self.engine.arena.untyped_storage().data_ptr(), self.engine.slab.tensor.untyped_storage().data_ptr()}
+        activations.param_storages.clear()
+        activations.param_storages.update(storages)
+        if activations.swap is not None:
+            activations.swap.begin_forward()
+
+    def _plan_activations(self, trainer: "pl.Trainer") -> None:
+        """``activations="auto"``, after the profiling step: choose every block's policy (ProTrain's
+        search under LoHan's step-time model, planning/activations.py) and put it in place. When no
+        layout fits beside the parameters' share of the GPU tier, that share shrinks to what the
+        smallest working set needs, the layout is chosen for what remains, and the parameters are
+        placed again (the optimizer states move through their standard state dicts, exactly)."""
+        activations = self._activations
+        assert activations is not None and self.budgets is not None
+        costs = activations.block_costs()
+        self.activation_costs = costs
+        activations.end_profile()
+        try:
+            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
+                                 host_bytes=self._host_left())
+        except ValueError as error:
+            if self.policy.name == "none":
+                raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
+            smallest = minimum_gpu_bytes(self._unit_sizes, self._co_resident) if self._unit_sizes else 0
+            try:
+                plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
+            except ValueError as error:
+                least = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
+                raise ValueError(
+                    f"{error} With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
+                    f"{format_bytes(smallest + least)} (it is {format_bytes(self.budgets.gpu)})."
+                ) from None
+            self._replace_engine(trainer, gpu_bytes=self.budgets.gpu - plan.peak_bytes)
+            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
+                                 host_bytes=self._host_left())
+        self.activation_plan = plan
+        self.activation_links = self._activation_links()
+        activations.apply(plan.layout)
+        if activations.swaps and activations.swap is None:
+            self._attach_swap()
+        counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
+        rank_zero_info(
+            f"tiered: activation layout {' '.join(_LAYOUT_LETTERS[p] for p in plan.layout)} "
+            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), predicted {plan.seconds * 1e3:.1f} ms per step, "
+            f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
+        )
+
+    def _gpu_parameter_bytes(self) -> int:
+        """GPU tier taken by parameters, their gradients and optimizer states, as placed."""
+        if self._gpu_placed is not None:
+            return self._gpu_placed
+        return sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
+
+    def _host_left(self) -> int:
+        used = self.engine.slab.tensor.numel() + self.engine.master_region.numel() if self.engine is not None else 0
+        return max(self.budgets.host - used, 0)
+
+    def _use_saved_tensor_hooks(self) -> None:
+        """The hooks block policies stand in for: the engine's, or without one a counter of the
+        bytes kept for backward."""
+        if self.engine is not None:
+            outer = (self.engine._pack, self.engine._unpack)
+        else:
+            outer = (self._count_saved, _unchanged)
+        self._activations.outer = outer
+        if self._activations.swap is not None:
+            self._activations.swap.outer = outer
+
+    def _count_saved(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._activations.is_parameter(t):
+            self._saved_bytes += t.numel() * t.element_size()
+        return t
+
+    def _activation_links(self) -> Links:
+        spec = self.hardware
+        gbps = lambda value: (value or 0.0) * 1e9  # noqa: E731
+        moved = sum(s.unit.nbytes for s in self.engine.states if s.home != GPU) if self.engine is not None else 0
+        # bandwidths the hardware spec does not know: a PCIe 3.0 x16 link and a SATA-class disk
+        h2d = gbps(spec.h2d_gbps if spec else None) or 10e9
+        ssd = self.nvme_path is not None
+        return Links(
+            d2h=gbps(spec.d2h_gbps if spec else None) or 10e9,
+            h2d=h2d,
+            nvme_write=(gbps(spec.nvme_write_gbps if spec else None) or 0.5e9) if ssd else 0.0,
+            nvme_read=(gbps(spec.nvme_read_gbps if spec else None) or 0.5e9) if ssd else 0.0,
+            parameter_forward_seconds=moved / h2d,
+            parameter_backward_seconds=moved / h2d,
+        )
+
+    def _activation_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self._activations is not None and self._activations.blocks:
+            for policy in ("keep", "checkpoint", "swap_host", "swap_nvme"):
+                out[f"activations/blocks_{policy}"] = float(self._activations.policies.count(policy))
+            out["activations/recomputed_flops"] = float(self._activations.recomputed_flops)
+            if self.engine is None:
+                out["activations/saved_bytes"] = float(self._saved_bytes)
+        if self.activation_plan is not None:
+            out["activations/predicted_step_ms"] = 1e3 * self.activation_plan.seconds
+            out["activations/predicted_peak_bytes"] = float(self.activation_plan.peak_bytes)
+        swap = self._activations.swap if self._activations is not None else None
+        if swap is not None:
+            stats = swap.stats
+            out["activations/swapped_host_bytes"] = float(stats.host_bytes)
+            out["activations/swapped_nvme_bytes"] = float(stats.nvme_bytes)
+            out["activations/swap_prefetched"] = float(stats.prefetched)
+            out["activations/swap_waits"] = float(stats.waited)
+            out["activations/swap_wait_ms"] = 1e3 * stats.wait_seconds
+            out["activations/swap_host_full_bytes"] = float(stats.host_full_bytes)
+        return out
+
+    def _close_activations(self) -> None:
+        """Block policies off, swapped activations dropped, the swap store and device closed."""
+        if self._activations is not None:
+            if self._activations.swap is not None:
+                self._activations.swap.close()
+            self._activations.remove()
+            self._activations = None
+        if self._swap_store is not None:
+            self._swap_store.close()
+            self._swap_store = None
+        if self._swap_device is not None:
+            self._swap_device.close()
+            self._swap_device = None
