@@ -59,9 +59,9 @@ class FP32MasterLM(CausalLM):
         def closure():
             loss = optimizer_closure()  # forward and backward in low precision
             for p in params:  # the optimizer sees the masters and their fp32 gradients
-                master = self.fp32.setdefault(p, p.data.float())
-                p.data = master
-                p.grad = p.grad.float() if p.grad is not None else None
+                grad = self.master_gradient(p)
+                p.data = self.fp32.setdefault(p, p.data.float())
+                p.grad = grad
             return loss
 
         optimizer.step(closure=closure)
@@ -69,6 +69,9 @@ class FP32MasterLM(CausalLM):
             for p in params:
                 p.data = low[p]
                 p.data.copy_(self.fp32[p])
+
+    def master_gradient(self, p: torch.Tensor):
+        return p.grad.float() if p.grad is not None else None
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
@@ -134,6 +137,7 @@ class FP32MasterMixin:
     """Plain-Lightning reference for any module: the same fp32-master step as FP32MasterLM."""
 
     optimizer_step = FP32MasterLM.optimizer_step
+    master_gradient = FP32MasterLM.master_gradient
 
 
 def fp32_master_net(name: str):
@@ -180,22 +184,8 @@ class FP32AccumulatingLM(FP32MasterLM):
         for p in self.parameters():
             p.register_post_accumulate_grad_hook(accumulate)
 
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        low = {p: p.data for p in params}
-
-        def closure():
-            loss = optimizer_closure()
-            for p in params:
-                p.data = self.fp32.setdefault(p, p.data.float())
-                p.grad = self.accumulated.pop(p, None)
-            return loss
-
-        optimizer.step(closure=closure)
-        with torch.no_grad():
-            for p in params:
-                p.data = low[p]
-                p.data.copy_(self.fp32[p])
+    def master_gradient(self, p: torch.Tensor):
+        return self.accumulated.pop(p, None)
 
 
 def test_true_precision_accumulates_and_clips_in_fp32(tmp_path):

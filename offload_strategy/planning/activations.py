@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .cost_model import move_seconds
+
 KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = "keep", "checkpoint", "swap_host", "swap_nvme"
 
 
@@ -109,13 +111,8 @@ def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links
     swapped = sum(c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME))
     on_nvme = sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_NVME)
 
-    def over(nbytes: float, bandwidth: float) -> float:
-        if nbytes == 0:
-            return 0.0
-        return nbytes / bandwidth if bandwidth > 0 else float("inf")
-
-    t_forward = max(forward, over(swapped, links.d2h), links.parameter_forward_seconds, over(on_nvme, links.nvme_write))
-    t_backward = max(2 * forward + recompute, links.parameter_backward_seconds + over(swapped, links.h2d), over(on_nvme, links.nvme_read))
+    t_forward = max(forward, move_seconds(swapped, links.d2h), links.parameter_forward_seconds, move_seconds(on_nvme, links.nvme_write))
+    t_backward = max(2 * forward + recompute, links.parameter_backward_seconds + move_seconds(swapped, links.h2d), move_seconds(on_nvme, links.nvme_read))
     return t_forward + t_backward
 
 

@@ -67,7 +67,8 @@ class StepPrediction:
         return self.seconds - self.compute_seconds
 
 
-def _over(nbytes: float, bandwidth: float) -> float:
+def move_seconds(nbytes: float, bandwidth: float) -> float:
+    """Seconds to move ``nbytes`` at ``bandwidth`` bytes/s: none for nothing, forever without a path."""
     if nbytes <= 0:
         return 0.0
     if bandwidth <= 0:
@@ -91,9 +92,9 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
         slot = heapq.heappop(free)
         start = slot
         if u.home == NVME:
-            nvme = max(nvme, slot) + _over(u.nbytes, machine.nvme_read)
+            nvme = max(nvme, slot) + move_seconds(u.nbytes, machine.nvme_read)
             start = nvme
-        h2d = max(h2d, start) + _over(u.nbytes, machine.h2d)
+        h2d = max(h2d, start) + move_seconds(u.nbytes, machine.h2d)
         moved += u.nbytes
         return h2d
 
@@ -121,14 +122,14 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
             gpu_updates += u.update_seconds
             continue
         heapq.heappush(free, compute)
-        d2h = max(d2h, compute) + _over(u.gradient_bytes, machine.d2h)
+        d2h = max(d2h, compute) + move_seconds(u.gradient_bytes, machine.d2h)
         start = max(worker, d2h)
         if u.home == NVME:  # read as the gradient lands, while the worker finishes the unit before
-            nvme = max(nvme, d2h) + _over(u.state_bytes + u.nbytes, machine.nvme_read)
+            nvme = max(nvme, d2h) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_read)
             start = max(worker, nvme)
         worker = start + u.update_seconds
         if u.home == NVME:  # written behind: the worker goes on
-            nvme = max(nvme, worker) + _over(u.state_bytes + u.nbytes, machine.nvme_write)
+            nvme = max(nvme, worker) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_write)
     backward_end = compute + gpu_updates
     end = max(backward_end, worker, nvme)
     compute_alone = sum(u.forward_seconds + u.backward_seconds for u in units)
