@@ -443,3 +443,33 @@ def test_nvme_updates_read_ahead_and_write_behind(tmp_path):
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
     assert seen["buffers"] > 2 and seen["reads_ahead"] > 0 and seen["writes_behind"] > 0, seen
+
+
+def test_nvme_read_ahead_never_starves_the_worker_of_update_buffers(tmp_path, monkeypatch):
+    """With only the two update buffers the worker needs, a read ahead that the training thread is
+    still starting must not make the worker's update fail: slow read submissions widen the window
+    between taking the buffers and listing them as a read ahead."""
+    import time
+
+    from offload_strategy.memory.nvme import NvmeStore
+
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2_4l)
+    original = NvmeStore.read
+
+    def slow_read(self, key, dst):
+        time.sleep(0.002)
+        return original(self, key, dst)
+
+    monkeypatch.setattr(NvmeStore, "read", slow_read)
+    seen = {}
+
+    class Pipeline(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.update(trainer.strategy.engine.pipeline, buffers=trainer.strategy.engine.update_buffers)
+
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(2.6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, extra_callbacks=(Pipeline(),))
+    assert seen["buffers"] == 2, seen
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

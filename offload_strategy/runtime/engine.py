@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -146,6 +147,7 @@ class TieredEngine(UnitUpdates):
         # in flight while the next unit updates (unit -> (parameters, states, reads); [(writes, buffers)])
         self._reads_ahead: dict[int, tuple[Slot, Optional[Slot], list[Any]]] = {}
         self._writes_behind: deque[tuple[list[Any], list[Slot]]] = deque()
+        self._pipeline_lock = threading.Lock()  # the update pool and the reads ahead, shared with the worker
         self.pipeline = {"reads_ahead": 0, "writes_behind": 0}
         self.backward_log: list[float] = []  # times of this step's backward uses of units
         # optimizer time hidden behind backward vs left after it, since the last report

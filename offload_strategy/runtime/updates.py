@@ -106,39 +106,49 @@ class UnitUpdates:
             return
         size = self.update_pool.classes[0].slot_bytes
         known = self.nvme_states.known(s.unit.index)
-        if self.update_pool.free_slots(size) < (2 if known else 1):
-            return
-        # the worker may take buffers meanwhile: try, and give back what was got if not both
-        params = self.update_pool.try_acquire(s.unit.nbytes)
-        states = self.update_pool.try_acquire(self.nvme_states.sizes[s.unit.index]) if known and params is not None else None
-        if params is None or (known and states is None):
-            for got in (params, states):
-                if got is not None:
-                    self.update_pool.release(got)
-            return
-        reads = [self.store.read(self._key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])]
-        if states is not None:
-            reads.append(self.nvme_states.read(s.unit.index, states.tensor))
-        self._reads_ahead[s.unit.index] = (params, states, reads)
+        # under the lock, so that the worker never sees these buffers taken but not yet listed
+        with self._pipeline_lock:
+            if self.update_pool.free_slots(size) < (2 if known else 1):
+                return
+            params = self.update_pool.try_acquire(s.unit.nbytes)
+            states = self.update_pool.try_acquire(self.nvme_states.sizes[s.unit.index]) if known and params is not None else None
+            if params is None or (known and states is None):
+                for got in (params, states):
+                    if got is not None:
+                        self.update_pool.release(got)
+                return
+            reads = [self.store.read(self._key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])]
+            if states is not None:
+                reads.append(self.nvme_states.read(s.unit.index, states.tensor))
+            self._reads_ahead[s.unit.index] = (params, states, reads)
 
     def _update_buffer(self, nbytes: int) -> Slot:
-        """Worker thread: a free update buffer, waiting for the oldest write behind if there is none."""
+        """Worker thread: a free update buffer, waiting for the oldest write behind if there is none,
+        else taking back the buffers of a read ahead (that unit will then read for itself)."""
         while True:
-            slot = self.update_pool.try_acquire(nbytes)
-            if slot is not None:
-                return slot
-            if self._writes_behind:
+            with self._pipeline_lock:
+                slot = self.update_pool.try_acquire(nbytes)
+                if slot is not None:
+                    return slot
+                taken = None
+                if not self._writes_behind:
+                    if not self._reads_ahead:
+                        return self.update_pool.acquire(nbytes)  # raises with the numbers
+                    _, taken = self._reads_ahead.popitem()
+            if taken is None:
                 self._reap_writes(block=True, one=True)
                 continue
-            try:  # the buffers of a read ahead: that unit will read for itself
-                _, (params, states, reads) = self._reads_ahead.popitem()
-            except KeyError:
-                return self.update_pool.acquire(nbytes)  # raises with the numbers
+            params, states, reads = taken
             for r in reads:
                 r.exception()
-            self.update_pool.release(params)
-            if states is not None:
-                self.update_pool.release(states)
+            # released and taken in one hold, so that a new read ahead cannot take them in between
+            with self._pipeline_lock:
+                self.update_pool.release(params)
+                if states is not None:
+                    self.update_pool.release(states)
+                slot = self.update_pool.try_acquire(nbytes)
+                if slot is not None:
+                    return slot
 
     def _reap_writes(self, block: bool, one: bool = False) -> None:
         """Release the buffers of finished writes (waiting for them with ``block``). Only the
@@ -374,7 +384,10 @@ class UnitUpdates:
         states: Optional[Slot] = None
         known = s.home == NVME and self.nvme_states.known(s.unit.index)
         widened = [slot.widened(position) for position in range(len(slot.masters))]
-        staged = self._reads_ahead.pop(s.unit.index, None) if on_worker else None
+        staged = None
+        if on_worker:
+            with self._pipeline_lock:
+                staged = self._reads_ahead.pop(s.unit.index, None)
         if s.home == NVME:
             if on_worker:
                 if self._writes_behind and not all(w.done() for w in self._writes_behind[-1][0]):
