@@ -75,40 +75,20 @@ class TierBudgets:
     nvme: int
 
 
-class TieredStrategy(ActivationControl, SingleDeviceStrategy):
-    """Train models larger than GPU memory by tiering tensors across GPU, host memory and NVMe.
+class TieredMixin(ActivationControl):
+    """The tiered logic every tiered strategy shares, mixed in before a Lightning strategy
+    (single-device or DDP): budgets, planning, the engine's lifecycle, the training step, the
+    optimizer step and checkpoints gathered from every tier."""
 
-    Args:
-        policy: ``"auto"`` (the planner chooses every placement), ``"none"`` (everything stays in
-            the GPU tier), a :class:`~offload_strategy.config.PolicyConfig` or a mapping of its fields.
-        hardware: ``"auto"`` probes this machine; a known machine name (``"h100_80g"``,
-            ``"rtx4090"``, ...), a :class:`~offload_strategy.config.HardwareSpec` or a mapping.
-        gpu_memory, host_memory, nvme_memory: the budget of each tier: bytes, a size such as
-            ``"16GiB"``, or a fraction of what is free (``0.9`` or ``"90%"``); ``None`` means all
-            that is free. On a machine without a GPU, ``gpu_memory`` is the capacity of the
-            emulated GPU tier.
-        nvme_path: a directory for the NVMe tier; ``None`` means no NVMe tier.
-        plan_file: a JSON plan (as written by ``tools/plan.py`` or :meth:`dump_plan`) to run
-            instead of planning: every unit's home and every block's activation policy. A plan
-            made for another model is refused with the first difference.
-    """
-
-    strategy_name = "tiered"
-
-    def __init__(
+    def _init_tiered(
         self,
-        policy: Union[str, PolicyConfig, dict[str, Any]] = "auto",
-        hardware: Union[str, HardwareSpec, dict[str, Any]] = "auto",
-        gpu_memory: BudgetLike = None,
-        host_memory: BudgetLike = None,
-        nvme_path: Optional[Union[str, Path]] = None,
-        nvme_memory: BudgetLike = None,
-        plan_file: Optional[Union[str, Path]] = None,
-        *,
-        accelerator: Optional["Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        policy: Union[str, PolicyConfig, dict[str, Any]],
+        hardware: Union[str, HardwareSpec, dict[str, Any]],
+        gpu_memory: BudgetLike,
+        host_memory: BudgetLike,
+        nvme_path: Optional[Union[str, Path]],
+        nvme_memory: BudgetLike,
+        plan_file: Optional[Union[str, Path]],
     ) -> None:
         self.policy = PolicyConfig.coerce(policy)
         # "auto" is probed at setup, not here: probing CUDA in the constructor would initialise it
@@ -143,32 +123,6 @@ class TieredStrategy(ActivationControl, SingleDeviceStrategy):
         self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
         self._profiled = False
-        self._parallel_devices: Optional[list[torch.device]] = None
-        super().__init__(
-            device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin
-        )
-        if parallel_devices is not None:
-            self.parallel_devices = parallel_devices
-
-    # -- devices and precision: Lightning's connector sets these after construction ----------------
-
-    @property
-    def parallel_devices(self) -> Optional[list[torch.device]]:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
-        if devices is not None and len(devices) > 1:
-            raise ValueError(
-                f"strategy='tiered' trains on one device, but {len(devices)} were given ({devices}); "
-                f"set devices=1 on the Trainer."
-            )
-        self._parallel_devices = [torch.device(d) for d in devices] if devices is not None else None
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
 
     @property
     @override
@@ -514,6 +468,70 @@ class TieredStrategy(ActivationControl, SingleDeviceStrategy):
             out["memory/nvme_bytes"] = 0.0
         out.update(self._activation_metrics())
         return out
+
+
+class TieredStrategy(TieredMixin, SingleDeviceStrategy):
+    """Train models larger than GPU memory by tiering tensors across GPU, host memory and NVMe.
+
+    Args:
+        policy: ``"auto"`` (the planner chooses every placement), ``"none"`` (everything stays in
+            the GPU tier), a :class:`~offload_strategy.config.PolicyConfig` or a mapping of its fields.
+        hardware: ``"auto"`` probes this machine; a known machine name (``"h100_80g"``,
+            ``"rtx4090"``, ...), a :class:`~offload_strategy.config.HardwareSpec` or a mapping.
+        gpu_memory, host_memory, nvme_memory: the budget of each tier: bytes, a size such as
+            ``"16GiB"``, or a fraction of what is free (``0.9`` or ``"90%"``); ``None`` means all
+            that is free. On a machine without a GPU, ``gpu_memory`` is the capacity of the
+            emulated GPU tier.
+        nvme_path: a directory for the NVMe tier; ``None`` means no NVMe tier.
+        plan_file: a JSON plan (as written by ``tools/plan.py`` or :meth:`dump_plan`) to run
+            instead of planning: every unit's home and every block's activation policy. A plan
+            made for another model is refused with the first difference.
+    """
+
+    strategy_name = "tiered"
+
+    def __init__(
+        self,
+        policy: Union[str, PolicyConfig, dict[str, Any]] = "auto",
+        hardware: Union[str, HardwareSpec, dict[str, Any]] = "auto",
+        gpu_memory: BudgetLike = None,
+        host_memory: BudgetLike = None,
+        nvme_path: Optional[Union[str, Path]] = None,
+        nvme_memory: BudgetLike = None,
+        plan_file: Optional[Union[str, Path]] = None,
+        *,
+        accelerator: Optional["Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        self._init_tiered(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        self._parallel_devices: Optional[list[torch.device]] = None
+        super().__init__(
+            device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin
+        )
+        if parallel_devices is not None:
+            self.parallel_devices = parallel_devices
+
+    # -- devices and precision: Lightning's connector sets these after construction ----------------
+
+    @property
+    def parallel_devices(self) -> Optional[list[torch.device]]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        if devices is not None and len(devices) > 1:
+            raise ValueError(
+                f"strategy='tiered' trains on one device, but {len(devices)} were given ({devices}); "
+                f"set devices=1 on the Trainer."
+            )
+        self._parallel_devices = [torch.device(d) for d in devices] if devices is not None else None
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
 
 
 def _validate_nvme_path(path: Optional[Union[str, Path]]) -> Optional[Path]:
