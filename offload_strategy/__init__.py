@@ -1,6 +1,6 @@
 """offload_strategy: train models larger than GPU memory with ``Trainer(strategy="tiered")``.
 
-Importing the package registers the strategy name ``"tiered"`` with Lightning.
+Importing the package registers the strategy names ``"tiered"`` and ``"tiered_ddp"`` with Lightning.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from .callbacks import OffloadMonitor
 from .config import Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
 from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
+from .strategy_ddp import TieredDDPStrategy
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,12 @@ def _register_strategies() -> None:
             TieredStrategy.strategy_name,
             TieredStrategy,
             description="Tiers parameters, gradients, optimizer states and activations across GPU, host memory and NVMe.",
+        )
+    if TieredDDPStrategy.strategy_name not in StrategyRegistry:
+        StrategyRegistry.register(
+            TieredDDPStrategy.strategy_name,
+            TieredDDPStrategy,
+            description="The tiered strategy on every rank of a data-parallel run, with optimizer states sharded across ranks.",
         )
 
 
@@ -35,6 +42,7 @@ __all__ = [
     "OffloadMonitor",
     "PolicyConfig",
     "TierBudgets",
+    "TieredDDPStrategy",
     "TieredStrategy",
     "format_bytes",
     "known_hardware",

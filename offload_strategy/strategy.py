@@ -33,6 +33,7 @@ from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, Placement, UnitSize, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
 from .runtime.activations import ActivationPolicies, find_blocks
+from .runtime.data_parallel import DataParallel
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact
 from .runtime.units import build_units, master_dtype, merge_into_chunks
@@ -239,14 +240,14 @@ class TieredMixin(ActivationControl):
             homes=homes,
         )
         self._gpu_placed = placement.gpu_bytes
-        if not placement.offloaded:
+        if not placement.offloaded and not self._engine_when_all_fits():
             return None
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
         try:
             engine = TieredEngine(
                 model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
                 direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated), checksums=self.policy.checksums,
-                fp32_masters=fp32_masters,
+                fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes),
             )
         except BaseException:
             device.close()
@@ -255,6 +256,20 @@ class TieredMixin(ActivationControl):
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    # -- what a data-parallel strategy changes ------------------------------------------------------
+
+    def _engine_when_all_fits(self) -> bool:
+        """Whether the engine runs even when every unit fits in the GPU tier."""
+        return False
+
+    def _data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        """The ranks the engine reduces gradients across; None on one device."""
+        return None
+
+    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[str]:
+        """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
+        return None
 
     def dump_plan(self, path: Union[str, Path]) -> Path:
         """Write what this run decided (every unit's home, every block's activation policy) as a
@@ -307,7 +322,10 @@ class TieredMixin(ActivationControl):
                 return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
         by_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None
-        self.engine.begin_step(profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer), clip_value=by_value)
+        self.engine.begin_step(
+            profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer), clip_value=by_value,
+            reduce=self._gradient_reduction(trainer),
+        )
         self._profiled = True
         with self.engine.saved_tensor_hooks():
             return super().training_step(*args, **kwargs)

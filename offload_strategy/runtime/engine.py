@@ -54,6 +54,7 @@ from .optimizer import UnitOptimizers
 from .scheduler import PrefetchTable
 from .state import Fetch, UnitState, nan_placeholder
 from .units import TransferUnit, master_dtype
+from .data_parallel import DataParallel, GradientExchange
 from .updates import UnitUpdates
 from .worker import UpdateWorker
 
@@ -99,7 +100,7 @@ class _SavedRef:
     dtype: torch.dtype
 
 
-class TieredEngine(UnitUpdates):
+class TieredEngine(UnitUpdates, GradientExchange):
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
 
     def __init__(
@@ -114,8 +115,10 @@ class TieredEngine(UnitUpdates):
         direct_gradients: frozenset[int] = frozenset(),
         checksums: bool = False,
         fp32_masters: bool = False,
+        data_parallel: Optional[DataParallel] = None,
     ) -> None:
         self.model = model
+        self.data_parallel = data_parallel
         self.device = device
         self.placement = placement
         self.states = [
@@ -155,6 +158,7 @@ class TieredEngine(UnitUpdates):
         self.activation_bytes = 0  # saved for backward by the last forward (parameters excluded)
         self.store: Optional[NvmeStore] = None
         self._closed = False
+        self._reset_reductions(None)
         try:
             self._allocate(nvme_path, checksums)
             self._move_to_homes()
@@ -277,9 +281,10 @@ class TieredEngine(UnitUpdates):
             self._hooks.append(module.register_forward_hook(pre_hook.post_hook, always_call=True))
         for s in self.states:
             if s.home == GPU:
-                # a 16-bit persistent parameter's gradients accumulate in fp32, as offloaded ones do at home
+                # a 16-bit persistent parameter's gradients accumulate in fp32, as offloaded ones do
+                # at home; under data parallelism every persistent gradient is counted for its reduction
                 for p, dtype in zip(s.unit.params, s.master_dtypes):
-                    if p.requires_grad and dtype != p.dtype:
+                    if p.requires_grad and (dtype != p.dtype or self.data_parallel is not None):
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_persistent_grad))
                 continue
             for p in s.unit.trainable:
@@ -584,10 +589,11 @@ class TieredEngine(UnitUpdates):
     # -- training-step boundaries -------------------------------------------------------------------
 
     @torch.inference_mode(False)
-    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None) -> None:
+    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None, reduce: Optional[str] = None) -> None:
         """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
         optimizer step (no accumulation left, nothing that needs every gradient first), so units
-        are updated as soon as their gradients are complete."""
+        are updated as soon as their gradients are complete. ``reduce``: under data parallelism,
+        how this backward's gradients are reduced (see ``GradientExchange``); None accumulates."""
         self._phase = "forward"
         self._active = True
         self._recent.clear()
@@ -596,6 +602,7 @@ class TieredEngine(UnitUpdates):
         self._update_in_backward = update_in_backward and len(self.unit_optimizers) == 1
         self.clip_value = clip_value
         self.update_log, self.backward_log = [], []
+        self._reset_reductions(reduce)
         for s in self.states:
             s.grads_arrived = 0
             s.used_in_backward = False
@@ -707,6 +714,11 @@ class TieredEngine(UnitUpdates):
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in self.states if s.home == home))
         out["units/direct_gradients"] = float(len(self.direct_gradients))
+        # optimizer states (and fp32 masters kept with them) by tier: under sharded data
+        # parallelism, this rank's share
+        for home in (GPU, HOST):
+            out[f"optimizer/{home}_state_bytes"] = float(sum(b for i, b in self._state_bytes.items() if self.states[i].home == home))
+        out["optimizer/nvme_state_bytes"] = float(sum(self.nvme_states.sizes.values()) if self.nvme_states is not None else 0)
         out["activations/saved_bytes"] = float(self.activation_bytes)
         steps = self.step_stats["steps"]
         if steps:

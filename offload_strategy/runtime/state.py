@@ -48,6 +48,8 @@ class UnitState:
     recompute_pinned: bool = False
     updated: bool = False  # this step, already (during backward)
     bound: bool = False  # parameters currently point into device_slot
+    reduce_ready: bool = False  # data parallel: complete for this step, its reduction due in the canonical order
+    reductions: list[Any] = field(default_factory=list)  # data parallel: its collectives in flight
 
     @property
     def widened(self) -> bool:

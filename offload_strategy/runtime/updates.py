@@ -64,21 +64,31 @@ class UnitUpdates:
         if grad.data_ptr() != home.data_ptr():
             p.grad = None
         s.grads_arrived += 1
-        if s.grads_arrived == len(s.unit.trainable):
-            s.recompute_pinned = False
-        if self._update_in_backward and s.home != GPU and s.grads_arrived == len(s.unit.trainable):
+        if s.grads_arrived < len(s.unit.trainable):
+            return
+        s.recompute_pinned = False
+        if self._reduce_mode is not None:  # reduced across ranks first; the update follows it
+            self._unit_gradients_complete(s)
+        elif self._update_in_backward and s.home != GPU:
             self._submit_update(s)
 
     def _on_persistent_grad(self, p: torch.Tensor) -> None:
-        """A 16-bit persistent parameter's gradient, widened and accumulated in fp32 in the GPU tier."""
+        """A persistent parameter's gradient: a 16-bit one widened and accumulated in fp32 in the
+        GPU tier; under data parallelism, counted towards its unit's reduction."""
         if p.grad is None:
             return
-        total = self._persistent_grads.get(id(p))
-        if total is None:
-            self._persistent_grads[id(p)] = p.grad.to(torch.float32)
-        else:
-            total.add_(p.grad)
-        p.grad = None
+        s, i = self._param_slot[id(p)]
+        if s.master_dtypes[i] != p.dtype:
+            total = self._persistent_grads.get(id(p))
+            if total is None:
+                self._persistent_grads[id(p)] = p.grad.to(torch.float32)
+            else:
+                total.add_(p.grad)
+            p.grad = None
+        if self._reduce_mode is not None:
+            s.grads_arrived += 1
+            if s.grads_arrived == len(s.unit.trainable):
+                self._unit_gradients_complete(s)
 
     def _submit_update(self, s: UnitState) -> None:
         """LoHan §IV-C: update the unit on the worker now, while backward goes on with the others."""
@@ -210,8 +220,8 @@ class UnitUpdates:
         units = []
         for s in self.states:
             trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
-            if not trainable:
-                continue
+            if not trainable or (self.data_parallel is not None and not self.data_parallel.owns(s.unit.index)):
+                continue  # another rank's under sharded states: no masters or states here
             if s.home == GPU:  # fp32 masters of a persistent unit stay in the GPU tier with its states
                 masters = [p if s.master_dtypes[i] == p.dtype else p.detach().to(s.master_dtypes[i], copy=True) for i, p in trainable]
             elif s.home == HOST:
@@ -259,6 +269,7 @@ class UnitUpdates:
         self._update_in_backward = False
         started = time.perf_counter()
         try:
+            self._reduce_late_units()
             self.worker.drain()  # the updates started during backward
         finally:
             self._finish_pipeline()
@@ -277,6 +288,7 @@ class UnitUpdates:
             else:
                 self._update_offloaded(unit_optimizers, s)
             self.update_log.append((s.unit.index, start, time.perf_counter()))
+        self._share_updated_parameters()
         unit_optimizers.count_step()
         self.step_stats["exposed_seconds"] += time.perf_counter() - started
         self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.update_log)
@@ -290,6 +302,7 @@ class UnitUpdates:
             self.worker.drain()
         finally:
             self._finish_pipeline()
+            self._finish_reductions()
         self._persistent_grads.clear()
         for s in self.states:
             s.used_in_backward = False
@@ -305,13 +318,21 @@ class UnitUpdates:
         for what needs them all at once: loss-scale unscaling and overflow checks, clipping by norm.
         Its ``step()`` runs the engine's update (so a GradScaler can skip it)."""
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
+        self._reduce_late_units()
         holders, attached = [], []
         for p in unit_optimizers.order:
             found = unit_optimizers.slot_of.get(id(p))
             if found is None:
+                if self.data_parallel is not None and id(p) in self._param_slot:
+                    # another rank's unit under sharded states: its reduced gradient still counts
+                    # towards the norm and the overflow check, on a stand-in of its shape
+                    stand_in = self._gradient_stand_in(p)
+                    if stand_in is not None:
+                        holders.append(stand_in)
                 continue
             slot, position = found
             s = self.states[slot.unit_index]
+            self._wait_reduction(s)
             if s.home == GPU:
                 if id(p) in self._persistent_grads:  # a 16-bit parameter's fp32 gradient, on its master
                     master = slot.masters[position]
@@ -333,6 +354,20 @@ class UnitUpdates:
             for master in attached:
                 master.grad = None
 
+    def _gradient_stand_in(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        s, i = self._param_slot[id(p)]
+        self._wait_reduction(s)
+        if s.home == GPU:
+            grad = self._persistent_grads.get(id(p), p.grad)
+        else:
+            self._wait_grad(s, i)
+            grad = s.grad_views[i] if s.grad_fresh[i] else None
+        if grad is None:
+            return None
+        stand_in = torch.empty((1,), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        stand_in.grad = grad
+        return stand_in
+
     def _ensure_unit_optimizers(self, optimizer: torch.optim.Optimizer) -> UnitOptimizers:
         if id(optimizer) not in self.unit_optimizers:
             self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
@@ -341,6 +376,7 @@ class UnitUpdates:
     def _update_persistent(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
         """Update a unit whose parameters, states and masters stay in the GPU tier."""
         slot = unit_optimizers.slots[s.unit.index]
+        self._wait_reduction(s)
         if not s.widened:
             if self.clip_value is not None:
                 torch.nn.utils.clip_grad_value_(slot.params, self.clip_value)
@@ -372,6 +408,7 @@ class UnitUpdates:
         through the worker's own two staging buffers, so the fetch path is never touched."""
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self._param_slot[id(p)][1] for p in slot.params]
+        self._wait_reduction(s)
         for i in positions:
             self._wait_grad(s, i)
         grads = [s.grad_views[i] if s.grad_fresh[i] else None for i in positions]

@@ -1,0 +1,31 @@
+"""Which rank owns each unit's masters and optimizer states under data parallelism.
+
+ZeRO-2-style sharding by unit (ProTrain §3.1.1 partitions the non-persistent chunks across ranks
+the same way): the owner receives the unit's reduced gradient, updates the unit on its own CPU (or
+in its GPU tier for a persistent unit), keeps its states in its own host memory or NVMe files, and
+sends the updated parameters to the other ranks. Whole units rather than slices of every unit, so
+that a unit's update stays one optimizer step on one CPU worker, which is what lets it overlap
+backward (LoHan §IV-C).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def assign_owners(state_bytes: Sequence[int], world_size: int) -> list[int]:
+    """The owning rank of each unit, balancing the optimizer-state bytes each rank holds.
+
+    Longest processing time first: units in decreasing size, each to the rank holding the fewest
+    bytes so far (the lowest rank on a tie), which is within 4/3 of the best balance. Pure and
+    deterministic, so every rank computes the same owners without exchanging them.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: data parallelism needs at least one rank.")
+    load = [0] * world_size
+    owners = [0] * len(state_bytes)
+    for index in sorted(range(len(state_bytes)), key=lambda i: (-state_bytes[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[index] = rank
+        load[rank] += state_bytes[index]
+    return owners

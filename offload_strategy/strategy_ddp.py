@@ -1,0 +1,178 @@
+"""``TieredDDPStrategy`` (``strategy="tiered_ddp"``): data parallelism on ``torch.distributed``, as
+launched by Lightning's DDP (``devices=N``, ``num_nodes=M``, torchrun and SLURM environments),
+with every rank running the tiered engine on its own device.
+
+The model is not wrapped in ``DistributedDataParallel``: the engine reduces each unit's gradients
+itself, as backward completes them and before they are offloaded, and with ``shard_states`` each
+rank keeps the fp32 masters and optimizer states of only the units it owns (see
+:mod:`offload_strategy.runtime.data_parallel`). Checkpoints are consolidated into the same standard
+Lightning checkpoint a single-device run writes, and either loads into the other.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from .checkpoint_io import AtomicCheckpointIO
+from .config import BudgetLike, HardwareSpec, PolicyConfig, format_bytes
+from .planning.placement import UnitSize
+from .planning.sharding import assign_owners
+from .runtime.data_parallel import DataParallel
+from .strategy import TierBudgets, TieredMixin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
+
+
+class TieredDDPStrategy(TieredMixin, DDPStrategy):
+    """:class:`~offload_strategy.TieredStrategy` on every rank of a data-parallel run.
+
+    Takes TieredStrategy's arguments; the budgets are per rank (``None`` shares what is free on
+    the node among its ranks, and every rank plans with the smallest budget any rank got). And:
+
+    Args:
+        shard_states: each rank keeps the fp32 masters and optimizer states of 1/N of the units
+            (ZeRO-2 style), so their host memory and NVMe files fall about N-fold; ``False`` keeps
+            them all on every rank (each rank updates every unit, no parameters are exchanged).
+        process_group_backend, timeout, start_method, cluster_environment: as for Lightning's
+            ``DDPStrategy``.
+    """
+
+    strategy_name = "tiered_ddp"
+
+    def __init__(
+        self,
+        policy: Union[str, PolicyConfig, dict[str, Any]] = "auto",
+        hardware: Union[str, HardwareSpec, dict[str, Any]] = "auto",
+        gpu_memory: BudgetLike = None,
+        host_memory: BudgetLike = None,
+        nvme_path: Optional[Union[str, Path]] = None,
+        nvme_memory: BudgetLike = None,
+        plan_file: Optional[Union[str, Path]] = None,
+        shard_states: bool = True,
+        *,
+        accelerator: Optional["Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self._init_tiered(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        self.shard_states = bool(shard_states)
+        self._groups: Optional[tuple[Any, Any, Any]] = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+
+    # -- no DistributedDataParallel wrapper: the engine reduces the gradients ------------------------
+
+    @override
+    def configure_ddp(self) -> None:
+        if self.policy.name == "none":  # nothing is tiered: plain DDP
+            return super().configure_ddp()
+        _sync_module_states(self.model)  # every rank starts from rank 0's parameters, as DDP does
+
+    @override
+    def _engine_when_all_fits(self) -> bool:
+        return True  # the engine also reduces the gradients
+
+    @override
+    def _data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        host, device, control = self._process_groups()
+        return DataParallel(
+            rank=self.global_rank,
+            world_size=self.world_size,
+            owners=tuple(assign_owners([u.trainable_bytes for u in sizes], self.world_size)),
+            host_group=host,
+            device_group=device,
+            control_group=control,
+            shard_states=self.shard_states,
+        )
+
+    def _process_groups(self) -> tuple[Any, Any, Any]:
+        """(host, device, control) groups, created once and in the same order on every rank: gloo
+        for tensors in host memory (CPU tensors work under NCCL too), the default group for the GPU tier."""
+        if self._groups is None:
+            host = dist.new_group(backend="gloo")
+            control = dist.new_group(backend="gloo")
+            device = dist.group.WORLD if self.root_device.type == "cuda" else host
+            self._groups = (host, device, control)
+        return self._groups
+
+    @override
+    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[str]:
+        if trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
+            return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
+        return "all" if self._needs_all_gradients(trainer) else "owner"
+
+    # -- budgets: per rank, the same on every rank ---------------------------------------------------
+
+    @override
+    def resolve_budgets(self) -> TierBudgets:
+        granted = super().resolve_budgets()
+        # What a rank sees free on its node is free for all the node's ranks: a tier given as
+        # "all that is free" or a fraction of it is split among them (each rank has its own GPU).
+        local = max(self.num_processes, 1)
+        shared = [self.root_device.type != "cuda", True, True]
+        values = [
+            b // local if split and budget.bytes is None else b
+            for b, budget, split in zip((granted.gpu, granted.host, granted.nvme), (self.gpu_memory, self.host_memory, self.nvme_memory), shared)
+        ]
+        if dist.is_available() and dist.is_initialized():
+            smallest = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self._process_groups()[2])
+            values = [int(v) for v in smallest.tolist()]
+        return TierBudgets(gpu=values[0], host=values[1], nvme=values[2])
+
+    # -- checkpoints: one consolidated, standard checkpoint ------------------------------------------
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's standard state dict with every rank's units in it, on rank 0 (the rank
+        that writes checkpoints); other ranks return an empty dict, as for ZeroRedundancyOptimizer."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = optimizer.state_dict()
+        # after fit too: the engine is gone, but each facade holds only its own units' states
+        if not self.shard_states or self.world_size == 1 or self.policy.name == "none" or not dist.is_initialized():
+            return state
+        gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
+        dist.gather_object(state["state"], gathered, dst=0, group=self._process_groups()[2])
+        if not self.is_global_zero:
+            return {}
+        merged: dict[int, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+
+    def describe(self) -> str:
+        """One line for logs: ranks, sharding and each rank's budgets."""
+        budgets = self.budgets
+        where = "" if budgets is None else (
+            f", per rank: GPU tier {format_bytes(budgets.gpu)}, host {format_bytes(budgets.host)}, NVMe {format_bytes(budgets.nvme)}"
+        )
+        return f"tiered_ddp: {self.world_size} ranks, optimizer states {'sharded' if self.shard_states else 'replicated'}{where}"

@@ -1,0 +1,105 @@
+"""One data-parallel training run on CPU processes, as a user launches it: this script is started
+once and Lightning starts the other ranks by running it again. Each rank writes what it saw to
+``<out>/rank<r>.json``; rank 0 also writes the final weights to ``<out>/weights.pt`` and a
+checkpoint to ``<out>/last.ckpt``.
+
+    python tests/ddp_job.py --strategy tiered_ddp --devices 2 --out /tmp/run --nvme /tmp/run/nvme
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+import offload_strategy  # noqa: E402,F401  (registers "tiered_ddp")
+from experiments.models import CausalLM  # noqa: E402
+from offload_strategy import TieredDDPStrategy, TieredStrategy  # noqa: E402
+from tests.helpers import LossRecorder, tiny_data  # noqa: E402
+
+GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+
+
+def model_bytes() -> int:
+    model = CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+    model.configure_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Metrics(L.Callback):
+    """The strategy's metrics after the last batch (optimizer-state bytes per tier)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        metrics = getattr(trainer.strategy, "metrics", None)
+        if metrics is not None:
+            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="tiered_ddp", choices=["ddp", "tiered_ddp", "tiered", "auto"])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--nvme", type=Path, default=None, help="an NVMe tier in this directory")
+    parser.add_argument("--no-shard", action="store_true", help="every rank keeps every optimizer state")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip-norm", type=float, default=None)
+    parser.add_argument("--precision", default="32-true")
+    args = parser.parse_args()
+
+    total = model_bytes()
+    budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total if args.nvme else 6 * total))
+    if args.nvme:
+        budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
+    if args.strategy == "tiered_ddp":
+        strategy = TieredDDPStrategy(shard_states=not args.no_shard, **budgets)
+    elif args.strategy == "tiered":
+        strategy = TieredStrategy(**budgets)
+    else:
+        strategy = args.strategy
+
+    L.seed_everything(7, verbose=False)
+    model = CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+    recorder, metrics = LossRecorder(), Metrics()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=args.out,
+        callbacks=[recorder, metrics],
+        precision=args.precision,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip_norm,
+    )
+    trainer.fit(model, datamodule=tiny_data(), ckpt_path=args.resume)
+    trainer.save_checkpoint(args.out / "last.ckpt")  # every rank takes part; rank 0 writes
+    rank = trainer.global_rank
+    report = {"losses": recorder.losses, "metrics": metrics.last, "world_size": trainer.world_size}
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "weights.pt")
+
+
+if __name__ == "__main__":
+    main()

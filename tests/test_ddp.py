@@ -1,0 +1,132 @@
+"""``tiered_ddp`` with two CPU processes (gloo) beside Lightning's ``DDPStrategy``: the same global
+batch and seed give the same losses, weights and optimizer states, bit for bit. For two ranks this
+is exact, not a tolerance: each rank halves its gradient (exact in binary floating point) and the
+two halves are summed, in either order the same float, as DDP's reducer does.
+
+Each run is ``tests/ddp_job.py`` started as a user starts it; Lightning starts the second rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.ddp_job import GPT2_4L
+from tests.helpers import assert_same_weights, train
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "ddp_job.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
+
+
+def launch(out: Path, *args: str) -> dict[int, dict]:
+    """Run the job; return each rank's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    result = subprocess.run([sys.executable, str(JOB), "--out", str(out), *args], cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}"
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_same_optimizer_states(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"]), "the checkpoints hold states of different parameters"
+    for index, values in a["state"].items():
+        for key, value in values.items():
+            other = b["state"][index][key]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), f"state {index}/{key} differs"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Plain DDP and tiered_ddp (host and NVMe tiers) on two ranks, and tiered on one."""
+    root = tmp_path_factory.mktemp("ddp")
+    return {
+        "ddp": (root / "ddp", launch(root / "ddp", "--strategy", "ddp")),
+        "tiered_ddp": (root / "tiered_ddp", launch(root / "tiered_ddp", "--strategy", "tiered_ddp", "--nvme", str(root / "tiered_ddp" / "nvme"))),
+        "tiered": (root / "tiered", launch(root / "tiered", "--strategy", "tiered", "--devices", "1", "--nvme", str(root / "tiered" / "nvme"))),
+    }
+
+
+def test_two_ranks_match_ddp_with_parameters_and_states_on_host_and_nvme(runs):
+    plain_dir, plain = runs["ddp"]
+    tiered_dir, tiered = runs["tiered_ddp"]
+    assert set(plain) == set(tiered) == {0, 1}
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        metrics = tiered[rank]["metrics"]
+        assert metrics["units/host"] > 0 and metrics["units/nvme"] > 0, metrics
+        assert metrics["optimizer/nvme_state_bytes"] > 0, metrics
+    assert plain[0]["losses"] != plain[1]["losses"], "both ranks saw the same batches"
+    assert_same_weights(load(plain_dir / "weights.pt"), load(tiered_dir / "weights.pt"))
+    # the checkpoint gathers every rank's states into DDP's own format
+    a, b = load(plain_dir / "last.ckpt"), load(tiered_dir / "last.ckpt")
+    assert_same_weights(a["state_dict"], b["state_dict"])
+    assert_same_optimizer_states(a["optimizer_states"][0], b["optimizer_states"][0])
+
+
+def test_sharded_states_halve_each_ranks_share(runs):
+    _, tiered = runs["tiered_ddp"]
+    _, single = runs["tiered"]
+
+    def state_bytes(report: dict) -> float:
+        m = report["metrics"]
+        return m["optimizer/gpu_state_bytes"] + m["optimizer/host_state_bytes"] + m["optimizer/nvme_state_bytes"]
+
+    whole = state_bytes(single[0])
+    shares = [state_bytes(tiered[rank]) / whole for rank in (0, 1)]
+    assert all(0.35 < s < 0.65 for s in shares), shares
+    assert abs(sum(shares) - 1.0) < 0.1, shares  # between them, every state once
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank_and_in_plain_training(runs, tmp_path):
+    tiered_dir, _ = runs["tiered_ddp"]
+    ckpt = tiered_dir / "last.ckpt"
+    from tests.ddp_job import model_bytes
+    from experiments.models import CausalLM
+    from offload_strategy import TieredStrategy
+
+    def gpt2_4l():
+        return CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+
+    total = model_bytes()
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=6, resume=ckpt, make_model=gpt2_4l)
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=6, resume=ckpt, make_model=gpt2_4l)
+    assert len(plain_losses) == 12, "the resumed run did not continue from epoch 4"
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(runs, tmp_path):
+    single_dir, _ = runs["tiered"]
+    ckpt = single_dir / "last.ckpt"
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "6", "--resume", str(ckpt))
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "6", "--resume", str(ckpt), "--nvme", str(tmp_path / "nvme"))
+    for rank in (0, 1):
+        assert len(plain[rank]["losses"]) == 6  # two epochs of three batches per rank
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+
+
+def test_accumulation_and_clipping_by_norm_match_ddp(tmp_path):
+    """Accumulating micro-batches reduces once, on the last; clipping by norm needs every reduced
+    gradient on every rank (all-reduce rather than reduce-to-owner)."""
+    args = ("--accumulate", "2", "--clip-norm", "0.05", "--epochs", "4")
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", *args)
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", *args)
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
