@@ -29,6 +29,23 @@ from tests.helpers import LossRecorder, tiny_data  # noqa: E402
 GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 
 
+class RankBranch(CausalLM):
+    """A head used on rank 0 only, and one used on no rank: DDP's unused-parameter cases."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if not hasattr(self, "side"):
+            self.side = torch.nn.Linear(GPT2_4L["n_embd"], 1)
+            self.unused = torch.nn.Linear(GPT2_4L["n_embd"], 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 0:
+            embedded = self.model.get_input_embeddings()(batch)
+            loss = loss + 0.1 * self.side(embedded).mean()
+        return loss
+
+
 def model_bytes() -> int:
     model = CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
     model.configure_model()
@@ -49,7 +66,7 @@ class Metrics(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="tiered_ddp", choices=["ddp", "tiered_ddp", "tiered", "auto"])
+    parser.add_argument("--strategy", default="tiered_ddp", choices=["ddp", "ddp_find_unused_parameters_true", "tiered_ddp", "tiered", "auto"])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=4)
@@ -59,6 +76,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--rank-branch", action="store_true", help="a model with parameters unused on some ranks")
     args = parser.parse_args()
 
     total = model_bytes()
@@ -73,7 +91,7 @@ def main() -> None:
         strategy = args.strategy
 
     L.seed_everything(7, verbose=False)
-    model = CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+    model = (RankBranch if args.rank_branch else CausalLM)(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
     recorder, metrics = LossRecorder(), Metrics()
     trainer = L.Trainer(
         strategy=strategy,

@@ -130,3 +130,16 @@ def test_accumulation_and_clipping_by_norm_match_ddp(tmp_path):
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+
+
+def test_parameters_unused_on_some_ranks_match_ddp_finding_unused_parameters(tmp_path):
+    """A head used on rank 0 only (rank 1 contributes zeros, as DDP's reducer does) and one used
+    on no rank (no gradient anywhere: not updated, no state)."""
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp_find_unused_parameters_true", "--rank-branch", "--epochs", "2")
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--rank-branch", "--epochs", "2")
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    a, b = load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt")
+    assert_same_weights(a, b)
+    sa, sb = load(tmp_path / "ddp" / "last.ckpt"), load(tmp_path / "tiered_ddp" / "last.ckpt")
+    assert_same_optimizer_states(sa["optimizer_states"][0], sb["optimizer_states"][0])

@@ -1,0 +1,29 @@
+"""Unit ownership under sharded optimizer states, on cases worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_strategy.planning.sharding import assign_owners
+
+
+def test_largest_first_to_the_least_loaded_rank():
+    # 5 -> r0 (5|0); 3 -> r1 (5|3); 3 -> r1 (5|6); 2 -> r0 (7|6); 2 -> r1 (7|8); 1 -> r0 (8|8)
+    assert assign_owners([5, 3, 3, 2, 2, 1], 2) == [0, 1, 1, 0, 1, 0]
+
+
+def test_order_of_units_does_not_change_the_balance():
+    # same sizes, shuffled: equal sizes go by unit index, so each rank ends with 8
+    owners = assign_owners([1, 2, 3, 5, 2, 3], 2)
+    load = [sum(b for b, o in zip([1, 2, 3, 5, 2, 3], owners) if o == r) for r in (0, 1)]
+    assert load == [8, 8] and owners[3] == 0
+
+
+def test_one_rank_owns_everything_and_frozen_units_still_get_an_owner():
+    assert assign_owners([4, 0, 2], 1) == [0, 0, 0]
+    assert assign_owners([0, 0, 0], 3) == [0, 0, 0]  # no states to hold: rank 0, the first of the least loaded
+
+
+def test_no_ranks_is_refused():
+    with pytest.raises(ValueError, match="world_size=0"):
+        assign_owners([1], 0)
