@@ -38,13 +38,17 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.summary import MetricsRecorder, build_summary, format_summary, write_json_atomic
-from offload_strategy import HardwareSpec, OffloadMonitor, TieredStrategy
+from offload_strategy import HardwareSpec, OffloadMonitor, TieredDDPStrategy, TieredStrategy
 
 
-def build_strategy(cfg: DictConfig, hardware: HardwareSpec) -> Union[TieredStrategy, str]:
-    """``strategy.name=tiered`` gives a TieredStrategy; any other name is passed to Lightning."""
+def build_strategy(cfg: DictConfig, hardware: HardwareSpec) -> Union[TieredStrategy, TieredDDPStrategy, str]:
+    """``strategy.name=tiered`` gives a TieredStrategy, ``tiered_ddp`` a TieredDDPStrategy (one
+    rank per ``trainer.devices``); any other name is passed to Lightning."""
     options: dict[str, Any] = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[assignment]
     name = options.pop("name")
+    shard_states = options.pop("shard_states", True)
+    if name == "tiered_ddp":
+        return TieredDDPStrategy(policy=instantiate(cfg.policy), hardware=hardware, shard_states=shard_states, **options)
     if name != "tiered":
         return name
     return TieredStrategy(policy=instantiate(cfg.policy), hardware=hardware, **options)
@@ -116,6 +120,9 @@ def run(cfg: DictConfig) -> float:
             logger.log_metrics(numbers, step=trainer.global_step)
     finally:
         finish_wandb()
+    if not trainer.is_global_zero:  # under data parallelism rank 0 reports for the run
+        objective = summary.get(cfg.objective)
+        return float("nan") if objective is None else float(objective)
     print(format_summary(summary))
     payload = {
         **summary,

@@ -100,3 +100,15 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
                   "trainer.limit_val_batches=0"], cwd=tmp_path)
     metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
     assert metrics["steps"] == 4
+
+
+@pytest.mark.slow
+def test_ddp_preset_trains_two_ranks_and_reports_once(tmp_path):
+    run([str(ROOT / "experiments/train.py"), "experiment=ddp_cpu", f"hydra.run.dir={tmp_path}", "logger=csv", "data.max_bytes=1000000",
+         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=3", "throughput_window=3"],
+        cwd=tmp_path)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["strategy"] == "TieredDDPStrategy" and metrics["steps"] == 12
+    assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
+    assert metrics["offload/optimizer/host_state_bytes"] > 0
+    assert list(tmp_path.glob("metrics*.json")) == [tmp_path / "metrics.json"], "a rank other than 0 wrote a summary"
