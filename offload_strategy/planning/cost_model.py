@@ -13,6 +13,11 @@ worker updates offloaded units. Events, in the order the runtime issues them:
   it (LoHan §IV-C's updates during backward); an NVMe unit's parameters and states are read as
   its gradient lands and written back behind the worker (LoHan Fig. 3b); persistent units update
   in the GPU tier after backward;
+- under data parallelism (``Machine.world_size`` > 1) each unit's gradient is reduced across the
+  ranks on the network link right after its backward and before it goes to the host: a reduce to
+  its owner with sharded states ((N-1)/N of its bytes per rank, ring-style), an all-reduce without
+  (2(N-1)/N); only the owner updates it; after the updates the owners' parameters are sent to the
+  others ((N-1)/N of the trainable bytes per rank) and non-owners write their NVMe units;
 - the step ends when the last backward, the last update and the last write have.
 
 Copies of different units queue on their link in issue order, so the model captures MemFerry's
@@ -40,6 +45,7 @@ class UnitCost:
     gradient_bytes: int = 0  # what goes back to the host after backward (0: frozen)
     state_bytes: int = 0  # optimizer states (and masters) read and written around an NVMe unit's update
     update_seconds: float = 0.0  # the optimizer's work on the CPU (or GPU, for persistent units)
+    owned: bool = True  # data parallel with sharded states: this rank updates it
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class Machine:
     d2h: float
     nvme_read: float = 0.0
     nvme_write: float = 0.0
+    world_size: int = 1  # data-parallel ranks
+    network: float = 0.0  # bytes/s each rank moves in collectives
+    shard_states: bool = True  # each unit updated by its owner only
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,10 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
     offloaded = [i for i, u in enumerate(units) if u.home != GPU]
     if offloaded and buffers < 1:
         raise ValueError(f"{len(offloaded)} units are offloaded but the GPU tier has {buffers} streaming buffers; give at least one.")
-    compute = h2d = d2h = nvme = worker = 0.0
+    compute = h2d = d2h = nvme = worker = net = gpu_ready = 0.0
+    ranks = machine.world_size
+    sharded = ranks > 1 and machine.shard_states
+    reduce_share = (ranks - 1) / ranks * (1 if sharded else 2)  # reduce to the owner / all-reduce
     moved = 0
     free = [0.0] * max(buffers, 0)  # when each buffer frees
     heapq.heapify(free)
@@ -118,11 +130,19 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
         if u.home != GPU and i not in resident:
             ready = fetch(u)
         compute = max(compute, ready) + u.backward_seconds
+        reduced = compute
+        if ranks > 1 and u.gradient_bytes:
+            net = max(net, compute) + move_seconds(u.gradient_bytes * reduce_share, machine.network)
+            reduced = net
+        owned = u.owned or not sharded
         if u.home == GPU:
-            gpu_updates += u.update_seconds
+            gpu_ready = max(gpu_ready, reduced)
+            gpu_updates += u.update_seconds if owned else 0.0
             continue
         heapq.heappush(free, compute)
-        d2h = max(d2h, compute) + move_seconds(u.gradient_bytes, machine.d2h)
+        d2h = max(d2h, reduced) + move_seconds(u.gradient_bytes, machine.d2h)
+        if not owned:
+            continue
         start = max(worker, d2h)
         if u.home == NVME:  # read as the gradient lands, while the worker finishes the unit before
             nvme = max(nvme, d2h) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_read)
@@ -130,7 +150,13 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
         worker = start + u.update_seconds
         if u.home == NVME:  # written behind: the worker goes on
             nvme = max(nvme, worker) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_write)
-    backward_end = compute + gpu_updates
+    backward_end = max(compute, gpu_ready) + gpu_updates
     end = max(backward_end, worker, nvme)
+    if sharded:  # the owners' updated parameters to every rank, then the others' NVMe units written
+        trainable = sum(u.nbytes for u in units if u.gradient_bytes)
+        net = max(net, end) + move_seconds(trainable * (ranks - 1) / ranks, machine.network)
+        others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
+        nvme = max(nvme, net) + move_seconds(others_on_nvme, machine.nvme_write)
+        end = max(end, net, nvme)
     compute_alone = sum(u.forward_seconds + u.backward_seconds for u in units)
     return StepPrediction(end, forward_end, backward_end - forward_end, compute_alone, end - backward_end, moved)
