@@ -3,18 +3,26 @@
     python tools/bench.py                       # the CPU table of docs/benchmarks.md
     python tools/bench.py --layers 8 --width 512 --steps 40 --repeats 5
     python tools/bench.py --precision bf16-true  # 16-bit units on the link, fp32 masters at home
+    python tools/bench.py --processes 1 2        # data parallel: DDP and tiered_ddp on 1 and 2 processes
 
 Every mode trains the same GPT-2-shaped model on random tokens from the same seed, in one
 process, with the modes interleaved round by round so that a noisy machine affects them alike.
 Reported: the median step time over all measured steps (the first ``--warmup`` steps of each run
 are left out), its ratio to plain Lightning, and the tiered runtime's cache figures.
+
+With ``--processes``, each run is a separate data-parallel job of that many CPU processes (gloo),
+started as a user starts one, each rank with its own batches: Lightning's DDP beside ``tiered_ddp``
+(GPU tier and host memory as in the host mode, per rank), reporting the median step time, the
+run's samples/s, and each rank's peak resident memory and optimizer-state bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -27,7 +35,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import lightning as L  # noqa: E402
 
-from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
+from offload_strategy import TieredDDPStrategy, TieredStrategy, format_bytes  # noqa: E402
+from offload_strategy.hardware import process_peak_rss  # noqa: E402
 from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 
@@ -63,6 +72,59 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
         mode.homes = "/".join(str(int(last[f"units/{h}"])) for h in ("gpu", "host", "nvme"))
 
 
+def data_parallel_rank(args: argparse.Namespace, config: dict[str, Any], gpu: int) -> None:
+    """One rank of a ``--processes`` run (this script started again by the parent, then by Lightning)."""
+    strategy: Union[str, L.pytorch.strategies.Strategy] = "ddp"
+    if args.rank_strategy == "tiered_ddp":
+        strategy = TieredDDPStrategy(gpu_memory=gpu, host_memory="4GiB")
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = fit(strategy, config, args, root, timer, args.steps, precision=args.precision, devices=args.rank_processes)
+    last = timer.metrics[-1] if timer.metrics else {}
+    report = {
+        "times": timer.times[args.warmup :],
+        "peak_rss": process_peak_rss(),
+        "state_bytes": sum(last.get(f"optimizer/{tier}_state_bytes", 0.0) for tier in ("gpu", "host", "nvme")),
+        "homes": "/".join(str(int(last[f"units/{h}"])) for h in ("gpu", "host", "nvme")) if "units/gpu" in last else "-",
+    }
+    Path(args.rank_out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def data_parallel_table(args: argparse.Namespace, param_bytes: int, gpu: int) -> None:
+    """DDP and tiered_ddp on each process count, rounds interleaved; one table."""
+    runs = [(p, name) for p in args.processes for name in ("ddp", "tiered_ddp")]
+    reports: dict[tuple[int, str], list[dict]] = {run: [] for run in runs}
+    for repeat in range(args.repeats):
+        for processes, name in runs:
+            print(f"round {repeat + 1}/{args.repeats}: {name} on {processes} processes", file=sys.stderr, flush=True)
+            with tempfile.TemporaryDirectory() as out:
+                command = [sys.executable, str(Path(__file__).resolve()), "--rank-strategy", name, "--rank-processes", str(processes),
+                           "--rank-out", out, *(argv_for_ranks(args))]
+                env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+                result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise SystemExit(f"{name} on {processes} processes failed:\n{result.stderr[-3000:]}")
+                reports[(processes, name)].append([json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))])
+    print(f"\nGPT-2 {args.layers} layers x {args.width} wide ({format_bytes(param_bytes)} fp32), batch {args.batch_size} x {args.seq_len} per rank, "
+          f"precision {args.precision}; tiered_ddp: gpu_memory {format_bytes(gpu)} per rank, states sharded; median step over "
+          f"{args.repeats} interleaved runs of {args.steps} steps ({args.warmup} warm-up steps dropped)\n")
+    print("| strategy | processes | units gpu/host/nvme | step (ms) | samples/s (all ranks) | vs ddp | peak RSS per rank | optimizer states per rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for processes, name in runs:
+        ranks = [rank for run in reports[(processes, name)] for rank in run]
+        step = statistics.median(t for rank in ranks for t in rank["times"])
+        base = statistics.median(t for run in reports[(processes, "ddp")] for rank in run for t in rank["times"])
+        rss = max(rank["peak_rss"] for rank in ranks)
+        states = max(rank["state_bytes"] for rank in ranks)
+        print(f"| {name} | {processes} | {ranks[0]['homes']} | {step * 1e3:.1f} | {processes * args.batch_size / step:.1f} | {step / base:.3f} | "
+              f"{format_bytes(rss)} | {format_bytes(int(states)) if states else '-'} |")
+
+
+def argv_for_ranks(args: argparse.Namespace) -> list[str]:
+    return ["--layers", str(args.layers), "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", args.precision, "--gpu-fraction", str(args.gpu_fraction)]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, layers=4, width=256, seq_len=128, batch_size=8, steps=30, warmup=5)
@@ -71,6 +133,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--link", default="a100_80g", help="known machine whose PCIe figures throttle the copies (a100_80g: PCIe 4.0 x16)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision flag for every mode (32-true, bf16-mixed, bf16-true, ...)")
     parser.add_argument("--nvme-path", default=None, help="directory for the NVMe mode (default: a temporary directory under the working directory)")
+    parser.add_argument("--processes", type=int, nargs="*", default=None, help="data-parallel mode: DDP and tiered_ddp on each count of CPU processes")
+    parser.add_argument("--rank-strategy", default=None, help=argparse.SUPPRESS)  # set by the data-parallel mode for its ranks
+    parser.add_argument("--rank-processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     config = gpt2_config(args.layers, args.width)
@@ -81,6 +147,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Host memory for the NVMe mode: gradients and Adam states of everything, and room for some of
     # the parameters (with 16-bit parameters: fp32 masters and gradient landing areas too).
     host_nvme = int(3.5 * param_bytes * (1.25 if half else 1.0))
+    if args.rank_strategy is not None:
+        data_parallel_rank(args, config, gpu)
+        return 0
+    if args.processes:
+        data_parallel_table(args, param_bytes, gpu)
+        return 0
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path or ".", prefix="bench-nvme-") as nvme, tempfile.TemporaryDirectory() as root:
         modes = [
