@@ -124,6 +124,8 @@ class Budget:
 
 
 POLICY_NAMES = ("auto", "none")
+# where the planner may put parameters (PolicyConfig.placement)
+PLACEMENTS = ("fill", "search", "host", "nvme", "layerwise")
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,18 @@ class PolicyConfig:
     ``"checkpoint"`` (recompute in backward), ``"swap_host"`` or ``"swap_nvme"`` (copied out of the
     GPU tier after forward, back ahead of backward); one name for all blocks or a list with one per block;
     ``block_class`` names the blocks' class when they are not found automatically.
+
+    What the planner may decide for parameters, so that the papers' and the baselines' choices can
+    be compared one against another (the presets in ``conf/policy/`` set these):
+    ``placement``: ``"fill"`` keeps the first units in execution order in the GPU tier as far as
+    the budget allows beside the streaming buffers, then host memory, then NVMe; ``"search"`` picks
+    how many stay resident by ProTrain's search under the step model, from the measured first
+    step; ``"host"`` streams every unit from host memory; ``"nvme"`` keeps every unit's parameters
+    and optimizer states on NVMe; ``"layerwise"`` streams every unit from host memory through a GPU
+    tier of only the smallest working set (one layer at a time).
+    ``prefetch``: copy units ahead of their use along the recorded order (False: each unit is
+    fetched when a module asks for it). ``update_during_backward``: update each unit as soon as its
+    gradients are complete, overlapped with backward (False: all updates after backward).
     """
 
     name: str = "auto"
@@ -155,10 +169,18 @@ class PolicyConfig:
     checksums: bool = False
     activations: Union[str, tuple[str, ...]] = "keep"
     block_class: Optional[str] = None
+    placement: str = "fill"
+    prefetch: bool = True
+    update_during_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
             raise ValueError(f"policy={self.name!r} is not a known policy; choose one of {', '.join(POLICY_NAMES)}.")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"policy.placement={self.placement!r} is not known; choose one of {', '.join(PLACEMENTS)}.")
+        for flag in ("prefetch", "update_during_backward", "throttle", "checksums"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"policy.{flag}={getattr(self, flag)!r} must be true or false.")
         if self.gradient_reserve is not None and not (isinstance(self.gradient_reserve, (int, float)) and 0.0 <= self.gradient_reserve <= 1.0):
             raise ValueError(f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None.")
         if not isinstance(self.activations, str):

@@ -9,6 +9,8 @@ Lightning's single-device strategy does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
@@ -28,10 +31,12 @@ from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import ActivationPlan, BlockCost, Links
+from .planning.activations import KEEP, ActivationPlan, BlockCost, Links, choose_layout, step_seconds
+from .planning.cost_model import Machine, UnitCost
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, Placement, UnitSize, place_units
+from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
+from .planning.protrain import PlacementCandidate, search_persistent
 from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.data_parallel import DataParallel
 from .runtime.engine import TieredEngine
@@ -124,6 +129,10 @@ class TieredMixin(ActivationControl):
         self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
         self._profiled = False
+        self._state_factor = 0.0
+        self._persistent_choice: Optional[set[int]] = None  # placement="search": the units it keeps resident
+        self._placement_searched = False
+        self.placement_search: Optional[PlacementCandidate] = None  # ... and its pick, with the prediction
 
     @property
     @override
@@ -226,19 +235,40 @@ class TieredMixin(ActivationControl):
         ]
         self._unit_sizes, self._co_resident = sizes, [[u.index for u in used] for used in users.values()]
         self._unit_names = [u.name for u in units]
-        homes = None
+        homes, persistent = None, None
+        gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
+        mode = self.policy.placement
         if self._plan is not None:
             check_plan(self._plan, self._unit_names, [u.nbytes for u in units], len(self._activations.blocks) if self._activations else 0)
             homes = {u.index: planned.home for u, planned in zip(units, self._plan.units)}
-        placement = place_units(
-            sizes,
-            [[u.index for u in used] for used in users.values()],
-            gpu_bytes=self.budgets.gpu if gpu_bytes is None else gpu_bytes,
-            host_bytes=self.budgets.host,
-            nvme_bytes=self.budgets.nvme,
-            state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0),
-            homes=homes,
+        elif mode in ("host", "layerwise"):
+            homes = {u.index: HOST for u in units}
+            if mode == "layerwise":  # one layer's working set at a time, however large the budget
+                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, self._co_resident))
+        elif mode == "nvme":
+            if self.nvme_path is None:
+                raise ValueError("policy.placement='nvme' keeps every unit on NVMe, but no nvme_path was given; name a directory for the NVMe tier.")
+            homes = {u.index: NVME for u in units}
+        elif mode == "search" and self._persistent_choice is not None:
+            persistent = self._persistent_choice
+        self._state_factor = optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0)
+        place = functools.partial(
+            place_units, sizes, self._co_resident, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
+            state_factor=self._state_factor, homes=homes,
         )
+        try:
+            placement = place(persistent=persistent)
+        except PlacementError as error:
+            if persistent is None:
+                if homes is not None and self._plan is None:  # the policy fixed every home
+                    raise PlacementError(
+                        f"policy.placement={mode!r} puts every unit's parameters in {'NVMe' if mode == 'nvme' else 'host memory'}, "
+                        f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
+                    ) from None
+                raise
+            # the searched units no longer fit (activations took part of the GPU tier): first-use placement
+            self._persistent_choice = None
+            placement = place()
         self._gpu_placed = placement.gpu_bytes
         if not placement.offloaded and not self._engine_when_all_fits():
             return None
@@ -247,7 +277,7 @@ class TieredMixin(ActivationControl):
             engine = TieredEngine(
                 model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
                 direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated), checksums=self.policy.checksums,
-                fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes),
+                fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes), prefetch=self.policy.prefetch,
             )
         except BaseException:
             device.close()
@@ -256,6 +286,75 @@ class TieredMixin(ActivationControl):
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    def _search_placement(self, trainer: "pl.Trainer") -> None:
+        """``placement="search"``, after the profiled first step: ProTrain's search (§3.3,
+        planning/protrain.py) over how many leading units stay resident, each count priced by the
+        step model from this run's measured per-unit compute and update times; the fastest is put
+        in place between two steps (the optimizer states move through their state dicts, exactly)."""
+        self._placement_searched = True
+        engine = self.engine
+        assert engine is not None and self.budgets is not None
+        profile = engine.profile
+        order = list(dict.fromkeys(profile.order)) + [i for i in range(len(engine.states)) if i not in profile.order]
+        updates = {index: end - start for index, start, end in engine.update_log}
+        measured = [(engine.states[i].unit.nbytes, t) for i, t in updates.items() if t > 0]
+        per_byte = sum(t for _, t in measured) / max(sum(b for b, _ in measured), 1)  # persistent units were updated on the GPU tier
+        costs = {}
+        for s in engine.states:
+            i = s.unit.index
+            forward = profile.forward_seconds.get(i, 0.0)
+            trainable = bool(s.unit.trainable)
+            costs[i] = UnitCost(
+                nbytes=s.unit.nbytes, forward_seconds=forward, backward_seconds=profile.backward_seconds.get(i, 2 * forward),
+                gradient_bytes=s.unit.nbytes if trainable else 0, update_seconds=updates.get(i, per_byte * s.unit.nbytes if trainable else 0.0),
+            )
+        spec = self.hardware
+        gbps = lambda value, default: (value or default) * 1e9  # noqa: E731
+        machine = Machine(h2d=gbps(spec.h2d_gbps, 10.0), d2h=gbps(spec.d2h_gbps, 10.0), nvme_read=gbps(spec.nvme_read_gbps, 2.0),
+                          nvme_write=gbps(spec.nvme_write_gbps, 1.0))
+        candidates = search_persistent(
+            self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
+            nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
+        )
+        best = self._fastest_with_activations(candidates, machine)
+        self.placement_search = best
+        chosen = set(order[: best.persistent])
+        current = {s.unit.index for s in engine.states if s.home == GPU}
+        first_use = next((c for c in candidates if set(order[: c.persistent]) == current), None)
+        rank_zero_info(
+            f"tiered: placement search keeps the first {best.persistent} units resident with {best.buffers} streaming buffers, "
+            f"predicted {best.prediction.seconds * 1e3:.1f} ms per step"
+            + (f" (first-use placement: {first_use.prediction.seconds * 1e3:.1f} ms)" if first_use is not None else "")
+        )
+        if chosen != current and best.persistent < len(order):  # all resident: the first placement had that choice
+            self._persistent_choice = chosen
+            self._replace_engine(trainer, gpu_bytes=self.budgets.gpu)
+
+    def _fastest_with_activations(self, candidates: list[PlacementCandidate], machine: Machine) -> PlacementCandidate:
+        """With ``activations="auto"`` the two searches are one (ProTrain §3.3 searches persistent
+        chunks, buffers, swapped and checkpointed blocks together): each parameter candidate keeps
+        what its placement leaves of the GPU tier for activations, and is charged the best layout's
+        time over keeping every block; candidates that leave no room for any layout drop out."""
+        activations = self._activations
+        if activations is None or activations.profile is None or not activations.profiled or self._plan is not None:
+            return candidates[0]
+        costs = activations.block_costs()
+        keep_all = [KEEP] * len(costs)
+        base = self._activation_links()
+        scored = []
+        for candidate in candidates:
+            moved = sum(u.nbytes for u in self._unit_sizes if candidate.placement.home[u.index] != GPU)
+            links = dataclasses.replace(base, parameter_forward_seconds=moved / machine.h2d, parameter_backward_seconds=moved / machine.h2d)
+            try:
+                plan = choose_layout(costs, links, gpu_bytes=max(self.budgets.gpu - candidate.placement.gpu_bytes, 0), host_bytes=self._host_left())
+            except ValueError:
+                continue
+            extra = plan.seconds - step_seconds(costs, keep_all, links)
+            scored.append((candidate.prediction.seconds + max(extra, 0.0), -candidate.persistent, candidate))
+        if not scored:
+            return candidates[-1]  # the fewest persistent units: the most room for activations
+        return min(scored, key=lambda t: t[:2])[2]
 
     # -- what a data-parallel strategy changes ------------------------------------------------------
 
@@ -307,6 +406,8 @@ class TieredMixin(ActivationControl):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.placement == "search" and not self._placement_searched and self._optimizer_stepped and self.engine is not None:
+            self._search_placement(self.lightning_module.trainer)
         activations = self._activations
         if activations is not None and activations.profile is not None and activations.profiled and self._optimizer_stepped:
             # between two optimizer steps' worth of batches: no gradient is waiting at home, so
@@ -334,6 +435,8 @@ class TieredMixin(ActivationControl):
         """True when this step's backward is the last before the optimizer step and nothing must see
         every gradient first (loss-scale overflow checks, clipping by norm): then each unit is
         updated as soon as its gradients are complete."""
+        if not self.policy.update_during_backward:
+            return False
         if not trainer.lightning_module.automatic_optimization or self._needs_all_gradients(trainer):
             return False
         return not trainer.fit_loop._should_accumulate()

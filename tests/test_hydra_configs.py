@@ -102,7 +102,7 @@ def test_hardware_fields_can_be_overridden(tmp_path):
 def test_policy_configs(name, tmp_path):
     cfg = compose_as_hydra([f"policy={name}"], tmp_path)
     policy = instantiate(cfg.policy)
-    assert isinstance(policy, PolicyConfig) and policy.name == name
+    assert isinstance(policy, PolicyConfig) and policy.name == ("none" if name == "none" else "auto")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.gpu) if n == "gpu" else n for n in options("trainer")])

@@ -112,3 +112,17 @@ def test_ddp_preset_trains_two_ranks_and_reports_once(tmp_path):
     assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
     assert metrics["offload/optimizer/host_state_bytes"] > 0
     assert list(tmp_path.glob("metrics*.json")) == [tmp_path / "metrics.json"], "a rank other than 0 wrote a summary"
+
+
+@pytest.mark.slow
+def test_a_sweep_over_every_policy_preset_runs(tmp_path):
+    presets = sorted(p.stem for p in (ROOT / "conf" / "policy").glob("*.yaml"))
+    sweep = tmp_path / "sweep"
+    run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", f"policy={','.join(presets)}", "logger=csv", "data=synthetic",
+         "data.num_tokens=40000", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
+         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=12MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+    jobs = sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    assert len(jobs) == len(presets)
+    for job, name in zip(jobs, presets):
+        metrics = json.loads((job / "metrics.json").read_text())
+        assert f"policy={name}" in metrics["overrides"] and metrics["steps"] == 3, (name, metrics["overrides"])

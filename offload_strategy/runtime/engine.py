@@ -116,8 +116,10 @@ class TieredEngine(UnitUpdates, GradientExchange):
         checksums: bool = False,
         fp32_masters: bool = False,
         data_parallel: Optional[DataParallel] = None,
+        prefetch: bool = True,
     ) -> None:
         self.model = model
+        self.prefetch_ahead = prefetch  # False: each unit is fetched when a module asks for it
         self.data_parallel = data_parallel
         self.device = device
         self.placement = placement
@@ -529,6 +531,8 @@ class TieredEngine(UnitUpdates, GradientExchange):
     def _prefetch(self) -> None:
         """10Cache Alg. 3: bring the next units of the table into free buffers, asynchronously."""
         self._progress_nvme()
+        if not self.prefetch_ahead:
+            return
         for index in self.table.upcoming(PREFETCH_LOOKAHEAD):
             s = self.states[index]
             if s.home == GPU or s.device_slot is not None:

@@ -1,0 +1,102 @@
+"""The policy presets of conf/policy/: each trains exactly as plain training does, and each makes
+the decisions its paper (or baseline) describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import yaml
+
+from offload_strategy import PolicyConfig, TieredStrategy
+from offload_strategy.planning.placement import minimum_gpu_bytes
+from tests.helpers import assert_same_weights, train
+from tests.test_offload import gpt2_4l, param_bytes
+
+PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "policy").glob("*.yaml"))
+
+
+def preset(name: str) -> PolicyConfig:
+    fields = yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "policy" / f"{name}.yaml").read_text())
+    return PolicyConfig.coerce(fields)
+
+
+class Seen(L.Callback):
+    """The strategy's metrics after the last batch, and its engine as it ran."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self.engine = None
+        self.persistent: set[int] = set()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.metrics = trainer.strategy.metrics()
+        self.engine = trainer.strategy.engine
+        if self.engine is not None:
+            self.persistent = {s.unit.index for s in self.engine.states if s.home == "gpu"}
+
+
+def test_every_paper_and_baseline_has_a_preset():
+    assert set(PRESETS) == {"auto", "none", "memferry", "go_memferry", "tencache", "teraio", "protrain", "lohan", "zero_offload", "zero_infinity", "l2l"}
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return train("auto", tmp_path_factory.mktemp("plain"), epochs=2, make_model=gpt2_4l)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
+    total = param_bytes(gpt2_4l)
+    seen = Seen()
+    policy = preset(name)
+    gpu = int(0.5 * total) + (400_000 if policy.activations == "auto" else 0)  # room for the activations the planner lays out
+    strategy = TieredStrategy(policy=policy, gpu_memory=gpu, host_memory=int(6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    losses, weights, _ = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, extra_callbacks=(seen,))
+    plain_losses, plain_weights, _ = plain
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    m = seen.metrics
+    units = m.get("units/gpu", 0) + m.get("units/host", 0) + m.get("units/nvme", 0)
+    if name == "none":
+        assert strategy.engine is None and "units/gpu" not in m
+        return
+    assert units > 0
+    if name in ("lohan", "zero_offload", "l2l"):
+        assert m["units/gpu"] == 0 and m["units/host"] == units, m  # every unit streamed from host memory
+    if name == "zero_infinity":
+        assert m["units/nvme"] == units and m["optimizer/nvme_state_bytes"] > 0, m
+    if name in ("zero_offload", "zero_infinity", "l2l"):
+        # every update after backward: the step waited for all of them
+        assert m["optimizer/exposed_ms"] >= m["optimizer/update_ms"], m
+    else:
+        assert m["optimizer/exposed_ms"] < m["optimizer/update_ms"], m  # some hidden behind backward
+    if name == "l2l":
+        slots = sum(size * count for size, count in seen.engine.placement.device_slots.items())
+        assert slots == minimum_gpu_bytes(strategy._unit_sizes, strategy._co_resident)
+    if name in ("zero_infinity", "l2l"):
+        assert seen.engine.prefetch_ahead is False
+    if name in ("go_memferry", "memferry"):
+        assert m["units/direct_gradients"] == m["units/host"] + m["units/nvme"], m  # every offloaded gradient written at home
+    if name in ("tencache", "zero_offload"):
+        assert m["units/direct_gradients"] == 0, m
+    if name == "teraio":
+        assert m["activations/swapped_nvme_bytes"] > 0, m
+    if name == "protrain":
+        best = strategy.placement_search
+        assert best is not None
+        order = list(dict.fromkeys(seen.engine.profile.order))
+        assert seen.persistent == set(order[: best.persistent]) or best.persistent == 0 and not seen.persistent
+
+
+def test_nvme_placement_without_a_directory_is_refused(tmp_path):
+    total = param_bytes(gpt2_4l)
+    strategy = TieredStrategy(policy=preset("zero_infinity"), gpu_memory=int(0.5 * total), host_memory=int(6 * total))
+    with pytest.raises(ValueError, match="nvme_path"):
+        train(strategy, tmp_path / "run", epochs=1, make_model=gpt2_4l)
+
+
+def test_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match="placement='everywhere'.*fill, search, host, nvme, layerwise"):
+        PolicyConfig(placement="everywhere")
