@@ -318,6 +318,7 @@ class TieredMixin(ActivationControl):
             nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
         )
         best = self._fastest_with_activations(candidates, machine)
+        best = candidates[self._same_on_every_rank(candidates.index(best))]  # measured times differ between ranks
         self.placement_search = best
         chosen = set(order[: best.persistent])
         current = {s.unit.index for s in engine.states if s.home == GPU}
@@ -365,6 +366,10 @@ class TieredMixin(ActivationControl):
     def _data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         """The ranks the engine reduces gradients across; None on one device."""
         return None
+
+    def _same_on_every_rank(self, choice: Any) -> Any:
+        """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
+        return choice
 
     def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[str]:
         """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""

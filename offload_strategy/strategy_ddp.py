@@ -124,6 +124,10 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
         return self._groups
 
     @override
+    def _same_on_every_rank(self, choice: Any) -> Any:
+        return self.broadcast(choice, src=0)
+
+    @override
     def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[str]:
         if trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
             return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
