@@ -9,7 +9,6 @@ Lightning's single-device strategy does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import tempfile
 from collections.abc import Iterator
@@ -31,12 +30,12 @@ from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import KEEP, ActivationPlan, BlockCost, Links, choose_layout, step_seconds
+from .planning.activations import ActivationPlan, BlockCost, Links
+from .planning.auto import AutoPlan, plan_auto
 from .planning.cost_model import Machine, UnitCost
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
-from .planning.protrain import PlacementCandidate, search_persistent
 from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.data_parallel import DataParallel
 from .runtime.engine import TieredEngine
@@ -130,9 +129,10 @@ class TieredMixin(ActivationControl):
         self._swap_device: Optional[Device] = None
         self._profiled = False
         self._state_factor = 0.0
+        self._block_units: list[list[int]] = []  # the units each repeated block uses
         self._persistent_choice: Optional[set[int]] = None  # placement="search": the units it keeps resident
         self._placement_searched = False
-        self.placement_search: Optional[PlacementCandidate] = None  # ... and its pick, with the prediction
+        self.placement_search: Optional[AutoPlan] = None  # ... and its pick, with the prediction
 
     @property
     @override
@@ -234,6 +234,10 @@ class TieredMixin(ActivationControl):
             for u in units
         ]
         self._unit_sizes, self._co_resident = sizes, [[u.index for u in used] for used in users.values()]
+        blocks = self._activations.blocks if self._activations is not None else []
+        self._block_units = [
+            sorted({u.index for module, used in users.items() if any(module is m for m in block.modules()) for u in used}) for block in blocks
+        ]
         self._unit_names = [u.name for u in units]
         homes, persistent = None, None
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
@@ -289,9 +293,10 @@ class TieredMixin(ActivationControl):
 
     def _search_placement(self, trainer: "pl.Trainer") -> None:
         """``placement="search"``, after the profiled first step: ProTrain's search (§3.3,
-        planning/protrain.py) over how many leading units stay resident, each count priced by the
-        step model from this run's measured per-unit compute and update times; the fastest is put
-        in place between two steps (the optimizer states move through their state dicts, exactly)."""
+        planning/auto.py) over how many leading units stay resident, each count priced by the step
+        model from this run's measured per-unit compute and update times, jointly with the
+        activation layout under ``activations="auto"``; the fastest is put in place between two
+        steps (the optimizer states move through their state dicts, exactly)."""
         self._placement_searched = True
         engine = self.engine
         assert engine is not None and self.budgets is not None
@@ -313,49 +318,25 @@ class TieredMixin(ActivationControl):
         gbps = lambda value, default: (value or default) * 1e9  # noqa: E731
         machine = Machine(h2d=gbps(spec.h2d_gbps, 10.0), d2h=gbps(spec.d2h_gbps, 10.0), nvme_read=gbps(spec.nvme_read_gbps, 2.0),
                           nvme_write=gbps(spec.nvme_write_gbps, 1.0))
-        candidates = search_persistent(
+        activations = self._activations
+        joint = activations is not None and activations.profile is not None and activations.profiled
+        plan = plan_auto(
             self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
             nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
+            blocks=activations.block_costs() if joint else (), links=self._activation_links() if joint else None,
+            activation_host_bytes=self._host_left(), block_units=self._block_units,
         )
-        best = self._fastest_with_activations(candidates, machine)
-        best = candidates[self._same_on_every_rank(candidates.index(best))]  # measured times differ between ranks
-        self.placement_search = best
-        chosen = set(order[: best.persistent])
+        persistent = self._same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
+        self.placement_search = plan
+        chosen = set(order[:persistent])
         current = {s.unit.index for s in engine.states if s.home == GPU}
-        first_use = next((c for c in candidates if set(order[: c.persistent]) == current), None)
         rank_zero_info(
-            f"tiered: placement search keeps the first {best.persistent} units resident with {best.buffers} streaming buffers, "
-            f"predicted {best.prediction.seconds * 1e3:.1f} ms per step"
-            + (f" (first-use placement: {first_use.prediction.seconds * 1e3:.1f} ms)" if first_use is not None else "")
+            f"tiered: placement search keeps the first {persistent} units resident with {plan.parameters.buffers} streaming buffers, "
+            f"predicted {plan.seconds * 1e3:.1f} ms per step"
         )
-        if chosen != current and best.persistent < len(order):  # all resident: the first placement had that choice
+        if chosen != current and persistent < len(order):  # all resident: the first placement had that choice
             self._persistent_choice = chosen
             self._replace_engine(trainer, gpu_bytes=self.budgets.gpu)
-
-    def _fastest_with_activations(self, candidates: list[PlacementCandidate], machine: Machine) -> PlacementCandidate:
-        """With ``activations="auto"`` the two searches are one (ProTrain §3.3 searches persistent
-        chunks, buffers, swapped and checkpointed blocks together): each parameter candidate keeps
-        what its placement leaves of the GPU tier for activations, and is charged the best layout's
-        time over keeping every block; candidates that leave no room for any layout drop out."""
-        activations = self._activations
-        if activations is None or activations.profile is None or not activations.profiled or self._plan is not None:
-            return candidates[0]
-        costs = activations.block_costs()
-        keep_all = [KEEP] * len(costs)
-        base = self._activation_links()
-        scored = []
-        for candidate in candidates:
-            moved = sum(u.nbytes for u in self._unit_sizes if candidate.placement.home[u.index] != GPU)
-            links = dataclasses.replace(base, parameter_forward_seconds=moved / machine.h2d, parameter_backward_seconds=moved / machine.h2d)
-            try:
-                plan = choose_layout(costs, links, gpu_bytes=max(self.budgets.gpu - candidate.placement.gpu_bytes, 0), host_bytes=self._host_left())
-            except ValueError:
-                continue
-            extra = plan.seconds - step_seconds(costs, keep_all, links)
-            scored.append((candidate.prediction.seconds + max(extra, 0.0), -candidate.persistent, candidate))
-        if not scored:
-            return candidates[-1]  # the fewest persistent units: the most room for activations
-        return min(scored, key=lambda t: t[:2])[2]
 
     # -- what a data-parallel strategy changes ------------------------------------------------------
 

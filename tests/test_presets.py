@@ -84,10 +84,11 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
     if name == "teraio":
         assert m["activations/swapped_nvme_bytes"] > 0, m
     if name == "protrain":
-        best = strategy.placement_search
-        assert best is not None
+        plan = strategy.placement_search
+        assert plan is not None and plan.activations is not None  # searched together with the activation layout
         order = list(dict.fromkeys(seen.engine.profile.order))
-        assert seen.persistent == set(order[: best.persistent]) or best.persistent == 0 and not seen.persistent
+        assert seen.persistent == set(order[: plan.parameters.persistent])
+        assert plan.parameters.placement.gpu_bytes + plan.activations.peak_bytes <= strategy.budgets.gpu
 
 
 def test_nvme_placement_without_a_directory_is_refused(tmp_path):

@@ -116,30 +116,47 @@ def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links
     return t_forward + t_backward
 
 
-def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
-    """ProTrain §3.3's search over (swapped, checkpointed) block counts: the fastest layout whose
-    activation peak fits ``gpu_bytes``; swaps beyond ``host_bytes`` go to NVMe where there is a
-    link to it. Raises ValueError, with the smallest peak any layout reaches, when none fits."""
+def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int):
+    """Every interleaved layout (swapped, checkpointed counts) that has a path for its swaps, as
+    (layout, peak bytes, predicted seconds, blocks managed)."""
     n = len(costs)
-    best: ActivationPlan | None = None
-    best_key: tuple[float, int] | None = None
-    smallest = None
     for n_swap in range(n + 1):
         for n_checkpoint in range(n - n_swap + 1):
             layout = split_swaps(costs, interleaved_layout(n, n_swap, n_checkpoint), host_bytes)
             if SWAP_NVME in layout and links.nvme_write <= 0:
                 continue
-            peak = peak_bytes(costs, layout)
-            smallest = peak if smallest is None else min(smallest, peak)
-            if peak > gpu_bytes:
-                continue
-            seconds = step_seconds(costs, layout, links)
-            key = (round(seconds, 12), n_swap + n_checkpoint)
-            if best_key is None or key < best_key:
-                best, best_key = ActivationPlan(tuple(layout), seconds, peak), key
+            yield layout, peak_bytes(costs, layout), step_seconds(costs, layout, links), n_swap + n_checkpoint
+
+
+def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
+    """ProTrain §3.3's search over (swapped, checkpointed) block counts: the fastest layout whose
+    activation peak fits ``gpu_bytes``; swaps beyond ``host_bytes`` go to NVMe where there is a
+    link to it. Raises ValueError, with the smallest peak any layout reaches, when none fits."""
+    best: ActivationPlan | None = None
+    best_key: tuple[float, int] | None = None
+    smallest = None
+    for layout, peak, seconds, managed in _layouts(costs, links, host_bytes):
+        smallest = peak if smallest is None else min(smallest, peak)
+        if peak > gpu_bytes:
+            continue
+        key = (round(seconds, 12), managed)
+        if best_key is None or key < best_key:
+            best, best_key = ActivationPlan(tuple(layout), seconds, peak), key
     if best is None:
         raise ValueError(
-            f"no layout of keep / checkpoint / swap fits the activations of {n} blocks in {gpu_bytes:,} bytes of the GPU tier "
+            f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks in {gpu_bytes:,} bytes of the GPU tier "
             f"(the smallest peak is {smallest:,} bytes); lower the batch size or sequence length, or raise gpu_memory."
         )
     return best
+
+
+def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int) -> list[ActivationPlan]:
+    """The layouts worth considering when the GPU tier is shared with parameters: each one faster
+    than every layout with a smaller peak (the Pareto front of peak against time), smallest peak
+    first. Whatever the budget left for activations, the best layout that fits is on it."""
+    ranked = sorted(_layouts(costs, links, host_bytes), key=lambda t: (t[1], round(t[2], 12), t[3]))
+    front: list[ActivationPlan] = []
+    for layout, peak, seconds, _ in ranked:
+        if not front or seconds < front[-1].seconds - 1e-12:
+            front.append(ActivationPlan(tuple(layout), seconds, peak))
+    return front

@@ -1,0 +1,114 @@
+"""The auto policy's joint search: parameters and activations priced together by the step model.
+
+ProTrain §3.3 searches the persistent chunks, the chunk buffers, and the swapped and checkpointed
+blocks as one space, ordered by memory, and keeps the fastest configuration that fits. Here the
+GPU tier is split between the two:
+
+- the activations' side is the Pareto front of ProTrain's interleaved layouts under LoHan's
+  step-time model (:func:`~.activations.layout_frontier`): each layout on it is faster than every
+  layout that needs less of the GPU tier;
+- for a layout's peak, the parameters get the rest of the GPU tier, and
+  :func:`~.protrain.search_persistent` finds how many leading units stay resident and how many
+  streaming buffers the rest makes, pricing each with the discrete-event model (:mod:`.cost_model`);
+- a split's step is the parameters' step plus what its layout adds over keeping every block.
+
+Front layouts are visited fastest first (largest peak first), and the visit stops once the
+parameters' best step with the whole GPU tier plus the layout's cost cannot beat the best split
+found: parameters are never faster with less of the GPU tier, and layouts further along the front
+only cost more. With many units the resident count is tried in steps (ProTrain's chunks group
+modules the same way), which keeps a 48-block model well under a second.
+
+Pure: profiles and budgets in, a plan out, or a :class:`~.placement.PlacementError` that says what
+the GPU tier would need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from .activations import CHECKPOINT, KEEP, ActivationPlan, BlockCost, Links, layout_frontier, step_seconds
+from .cost_model import Machine, UnitCost
+from .placement import PlacementError, UnitSize, minimum_gpu_bytes
+from .protrain import PlacementCandidate, search_persistent
+
+# resident counts tried per search at most; more units are tried in steps
+SEARCH_POINTS = 48
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    parameters: PlacementCandidate
+    activations: Optional[ActivationPlan]  # None: the model has no blocks to manage
+    seconds: float  # predicted step: the parameters' step plus what the layout adds
+
+
+def plan_auto(
+    sizes: Sequence[UnitSize],
+    co_resident: Sequence[Sequence[int]],
+    order: Sequence[int],
+    unit_costs: Mapping[int, UnitCost],
+    machine: Machine,
+    *,
+    gpu_bytes: int,
+    host_bytes: int,
+    nvme_bytes: int,
+    state_factor: float,
+    blocks: Sequence[BlockCost] = (),
+    links: Optional[Links] = None,
+    activation_host_bytes: int = 0,
+    block_units: Sequence[Sequence[int]] = (),
+) -> AutoPlan:
+    """The fastest plan within the budgets; see the module docstring.
+
+    ``blocks``: profiled costs of the repeated blocks (none: parameters only); ``links``: the
+    bandwidths activation swaps use and the parameter traffic they compete with; ``activation_host_bytes``:
+    host memory left for swapped activations; ``block_units``: the units each block uses, which a
+    checkpointed block's recompute needs resident together.
+    """
+    stride = max(1, len(order) // SEARCH_POINTS)
+
+    def parameters(budget: int, recompute: bool = False) -> PlacementCandidate:
+        together = [*co_resident, *block_units] if recompute else co_resident
+        return search_persistent(
+            sizes, together, order, unit_costs, machine, gpu_bytes=budget, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
+            state_factor=state_factor, stride=stride if blocks else 1,
+        )[0]
+
+    if not blocks:
+        best = parameters(gpu_bytes)
+        return AutoPlan(best, None, best.prediction.seconds)
+    if links is None:
+        links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read)
+    keep_seconds = step_seconds(blocks, [KEEP] * len(blocks), links)
+    front = layout_frontier(blocks, links, activation_host_bytes)
+    smallest_parameters = minimum_gpu_bytes(sizes, co_resident)
+    smallest_with_blocks = minimum_gpu_bytes(sizes, [*co_resident, *block_units])
+    fastest_parameters: Optional[float] = None  # with the whole GPU tier: a bound for every split
+    best: Optional[AutoPlan] = None
+    for layout in reversed(front):  # fastest layout (largest peak) first
+        extra = max(layout.seconds - keep_seconds, 0.0)
+        if best is not None and fastest_parameters is not None and fastest_parameters + extra >= best.seconds:
+            break
+        budget = gpu_bytes - layout.peak_bytes
+        recompute = CHECKPOINT in layout.layout
+        if budget < (smallest_with_blocks if recompute else smallest_parameters):
+            continue
+        try:
+            candidate = parameters(budget, recompute)
+        except PlacementError:
+            continue
+        if fastest_parameters is None:
+            fastest_parameters = parameters(gpu_bytes).prediction.seconds
+        total = candidate.prediction.seconds + extra
+        if best is None or total < best.seconds - 1e-12:
+            best = AutoPlan(candidate, layout, total)
+    if best is None:
+        least = front[0].peak_bytes if front else 0
+        raise PlacementError(
+            f"gpu_memory={gpu_bytes:,} bytes cannot hold the parameters' smallest working set ({smallest_parameters:,} bytes: one "
+            f"module's units and a prefetch buffer) beside the activations' smallest layout ({least:,} bytes); raise gpu_memory to "
+            f"at least {smallest_parameters + least:,} bytes, or lower the batch size or sequence length."
+        )
+    return best

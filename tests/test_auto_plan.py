@@ -1,0 +1,112 @@
+"""The auto policy's joint search (planning/auto.py) on cases worked out by hand, its budgets as a
+property, and its speed on a 48-block model."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from offload_strategy.planning.activations import BlockCost, Links, layout_frontier
+from offload_strategy.planning.auto import plan_auto
+from offload_strategy.planning.cost_model import Machine, UnitCost
+from offload_strategy.planning.placement import PlacementError, UnitSize
+
+# Parameters as in the ProTrain search test: four frozen units of 512 bytes, one per module, a
+# copy takes 1 s. All streamed (two buffers, 1024 bytes, at least) the step takes 13 s; with the
+# first unit resident (1536 bytes) 12 s.
+SIZES = [UnitSize(i, 512, 0) for i in range(4)]
+CO_RESIDENT = [[0], [1], [2], [3]]
+COSTS = {i: UnitCost(512, 1.0, 2.0) for i in range(4)}
+MACHINE = Machine(h2d=512.0, d2h=512.0)
+# Two blocks saving 1000 bytes each, 100 of input: kept, both hold 2000 bytes (6 s under LoHan's
+# model: 2 s forward, 4 s backward); the first checkpointed, 1100 at most (its input and the kept
+# block, then the recomputed block), and 1 s of recompute.
+BLOCKS = [BlockCost(1000, 100, 1.0)] * 2
+LINKS = Links(d2h=512.0, h2d=512.0)
+
+
+def plan(gpu_bytes: int):
+    return plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=gpu_bytes, host_bytes=10**6, nvme_bytes=0, state_factor=2.0,
+                     blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6)
+
+
+def test_the_front_of_layouts_for_two_blocks():
+    front = layout_frontier(BLOCKS, LINKS, 10**6)
+    assert [(p.layout, p.peak_bytes, p.seconds) for p in front] == [(("checkpoint", "keep"), 1100, 7.0), (("keep", "keep"), 2000, 6.0)]
+
+
+def test_room_for_both_keeps_the_blocks_and_a_resident_unit():
+    best = plan(1536 + 2000)
+    assert best.activations.layout == ("keep", "keep") and best.parameters.persistent >= 1 and best.seconds == pytest.approx(12)
+
+
+def test_too_little_room_to_keep_both_checkpoints_one_and_still_keeps_a_unit_resident():
+    # kept blocks would leave 636 bytes, less than two buffers; a checkpoint leaves 1536: 12 s + 1 s
+    best = plan(1536 + 1100)
+    assert best.activations.layout == ("checkpoint", "keep") and best.parameters.persistent == 1 and best.seconds == pytest.approx(13)
+
+
+def test_equal_splits_cost_the_same():
+    # kept blocks and every unit streamed (13 s), or a checkpoint and a resident unit (12 + 1 s)
+    assert plan(1024 + 2000).seconds == pytest.approx(13)
+
+
+def test_nothing_fits_says_what_would():
+    with pytest.raises(PlacementError, match="at least 2,124 bytes"):
+        plan(1024 + 1000)
+
+
+def test_every_plan_stays_within_its_budgets():
+    rng = random.Random(0)
+    for _ in range(25):
+        n = rng.randint(2, 6)
+        sizes = [UnitSize(i, 512 * rng.randint(1, 3), 0) for i in range(n)]
+        costs = {i: UnitCost(sizes[i].nbytes, rng.uniform(0.5, 2), rng.uniform(1, 4)) for i in range(n)}
+        blocks = [BlockCost(rng.randint(200, 3000), rng.randint(10, 200), rng.uniform(0.2, 2)) for _ in range(rng.randint(1, 4))]
+        gpu = rng.randint(2000, 12000)
+        try:
+            best = plan_auto(sizes, [[i] for i in range(n)], list(range(n)), costs, MACHINE, gpu_bytes=gpu, host_bytes=10**6, nvme_bytes=0,
+                             state_factor=2.0, blocks=blocks, links=LINKS, activation_host_bytes=10**6)
+        except PlacementError:
+            continue
+        assert best.parameters.placement.gpu_bytes + best.activations.peak_bytes <= gpu
+        assert best.parameters.placement.host_bytes <= 10**6
+
+
+def test_a_48_block_model_is_planned_within_a_second():
+    from experiments.models import CausalLM
+    from offload_strategy.hardware import known_hardware
+    from offload_strategy.profiling.analytic import analytic_units
+    from offload_strategy.runtime.units import build_units
+
+    config = dict(vocab_size=50257, n_positions=1024, n_embd=1600, n_layer=48, n_head=25)  # GPT-2 XL's shapes
+    module = CausalLM(family="gpt2", config=config)
+    with torch.device("meta"):
+        module.configure_model()
+    units, users = build_units(module)
+    hardware = known_hardware("rtx4090")
+    analytic = analytic_units(units, users, 8 * 1024, hardware, dtype="fp16")
+    sizes = [UnitSize(u.index, u.nbytes, c.trainable_bytes) for u, c in zip(units, analytic)]
+    costs = {u.index: UnitCost(u.nbytes, c.forward_seconds, c.backward_seconds, gradient_bytes=u.nbytes, update_seconds=c.update_seconds)
+             for u, c in zip(units, analytic)}
+    blocks = [BlockCost(300 * 2**20, 25 * 2**20, 0.01)] * 48
+    machine = Machine(h2d=25e9, d2h=25e9)
+    start = time.perf_counter()
+    best = plan_auto(sizes, [[u.index for u in used] for used in users.values()], [u.index for u in units], costs, machine,
+                     gpu_bytes=20 * 2**30, host_bytes=200 * 2**30, nvme_bytes=0, state_factor=2.0, blocks=blocks,
+                     links=Links(d2h=25e9, h2d=25e9), activation_host_bytes=100 * 2**30)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert best.parameters.placement.gpu_bytes + best.activations.peak_bytes <= 20 * 2**30
+
+
+def test_a_checkpointed_block_needs_its_units_resident_together():
+    # blocks using units (0, 1) and (2, 3): recomputing one needs both of its units and a prefetch
+    # buffer (1536 bytes), so a resident unit (512 more) no longer fits beside the checkpoint's
+    # 1100: every unit streamed, 13 s, and 1 s of recompute
+    best = plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 1100, host_bytes=10**6, nvme_bytes=0, state_factor=2.0,
+                     blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6, block_units=[[0, 1], [2, 3]])
+    assert best.activations.layout == ("checkpoint", "keep") and best.parameters.persistent == 0 and best.seconds == pytest.approx(14)
