@@ -28,6 +28,8 @@ PUBLISHED_MILLIONS = {
     "llama_1b": 1236,
     "llama_7b": 6738,
     "mistral_7b": 7242,
+    "llama_70b": 70000,
+    "gpt3_175b": 175000,
 }
 
 
