@@ -319,7 +319,7 @@ class TieredMixin(ActivationControl):
         machine = Machine(h2d=gbps(spec.h2d_gbps, 10.0), d2h=gbps(spec.d2h_gbps, 10.0), nvme_read=gbps(spec.nvme_read_gbps, 2.0),
                           nvme_write=gbps(spec.nvme_write_gbps, 1.0))
         activations = self._activations
-        joint = activations is not None and activations.profile is not None and activations.profiled
+        joint = activations is not None and activations.planner == "auto" and activations.profile is not None and activations.profiled
         plan = plan_auto(
             self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
             nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,

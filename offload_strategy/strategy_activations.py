@@ -15,10 +15,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes
+from .planning.activations import SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
 from .planning.placement import GPU, minimum_gpu_bytes
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
-from .runtime.activations import ActivationPolicies
+from .runtime.activations import TERAIO, ActivationPolicies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -89,15 +89,16 @@ class ActivationControl:
         costs = activations.block_costs()
         self.activation_costs = costs
         activations.end_profile()
+        choose = teraio_layout if activations.planner == TERAIO else choose_layout  # activations="teraio" or "auto"
         try:
-            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
+            plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
             smallest = minimum_gpu_bytes(self._unit_sizes, self._co_resident) if self._unit_sizes else 0
             try:
-                plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
+                plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
             except ValueError as error:
                 least = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
                 raise ValueError(
@@ -105,7 +106,7 @@ class ActivationControl:
                     f"{format_bytes(smallest + least)} (it is {format_bytes(self.budgets.gpu)})."
                 ) from None
             self._replace_engine(trainer, gpu_bytes=self.budgets.gpu - plan.peak_bytes)
-            plan = choose_layout(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
+            plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())
         self.activation_plan = plan
         self.activation_links = self._activation_links()

@@ -84,3 +84,23 @@ def test_no_layout_fits_names_the_smallest_peak():
     costs = [BlockCost(100, 10, 1.0)] * 3
     with pytest.raises(ValueError, match=r"the smallest peak is 120 bytes"):
         choose_layout(costs, Links(50.0, 50.0), gpu_bytes=100, host_bytes=10**6)
+
+
+def test_teraio_offloads_the_fewest_blocks_that_bring_every_kernel_under_capacity():
+    from offload_strategy.planning.activations import teraio_layout
+
+    # four blocks of 1000 bytes: forward kernels hold 1000 ... 4000, backward 4000 ... 1000. With
+    # 3000 bytes, one block's worth stays reserved for the copy in flight, so TeraIO plans for 2000:
+    # the kernels around the turn are 2000 over, which takes the first two blocks out for their
+    # gaps (the last block's two uses are adjacent: it never leaves): S S K K, peak 2000 held + 1000
+    # on its way out
+    costs = [BlockCost(1000, 100, 1.0)] * 4
+    with_ssd = teraio_layout(costs, Links(d2h=1e6, h2d=1e6, nvme_write=1e6, nvme_read=1e6), gpu_bytes=3000, host_bytes=10**6)
+    assert with_ssd.layout == ("swap_nvme", "swap_nvme", "keep", "keep") and with_ssd.peak_bytes == 3000  # the SSD first
+    host_only = teraio_layout(costs, Links(d2h=1e6, h2d=1e6), gpu_bytes=3000, host_bytes=10**6)
+    assert host_only.layout == ("swap_host", "swap_host", "keep", "keep")
+    # room for everything: nothing moves
+    assert teraio_layout(costs, Links(d2h=1e6, h2d=1e6), gpu_bytes=4000, host_bytes=10**6).layout == ("keep",) * 4
+    # TeraIO never recomputes: below what offloading alone reaches, it says so
+    with pytest.raises(ValueError, match="TeraIO's offloads leave"):
+        teraio_layout(costs, Links(d2h=1e6, h2d=1e6), gpu_bytes=1500, host_bytes=10**6)

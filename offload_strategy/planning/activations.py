@@ -160,3 +160,40 @@ def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int) -
         if not front or seconds < front[-1].seconds - 1e-12:
             front.append(ActivationPlan(tuple(layout), seconds, peak))
     return front
+
+
+def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
+    """TeraIO's lifetime-aware offloading (§3.2, :func:`~.teraio.plan_migrations`) applied to the
+    blocks: the step is the blocks' forward kernels then their backward kernels (twice as long),
+    each block's activations a tensor used at its forward and at its backward, the memory of a
+    kernel what the blocks before it hold. The migrations TeraIO plans until every kernel fits
+    decide each block: moved to the SSD is ``swap_nvme``, to host memory ``swap_host``, not moved
+    ``keep``. TeraIO does not recompute; when its offloads cannot bring the peak under
+    ``gpu_bytes``, ValueError says so (``activations="auto"`` can also checkpoint)."""
+    from .teraio import SSD, TensorUses, plan_migrations
+
+    n = len(costs)
+    if peak_bytes(costs, [KEEP] * n) <= gpu_bytes:
+        return ActivationPlan((KEEP,) * n, step_seconds(costs, [KEEP] * n, links), peak_bytes(costs, [KEEP] * n))
+    # the runtime copies a swapped block out while the next blocks run: one block's bytes stay
+    # reserved for the copy in flight, which TeraIO's kernel-by-kernel memory does not see
+    capacity = gpu_bytes - max(c.activation_bytes for c in costs)
+    held = [sum(c.activation_bytes for c in costs[: j + 1]) for j in range(n)]
+    seconds = [c.forward_seconds for c in costs] + [2 * costs[j].forward_seconds for j in reversed(range(n))]
+    memory = held + [held[j] for j in reversed(range(n))]
+    tensors = [TensorUses(f"block{j}", costs[j].activation_bytes, (j, 2 * n - 1 - j)) for j in range(n)]
+    plan = plan_migrations(
+        seconds, memory, tensors, max(capacity, 0), ssd_write=links.nvme_write, ssd_read=links.nvme_read,
+        host_bandwidth=min(links.d2h, links.h2d), host_limit=host_bytes,
+    )
+    layout = [KEEP] * n
+    for migration in plan.migrations:
+        layout[int(migration.tensor[len("block"):])] = SWAP_NVME if migration.destination == SSD else SWAP_HOST
+    peak = peak_bytes(costs, layout)
+    if peak > gpu_bytes:
+        raise ValueError(
+            f"TeraIO's offloads leave {peak:,} bytes of activations in the GPU tier at the worst moment, over the {gpu_bytes:,} "
+            f"bytes it has; raise gpu_memory, or use activations='auto', which can also recompute blocks."
+        )
+    return ActivationPlan(tuple(layout), step_seconds(costs, layout, links), peak)
+

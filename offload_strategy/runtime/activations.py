@@ -47,6 +47,8 @@ def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.
 
 
 AUTO = "auto"
+TERAIO = "teraio"  # planned like "auto" from the profiled step, by TeraIO's offload selection
+PLANNERS = (AUTO, TERAIO)
 
 
 def resolve_policies(blocks: Sequence[nn.Module], policy: Union[str, Sequence[str]]) -> list[str]:
@@ -80,10 +82,11 @@ class ActivationPolicies:
 
     def __init__(self, model: nn.Module, policy: Union[str, Sequence[str]], block_class: Optional[str] = None) -> None:
         self.blocks = find_blocks(model, block_class)
-        if not self.blocks and (not isinstance(policy, str) or policy not in (KEEP, AUTO)):
+        if not self.blocks and (not isinstance(policy, str) or policy not in (KEEP, *PLANNERS)):
             where = f"of class {block_class!r}" if block_class else "(no ModuleList or Sequential of modules of one class)"
             raise ValueError(f"policy.activations={policy!r} needs repeated blocks, but the model has none {where}; name them with policy.block_class.")
-        self.auto = policy == AUTO and bool(self.blocks)
+        self.auto = isinstance(policy, str) and policy in PLANNERS and bool(self.blocks)
+        self.planner = policy if self.auto else None  # which search lays the blocks out
         self.swap: Optional[ActivationSwap] = None  # attached by the strategy when some block swaps
         self.param_storages: set[int] = set()  # storages parameters live in this step: never swapped, never counted
         # the saved-tensor hooks that block hooks stand in for (the engine's), or None
@@ -96,7 +99,7 @@ class ActivationPolicies:
             self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
             self._start_profile()
         else:
-            self.policies = [KEEP] * len(self.blocks) if policy == AUTO else resolve_policies(self.blocks, policy)
+            self.policies = [KEEP] * len(self.blocks) if policy in PLANNERS else resolve_policies(self.blocks, policy)
         self.apply(self.policies)
 
     def apply(self, policies: Sequence[str]) -> None:
