@@ -320,12 +320,18 @@ class TieredMixin(ActivationControl):
                           nvme_write=gbps(spec.nvme_write_gbps, 1.0))
         activations = self._activations
         joint = activations is not None and activations.planner == "auto" and activations.profile is not None and activations.profiled
-        plan = plan_auto(
-            self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
-            nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
-            blocks=activations.block_costs() if joint else (), links=self._activation_links() if joint else None,
-            activation_host_bytes=self._host_left(), block_units=self._block_units,
-        )
+        try:
+            plan = plan_auto(
+                self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
+                nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
+                blocks=activations.block_costs() if joint else (), links=self._activation_links() if joint else None,
+                activation_host_bytes=self._host_left(), block_units=self._block_units,
+            )
+        except PlacementError as error:
+            # the search's smallest split is conservative; the first-use placement (and the
+            # activation planner's own fallback) may still fit
+            rank_zero_info(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
+            return
         persistent = self._same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
         self.placement_search = plan
         chosen = set(order[:persistent])

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
+from .planning.activations import KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
 from .planning.placement import GPU, minimum_gpu_bytes
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
 from .runtime.activations import TERAIO, ActivationPolicies
@@ -100,7 +100,10 @@ class ActivationControl:
             try:
                 plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
             except ValueError as error:
-                least = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
+                if activations.planner == TERAIO:  # offloads only: every block but the last leaves
+                    least = peak_bytes(costs, [SWAP_HOST] * (len(costs) - 1) + [KEEP])
+                else:
+                    least = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
                 raise ValueError(
                     f"{error} With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
                     f"{format_bytes(smallest + least)} (it is {format_bytes(self.budgets.gpu)})."

@@ -55,7 +55,7 @@ def test_equal_splits_cost_the_same():
 
 
 def test_nothing_fits_says_what_would():
-    with pytest.raises(PlacementError, match="at least 2,124 bytes"):
+    with pytest.raises(PlacementError, match=r"the least is 2,124 bytes \(1,100 for the activations laid out C K"):
         plan(1024 + 1000)
 
 

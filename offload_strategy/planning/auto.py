@@ -105,10 +105,11 @@ def plan_auto(
         if best is None or total < best.seconds - 1e-12:
             best = AutoPlan(candidate, layout, total)
     if best is None:
-        least = front[0].peak_bytes if front else 0
+        # each layout with the parameters' smallest working set beside it (a whole block's units when it recomputes)
+        need = min((layout.peak_bytes + (smallest_with_blocks if CHECKPOINT in layout.layout else smallest_parameters), layout) for layout in front)
         raise PlacementError(
-            f"gpu_memory={gpu_bytes:,} bytes cannot hold the parameters' smallest working set ({smallest_parameters:,} bytes: one "
-            f"module's units and a prefetch buffer) beside the activations' smallest layout ({least:,} bytes); raise gpu_memory to "
-            f"at least {smallest_parameters + least:,} bytes, or lower the batch size or sequence length."
+            f"gpu_memory={gpu_bytes:,} bytes cannot hold the activations of any layout beside the parameters' smallest working set: "
+            f"the least is {need[0]:,} bytes ({need[1].peak_bytes:,} for the activations laid out {' '.join(p[0].upper() for p in need[1].layout)}, "
+            f"the rest for the parameters); raise gpu_memory to at least that, or lower the batch size or sequence length."
         )
     return best
