@@ -23,6 +23,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -95,6 +96,11 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
         if self.policy.name == "none":  # nothing is tiered: plain DDP
             return super().configure_ddp()
         _sync_module_states(self.model)  # every rank starts from rank 0's parameters, as DDP does
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        rank_zero_info(self.describe())
 
     @override
     def _engine_when_all_fits(self) -> bool:

@@ -168,8 +168,9 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     each block's activations a tensor used at its forward and at its backward, the memory of a
     kernel what the blocks before it hold. The migrations TeraIO plans until every kernel fits
     decide each block: moved to the SSD is ``swap_nvme``, to host memory ``swap_host``, not moved
-    ``keep``. TeraIO does not recompute; when its offloads cannot bring the peak under
-    ``gpu_bytes``, ValueError says so (``activations="auto"`` can also checkpoint)."""
+    ``keep``. What TeraIO would leave to stall, the earliest kept blocks cover. TeraIO does not
+    recompute; when offloading cannot bring the peak under ``gpu_bytes``, ValueError says so
+    (``activations="auto"`` can also checkpoint)."""
     from .teraio import SSD, TensorUses, plan_migrations
 
     n = len(costs)
@@ -189,7 +190,20 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     layout = [KEEP] * n
     for migration in plan.migrations:
         layout[int(migration.tensor[len("block"):])] = SWAP_NVME if migration.destination == SSD else SWAP_HOST
+    # What TeraIO leaves over capacity would stall its kernels; the runtime cannot stall, so the
+    # earliest blocks still kept go too (to host memory while it has room), until the peak fits.
+    host_left = host_bytes - sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_HOST)
     peak = peak_bytes(costs, layout)
+    for j in range(n - 1):
+        if peak <= gpu_bytes:
+            break
+        if layout[j] != KEEP:
+            continue
+        if costs[j].activation_bytes <= host_left or links.nvme_write <= 0:
+            layout[j], host_left = SWAP_HOST, host_left - costs[j].activation_bytes
+        else:
+            layout[j] = SWAP_NVME
+        peak = peak_bytes(costs, layout)
     if peak > gpu_bytes:
         raise ValueError(
             f"TeraIO's offloads leave {peak:,} bytes of activations in the GPU tier at the worst moment, over the {gpu_bytes:,} "
