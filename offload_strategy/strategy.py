@@ -258,7 +258,7 @@ class TieredMixin(ActivationControl):
         self._state_factor = optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0)
         place = functools.partial(
             place_units, sizes, self._co_resident, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
-            state_factor=self._state_factor, homes=homes,
+            state_factor=self._state_factor, homes=homes, owned=self._units_with_states_here(sizes),
         )
         try:
             placement = place(persistent=persistent)
@@ -325,7 +325,7 @@ class TieredMixin(ActivationControl):
                 self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
                 nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
                 blocks=activations.block_costs() if joint else (), links=self._activation_links() if joint else None,
-                activation_host_bytes=self._host_left(), block_units=self._block_units,
+                activation_host_bytes=self._host_left(), block_units=self._block_units, owned=self._units_with_states_here(self._unit_sizes),
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
@@ -352,6 +352,10 @@ class TieredMixin(ActivationControl):
 
     def _data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         """The ranks the engine reduces gradients across; None on one device."""
+        return None
+
+    def _units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
+        """The units whose optimizer states this process keeps; None: all of them."""
         return None
 
     def _same_on_every_rank(self, choice: Any) -> Any:

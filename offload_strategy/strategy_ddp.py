@@ -112,12 +112,21 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
         return DataParallel(
             rank=self.global_rank,
             world_size=self.world_size,
-            owners=tuple(assign_owners([u.trainable_bytes for u in sizes], self.world_size)),
+            owners=self._owners(sizes),
             host_group=host,
             device_group=device,
             control_group=control,
             shard_states=self.shard_states,
         )
+
+    def _owners(self, sizes: list[UnitSize]) -> tuple[int, ...]:
+        return tuple(assign_owners([u.trainable_bytes for u in sizes], self.world_size))
+
+    @override
+    def _units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
+        if not self.shard_states or self.policy.name == "none":
+            return None  # placement reserves room for every unit's states
+        return {u.index for u, owner in zip(sizes, self._owners(sizes)) if owner == self.global_rank}
 
     def _process_groups(self) -> tuple[Any, Any, Any]:
         """(host, device, control) groups, created once and in the same order on every rank: gloo

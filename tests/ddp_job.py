@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--nvme", type=Path, default=None, help="an NVMe tier in this directory")
+    parser.add_argument("--host-factor", type=float, default=None, help="host_memory as a multiple of the parameter bytes")
     parser.add_argument("--no-shard", action="store_true", help="every rank keeps every optimizer state")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip-norm", type=float, default=None)
@@ -80,7 +81,8 @@ def main() -> None:
     args = parser.parse_args()
 
     total = model_bytes()
-    budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total if args.nvme else 6 * total))
+    host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
+    budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(host * total))
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":

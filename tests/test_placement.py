@@ -43,6 +43,18 @@ def test_nvme_takes_what_host_memory_cannot():
     assert place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=49100, nvme_bytes=1 << 20, state_factor=2).staging_slots == {4096: 5}
 
 
+def test_sharded_states_reserve_room_only_for_the_units_this_rank_owns():
+    # As above with 45000 bytes, but this rank keeps the states of units 1 and 3 only: homes cost
+    # 4096 (+ 4096 of states for 1 and 3). Gradients 16384 + units 0 (4096), 1 (8192), 2 (4096)
+    # and 3 (8192) = 40960 fit on the host, where all four units' states pushed three to NVMe.
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=45000, nvme_bytes=1 << 20, state_factor=2, owned={1, 3})
+    assert placement.home == {0: HOST, 1: HOST, 2: HOST, 3: HOST}
+    assert placement.host_bytes == 40960 and placement.nvme_bytes == 0
+    # a persistent unit another rank owns costs its parameters and gradients only: 2 x 1024
+    everything = place_units(UNITS, GROUPS, gpu_bytes=18432, host_bytes=0, nvme_bytes=0, state_factor=2, owned={1})
+    assert everything.gpu_bytes == 1024 * 2 + 2048 * 4 + 1024 * 2 + 512 * 2
+
+
 def test_persistent_units_by_first_use():
     # 16384 bytes, 8192 reserved for streaming: unit 0 costs 4096 (0 + 4096 + 8192 <= 16384:
     # persistent); unit 1 costs 8192 (4096 + 8192 + 8192 > 16384: offloaded); unit 2 costs 4096

@@ -83,6 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     machine = Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=gbps(hardware.nvme_read_gbps), nvme_write=gbps(hardware.nvme_write_gbps),
                       world_size=args.ranks, network=network, shard_states=not args.replicate_states)
     owners = assign_owners([size.trainable_bytes for size in sizes], args.ranks)
+    # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated)
+    owned = {i for i, o in enumerate(owners) if o == 0} if args.ranks > 1 and not args.replicate_states else None
     compute = sum(c.forward_seconds + c.backward_seconds for c in costs)
     params = sum(c.parameters for c in costs)
     print(f"\n{cfg.model.get('name', cfg.model.family)}: {params / 1e9:.2f} B parameters in {len(units)} units, {args.precision}; "
@@ -96,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for gpu in budgets:
         try:
-            placement = place_units(sizes, co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=state_factor)
+            placement = place_units(sizes, co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=state_factor, owned=owned)
         except PlacementError as error:
             print(f"| {format_bytes(gpu)} | does not fit: {error} |||||||||")
             continue
@@ -115,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         homes = "/".join(str(sum(h == home for h in placement.home.values())) for home in ("gpu", "host", "nvme"))
         unit_costs = {u.index: c for u, c in zip(units, step_units)}
         best = search_persistent(sizes, co_resident, [u.index for u in units], unit_costs, machine, gpu_bytes=gpu, host_bytes=host,
-                                 nvme_bytes=nvme, state_factor=state_factor)[0]
+                                 nvme_bytes=nvme, state_factor=state_factor, owned=owned)[0]
         print(f"| {format_bytes(gpu)} | {homes} | {format_bytes(placement.gpu_bytes)} | {format_bytes(placement.host_bytes)} | "
               f"{format_bytes(placement.nvme_bytes)} | {buffers} | {step.seconds:.2f} | {tokens / step.seconds:,.0f} | "
               f"{step.exposed_seconds / step.seconds:.0%} | {format_bytes(step.h2d_bytes)} | "

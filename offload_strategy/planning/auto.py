@@ -24,7 +24,7 @@ the GPU tier would need.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,13 +59,15 @@ def plan_auto(
     links: Optional[Links] = None,
     activation_host_bytes: int = 0,
     block_units: Sequence[Sequence[int]] = (),
+    owned: Optional[Collection[int]] = None,
 ) -> AutoPlan:
     """The fastest plan within the budgets; see the module docstring.
 
     ``blocks``: profiled costs of the repeated blocks (none: parameters only); ``links``: the
     bandwidths activation swaps use and the parameter traffic they compete with; ``activation_host_bytes``:
     host memory left for swapped activations; ``block_units``: the units each block uses, which a
-    checkpointed block's recompute needs resident together.
+    checkpointed block's recompute needs resident together; ``owned``: with sharded states, the
+    units whose states this rank keeps.
     """
     stride = max(1, len(order) // SEARCH_POINTS)
 
@@ -73,7 +75,7 @@ def plan_auto(
         together = [*co_resident, *block_units] if recompute else co_resident
         return search_persistent(
             sizes, together, order, unit_costs, machine, gpu_bytes=budget, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
-            state_factor=state_factor, stride=stride if blocks else 1,
+            state_factor=state_factor, stride=stride if blocks else 1, owned=owned,
         )[0]
 
     if not blocks:

@@ -99,6 +99,7 @@ def place_units(
     all_on_gpu: bool = False,
     homes: Optional[Mapping[int, str]] = None,
     persistent: Optional[Collection[int]] = None,
+    owned: Optional[Collection[int]] = None,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -108,10 +109,14 @@ def place_units(
     host memory, and its parameters and states at home (host memory or NVMe). ``homes`` (from a
     plan file) fixes every unit's home instead of choosing it; ``persistent`` fixes only which
     units stay in the GPU tier (the planner's search); buffers are sized as usual and the budgets
-    still hold.
+    still hold. ``owned``: under data parallelism with sharded states, the units whose optimizer
+    states this rank keeps (the others need room for their parameters and gradients only).
     """
+    def states(u: UnitSize) -> int:
+        return 0 if owned is not None and u.index not in owned else int(u.trainable_bytes * state_factor)
+
     def gpu_cost(u: UnitSize) -> int:
-        return u.nbytes + int(u.trainable_bytes * (1 + state_factor))
+        return u.nbytes + u.trainable_bytes + states(u)
 
     total_gpu = sum(gpu_cost(u) for u in units)
     if homes is not None and all(homes[u.index] == GPU for u in units):
@@ -177,7 +182,7 @@ def place_units(
     # of the units that fit. The others keep both on NVMe and pass through staging buffers: two
     # for fetching units into the GPU tier, two for updating them (parameters and states).
     grads = sum(align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) for u in streaming)
-    cost = {u.index: align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT) for u in streaming}
+    cost = {u.index: align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(states(u), HOST_SLOT_ALIGNMENT) for u in streaming}
     staging: dict[int, int] = {}
     on_host = (lambda u, host_used: homes[u.index] == HOST) if homes is not None else (lambda u, host_used: host_used + cost[u.index] <= host_bytes)
     if (homes is None and grads + sum(cost.values()) <= host_bytes) or (homes is not None and all(homes[u.index] == HOST for u in streaming)):
@@ -185,7 +190,7 @@ def place_units(
             home[u.index] = HOST
         host_used = grads + sum(cost.values())
     else:
-        slot = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in streaming)
+        slot = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(states(u), HOST_SLOT_ALIGNMENT)) for u in streaming)
         staging = {slot: NVME_STAGING_BUFFERS}
         host_used = grads + NVME_STAGING_BUFFERS * slot
         if host_used > host_bytes:
@@ -203,7 +208,7 @@ def place_units(
         # keeps more of them in staging buffers between their uses.
         on_nvme = [u for u in streaming if home[u.index] == NVME]
         if on_nvme:
-            fitted = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(int(u.trainable_bytes * state_factor), HOST_SLOT_ALIGNMENT)) for u in on_nvme)
+            fitted = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(states(u), HOST_SLOT_ALIGNMENT)) for u in on_nvme)
             host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
             extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
             staging = {fitted: NVME_STAGING_BUFFERS + extra}
