@@ -86,7 +86,7 @@ class ActivationControl:
         placed again (the optimizer states move through their standard state dicts, exactly)."""
         activations = self._activations
         assert activations is not None and self.budgets is not None
-        costs = activations.block_costs()
+        costs = self._same_on_every_rank(activations.block_costs())  # measured times differ between ranks
         self.activation_costs = costs
         activations.end_profile()
         choose = teraio_layout if activations.planner == TERAIO else choose_layout  # activations="teraio" or "auto"

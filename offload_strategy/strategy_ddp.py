@@ -124,8 +124,10 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
 
     @override
     def _units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
-        if not self.shard_states or self.policy.name == "none":
-            return None  # placement reserves room for every unit's states
+        if not self.shard_states or self.policy.name == "none" or self.root_device.type == "cuda":
+            # every unit's states reserved: on CUDA every rank must place each unit in the same tier,
+            # since a unit in the GPU tier reduces on the NCCL group and one in host memory on gloo
+            return None
         return {u.index for u, owner in zip(sizes, self._owners(sizes)) if owner == self.global_rank}
 
     def _process_groups(self) -> tuple[Any, Any, Any]:
