@@ -32,7 +32,7 @@ from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import ActivationPlan, BlockCost, Links
 from .planning.auto import AutoPlan, plan_auto
-from .planning.cost_model import Machine, UnitCost
+from .planning.cost_model import UnitCost, machine_from_spec
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
@@ -235,9 +235,8 @@ class TieredMixin(ActivationControl):
         ]
         self._unit_sizes, self._co_resident = sizes, [[u.index for u in used] for used in users.values()]
         blocks = self._activations.blocks if self._activations is not None else []
-        self._block_units = [
-            sorted({u.index for module, used in users.items() if any(module is m for m in block.modules()) for u in used}) for block in blocks
-        ]
+        inside = [{id(m) for m in block.modules()} for block in blocks]
+        self._block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
         self._unit_names = [u.name for u in units]
         homes, persistent = None, None
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
@@ -314,10 +313,7 @@ class TieredMixin(ActivationControl):
                 nbytes=s.unit.nbytes, forward_seconds=forward, backward_seconds=profile.backward_seconds.get(i, 2 * forward),
                 gradient_bytes=s.unit.nbytes if trainable else 0, update_seconds=updates.get(i, per_byte * s.unit.nbytes if trainable else 0.0),
             )
-        spec = self.hardware
-        gbps = lambda value, default: (value or default) * 1e9  # noqa: E731
-        machine = Machine(h2d=gbps(spec.h2d_gbps, 10.0), d2h=gbps(spec.d2h_gbps, 10.0), nvme_read=gbps(spec.nvme_read_gbps, 2.0),
-                          nvme_write=gbps(spec.nvme_write_gbps, 1.0))
+        machine = machine_from_spec(self.hardware, nvme=self.nvme_path is not None)
         activations = self._activations
         joint = activations is not None and activations.planner == "auto" and activations.profile is not None and activations.profiled
         try:
@@ -392,7 +388,7 @@ class TieredMixin(ActivationControl):
             return frozenset()  # direct writes from a CUDA device need host views it does not map yet
         reserve = 0.0 if reserve is None else reserve
         offloaded = [u for u in sizes if placement.home[u.index] != GPU and u.trainable_bytes]
-        bandwidth = (self.hardware.d2h_gbps if self.hardware and self.hardware.d2h_gbps else 10.0) * 1e9
+        bandwidth = machine_from_spec(self.hardware, nvme=False).d2h
         kept = gradient_offload_plan(
             [u.trainable_bytes for u in offloaded], [u.trainable_bytes / bandwidth for u in offloaded], [0.0] * len(offloaded), reserve
         )

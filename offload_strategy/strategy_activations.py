@@ -16,6 +16,7 @@ from .config import format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
+from .planning.cost_model import machine_from_spec
 from .planning.placement import GPU, minimum_gpu_bytes
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
 from .runtime.activations import TERAIO, ActivationPolicies
@@ -150,19 +151,11 @@ class ActivationControl:
         return t
 
     def _activation_links(self) -> Links:
-        spec = self.hardware
-        gbps = lambda value: (value or 0.0) * 1e9  # noqa: E731
+        machine = machine_from_spec(self.hardware, nvme=self.nvme_path is not None)
         moved = sum(s.unit.nbytes for s in self.engine.states if s.home != GPU) if self.engine is not None else 0
-        # bandwidths the hardware spec does not know: a PCIe 3.0 x16 link and a SATA-class disk
-        h2d = gbps(spec.h2d_gbps if spec else None) or 10e9
-        ssd = self.nvme_path is not None
         return Links(
-            d2h=gbps(spec.d2h_gbps if spec else None) or 10e9,
-            h2d=h2d,
-            nvme_write=(gbps(spec.nvme_write_gbps if spec else None) or 0.5e9) if ssd else 0.0,
-            nvme_read=(gbps(spec.nvme_read_gbps if spec else None) or 0.5e9) if ssd else 0.0,
-            parameter_forward_seconds=moved / h2d,
-            parameter_backward_seconds=moved / h2d,
+            d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
+            parameter_forward_seconds=moved / machine.h2d, parameter_backward_seconds=moved / machine.h2d,
         )
 
     def _activation_metrics(self) -> dict[str, float]:

@@ -92,3 +92,15 @@ def test_data_parallel_reduces_before_offload_updates_owned_units_and_shares_the
     single = simulate_step(units, buffers=2, machine=Machine(h2d=100.0, d2h=100.0))
     # u1 3-4, host 4-5, update 5-6; u0 4-5, host 5-6, update 6-7
     assert single.seconds == pytest.approx(7)
+
+
+def test_links_from_a_hardware_spec_with_fallbacks_for_what_it_does_not_know():
+    from offload_strategy.hardware import known_hardware
+    from offload_strategy.planning.cost_model import UNKNOWN_DISK, UNKNOWN_LINK, machine_from_spec
+
+    spec = known_hardware("h100_80g")
+    machine = machine_from_spec(spec, nvme=True)
+    assert machine.h2d == spec.h2d_gbps * 1e9 and machine.nvme_read == (spec.nvme_read_gbps * 1e9 if spec.nvme_read_gbps else UNKNOWN_DISK)
+    assert machine_from_spec(spec, nvme=False).nvme_write == 0.0  # no NVMe tier, no link to it
+    unknown = machine_from_spec(None, nvme=True)
+    assert (unknown.h2d, unknown.d2h, unknown.nvme_write) == (UNKNOWN_LINK, UNKNOWN_LINK, UNKNOWN_DISK)

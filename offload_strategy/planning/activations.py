@@ -174,8 +174,9 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     from .teraio import SSD, TensorUses, plan_migrations
 
     n = len(costs)
-    if peak_bytes(costs, [KEEP] * n) <= gpu_bytes:
-        return ActivationPlan((KEEP,) * n, step_seconds(costs, [KEEP] * n, links), peak_bytes(costs, [KEEP] * n))
+    keep_all = [KEEP] * n
+    if peak_bytes(costs, keep_all) <= gpu_bytes:
+        return ActivationPlan(tuple(keep_all), step_seconds(costs, keep_all, links), peak_bytes(costs, keep_all))
     # the runtime copies a swapped block out while the next blocks run: one block's bytes stay
     # reserved for the copy in flight, which TeraIO's kernel-by-kernel memory does not see
     capacity = gpu_bytes - max(c.activation_bytes for c in costs)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Optional
 
 GPU, HOST, NVME = "gpu", "host", "nvme"
 
@@ -74,6 +75,24 @@ class StepPrediction:
     def exposed_seconds(self) -> float:
         """Time the step is longer than its compute: transfers and updates not hidden."""
         return self.seconds - self.compute_seconds
+
+
+# bandwidths a hardware spec may leave unknown: a PCIe 3.0 x16 link each way and a SATA-class disk
+UNKNOWN_LINK = 10e9
+UNKNOWN_DISK = 0.5e9
+
+
+def machine_from_spec(spec: Optional[Any], nvme: bool) -> Machine:
+    """The links of a :class:`~offload_strategy.config.HardwareSpec` (GB/s) in bytes/s, with the
+    fallbacks above where it does not know one; no NVMe link without an NVMe tier."""
+    def gbps(name: str, unknown: float) -> float:
+        value = getattr(spec, name, None) if spec is not None else None
+        return value * 1e9 if value else unknown
+
+    return Machine(
+        h2d=gbps("h2d_gbps", UNKNOWN_LINK), d2h=gbps("d2h_gbps", UNKNOWN_LINK),
+        nvme_read=gbps("nvme_read_gbps", UNKNOWN_DISK) if nvme else 0.0, nvme_write=gbps("nvme_write_gbps", UNKNOWN_DISK) if nvme else 0.0,
+    )
 
 
 def move_seconds(nbytes: float, bandwidth: float) -> float:
