@@ -32,7 +32,7 @@ from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import ActivationPlan, BlockCost, Links
 from .planning.auto import AutoPlan, plan_auto
-from .planning.cost_model import UnitCost, machine_from_spec
+from .planning.cost_model import costs_from_timing, machine_from_spec
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
@@ -301,18 +301,7 @@ class TieredMixin(ActivationControl):
         assert engine is not None and self.budgets is not None
         profile = engine.profile
         order = list(dict.fromkeys(profile.order)) + [i for i in range(len(engine.states)) if i not in profile.order]
-        updates = {index: end - start for index, start, end in engine.update_log}
-        measured = [(engine.states[i].unit.nbytes, t) for i, t in updates.items() if t > 0]
-        per_byte = sum(t for _, t in measured) / max(sum(b for b, _ in measured), 1)  # persistent units were updated on the GPU tier
-        costs = {}
-        for s in engine.states:
-            i = s.unit.index
-            forward = profile.forward_seconds.get(i, 0.0)
-            trainable = bool(s.unit.trainable)
-            costs[i] = UnitCost(
-                nbytes=s.unit.nbytes, forward_seconds=forward, backward_seconds=profile.backward_seconds.get(i, 2 * forward),
-                gradient_bytes=s.unit.nbytes if trainable else 0, update_seconds=updates.get(i, per_byte * s.unit.nbytes if trainable else 0.0),
-            )
+        costs = costs_from_timing(engine.last_timing or profile, [bool(s.unit.trainable) for s in engine.states])
         machine = machine_from_spec(self.hardware, nvme=self.nvme_path is not None)
         activations = self._activations
         joint = activations is not None and activations.planner == "auto" and activations.profile is not None and activations.profiled
@@ -440,7 +429,7 @@ class TieredMixin(ActivationControl):
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is not None:
             # Evaluation runs the forward part of the profiled order: prefetch along it too.
-            self.engine.begin_step(profile=False)
+            self.engine.begin_step(profile=False, train=False)
         return step(*args, **kwargs)
 
     @override
@@ -457,9 +446,14 @@ class TieredMixin(ActivationControl):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.engine is not None:
-            self.engine.attach_direct_gradients()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        engine = self.engine
+        if engine is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        engine.attach_direct_gradients()
+        engine.begin_backward()
+        result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        engine.end_backward()
+        return result
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -36,9 +36,9 @@ def test_nvme_update_is_read_ahead_written_behind_and_ends_the_step():
     # forward: u0 0-1; u1 read from NVMe 0-1, copied 1-2, computes 2-3
     assert step.forward_seconds == pytest.approx(3)
     # backward: u1 resident 3-4, gradient to host 4-5, parameters and states read 5-8, update 8-9,
-    # written 9-10; u0 4-5 and its GPU update 0.5 s: backward ends at 5.5, the step at 10
-    assert step.backward_seconds == pytest.approx(2.5)
-    assert step.seconds == pytest.approx(10) and step.update_tail_seconds == pytest.approx(4.5)
+    # written 9-10; u0 4-5 and its GPU update 0.5 s after backward: backward ends at 5, the step at 10
+    assert step.backward_seconds == pytest.approx(2)
+    assert step.seconds == pytest.approx(10) and step.update_tail_seconds == pytest.approx(5)
 
 
 def test_everything_in_the_gpu_tier_is_pure_compute():
@@ -104,3 +104,20 @@ def test_links_from_a_hardware_spec_with_fallbacks_for_what_it_does_not_know():
     assert machine_from_spec(spec, nvme=False).nvme_write == 0.0  # no NVMe tier, no link to it
     unknown = machine_from_spec(None, nvme=True)
     assert (unknown.h2d, unknown.d2h, unknown.nvme_write) == (UNKNOWN_LINK, UNKNOWN_LINK, UNKNOWN_DISK)
+
+
+def test_units_stream_through_their_own_size_class():
+    # two large units (100 bytes) and a small one (10) between them; one buffer of each size
+    units = [UnitCost(100, 1.0, 1.0), UnitCost(10, 1.0, 1.0), UnitCost(100, 1.0, 1.0)]
+    classes = simulate_step(units, buffers={100: 1, 10: 1}, machine=LINK)
+    # forward: u0 in 0-1, computes 1-2; u1 (small buffer) in 1-1.1, computes 2-3; u2 waits for
+    # u0's buffer (free at 2), in 2-3, computes 3-4. Backward: u2 and u1 still resident (the last
+    # of each class), u2 4-5, u1 5-6; u0 refetched when u2's buffer frees at 5: in 5-6, 6-7.
+    assert classes.forward_seconds == pytest.approx(4)
+    assert classes.backward_seconds == pytest.approx(3)
+    # two buffers of any size: u2 need not wait for u0's (it takes the second), and u1 and u2
+    # stay resident for backward, as above
+    counted = simulate_step(units, buffers=2, machine=LINK)
+    assert counted.forward_seconds == pytest.approx(4.0) and counted.h2d_bytes == classes.h2d_bytes == 310
+    with pytest.raises(ValueError, match="no streaming buffer holds it"):
+        simulate_step(units, buffers={10: 3}, machine=LINK)

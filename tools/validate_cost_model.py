@@ -1,13 +1,15 @@
 """The step model's prediction beside the measured step, on this machine, for several placements.
 
     python tools/validate_cost_model.py
-    python tools/validate_cost_model.py --link-gbps 0.5 --layers 6 --width 384
+    python tools/validate_cost_model.py --models tiny small --fractions 0.25 0.45 0.65 0.85
 
-Trains the same GPT-2 with the tiered strategy at several GPU-tier budgets, with the emulated
-GPU tier's copies throttled to ``--link-gbps`` (slow enough that transfers matter on a CPU). Each
-run's own first-step profile (forward time of every unit; backward taken as twice forward) and its
-placement go into planning/cost_model.py; the table lists the predicted and the measured median
-step side by side.
+Trains GPT-2s with the tiered strategy at several GPU-tier budgets (each a different placement:
+units kept in the GPU tier, streaming buffers), with the emulated GPU tier's copies throttled to
+``--link-gbps`` (slow enough that transfers matter on a CPU). After the warm-up steps, the last
+warm-up step's own timing (compute per unit with waits left out, the compute outside units, the
+update of every unit; ``TieredEngine.last_timing``) and the run's placement go into
+``planning/cost_model.py``; the table lists the predicted and the measured median of the steps
+after it, the step and its phases, side by side, and the peak of the GPU tier's parameter memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,69 +29,98 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
-from offload_strategy.planning.cost_model import GPU, Machine, UnitCost, simulate_step  # noqa: E402
-from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
+from offload_strategy.planning.cost_model import GPU, Machine, StepPrediction, costs_from_timing, outside_units, simulate_step  # noqa: E402
+from tools.common import StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
 
-# fused AdamW on this machine, parameters per second (docs/benchmarks.md, optimizer offload)
-CPU_UPDATE_RATE = 1.5e9
+# (layers, width, sequence, batch, link GB/s): the tiny GPT of conf/model/gpt2_tiny.yaml, and
+# GPT-2 small's 12 x 768 (with the byte vocabulary the tools train on)
+MODELS = {"tiny": (4, 256, 128, 8, 0.1), "small": (12, 768, 128, 2, 0.5)}
 
 
 class Probe(StepTimer):
-    """Step times, and the step model's prediction from the run's first-step profile."""
+    """Each step's phases, and the step model's prediction from the last warm-up step's timing."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: int) -> None:
         super().__init__()
-        self.prediction: Optional[float] = None
+        self.warmup = warmup
+        self.phases: list[tuple[float, float, float]] = []  # forward, backward, after backward
+        self.prediction: Optional[StepPrediction] = None
+        self.predicted_peak = 0
         self.homes = "-"
+        self._marks = [0.0, 0.0]
+
+    def on_before_backward(self, trainer, *args: Any) -> None:
+        self._marks[0] = time.perf_counter()
+
+    def on_after_backward(self, trainer, *args: Any) -> None:
+        self._marks[1] = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
+        end = time.perf_counter()
+        self.phases.append((self._marks[0] - self._start, self._marks[1] - self._marks[0], end - self._marks[1]))
         engine = trainer.strategy.engine
-        if engine is None or self.prediction is not None or not engine.profile.forward_seconds:
+        if engine is None or len(self.times) != self.warmup or engine.last_timing is None:
             return
         spec = trainer.strategy.hardware
         machine = Machine(h2d=spec.h2d_gbps * 1e9, d2h=spec.d2h_gbps * 1e9)
-        order = list(dict.fromkeys(engine.profile.order)) or list(range(len(engine.states)))
-        order += [i for i in range(len(engine.states)) if i not in order]
-        units = []
-        for i in order:
-            s = engine.states[i]
-            forward = engine.profile.forward_seconds.get(i, 0.0)
-            trainable = sum(p.numel() for p in s.unit.trainable)
-            units.append(UnitCost(nbytes=s.unit.nbytes, forward_seconds=forward, backward_seconds=2 * forward, home=s.home,
-                                  gradient_bytes=s.unit.nbytes if trainable else 0,
-                                  update_seconds=0.0 if s.home == GPU else trainable / CPU_UPDATE_RATE))
-        self.prediction = simulate_step(units, sum(engine.placement.device_slots.values()), machine).seconds
+        timing = engine.last_timing
+        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
+        order = list(timing.order) + [i for i in range(len(engine.states)) if i not in timing.order]
+        units = [replace(costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients) for i in order] + [outside_units(timing)]
+        self.prediction = simulate_step(units, engine.placement.device_slots, machine)
+        self.predicted_peak = sum(s.unit.nbytes for s in engine.states if s.home == GPU) + sum(
+            size * count for size, count in engine.placement.device_slots.items())
         self.homes = "/".join(str(sum(s.home == h for s in engine.states)) for h in ("gpu", "host", "nvme"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_arguments(parser, layers=4, width=256, seq_len=128, batch_size=8, steps=12, warmup=3)
-    parser.add_argument("--link-gbps", type=float, default=0.2, help="throttle of the emulated PCIe link, GB/s each way")
-    parser.add_argument("--fractions", type=float, nargs="*", default=[0.3, 0.5, 0.8], help="gpu_memory as fractions of the parameter bytes")
+    parser.add_argument("--models", nargs="*", default=["tiny"], choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=5, help="steps before the one whose timing is the model's input")
+    parser.add_argument("--link-gbps", type=float, default=None, help="throttle of the emulated PCIe link, GB/s each way (default: per model)")
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.45, 0.65, 0.85], help="gpu_memory as fractions of the parameter bytes")
     args = parser.parse_args(argv)
 
-    config = gpt2_config(args.layers, args.width, positions=args.seq_len)
-    param_bytes = parameter_bytes(config)
-    hardware = {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
-                "h2d_gbps": args.link_gbps, "d2h_gbps": args.link_gbps, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        for fraction in args.fractions:
-            print(f"gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
-            probe_cb = Probe()
-            strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, policy={"name": "auto", "throttle": True})
-            fit(strategy, config, args, root, probe_cb, args.steps)
-            measured = statistics.median(probe_cb.times[args.warmup :])
-            rows.append((fraction, probe_cb.homes, probe_cb.prediction, measured))
-    print(f"\nGPT-2 {args.layers} x {args.width}, batch {args.batch_size} x {args.seq_len}, {format_bytes(param_bytes)} of parameters, "
-          f"emulated link {args.link_gbps} GB/s each way; median of {args.steps - args.warmup} steps\n")
-    print("| gpu_memory | units gpu/host/nvme | predicted step (ms) | measured step (ms) | predicted / measured |")
-    print("|---|---|---|---|---|")
-    for fraction, homes, predicted, measured in rows:
-        ratio = f"{predicted / measured:.2f}" if predicted else "-"
-        print(f"| {fraction:.0%} | {homes} | {predicted * 1e3 if predicted else float('nan'):.1f} | {measured * 1e3:.1f} | {ratio} |")
+        for name in args.models:
+            layers, width, seq_len, batch, link = MODELS[name]
+            link = args.link_gbps or link
+            config = gpt2_config(layers, width, positions=seq_len)
+            param_bytes = parameter_bytes(config)
+            run = argparse.Namespace(seq_len=seq_len, batch_size=batch)
+            hardware = {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
+                        "h2d_gbps": link, "d2h_gbps": link, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
+            for fraction in args.fractions:
+                print(f"{name}: gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
+                probe = Probe(args.warmup)
+                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, policy={"name": "auto", "throttle": True})
+                fit(strategy, config, run, root, probe, args.steps)
+                after = slice(args.warmup, None)
+                measured = [statistics.median(p[k] for p in probe.phases[after]) for k in range(3)]
+                peak = max(m.get("tier/gpu_peak_bytes", 0.0) for m in probe.metrics[after])
+                rows.append((f"{name} {layers}x{width}", link, fraction, probe.homes, probe.prediction, statistics.median(probe.times[after]), measured,
+                             probe.predicted_peak, peak))
+
+    print(f"\nMedian of each run's steps after the {args.warmup} warm-up steps; phases: forward (to the loss), backward, and the "
+          "optimizer step after it\n")
+    print("| model | link GB/s | gpu_memory | units gpu/host/nvme | predicted step (ms) | measured step (ms) | predicted / measured "
+          "| forward pred / meas (ms) | backward pred / meas | after backward pred / meas | GPU-tier peak pred / meas |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for model, link, fraction, homes, p, step, (forward, backward, after), predicted_peak, peak in rows:
+        if p is None:
+            print(f"| {model} | {link} | {fraction:.0%} | {homes} | - | {step * 1e3:.1f} | - | | | | |")
+            continue
+        errors.append(abs(p.seconds - step) / step)
+        print(f"| {model} | {link} | {fraction:.0%} | {homes} | {p.seconds * 1e3:.1f} | {step * 1e3:.1f} | {p.seconds / step:.2f} "
+              f"| {p.forward_seconds * 1e3:.1f} / {forward * 1e3:.1f} | {p.backward_seconds * 1e3:.1f} / {backward * 1e3:.1f} "
+              f"| {p.update_tail_seconds * 1e3:.1f} / {after * 1e3:.1f} | {format_bytes(predicted_peak)} / {format_bytes(int(peak))} |")
+    if errors:
+        print(f"\nmedian |predicted - measured| / measured: {statistics.median(errors):.1%} over {len(errors)} placements "
+              f"(largest {max(errors):.1%})")
     return 0
 
 

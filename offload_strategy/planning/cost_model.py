@@ -28,9 +28,11 @@ slow, and how many buffers it takes to hide it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from ..profiling import StepProfile
 
 GPU, HOST, NVME = "gpu", "host", "nvme"
 
@@ -47,6 +49,7 @@ class UnitCost:
     state_bytes: int = 0  # optimizer states (and masters) read and written around an NVMe unit's update
     update_seconds: float = 0.0  # the optimizer's work on the CPU (or GPU, for persistent units)
     owned: bool = True  # data parallel with sharded states: this rank updates it
+    direct_gradient: bool = False  # backward writes the gradient into host memory itself (GO-MemFerry): no copy on the link
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,33 @@ class StepPrediction:
         return self.seconds - self.compute_seconds
 
 
+def costs_from_timing(timing: StepProfile, trainable: Sequence[bool]) -> dict[int, UnitCost]:
+    """Each unit's costs, by index, from a timed training step (``StepProfile``), homes left to
+    the caller. A unit kept in the GPU tier has no backward interval of its own: its backward
+    time is inside its neighbours' (or the step's outside time), so it gets none here and the
+    total stays what was measured; without any backward interval, backward is taken as twice
+    forward. A unit not updated in the timed step is priced at the measured updates' rate per byte."""
+    measured_backward = bool(timing.backward_seconds)
+    updated = [(timing.unit_bytes[i], t) for i, t in timing.update_seconds.items() if t > 0]
+    per_byte = sum(t for _, t in updated) / max(sum(b for b, _ in updated), 1)
+    costs = {}
+    for i, nbytes in enumerate(timing.unit_bytes):
+        forward = timing.forward_seconds.get(i, 0.0)
+        costs[i] = UnitCost(
+            nbytes=nbytes, forward_seconds=forward,
+            backward_seconds=timing.backward_seconds.get(i, 0.0 if measured_backward else 2 * forward),
+            gradient_bytes=nbytes if trainable[i] else 0,
+            update_seconds=timing.update_seconds.get(i, per_byte * nbytes) if trainable[i] else 0.0,
+        )
+    return costs
+
+
+def outside_units(timing: StepProfile) -> UnitCost:
+    """The step's compute in no unit (the loss, and on the way back the units kept in the GPU tier
+    at the end of the model) as a unit with nothing to move, last in execution order."""
+    return UnitCost(nbytes=0, forward_seconds=timing.outside_forward_seconds, backward_seconds=timing.outside_backward_seconds, home=GPU)
+
+
 # bandwidths a hardware spec may leave unknown: a PCIe 3.0 x16 link each way and a SATA-class disk
 UNKNOWN_LINK = 10e9
 UNKNOWN_DISK = 0.5e9
@@ -104,23 +134,36 @@ def move_seconds(nbytes: float, bandwidth: float) -> float:
     return nbytes / bandwidth
 
 
-def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> StepPrediction:
-    """Predict one training step; ``buffers`` is the number of streaming buffers in the GPU tier."""
+def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine) -> StepPrediction:
+    """Predict one training step. ``buffers``: the streaming buffers in the GPU tier, a count (any
+    unit fits any buffer) or the placement's size classes (slot bytes -> count), where a unit
+    streams through the smallest class that holds it, as the runtime's prefetches do."""
     offloaded = [i for i, u in enumerate(units) if u.home != GPU]
-    if offloaded and buffers < 1:
-        raise ValueError(f"{len(offloaded)} units are offloaded but the GPU tier has {buffers} streaming buffers; give at least one.")
+    counts = {1 << 62: buffers} if isinstance(buffers, int) else dict(buffers)
+    classes = {size: n for size, n in counts.items() if n > 0}
+    if offloaded and not classes:
+        raise ValueError(f"{len(offloaded)} units are offloaded but the GPU tier has 0 streaming buffers; give at least one.")
+    class_of = {}
+    for i in offloaded:
+        fitting = [size for size in classes if size >= units[i].nbytes]
+        if not fitting:
+            raise ValueError(
+                f"unit {i} of {units[i].nbytes} bytes is offloaded but no streaming buffer holds it "
+                f"({sum(classes.values())} buffers of at most {max(classes, default=0)} bytes); give the GPU tier a buffer that large."
+            )
+        class_of[i] = min(fitting)
     compute = h2d = d2h = nvme = worker = net = gpu_ready = 0.0
     ranks = machine.world_size
     sharded = ranks > 1 and machine.shard_states
     reduce_share = (ranks - 1) / ranks * (1 if sharded else 2)  # reduce to the owner / all-reduce
     moved = 0
-    free = [0.0] * max(buffers, 0)  # when each buffer frees
-    heapq.heapify(free)
+    free = {size: [0.0] * n for size, n in classes.items()}  # when each buffer of each class frees
 
-    def fetch(u: UnitCost) -> float:
-        """Issue the copy of ``u`` into the next free buffer; when it is in."""
+    def fetch(i: int) -> float:
+        """Issue the copy of unit ``i`` into the next free buffer of its class; when it is in."""
         nonlocal h2d, nvme, moved
-        slot = heapq.heappop(free)
+        u = units[i]
+        slot = heapq.heappop(free[class_of[i]])
         start = slot
         if u.home == NVME:
             nvme = max(nvme, slot) + move_seconds(u.nbytes, machine.nvme_read)
@@ -130,24 +173,27 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
         return h2d
 
     # forward
-    for u in units:
-        ready = fetch(u) if u.home != GPU else 0.0
+    for i, u in enumerate(units):
+        ready = fetch(i) if u.home != GPU else 0.0
         compute = max(compute, ready) + u.forward_seconds
         if u.home != GPU:
-            heapq.heappush(free, compute)
+            heapq.heappush(free[class_of[i]], compute)
     forward_end = compute
 
-    # backward: the last `buffers` offloaded units are still resident
-    resident = set(offloaded[-buffers:]) if buffers else set()
-    held = len(resident)
-    free = sorted(free)[held:] if held else free  # their buffers stay taken until their backward
-    heapq.heapify(free)
+    # backward: the last offloaded units of each class, as many as it has buffers, are still
+    # resident; their buffers stay taken until their backward
+    resident = set()
+    for size, n in classes.items():
+        mine = [i for i in offloaded if class_of[i] == size]
+        resident.update(mine[len(mine) - n :] if n else ())
+        free[size] = sorted(free[size])[min(n, len(mine)) :]
+        heapq.heapify(free[size])
     gpu_updates = 0.0
     for i in reversed(range(len(units))):
         u = units[i]
         ready = 0.0
         if u.home != GPU and i not in resident:
-            ready = fetch(u)
+            ready = fetch(i)
         compute = max(compute, ready) + u.backward_seconds
         reduced = compute
         if ranks > 1 and u.gradient_bytes:
@@ -158,8 +204,8 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
             gpu_ready = max(gpu_ready, reduced)
             gpu_updates += u.update_seconds if owned else 0.0
             continue
-        heapq.heappush(free, compute)
-        d2h = max(d2h, reduced) + move_seconds(u.gradient_bytes, machine.d2h)
+        heapq.heappush(free[class_of[i]], compute)
+        d2h = max(d2h, reduced) + (0.0 if u.direct_gradient else move_seconds(u.gradient_bytes, machine.d2h))
         if not owned:
             continue
         start = max(worker, d2h)
@@ -169,8 +215,8 @@ def simulate_step(units: Sequence[UnitCost], buffers: int, machine: Machine) -> 
         worker = start + u.update_seconds
         if u.home == NVME:  # written behind: the worker goes on
             nvme = max(nvme, worker) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_write)
-    backward_end = max(compute, gpu_ready) + gpu_updates
-    end = max(backward_end, worker, nvme)
+    backward_end = max(compute, gpu_ready)
+    end = max(backward_end + gpu_updates, worker, nvme)
     if sharded:  # the owners' updated parameters to every rank, then the others' NVMe units written
         trainable = sum(u.nbytes for u in units if u.gradient_bytes)
         net = max(net, end) + move_seconds(trainable * (ranks - 1) / ranks, machine.network)

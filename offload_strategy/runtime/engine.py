@@ -132,7 +132,15 @@ class TieredEngine(UnitUpdates, GradientExchange):
         self.table = PrefetchTable()
         self.requests = RequestStats()
         self.profile = StepProfile(unit_names=[u.name for u in units], unit_bytes=[u.nbytes for u in units])
-        self._last_backward: Optional[tuple[int, float]] = None
+        # Compute times of every training step, waits for units left out (what the step model
+        # needs is compute, not the stalls of the placement that happened to run): ``timing`` is
+        # the step in progress, ``last_timing`` the last one whose optimizer step ran.
+        self.timing: Optional[StepProfile] = None
+        self.last_timing: Optional[StepProfile] = None
+        self._stalled = 0.0  # seconds the training thread has waited for units, cumulative
+        # where the backward interval being timed began: (unit or None before the first unit, time, stalled)
+        self._backward_mark: Optional[tuple[Optional[int], float, float]] = None
+        self._forward_mark: Optional[tuple[Optional[int], float, float]] = None
         self._state_bytes: dict[int, int] = {}  # optimizer state bytes of each host-homed unit
         self.nvme_states: Optional[NvmeOptimizerStates] = None
         self.unit_optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
@@ -320,27 +328,21 @@ class TieredEngine(UnitUpdates, GradientExchange):
     # -- residency ----------------------------------------------------------------------------------
 
     def _make_pre_hook(self, indices: list[int], fetched: list[int]):
-        started: list[float] = []
-
         def pre_hook(module: nn.Module, args: Any) -> None:
             if self._phase == "backward" and torch._C._current_autograd_node() is None:
                 self._phase = "forward"  # another forward in the same step (manual optimization)
             for i in fetched:
                 self.states[i].pins += 1
+            if self.timing is not None and self._phase == "forward" and torch._C._current_autograd_node() is None:
+                self._mark_forward(indices[0])
             for i in fetched:
                 self.request(i)
                 if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
                     self.states[i].recompute_pinned = True  # a forward that backward recomputes
-            if self.table.recording:
-                started.append(time.perf_counter())
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             for i in fetched:
                 self.states[i].pins -= 1
-            if self.table.recording and started:
-                elapsed = time.perf_counter() - started.pop()
-                for i in indices:
-                    self.profile.forward_seconds[i] = self.profile.forward_seconds.get(i, 0.0) + elapsed
 
         pre_hook.post_hook = post_hook  # type: ignore[attr-defined]
         return pre_hook
@@ -367,6 +369,7 @@ class TieredEngine(UnitUpdates, GradientExchange):
             self._complete(s)
             waited = time.perf_counter() - start
         self.requests.add(kind, waited)
+        self._stalled += waited
         if not s.bound:
             self._bind(s, s.unit.views(s.device_slot.tensor))
             s.bound = True
@@ -575,13 +578,12 @@ class TieredEngine(UnitUpdates, GradientExchange):
             return packed
         self._phase = "backward"
         self.backward_log.append(time.perf_counter())
-        if self.table.recording:
-            now = time.perf_counter()
-            if self._last_backward is not None and self._last_backward[0] != packed.unit:
-                previous, since = self._last_backward
-                self.profile.backward_seconds[previous] = self.profile.backward_seconds.get(previous, 0.0) + now - since
-            if self._last_backward is None or self._last_backward[0] != packed.unit:
-                self._last_backward = (packed.unit, now)
+        mark = self._backward_mark
+        if self.timing is not None and (mark is None or mark[0] != packed.unit):
+            # a unit's backward runs from its first saved tensor to the next unit's (its fetch
+            # wait, below, is left out); persistent units' backward falls in these intervals
+            self._close_backward_interval()
+            self._backward_mark = (packed.unit, time.perf_counter(), self._stalled)
         buffer = self.request(packed.unit)
         s = self.states[packed.unit]
         s.used_in_backward = True
@@ -593,12 +595,18 @@ class TieredEngine(UnitUpdates, GradientExchange):
     # -- training-step boundaries -------------------------------------------------------------------
 
     @torch.inference_mode(False)
-    def begin_step(self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None, reduce: Optional[str] = None) -> None:
-        """A training (or evaluation) step starts. ``update_in_backward``: its backward ends an
-        optimizer step (no accumulation left, nothing that needs every gradient first), so units
-        are updated as soon as their gradients are complete. ``reduce``: under data parallelism,
-        how this backward's gradients are reduced (see ``GradientExchange``); None accumulates."""
+    def begin_step(
+        self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None, reduce: Optional[str] = None, train: bool = True,
+    ) -> None:
+        """A training (or, with ``train=False``, evaluation) step starts. ``update_in_backward``:
+        its backward ends an optimizer step (no accumulation left, nothing that needs every
+        gradient first), so units are updated as soon as their gradients are complete.
+        ``reduce``: under data parallelism, how this backward's gradients are reduced (see
+        ``GradientExchange``); None accumulates."""
         self._phase = "forward"
+        self.timing = StepProfile(unit_names=self.profile.unit_names, unit_bytes=self.profile.unit_bytes) if train else None
+        self._backward_mark = None
+        self._forward_mark = (None, time.perf_counter(), self._stalled)
         self._active = True
         self._recent.clear()
         self._touched.clear()
@@ -616,6 +624,51 @@ class TieredEngine(UnitUpdates, GradientExchange):
         else:
             self.table.restart()
             self._prefetch()
+
+    def begin_backward(self) -> None:
+        """The strategy's backward starts: forward's last interval (the head and the loss) ends."""
+        timing, mark = self.timing, self._forward_mark
+        if timing is None or mark is None:
+            return
+        now = time.perf_counter()
+        timing.outside_forward_seconds += now - mark[1] - (self._stalled - mark[2])
+        self._forward_mark = None
+        self._backward_mark = (None, now, self._stalled)
+
+    def _mark_forward(self, unit: int) -> None:
+        """A module using ``unit`` starts: what ran since the last such start (the module before
+        and the functional code after it, which hooks miss; ProTrain §3.2's inter-operator view)
+        is that module's unit's compute, waits for units left out."""
+        timing, mark = self.timing, self._forward_mark
+        now = time.perf_counter()
+        if timing is not None and mark is not None:
+            previous, since, stalled = mark
+            elapsed = now - since - (self._stalled - stalled)
+            if previous is None:
+                timing.outside_forward_seconds += elapsed
+            else:
+                timing.forward_seconds[previous] = timing.forward_seconds.get(previous, 0.0) + elapsed
+            if unit not in timing.forward_seconds:
+                timing.order.append(unit)
+                timing.forward_seconds[unit] = 0.0
+        self._forward_mark = (unit, now, self._stalled)
+
+    def end_backward(self) -> None:
+        """The strategy's backward returned: the last unit's backward interval ends."""
+        if self.timing is not None:
+            self._close_backward_interval()
+            self._backward_mark = None
+
+    def _close_backward_interval(self) -> None:
+        mark, timing = self._backward_mark, self.timing
+        if mark is None or timing is None:
+            return
+        unit, since, stalled = mark
+        elapsed = time.perf_counter() - since - (self._stalled - stalled)
+        if unit is None:  # the loss and the units kept in the GPU tier at the end of the model
+            timing.outside_backward_seconds += elapsed
+        else:
+            timing.backward_seconds[unit] = timing.backward_seconds.get(unit, 0.0) + elapsed
 
     def evict_all(self) -> None:
         for s in self.states:

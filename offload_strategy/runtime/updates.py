@@ -262,7 +262,8 @@ class UnitUpdates:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Update every unit where it lives with the user's optimizer, one unit at a time."""
-        if self.table.recording:
+        recording = self.table.recording
+        if recording:
             self.table.freeze()
             self.profile.order = list(self.table.order)
         self._active = False
@@ -290,9 +291,25 @@ class UnitUpdates:
             self.update_log.append((s.unit.index, start, time.perf_counter()))
         self._share_updated_parameters()
         unit_optimizers.count_step()
+        self._finish_timing(recording)
         self.step_stats["exposed_seconds"] += time.perf_counter() - started
         self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.update_log)
         self.step_stats["steps"] += 1
+
+    def _finish_timing(self, profiled: bool) -> None:
+        """Keep this step's compute and update times; the profiled step's are its profile's."""
+        timing, self.timing = self.timing, None
+        if timing is None:
+            return
+        for index, start, end in self.update_log:
+            timing.update_seconds[index] = timing.update_seconds.get(index, 0.0) + end - start
+        self.last_timing = timing
+        if profiled:
+            self.profile.forward_seconds = dict(timing.forward_seconds)
+            self.profile.backward_seconds = dict(timing.backward_seconds)
+            self.profile.update_seconds = dict(timing.update_seconds)
+            self.profile.outside_forward_seconds = timing.outside_forward_seconds
+            self.profile.outside_backward_seconds = timing.outside_backward_seconds
 
     def end_step(self) -> None:
         """After the optimizer step, taken or skipped (an fp16 overflow): gradients start afresh."""
