@@ -5,9 +5,9 @@
 
 Trains GPT-2s with the tiered strategy at several GPU-tier budgets (each a different placement:
 units kept in the GPU tier, streaming buffers), with the emulated GPU tier's copies throttled to
-``--link-gbps`` (slow enough that transfers matter on a CPU). After the warm-up steps, the last
-warm-up step's own timing (compute per unit with waits left out, the compute outside units, the
-update of every unit; ``TieredEngine.last_timing``) and the run's placement go into
+``--link-gbps`` (slow enough that transfers matter on a CPU). The warm-up steps' own timings after
+the first (compute per unit with waits left out, the compute outside units, the update of every
+unit; ``TieredEngine.last_timing``), averaged, and the run's placement go into
 ``planning/cost_model.py``; the table lists the predicted and the measured median of the steps
 after it, the step and its phases, side by side, and the peak of the GPU tier's parameter memory.
 """
@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
+from offload_strategy.profiling import mean_timing  # noqa: E402
 from offload_strategy.planning.cost_model import GPU, Machine, StepPrediction, costs_from_timing, outside_units, simulate_step  # noqa: E402
 from tools.common import StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
 
@@ -38,7 +39,7 @@ MODELS = {"tiny": (4, 256, 128, 8, 0.1), "small": (12, 768, 128, 2, 0.5)}
 
 
 class Probe(StepTimer):
-    """Each step's phases, and the step model's prediction from the last warm-up step's timing."""
+    """Each step's phases, and the step model's prediction from the warm-up steps' timings."""
 
     def __init__(self, warmup: int) -> None:
         super().__init__()
@@ -48,6 +49,7 @@ class Probe(StepTimer):
         self.predicted_peak = 0
         self.homes = "-"
         self._marks = [0.0, 0.0]
+        self.timings: list[Any] = []
 
     def on_before_backward(self, trainer, *args: Any) -> None:
         self._marks[0] = time.perf_counter()
@@ -60,11 +62,15 @@ class Probe(StepTimer):
         end = time.perf_counter()
         self.phases.append((self._marks[0] - self._start, self._marks[1] - self._marks[0], end - self._marks[1]))
         engine = trainer.strategy.engine
-        if engine is None or len(self.times) != self.warmup or engine.last_timing is None:
+        if engine is None or engine.last_timing is None:
+            return
+        if len(self.times) > 1:  # the first step is cold: lazy initialisation, first allocations
+            self.timings.append(engine.last_timing)
+        if len(self.times) != self.warmup:
             return
         spec = trainer.strategy.hardware
         machine = Machine(h2d=spec.h2d_gbps * 1e9, d2h=spec.d2h_gbps * 1e9)
-        timing = engine.last_timing
+        timing = mean_timing(self.timings)
         costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
         order = list(timing.order) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [replace(costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients) for i in order] + [outside_units(timing)]

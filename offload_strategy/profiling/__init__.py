@@ -1,5 +1,5 @@
 """What one profiled training step measured."""
 
-from .profile import StepProfile
+from .profile import StepProfile, mean_timing
 
-__all__ = ["StepProfile"]
+__all__ = ["StepProfile", "mean_timing"]

@@ -32,3 +32,22 @@ class StepProfile:
         for key in ("forward_seconds", "backward_seconds", "update_seconds"):
             data[key] = {int(k): float(v) for k, v in data.get(key, {}).items()}
         return cls(**data)
+
+
+def mean_timing(timings: list[StepProfile]) -> StepProfile:
+    """The mean of several timed steps of one engine, unit by unit (a unit missing from a step
+    counts as 0 there); the first one's order. Steps differ by a few percent on a busy host."""
+    if not timings:
+        raise ValueError("mean_timing needs at least one timed step.")
+    first, n = timings[0], len(timings)
+
+    def mean(key: str) -> dict[int, float]:
+        units = {i for t in timings for i in getattr(t, key)}
+        return {i: sum(getattr(t, key).get(i, 0.0) for t in timings) / n for i in sorted(units)}
+
+    return StepProfile(
+        unit_names=list(first.unit_names), unit_bytes=list(first.unit_bytes), order=list(first.order),
+        forward_seconds=mean("forward_seconds"), backward_seconds=mean("backward_seconds"), update_seconds=mean("update_seconds"),
+        outside_forward_seconds=sum(t.outside_forward_seconds for t in timings) / n,
+        outside_backward_seconds=sum(t.outside_backward_seconds for t in timings) / n,
+    )
