@@ -147,6 +147,8 @@ class PolicyConfig:
     ``activations``: what each repeated block does with its activations: ``"keep"``,
     ``"checkpoint"`` (recompute in backward), ``"swap_host"`` or ``"swap_nvme"`` (copied out of the
     GPU tier after forward, back ahead of backward); one name for all blocks or a list with one per block;
+    or a planner deciding from the profiled first step: ``"auto"`` (ProTrain's layout search),
+    ``"teraio"`` (TeraIO's offload selection), ``"lohan"`` (LoHan's swap-or-recompute search);
     ``block_class`` names the blocks' class when they are not found automatically.
 
     What the planner may decide for parameters, so that the papers' and the baselines' choices can

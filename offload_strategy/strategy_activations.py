@@ -16,10 +16,11 @@ from .config import format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
+from .planning.lohan import lohan_layout
 from .planning.cost_model import machine_from_spec
 from .planning.placement import GPU, minimum_gpu_bytes
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
-from .runtime.activations import TERAIO, ActivationPolicies
+from .runtime.activations import LOHAN, TERAIO, ActivationPolicies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -90,7 +91,7 @@ class ActivationControl:
         costs = self._same_on_every_rank(activations.block_costs())  # measured times differ between ranks
         self.activation_costs = costs
         activations.end_profile()
-        choose = teraio_layout if activations.planner == TERAIO else choose_layout  # activations="teraio" or "auto"
+        choose = {TERAIO: teraio_layout, LOHAN: lohan_layout}.get(activations.planner, choose_layout)
         try:
             plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from offload_strategy import PolicyConfig, TieredStrategy
+from offload_strategy.planning.lohan import offloading_order
 from offload_strategy.planning.placement import minimum_gpu_bytes
 from tests.helpers import assert_same_weights, train
 from tests.test_offload import gpt2_4l, param_bytes
@@ -52,7 +53,7 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
     seen = Seen()
     policy = preset(name)
     # room for the activations the planner lays out (TeraIO only offloads, so it needs more)
-    gpu = int(0.5 * total) + {"auto": 400_000, "teraio": 800_000}.get(policy.activations, 0)
+    gpu = int(0.5 * total) + {"auto": 400_000, "lohan": 400_000, "teraio": 800_000}.get(policy.activations, 0)
     strategy = TieredStrategy(policy=policy, gpu_memory=gpu, host_memory=int(6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     losses, weights, _ = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, extra_callbacks=(seen,))
     plain_losses, plain_weights, _ = plain
@@ -85,6 +86,14 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
     if name == "teraio":
         plan = strategy.activation_plan  # TeraIO's selection: offloads only, never recompute
         assert plan is not None and "checkpoint" not in plan.layout and plan.peak_bytes <= strategy.budgets.gpu - strategy._gpu_parameter_bytes()
+    if name == "lohan":
+        # LoHan's Algorithm 1: each block swapped or recomputed, never kept (the budget is too
+        # small to keep them all), and the swapped ones the highest in offloading benefit
+        plan = strategy.activation_plan
+        assert plan is not None and "keep" not in plan.layout, plan
+        swapped = {j for j, p in enumerate(plan.layout) if p.startswith("swap")}
+        assert swapped == set(offloading_order(strategy.activation_costs)[: len(swapped)])
+        assert plan.peak_bytes <= strategy.budgets.gpu - strategy._gpu_parameter_bytes()
     if name == "protrain":
         plan = strategy.placement_search
         assert plan is not None and plan.activations is not None  # searched together with the activation layout

@@ -48,7 +48,8 @@ def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.
 
 AUTO = "auto"
 TERAIO = "teraio"  # planned like "auto" from the profiled step, by TeraIO's offload selection
-PLANNERS = (AUTO, TERAIO)
+LOHAN = "lohan"  # planned like "auto" from the profiled step, by LoHan's swap-or-recompute search
+PLANNERS = (AUTO, TERAIO, LOHAN)
 
 
 def resolve_policies(blocks: Sequence[nn.Module], policy: Union[str, Sequence[str]]) -> list[str]:
