@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.cost_model import GPU, costs_from_timing, outside_units
 from offload_strategy.profiling import StepProfile, mean_timing
-from tests.helpers import TINY_GPT2, train
+from tests.helpers import train
 
 
 def _timing(**kwargs) -> StepProfile:
