@@ -12,7 +12,7 @@ import contextlib
 import functools
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -302,6 +302,9 @@ class TieredMixin(ActivationControl):
         profile = engine.profile
         order = list(dict.fromkeys(profile.order)) + [i for i in range(len(engine.states)) if i not in profile.order]
         costs = costs_from_timing(engine.last_timing or profile, [bool(s.unit.trainable) for s in engine.states])
+        if engine.device.is_emulated and not self.policy.gradient_reserve:
+            # every offloaded unit's gradient is written at home there (_direct_gradients): no copy on the link
+            costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         machine = machine_from_spec(self.hardware, nvme=self.nvme_path is not None)
         activations = self._activations
         joint = activations is not None and activations.planner == "auto" and activations.profile is not None and activations.profiled
