@@ -20,7 +20,7 @@ class StepProfile:
     forward_seconds: dict[int, float] = field(default_factory=dict)  # time inside the modules using each unit
     backward_seconds: dict[int, float] = field(default_factory=dict)  # from a unit's backward use to the next one's
     update_seconds: dict[int, float] = field(default_factory=dict)  # the optimizer's work on each offloaded unit
-    outside_forward_seconds: float = 0.0  # forward compute in no unit's module (the loss)
+    outside_forward_seconds: float = 0.0  # forward compute before the first unit's module and from the last one's start to backward (the head and the loss)
     outside_backward_seconds: float = 0.0  # backward before the first offloaded unit's (loss, trailing persistent units)
 
     def to_json(self) -> str:
