@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from offload_strategy import HardwareSpec
-from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_units
+from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_blocks, analytic_units
 from offload_strategy.runtime.units import build_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,15 +42,131 @@ def test_flops_and_times_by_hand():
         analytic_units(units, users, tokens=5, hardware=TOY, efficiency=0)
 
 
+def test_direct_host_access_reads_by_hand():
+    units, users = build_units(Tied())
+    by_name = {c.name: c for c in analytic_units(units, users, tokens=5, hardware=TOY)}
+    # 5 looked-up rows of 4 fp32 (80 bytes) plus the head's one GEMM tile over the 10 x 4 matrix (160)
+    assert by_name["embed"].dha_read_bytes == 80 + 160
+    assert by_name["body"].dha_read_bytes == 64 + 16  # the weight once, the bias once
+    # 300 tokens: 3 tiles of 128 re-read each matrix; all 10 rows looked up
+    by_name = {c.name: c for c in analytic_units(units, users, tokens=300, hardware=TOY)}
+    assert by_name["embed"].dha_read_bytes == 10 * 16 + 3 * 160
+    assert by_name["body"].dha_read_bytes == 3 * 64 + 16
+    body = by_name["body"]
+    assert body.transfer_seconds == pytest.approx(128 / 1e9)  # 80 bytes padded to 64-byte boundaries, at 1 GB/s
+    assert body.dha_forward_seconds == pytest.approx(max(body.forward_seconds, 208 / 1e9))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def test_block_costs_from_a_meta_forward_by_hand():
+    with torch.device("meta"):
+        model = nn.Sequential(Block(), Block())
+        x = torch.zeros(2, 3, 4)
+    costs = analytic_blocks(model, list(model), lambda: model(x).sum(), TOY, efficiency=0.5)
+    assert len(costs) == 2
+    for cost in costs:
+        # saved: the linear's 6 x 4 fp32 input (96 bytes) and relu's 6 x 4 output (96); never the weight
+        assert cost.activation_bytes == 192
+        assert cost.input_bytes == 96  # what a checkpoint keeps
+        # 2 x 6 tokens x 16 weights = 192 FLOPs at 1,000 FLOP/s x 0.5
+        assert cost.forward_seconds == pytest.approx(192 / 500)
+    assert analytic_blocks(model, [], lambda: None, TOY) == []
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))  # blocks are found by having parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # scaling by a number saves nothing for backward: only the attention's tensors are saved
+        return nn.functional.scaled_dot_product_attention(x * 1.0, x * 2.0, x * 3.0, is_causal=True)
+
+
+def test_attention_counts_as_a_fused_kernel_by_hand():
+    reference = torch.nn.functional.scaled_dot_product_attention
+    with torch.device("meta"):
+        model = nn.Sequential(Attention(), Attention())
+        x = torch.zeros(1, 2, 4, 8, requires_grad=True)  # batch 1, 2 heads, 4 positions, head size 8
+    cost = analytic_blocks(model, list(model), lambda: model(x).sum(), TOY, efficiency=0.5)[0]
+    # query, key, value and output of 1 x 2 x 4 x 8 fp32 (256 bytes each) and a 1 x 2 x 4 fp32 log-sum-exp;
+    # never the 4 x 4 score matrix of each head
+    assert cost.activation_bytes == 4 * 256 + 32
+    # QK^T and PV: 2 x 2 x (8 rows x 4 keys x 8) multiply-adds = 1,024 FLOPs at 500 FLOP/s
+    assert cost.forward_seconds == pytest.approx(1024 / 500)
+    assert torch.nn.functional.scaled_dot_product_attention is reference  # put back
+
+
+def table(stdout: str, header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header starts with ``header``, as stripped cells."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
 @pytest.mark.slow
 def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
+    figure = tmp_path / "llama.png"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools/simulate.py"), "model=llama_7b", "hardware=rtx4090", "--gpu-memory", "4GiB", "16GiB", "--nvme-memory", "1TB"],
+        [sys.executable, str(ROOT / "tools/simulate.py"), "model=llama_7b", "hardware=rtx4090", "--gpu-memory", "4GiB", "16GiB", "--nvme-memory", "1TB",
+         "--findings", "--png", str(figure)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "GiB |" in line]
-    assert len(rows) == 2, result.stdout
-    steps = [float(row.split("|")[7]) for row in rows]
-    assert all(s > 0 for s in steps) and steps[1] <= steps[0]  # more GPU tier, no slower
-    assert "6.74 B parameters" in result.stdout
+    out = result.stdout
+    assert "6.74 B parameters" in out
+    rows = table(out, "| gpu_memory | policy")
+    assert [(r[0], r[1]) for r in rows] == [("4.00 GiB", "fill"), ("4.00 GiB", "auto"), ("16.00 GiB", "fill"), ("16.00 GiB", "auto")]
+    auto = [r for r in rows if r[1] == "auto"]
+    for row, budget in zip(auto, (4, 16)):
+        parameters, activations = (float(part.split()[0]) for part in row[4].split(" + "))  # both in GiB here
+        assert parameters + activations <= budget  # the joint search stays within the GPU tier
+        assert not row[9].startswith("-")  # it fits, so it has a throughput
+    assert float(auto[1][8]) <= float(auto[0][8])  # more GPU tier, no slower
+    # keeping every block's activations does not fit beside first-use placement: 2,048 tokens of a 7B model
+    assert all("activations over budget" in r[9] for r in rows if r[1] == "fill")
+    depth = int(out.split("Largest model of this width")[1].split(": ")[1].split(" blocks")[0])
+    assert depth > 32  # the 32-block model itself fits the 16 GiB budget
+
+    # MemFerry Fig. 3: in place wins for the embedding lookup, loses for GEMMs (which Alg. 1 never runs in place)
+    kinds = {r[0]: r for r in table(out, "| layer kind")}
+    assert kinds["embedding"][4] == "DHA" and kinds["linear (GEMM)"][4] == "on-GPU"
+    assert kinds["linear (GEMM)"][5].startswith("0 of")
+    study = [r for r in table(out, "| batch | tokens") if not r[2].startswith("does not fit")]
+    assert len(study) >= 4
+    # LoHan: PCIe-bound at the smallest batch, the curve turns once compute grows
+    assert study[0][6].startswith("1") and study[-1][6].startswith("3")
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.part"))
+
+
+@pytest.mark.slow
+def test_simulate_reproduces_protrain_table4_directions(tmp_path):
+    """ProTrain Table 4, rows A -> B (GPT-2 1B on an RTX 3090, batch 8 -> 64): a larger batch keeps
+    fewer units resident and checkpoints more blocks. Here GPT-2 XL (1.5 B) on a 22 GiB GPU tier."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools/simulate.py"), "model=gpt2_xl", "hardware=rtx3090", "--gpu-memory", "22GiB", "--findings",
+         "data.seq_len=1024", "data.batch_size=16"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = table(result.stdout, "| batch | tokens")
+    assert [int(r[0]) for r in study] == [4, 8, 16, 32, 64]
+    persistent = [int(r[2]) for r in study]
+    kept, checkpointed = ([int(r[4].split("/")[k]) for r in study] for k in (0, 1))
+    assert persistent[0] > persistent[-1]
+    assert checkpointed[0] < checkpointed[-1] and checkpointed == sorted(checkpointed)
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]

@@ -1,27 +1,43 @@
-"""Predict a training step of a model on a machine that may not be at hand, for several GPU budgets.
+"""Predict training of a model on a machine that may not be at hand: step time, memory per tier and
+the largest model that fits, for several GPU budgets.
 
     python tools/simulate.py model=llama_7b hardware=rtx4090
     python tools/simulate.py model=gpt2_xl hardware=a100_80g --gpu-memory 8GiB 16GiB 32GiB --nvme-memory 2TB
     python tools/simulate.py model=llama_7b hardware=rtx4090 --precision 32-true data.batch_size=8
     python tools/simulate.py model=llama_7b hardware=rtx4090 --ranks 4 --network-gbps 25   # tiered_ddp, per rank
+    python tools/simulate.py model=llama_7b hardware=a100_80g --findings --png llama7b.png    # the papers' findings
 
-The model is built on the meta device from its config (nothing allocated), its units are placed by
-the same placement the strategy runs, each unit is costed from its shapes and the hardware spec
-(profiling/analytic.py), and planning/cost_model.py simulates the step. Printed per budget: where
-the units live, what each tier holds, the predicted step time and tokens/s, and the share of the
-step that transfers and updates leave exposed; and ProTrain's search (planning/protrain.py): the
-count of leading units kept resident that the step model predicts fastest, with its buffers.
-With ``--ranks N`` the step is rank 0's in a ``tiered_ddp`` run: budgets are per rank, gradients
-are reduced over the network link, rank 0 updates the units it owns and receives the others.
+The model is built on the meta device from its config (nothing allocated), its units are costed
+from their shapes and the hardware spec, and its blocks' activations from one forward on the meta
+device (profiling/analytic.py). Per budget two policies are compared:
+
+- ``fill``: parameters placed by first use in the whole GPU tier (``placement="fill"``), every
+  block's activations kept; the row says when the activations do not fit beside the parameters;
+- ``auto``: the joint search of resident units, streaming buffers and the activation layout
+  (planning/auto.py, what ``placement="search"`` with ``activations="auto"`` runs), within the budget.
+
+Printed per row: where the units live, the blocks' layout, what each tier holds, the predicted step
+(planning/cost_model.py for the parameters, LoHan's model for what the layout adds) and tokens/s.
+Then the largest model of the same width the budgets hold (more blocks of the same shape), and with
+``--findings`` three checks of the papers' qualitative results on this model and machine:
+MemFerry Fig. 3 (direct host access wins for embeddings and norms, loses for large GEMMs, and
+Alg. 1's choice per layer kind), LoHan §IV-D (the step time against swapped activations is convex,
+its case depends on how compute-bound the step is) and ProTrain Table 4 (a larger batch keeps
+fewer units resident and checkpoints and swaps more). ``--png`` draws tokens/s per budget, LoHan's
+curves and MemFerry's per-layer times. With ``--ranks N`` the step is rank 0's in a ``tiered_ddp``
+run: budgets are per rank, gradients are reduced over the network link.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -29,6 +45,309 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 STATE_FACTOR = 2.0  # Adam: two states per parameter
+TABLE4_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4)  # batch sizes of the ProTrain / LoHan study, relative to data.batch_size
+
+
+@dataclass
+class Model:
+    """Everything the predictions need about the model, built once."""
+
+    name: str
+    units: list  # TransferUnit
+    costs: list  # AnalyticUnit, one per unit
+    sizes: list  # UnitSize, one per unit
+    co_resident: list[list[int]]
+    block_units: list[list[int]]
+    blocks: list  # BlockCost at the configured batch
+    tokens: int
+    batch_size: int
+    state_factor: float
+    parameters: int
+
+
+@dataclass(frozen=True)
+class Row:
+    policy: str
+    homes: str
+    layout: str
+    gpu_parameters: int
+    gpu_activations: int
+    host: int
+    nvme: int
+    buffers: int
+    seconds: float
+    fits: bool
+    note: str = ""
+
+
+def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None) -> Model:
+    import torch
+    from hydra.utils import instantiate
+
+    from offload_strategy.planning.placement import UnitSize
+    from offload_strategy.profiling.analytic import analytic_blocks, analytic_units
+    from offload_strategy.runtime.activations import find_blocks
+    from offload_strategy.runtime.units import build_units
+
+    module = instantiate(cfg.model)
+    with torch.device("meta"):
+        module.configure_model()
+    if half:
+        module.to(torch.bfloat16)
+    batch = int(batch_size or cfg.data.batch_size)
+    seq = int(cfg.data.seq_len)
+    units, users = build_units(module)
+    dtype = "bf16" if half else "fp16"
+    costs = analytic_units(units, users, batch * seq, hardware, dtype=dtype, efficiency=efficiency)
+    blocks = find_blocks(module)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    block_costs = analytic_blocks(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency)
+    inside = [{id(m) for m in block.modules()} for block in blocks]
+    block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
+    # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes), plus a 16-bit landing area
+    widen = 2 if half else 1
+    return Model(
+        name=str(cfg.model.get("name", cfg.model.family)), units=units, costs=costs,
+        sizes=[UnitSize(u.index, u.nbytes, c.trainable_bytes * widen) for u, c in zip(units, costs)],
+        co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
+        tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.5 if half else 0.0), parameters=sum(c.parameters for c in costs),
+    )
+
+
+def unit_costs(model: Model, owners: list[int]) -> dict:
+    from offload_strategy.planning.cost_model import UnitCost
+
+    return {
+        u.index: UnitCost(
+            nbytes=u.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds,
+            gradient_bytes=u.nbytes if any(p.requires_grad for p in u.params) else 0, update_seconds=c.update_seconds, owned=owners[u.index] == 0,
+        )
+        for u, c in zip(model.units, model.costs)
+    }
+
+
+def counts(layout: Optional[tuple[str, ...]], n_blocks: int) -> str:
+    if layout is None:
+        return f"{n_blocks}/0/0"
+    return f"{layout.count('keep')}/{layout.count('checkpoint')}/{layout.count('swap_host') + layout.count('swap_nvme')}"
+
+
+def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int, owned: Optional[set[int]], owners: list[int]) -> list[Row]:
+    """The ``fill`` and ``auto`` rows for one GPU budget (see the module docstring)."""
+    from offload_strategy.planning.activations import KEEP, Links, peak_bytes
+    from offload_strategy.planning.auto import plan_auto
+    from offload_strategy.planning.cost_model import simulate_step
+    from offload_strategy.planning.placement import GPU, NVME, PlacementError, place_units
+
+    costs = unit_costs(model, owners)
+    order = [u.index for u in model.units]
+    try:
+        placement = place_units(model.sizes, model.co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor, owned=owned)
+    except PlacementError as error:
+        return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
+    step_units = [
+        dataclasses.replace(
+            costs[u.index], home=placement.home[u.index],
+            state_bytes=int(size.trainable_bytes * model.state_factor) if placement.home[u.index] == NVME else 0,
+            update_seconds=0.0 if placement.home[u.index] == GPU else costs[u.index].update_seconds,  # persistent units update in the GPU tier
+        )
+        for u, size in zip(model.units, model.sizes)
+    ]
+    buffers = sum(placement.device_slots.values())
+    step = simulate_step(step_units, placement.device_slots, machine)
+    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks))
+    fits = placement.gpu_bytes + kept_peak <= gpu
+    rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
+                buffers, step.seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + kept_peak - gpu)}")]
+    streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
+    links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
+                  parameter_forward_seconds=streamed / machine.h2d, parameter_backward_seconds=streamed / machine.h2d)
+    try:
+        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
+                         state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
+                         block_units=model.block_units, owned=owned)
+    except PlacementError as error:
+        rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}"))
+        return rows
+    chosen = plan.parameters.placement
+    layout = plan.activations.layout if plan.activations is not None else ()
+    swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout) if q == p) for p in ("swap_host", "swap_nvme")}
+    activations = plan.activations.peak_bytes if plan.activations is not None else 0
+    rows.append(Row("auto", homes_of(chosen), counts(layout or None, len(model.blocks)), chosen.gpu_bytes, activations,
+                    chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
+                    chosen.gpu_bytes + activations <= gpu))
+    return rows
+
+
+def homes_of(placement: Any) -> str:
+    return "/".join(str(sum(h == home for h in placement.home.values())) for home in ("gpu", "host", "nvme"))
+
+
+def fmt(n: float) -> str:
+    from offload_strategy import format_bytes
+
+    return format_bytes(n)
+
+
+def largest_depth(model: Model, gpu: int, host: int, nvme: int) -> tuple[int, int]:
+    """The most blocks of this model's shape (and the parameters they make) that the budgets hold:
+    parameters, gradients and optimizer states placed as the strategy places them, beside the
+    activations of every block checkpointed (the smallest layout without a swap path). Doubling,
+    then bisection on the block count."""
+    from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
+    from offload_strategy.planning.placement import PlacementError, UnitSize, place_units
+
+    if not model.block_units or not model.blocks:
+        return 0, 0
+    first = model.block_units[0]
+    in_blocks = {i for units in model.block_units for i in units}
+    outside = [s for s in model.sizes if s.index not in in_blocks]
+    per_block = [model.sizes[i] for i in first]
+    block_params = sum(model.costs[i].parameters for i in first)
+    outside_params = sum(model.costs[s.index].parameters for s in outside)
+    users_outside = [g for g in model.co_resident if not set(g) & in_blocks]
+    users_block = [[first.index(i) for i in g] for g in model.co_resident if set(g) <= set(first)]
+
+    def fits(depth: int) -> bool:
+        sizes = list(outside)
+        groups = [list(g) for g in users_outside]
+        for b in range(depth):
+            base = len(sizes) + 10**9  # fresh indices for the copies
+            sizes += [UnitSize(base + b * len(first) + k, s.nbytes, s.trainable_bytes) for k, s in enumerate(per_block)]
+            groups += [[base + b * len(first) + k for k in g] for g in users_block]
+        activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
+        if activations >= gpu:
+            return False
+        try:
+            place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor)
+        except PlacementError:
+            return False
+        return True
+
+    if not fits(1):
+        return 0, 0
+    low, high = 1, 2
+    while fits(high) and high < 1 << 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low, outside_params + low * block_params
+
+
+def memferry_findings(model: Model) -> list[tuple[str, int, float, float, int]]:
+    """MemFerry Fig. 3 per layer kind: (kind, units, on-GPU forward = copy + compute, DHA forward,
+    units Alg. 1 runs in place), times summed over the kind's units."""
+    from offload_strategy.planning.memferry import DHA, forward_modes
+
+    modes, _ = forward_modes([c.transfer_seconds for c in model.costs], [c.forward_seconds for c in model.costs], [c.dha_forward_seconds for c in model.costs])
+    kinds: dict[str, list[int]] = {}
+    for i, u in enumerate(model.units):
+        kinds.setdefault(layer_kind(u), []).append(i)
+    out = []
+    for kind, members in kinds.items():
+        on_gpu = sum(model.costs[i].transfer_seconds + model.costs[i].forward_seconds for i in members)
+        dha = sum(model.costs[i].dha_forward_seconds for i in members)
+        out.append((kind, len(members), on_gpu, dha, sum(modes[i] == DHA for i in members)))
+    return out
+
+
+def layer_kind(unit: Any) -> str:
+    """Embedding, norm or GEMM, from the unit's parameters (MemFerry Fig. 3's layer types)."""
+    name = unit.name.lower()
+    if "emb" in name or "wte" in name or "wpe" in name:
+        return "embedding"
+    if all(p.dim() < 2 for p in unit.params):
+        return "norm / bias"
+    return "linear (GEMM)"
+
+
+def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int) -> list[dict]:
+    """ProTrain Table 4 and LoHan's cases across batch sizes at one GPU budget: the auto plan's
+    resident units and layout, and LoHan's curve (parameters streamed from host memory, LoHan's setting)."""
+    from offload_strategy.planning.activations import CHECKPOINT, Links, step_seconds
+    from offload_strategy.planning.auto import plan_auto
+    from offload_strategy.planning.lohan import FALLING, RISING, lohan_search
+    from offload_strategy.planning.placement import PlacementError
+
+    base = int(cfg.data.batch_size)
+    out = []
+    for factor in TABLE4_BATCH_FACTORS:
+        batch = max(1, round(base * factor))
+        if any(r["batch"] == batch for r in out):
+            continue
+        model = build(cfg, hardware, half, efficiency, batch_size=batch)
+        costs = unit_costs(model, [0] * len(model.units))
+        order = [u.index for u in model.units]
+        row: dict = {"batch": batch, "tokens": model.tokens}
+        streamed = sum(s.nbytes for s in model.sizes)
+        links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
+                      parameter_forward_seconds=streamed / machine.h2d, parameter_backward_seconds=streamed / machine.h2d)
+        try:
+            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
+                             state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
+                             activation_host_bytes=host // 2)
+            layout = plan.activations.layout if plan.activations is not None else ()
+            row.update(persistent=plan.parameters.persistent, buffers=plan.parameters.buffers, checkpoint=layout.count("checkpoint"),
+                       swap=layout.count("swap_host") + layout.count("swap_nvme"), keep=layout.count("keep"), seconds=plan.seconds)
+        except PlacementError as error:
+            row.update(error=str(error).split(";")[0])
+        search = lohan_search(model.blocks, links, gpu_bytes=1 << 62, host_bytes=host // 2)
+        recomputed = step_seconds(model.blocks, [CHECKPOINT] * len(model.blocks), links)
+        row.update(case={RISING: "1 (PCIe-bound)", FALLING: "2 (compute-bound)"}.get(search.case, "3 (turns)"),
+                   curve=((0, recomputed), *search.curve), all_recomputed=recomputed)
+        best = min(row["curve"], key=lambda point: point[1])
+        row.update(best_swapped=best[0], best_seconds=best[1])
+        out.append(row)
+    return out
+
+
+def plot(path: Path, title: str, budgets: list[int], rows: list[list[Row]], tokens: int, study: list[dict], memferry: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 1 + bool(study) + bool(memferry)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for policy, marker in (("fill", "o"), ("auto", "s")):
+        points = [(b / 2**30, tokens / r.seconds) for b, per in zip(budgets, rows) for r in per if r.policy == policy and r.fits and r.seconds == r.seconds]
+        if points:
+            ax.plot(*zip(*points), marker=marker, label=policy)
+    ax.set_xlabel("GPU tier (GiB)")
+    ax.set_ylabel("predicted tokens/s")
+    ax.set_title("step by GPU budget (fitting plans)")
+    ax.legend()
+    panel = 1
+    if study:
+        ax = axes[0][panel]
+        panel += 1
+        for row in study:
+            curve = row["curve"]
+            ax.plot([b / 2**30 for b, _ in curve], [t / row["all_recomputed"] for _, t in curve], label=f"batch {row['batch']}: case {row['case'].split()[0]}")
+        ax.set_xlabel("activations swapped (GiB)")
+        ax.set_ylabel("step / step with all recomputed")
+        ax.set_title("LoHan: step time vs swapped activations")
+        ax.legend(fontsize=8)
+    if memferry:
+        ax = axes[0][panel]
+        kinds = [k for k, *_ in memferry]
+        x = range(len(kinds))
+        ax.bar([i - 0.2 for i in x], [g * 1e3 for _, _, g, _, _ in memferry], width=0.4, label="on-GPU (copy + compute)")
+        ax.bar([i + 0.2 for i in x], [d * 1e3 for _, _, _, d, _ in memferry], width=0.4, label="DHA (in place)")
+        ax.set_xticks(list(x), kinds)
+        ax.set_yscale("log")
+        ax.set_ylabel("forward ms (all units of the kind)")
+        ax.set_title("MemFerry Fig. 3: where direct host access wins")
+        ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 140 * panels // 3), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    tmp.replace(path)  # never a half-written figure
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -41,87 +360,95 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--network-gbps", type=float, default=None, help="GB/s each rank moves in collectives (default: the host->GPU link's)")
     parser.add_argument("--replicate-states", action="store_true", help="every rank keeps every optimizer state (shard_states=False)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak")
+    parser.add_argument("--findings", action="store_true", help="check MemFerry's, LoHan's and ProTrain's findings on this model and machine")
+    parser.add_argument("--png", type=Path, default=None, help="write the figure here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=..., hardware=..., data.batch_size=..., data.seq_len=...")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # Hydra overrides may come after the options
 
-    import torch
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from offload_strategy import format_bytes, parse_size
-    from offload_strategy.planning.cost_model import GPU, Machine, UnitCost, simulate_step
-    from offload_strategy.planning.placement import NVME, PlacementError, UnitSize, place_units
-    from offload_strategy.planning.protrain import search_persistent
+    from offload_strategy import parse_size
+    from offload_strategy.planning.cost_model import UNKNOWN_DISK, Machine
     from offload_strategy.planning.sharding import assign_owners
-    from offload_strategy.profiling.analytic import analytic_units
-    from offload_strategy.runtime.units import build_units
 
+    if args.ranks < 1:
+        raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[*args.overrides, "logger=none"])
-    module = instantiate(cfg.model)
-    with torch.device("meta"):
-        module.configure_model()
-    half = args.precision == "bf16-true"
-    if half:
-        module.to(torch.bfloat16)
     hardware = instantiate(cfg.hardware)
-    units, users = build_units(module)
-    tokens = int(cfg.data.batch_size) * int(cfg.data.seq_len)
-    costs = analytic_units(units, users, tokens, hardware, dtype="bf16" if half else "fp16", efficiency=args.efficiency)
-    # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes), plus a 16-bit landing area
-    widen = 2 if half else 1
-    state_factor = STATE_FACTOR + (1.5 if half else 0.0)
-    sizes = [UnitSize(u.index, u.nbytes, c.trainable_bytes * widen) for u, c in zip(units, costs)]
-    co_resident = [[u.index for u in used] for used in users.values()]
+    half = args.precision == "bf16-true"
+    model = build(cfg, hardware, half, args.efficiency)
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
     host = parse_size(args.host_memory) if args.host_memory else int(0.8 * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
     gbps = lambda v: (v or 0.0) * 1e9  # noqa: E731
-    if args.ranks < 1:
-        raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
     network = gbps(args.network_gbps if args.network_gbps is not None else hardware.h2d_gbps)
-    machine = Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=gbps(hardware.nvme_read_gbps), nvme_write=gbps(hardware.nvme_write_gbps),
+    nvme_read, nvme_write = gbps(hardware.nvme_read_gbps), gbps(hardware.nvme_write_gbps)
+    if nvme and not (nvme_read and nvme_write):
+        print(f"hardware {hardware.name!r} gives no NVMe bandwidth: NVMe priced at {UNKNOWN_DISK / 1e9:g} GB/s each way "
+              f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
+        nvme_read, nvme_write = nvme_read or UNKNOWN_DISK, nvme_write or UNKNOWN_DISK
+    machine = Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=nvme_read, nvme_write=nvme_write,
                       world_size=args.ranks, network=network, shard_states=not args.replicate_states)
-    owners = assign_owners([size.trainable_bytes for size in sizes], args.ranks)
+    owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
     # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated)
     owned = {i for i, o in enumerate(owners) if o == 0} if args.ranks > 1 and not args.replicate_states else None
-    compute = sum(c.forward_seconds + c.backward_seconds for c in costs)
-    params = sum(c.parameters for c in costs)
-    print(f"\n{cfg.model.get('name', cfg.model.family)}: {params / 1e9:.2f} B parameters in {len(units)} units, {args.precision}; "
-          f"{hardware.name} ({hardware.gpu}, {format_bytes(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
-          f"{tokens:,} tokens per step; compute alone {compute:.2f} s per step at {args.efficiency:.0%} of peak\n")
+    compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
+    activations = sum(b.activation_bytes for b in model.blocks)
+    title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
+             f"{hardware.name} ({hardware.gpu}, {fmt(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
+             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations); compute alone {compute:.2f} s per step at {args.efficiency:.0%} of peak")
+    print(f"\n{title}\n")
     if args.ranks > 1:
         print(f"tiered_ddp on {args.ranks} ranks, collectives at {network / 1e9:.0f} GB/s per rank, optimizer states "
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x)\n")
-    print("| gpu_memory | units gpu/host/nvme | GPU tier | host | NVMe | streaming buffers | step (s) | tokens/s | exposed | host->GPU per step | searched: persistent units, buffers, step (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"host {fmt(host)}, NVMe {fmt(nvme)}\n")
+    print("| gpu_memory | policy | units gpu/host/nvme | blocks keep/ckpt/swap | GPU tier: parameters + activations | host | NVMe | streaming buffers | step (s) | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    all_rows = []
     for gpu in budgets:
-        try:
-            placement = place_units(sizes, co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=state_factor, owned=owned)
-        except PlacementError as error:
-            print(f"| {format_bytes(gpu)} | does not fit: {error} |||||||||")
-            continue
-        step_units = [
-            UnitCost(
-                nbytes=u.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds, home=placement.home[u.index],
-                gradient_bytes=u.nbytes if any(p.requires_grad for p in u.params) else 0,
-                state_bytes=int(size.trainable_bytes * state_factor) if placement.home[u.index] == NVME else 0,
-                update_seconds=0.0 if placement.home[u.index] == GPU else c.update_seconds,
-                owned=owners[u.index] == 0,
-            )
-            for u, c, size in zip(units, costs, sizes)
-        ]
-        buffers = sum(placement.device_slots.values())
-        step = simulate_step(step_units, buffers, machine)
-        homes = "/".join(str(sum(h == home for h in placement.home.values())) for home in ("gpu", "host", "nvme"))
-        unit_costs = {u.index: c for u, c in zip(units, step_units)}
-        best = search_persistent(sizes, co_resident, [u.index for u in units], unit_costs, machine, gpu_bytes=gpu, host_bytes=host,
-                                 nvme_bytes=nvme, state_factor=state_factor, owned=owned)[0]
-        print(f"| {format_bytes(gpu)} | {homes} | {format_bytes(placement.gpu_bytes)} | {format_bytes(placement.host_bytes)} | "
-              f"{format_bytes(placement.nvme_bytes)} | {buffers} | {step.seconds:.2f} | {tokens / step.seconds:,.0f} | "
-              f"{step.exposed_seconds / step.seconds:.0%} | {format_bytes(step.h2d_bytes)} | "
-              f"{best.persistent}, {best.buffers}, {best.prediction.seconds:.2f} |")
+        rows = compare_policies(model, machine, gpu, host, nvme, owned, owners)
+        all_rows.append(rows)
+        for r in rows:
+            if r.homes == "-":
+                print(f"| {fmt(gpu)} | {r.policy} | {r.note} ||||||||")
+                continue
+            tokens = f"{model.tokens / r.seconds:,.0f}" if r.fits else f"- ({r.note})"
+            print(f"| {fmt(gpu)} | {r.policy} | {r.homes} | {r.layout} | {fmt(r.gpu_parameters)} + {fmt(r.gpu_activations)} | {fmt(r.host)} | "
+                  f"{fmt(r.nvme)} | {r.buffers} | {r.seconds:.2f} | {tokens} |")
+    depth, parameters = largest_depth(model, max(budgets), host, nvme)
+    if depth:
+        print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "
+              f"{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), every block checkpointed.")
+    else:
+        print(f"\nNot even one block of this model fits GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}.")
+
+    study, memferry = [], []
+    if args.findings:
+        memferry = memferry_findings(model)
+        print("\nMemFerry Fig. 3: forward of each layer kind with its parameters in host memory (all units of the kind)\n")
+        print("| layer kind | units | on-GPU: copy + compute (ms) | direct host access (ms) | faster | Alg. 1 runs in place |")
+        print("|---|---|---|---|---|---|")
+        for kind, n, on_gpu, dha, in_place in memferry:
+            faster = "tie (the bytes cross once either way)" if abs(dha - on_gpu) <= 0.01 * on_gpu else "DHA" if dha < on_gpu else "on-GPU"
+            print(f"| {kind} | {n} | {on_gpu * 1e3:.2f} | {dha * 1e3:.2f} | {faster} | {in_place} of {n} |")
+        gpu = budgets[len(budgets) // 2]
+        study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme)
+        print(f"\nProTrain Table 4 and LoHan §IV-D across batch sizes, GPU tier {fmt(gpu)} (the auto plan; "
+              "LoHan's curve with every parameter streamed from host memory, its setting)\n")
+        print("| batch | tokens | persistent units | buffers | blocks keep/ckpt/swap | step (s) | LoHan case | fastest swap (GiB of all) | step there / all recomputed |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in study:
+            total = row["curve"][-1][0] if row["curve"] else 0
+            plan = (f"{row['persistent']} | {row['buffers']} | {row['keep']}/{row['checkpoint']}/{row['swap']} | {row['seconds']:.2f}"
+                    if "error" not in row else f"does not fit: {row['error']} | | |")
+            print(f"| {row['batch']} | {row['tokens']:,} | {plan} | {row['case']} | {row['best_swapped'] / 2**30:.2f} of {total / 2**30:.2f} | "
+                  f"{row['best_seconds'] / row['all_recomputed']:.2f} |")
+    if args.png is not None:
+        plot(args.png, title, budgets, all_rows, model.tokens, study, memferry)
+        print(f"\nfigure: {args.png}")
     return 0
 
 

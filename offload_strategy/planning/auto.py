@@ -111,7 +111,15 @@ def plan_auto(
         need = min((layout.peak_bytes + (smallest_with_blocks if CHECKPOINT in layout.layout else smallest_parameters), layout) for layout in front)
         raise PlacementError(
             f"gpu_memory={gpu_bytes:,} bytes cannot hold the activations of any layout beside the parameters' smallest working set: "
-            f"the least is {need[0]:,} bytes ({need[1].peak_bytes:,} for the activations laid out {' '.join(p[0].upper() for p in need[1].layout)}, "
+            f"the least is {need[0]:,} bytes ({need[1].peak_bytes:,} for the activations laid out {describe_layout(need[1].layout)}, "
             f"the rest for the parameters); raise gpu_memory to at least that, or lower the batch size or sequence length."
         )
     return best
+
+
+def describe_layout(layout: Sequence[str]) -> str:
+    """``S C K`` for a few blocks (swap, checkpoint, keep); counts for many."""
+    if len(layout) <= 16:
+        return " ".join(p[0].upper() for p in layout)
+    swapped = sum(p.startswith("swap") for p in layout)
+    return f"{layout.count(KEEP)} kept, {layout.count(CHECKPOINT)} checkpointed, {swapped} swapped"

@@ -7,18 +7,41 @@ costs twice forward. Time is FLOPs over the GPU's dense peak at ``efficiency`` (
 utilisation). Attention's sequence-squared work is not attached to parameters and is left out, so
 short sequences are modelled better than long ones. The CPU optimizer updates ``cpu_params_per_s``
 parameters per second per core (fused AdamW measured 0.8 G/s per core on the development machine).
+
+Direct host access (MemFerry §III-B, Fig. 3): a unit computed in place on pinned host memory reads
+its parameters over the host -> GPU link while it computes. An embedding reads only the rows it
+looks up; a matrix is re-read by every tile of ``DHA_TILE_TOKENS`` tokens of a GEMM (the GPU cannot
+cache it across tiles), and vectors (norms, biases) are read once. So DHA takes
+``max(compute, bytes read / link)``, against the copy plus the compute for on-GPU execution
+(GFGB): embeddings and norms are cheaper read in place, large GEMMs far costlier.
+
+Block activations (:func:`analytic_blocks`) come from one forward of the model on the meta device:
+what autograd saves inside each block (parameters excluded, as the runtime's accounting does), the
+block's input (what a checkpoint keeps), and the FLOPs the block runs (attention included), all
+from shapes without allocating anything. Attention through ``scaled_dot_product_attention`` is
+counted as the fused kernels a GPU runs it with (FlashAttention): they save the query, key, value,
+output and one fp32 log-sum-exp per query row, never the sequence-squared score matrix that the
+meta device's reference path would save; their FLOPs are the two matrix products.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import HardwareSpec
+from ..planning.activations import BlockCost
 from ..runtime.units import TransferUnit
 
 CPU_PARAMS_PER_S_PER_CORE = 0.8e9
+DHA_TILE_TOKENS = 128  # rows of a GEMM's output tile: each such tile reads the whole weight once
+UNKNOWN_LINK_GBPS = 10.0  # a hardware spec without a link speed: PCIe 3.0 x16
 
 
 @dataclass(frozen=True)
@@ -31,6 +54,9 @@ class AnalyticUnit:
     forward_seconds: float
     backward_seconds: float
     update_seconds: float
+    transfer_seconds: float = 0.0  # the copy into the GPU tier
+    dha_read_bytes: int = 0  # what computing on it in host memory reads over the link
+    dha_forward_seconds: float = 0.0  # forward computed in place on host memory (MemFerry's DHA)
 
 
 def analytic_units(
@@ -54,12 +80,15 @@ def analytic_units(
         for u in used:
             multiplies[u.index] += 1
     cpu_rate = CPU_PARAMS_PER_S_PER_CORE * max(hardware.cpu_cores, 1)
+    link = (hardware.h2d_gbps or UNKNOWN_LINK_GBPS) * 1e9
+    reads = dha_read_bytes(units, users, tokens)
     out = []
     for u in units:
         matrix = sum(p.numel() for p in u.params if p.dim() >= 2)
         flops = 2.0 * matrix * tokens * multiplies[u.index]
         forward = flops / (peak * efficiency)
         trainable = sum(p.numel() for p in u.trainable)
+        read = reads[u.index]
         out.append(
             AnalyticUnit(
                 name=u.name,
@@ -70,6 +99,113 @@ def analytic_units(
                 forward_seconds=forward,
                 backward_seconds=2 * forward,
                 update_seconds=trainable / cpu_rate,
+                transfer_seconds=u.nbytes / link,
+                dha_read_bytes=read,
+                dha_forward_seconds=max(forward, read / link),
             )
         )
     return out
+
+
+def dha_read_bytes(units: list[TransferUnit], users: dict[nn.Module, list[TransferUnit]], tokens: int) -> dict[int, int]:
+    """Bytes each unit's forward reads over the link when computed in place on host memory (see
+    the module docstring): looked-up rows for an embedding, a matrix once per GEMM tile, vectors once."""
+    tiles = max(1, math.ceil(tokens / DHA_TILE_TOKENS))
+    owner = {id(p): u for u in units for p in u.params}
+    reads = {u.index: 0 for u in units}
+    for module, used in users.items():
+        for p in module.parameters(recurse=False):
+            u = owner.get(id(p))
+            if u is None or u not in used:
+                continue
+            row = p.element_size() * (p.numel() // max(p.shape[0], 1)) if p.dim() >= 2 else 0
+            if isinstance(module, nn.Embedding):
+                reads[u.index] += min(tokens, p.shape[0]) * row
+            elif p.dim() >= 2:
+                reads[u.index] += tiles * p.numel() * p.element_size()
+            else:
+                reads[u.index] += p.numel() * p.element_size()
+    return reads
+
+
+def analytic_blocks(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    forward: Callable[[], Any],
+    hardware: HardwareSpec,
+    dtype: str = "bf16",
+    efficiency: float = 0.5,
+) -> list[BlockCost]:
+    """Each block's activation bytes, input bytes and forward time from one call of ``forward``
+    (which runs ``model`` on meta-device inputs; see the module docstring)."""
+    peak = hardware.peak_flops(dtype)
+    if not peak:
+        raise ValueError(f"hardware {hardware.name!r} gives no {dtype} peak FLOP/s; set gpu_{dtype}_tflops to model it.")
+    if not blocks:
+        return []
+    parameters = {id(p) for p in model.parameters()}
+    saved = [0] * len(blocks)
+    inputs = [0] * len(blocks)
+    flops = [0] * len(blocks)
+    current: list[int] = []  # the block running now (innermost last)
+    counter = FlopCounterMode(display=False)
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        is_parameter = id(t) in parameters or (t._base is not None and id(t._base) in parameters)
+        if current and not is_parameter:
+            saved[current[-1]] += nbytes(t)
+        return t
+
+    def pre(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            inputs[index] = nbytes(first) if first is not None else 0
+            flops[index] -= counter.get_total_flops()
+            current.append(index)
+        return hook
+
+    def post(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            flops[index] += counter.get_total_flops()
+            current.pop()
+        return hook
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if current:
+            # QK^T and PV: 2 FLOPs per multiply-add, over every query row and key
+            flops[current[-1]] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+        return _FusedAttention.apply(query, key, value)
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(pre(index), with_kwargs=True))
+        handles.append(block.register_forward_hook(post(index), with_kwargs=True))
+    reference = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+            forward()
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = reference
+        for handle in handles:
+            handle.remove()
+    return [BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=f / (peak * efficiency)) for s, i, f in zip(saved, inputs, flops)]
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward (see the module docstring), by shape only."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        row_logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, row_logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
