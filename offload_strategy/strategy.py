@@ -32,10 +32,11 @@ from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import ActivationPlan, BlockCost, Links
 from .planning.auto import AutoPlan, plan_auto
-from .planning.cost_model import costs_from_timing, machine_from_spec
+from .planning.cost_model import StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
+from .profiling import StepProfile
 from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.data_parallel import DataParallel
 from .runtime.engine import TieredEngine
@@ -366,12 +367,50 @@ class TieredMixin(ActivationControl):
             names, nbytes = self._unit_names, [u.nbytes for u in self._unit_sizes]
             homes = [self.engine.placement.home[u.index] if self.engine is not None else GPU for u in self._unit_sizes]
         blocks = self._activations is not None and bool(self._activations.blocks)
+        prediction = self.predicted_step()
         plan = PlanFile(
-            units=tuple(PlannedUnit(n, b, h) for n, b, h in zip(names, nbytes, homes)),
+            units=tuple(PlannedUnit(n, b, h, *self._explain_unit(i, h)) for i, (n, b, h) in enumerate(zip(names, nbytes, homes))),
             activations=tuple(self._activations.policies) if blocks else None,
             budgets={"gpu": self.budgets.gpu, "host": self.budgets.host, "nvme": self.budgets.nvme},
+            prediction=None if prediction is None else {
+                "step_seconds": prediction.seconds, "forward_seconds": prediction.forward_seconds,
+                "backward_seconds": prediction.backward_seconds, "update_tail_seconds": prediction.update_tail_seconds,
+                "exposed_seconds": prediction.exposed_seconds, "h2d_bytes": float(prediction.h2d_bytes),
+            },
         )
         return save_plan(plan, path)
+
+    def _explain_unit(self, index: int, home: str) -> tuple[str, Optional[str], Optional[str]]:
+        """A unit's compute mode, where its gradient is produced and where its optimizer states live."""
+        engine = self.engine
+        trainable = engine.states[index].unit.trainable if engine is not None else any(p.requires_grad for p in self.lightning_module.parameters())
+        if home == GPU:
+            mode, gradient = "resident", "gpu"
+        else:
+            mode = "in_place" if index in engine.placement.dha else "streamed"
+            gradient = "direct" if index in engine.direct_gradients else "copied"
+        return mode, gradient if trainable else None, home if trainable else None
+
+    def predicted_step(self, timing: Optional[StepProfile] = None) -> Optional[StepPrediction]:
+        """The step model's prediction (planning/cost_model.py) for the placement in use, from the
+        compute times of ``timing`` (default: the engine's last timed training step); None before
+        a step has been timed or without an engine (nothing offloaded)."""
+        engine = self.engine
+        timing = timing if timing is not None else engine.last_timing if engine is not None else None
+        if engine is None or timing is None:
+            return None
+        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
+        sizes = {u.index: u for u in self._unit_sizes}
+        order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
+        units = [
+            replace(
+                costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients,
+                state_bytes=int(sizes[i].trainable_bytes * self._state_factor) if engine.states[i].home == NVME and i in sizes else 0,
+            )
+            for i in order
+        ]
+        machine = machine_from_spec(self.hardware, nvme=self.nvme_path is not None)
+        return simulate_step([*units, outside_units(timing)], engine.placement.device_slots, machine)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""

@@ -12,6 +12,7 @@ from offload_strategy.planning.placement import PlacementError
 from tests.helpers import assert_same_weights, train
 from tests.test_activations import gpt2
 from tests.test_offload import param_bytes
+from tools.plan import show
 
 
 class Dump(L.Callback):
@@ -31,7 +32,7 @@ class Homes(L.Callback):
         self.activations = list(trainer.strategy._activations.policies)
 
 
-def test_a_dumped_plan_runs_again_without_planning(tmp_path):
+def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):
     total = param_bytes(gpt2)
     plan = tmp_path / "plan.json"
     dump = Dump(plan)
@@ -41,6 +42,20 @@ def test_a_dumped_plan_runs_again_without_planning(tmp_path):
     written = json.loads(plan.read_text())
     assert written["version"] == 1 and written["activations"] == list(policy["activations"])
     assert "host" in {u["home"] for u in written["units"]}
+    # what the plan implies, for reading: offloaded units stream in and (emulated device, no
+    # gradient reserve) write their gradients straight home; states live with the parameters
+    for unit in written["units"]:
+        assert unit["mode"] == ("resident" if unit["home"] == "gpu" else "streamed")
+        assert unit["gradient"] == ("gpu" if unit["home"] == "gpu" else "direct")
+        assert unit["states"] == unit["home"]
+    predicted = written["prediction"]
+    assert predicted["step_seconds"] > 0 and predicted["h2d_bytes"] > 0
+    parts = predicted["forward_seconds"] + predicted["backward_seconds"] + predicted["update_tail_seconds"]
+    assert parts == pytest.approx(predicted["step_seconds"])
+    show(plan)
+    shown = capsys.readouterr().out
+    assert "| unit | name | bytes | home | mode | gradient | optimizer states |" in shown
+    assert f"predicted step (the step model on the last timed step's compute): {predicted['step_seconds'] * 1e3:.1f} ms" in shown
 
     # Edit the plan: every unit on host. The edited plan is what runs, whatever the budget would choose.
     written["units"] = [{**u, "home": "host"} for u in written["units"]]

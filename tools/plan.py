@@ -6,7 +6,9 @@
 
 Making a plan runs the job's first ``--steps`` training steps (the planner decides from what it
 measures there: with ``policy.activations=auto`` the first step profiles the blocks), then writes
-every unit's home and every block's activation policy. ``strategy.plan_file=plan.json`` runs the
+every unit's home and every block's activation policy, with what they imply (each unit's compute
+mode, where its gradient is produced, where its optimizer states live) and the step model's
+predicted breakdown. ``strategy.plan_file=plan.json`` runs the
 plan again without planning; edit the file to try another placement.
 """
 
@@ -31,9 +33,9 @@ def show(path: Path) -> None:
 
     plan = load_plan(path)
     print(f"{path}: {len(plan.units)} units" + (f", budgets {', '.join(f'{k} {format_bytes(v)}' for k, v in plan.budgets.items())}" if plan.budgets else ""))
-    print("\n| unit | name | bytes | home |\n|---|---|---|---|")
+    print("\n| unit | name | bytes | home | mode | gradient | optimizer states |\n|---|---|---|---|---|---|---|")
     for index, unit in enumerate(plan.units):
-        print(f"| {index} | {unit.name} | {format_bytes(unit.nbytes)} | {unit.home} |")
+        print(f"| {index} | {unit.name} | {format_bytes(unit.nbytes)} | {unit.home} | {unit.mode or '-'} | {unit.gradient or '-'} | {unit.states or '-'} |")
     totals = Counter()
     for unit in plan.units:
         totals[unit.home] += unit.nbytes
@@ -41,6 +43,12 @@ def show(path: Path) -> None:
     if plan.activations is not None:
         counts = Counter(plan.activations)
         print(f"activations per block: {' '.join(plan.activations)} ({', '.join(f'{n} {p}' for p, n in sorted(counts.items()))})")
+    p = plan.prediction
+    if p:
+        print(f"predicted step (the step model on the last timed step's compute): {p['step_seconds'] * 1e3:.1f} ms = forward "
+              f"{p['forward_seconds'] * 1e3:.1f} + backward {p['backward_seconds'] * 1e3:.1f} + updates after backward "
+              f"{p['update_tail_seconds'] * 1e3:.1f}; {p['exposed_seconds'] * 1e3:.1f} ms of it transfers and updates not hidden "
+              f"behind compute; {format_bytes(p['h2d_bytes'])} copied into the GPU tier")
 
 
 def make(out: Path, steps: int, overrides: list[str]) -> None:

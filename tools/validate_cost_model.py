@@ -20,7 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.profiling import mean_timing  # noqa: E402
-from offload_strategy.planning.cost_model import GPU, Machine, StepPrediction, costs_from_timing, outside_units, simulate_step  # noqa: E402
+from offload_strategy.planning.cost_model import GPU, StepPrediction  # noqa: E402
 from tools.common import StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 # (layers, width, sequence, batch, link GB/s): the tiny GPT of conf/model/gpt2_tiny.yaml, and
@@ -68,13 +67,7 @@ class Probe(StepTimer):
             self.timings.append(engine.last_timing)
         if len(self.times) != self.warmup:
             return
-        spec = trainer.strategy.hardware
-        machine = Machine(h2d=spec.h2d_gbps * 1e9, d2h=spec.d2h_gbps * 1e9)
-        timing = mean_timing(self.timings)
-        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
-        order = list(timing.order) + [i for i in range(len(engine.states)) if i not in timing.order]
-        units = [replace(costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients) for i in order] + [outside_units(timing)]
-        self.prediction = simulate_step(units, engine.placement.device_slots, machine)
+        self.prediction = trainer.strategy.predicted_step(mean_timing(self.timings))
         self.predicted_peak = sum(s.unit.nbytes for s in engine.states if s.home == GPU) + sum(
             size * count for size, count in engine.placement.device_slots.items())
         self.homes = "/".join(str(sum(s.home == h for s in engine.states)) for h in ("gpu", "host", "nvme"))

@@ -3,6 +3,11 @@ so that it can be read, compared, edited and run again without planning.
 
 A plan names each unit with its parameters' bytes, so a plan made for another model, or for the
 same model with other dtypes, is refused with the first difference instead of running wrongly.
+
+Besides the decisions a run follows (homes, block policies), a dumped plan explains itself: each
+unit's compute mode, where its gradient is produced and where its optimizer states live, and the
+step model's prediction for the plan. Those are for reading; a run derives them again from the
+homes, so editing them changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ class PlannedUnit:
     name: str
     nbytes: int
     home: str
+    # informative (see the module docstring); None where a plan does not say
+    mode: Optional[str] = None  # resident, streamed (copied in for its compute), in_place (computed on host memory)
+    gradient: Optional[str] = None  # gpu (stays), copied (GPU tier, then home), direct (written into host memory); none: frozen
+    states: Optional[str] = None  # where its optimizer states live: gpu, host, nvme; none: frozen
+
+
+EXPLAINED = ("mode", "gradient", "states")
 
 
 @dataclass(frozen=True)
@@ -34,13 +46,20 @@ class PlanFile:
     units: tuple[PlannedUnit, ...]
     activations: Optional[tuple[str, ...]] = None  # one policy per block; None: the policy config's
     budgets: Optional[dict[str, int]] = None  # what the plan was made for (informative)
+    prediction: Optional[dict[str, float]] = None  # the step model's breakdown in seconds, and bytes copied in (informative)
 
     def to_json(self) -> dict[str, Any]:
+        units = []
+        for u in self.units:
+            entry: dict[str, Any] = {"name": u.name, "bytes": u.nbytes, "home": u.home}
+            entry.update({key: getattr(u, key) for key in EXPLAINED if getattr(u, key) is not None})
+            units.append(entry)
         return {
             "version": PLAN_VERSION,
-            "units": [{"name": u.name, "bytes": u.nbytes, "home": u.home} for u in self.units],
+            "units": units,
             "activations": list(self.activations) if self.activations is not None else None,
             "budgets": self.budgets,
+            "prediction": self.prediction,
         }
 
     @classmethod
@@ -49,14 +68,17 @@ class PlanFile:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{source} is not a version-{PLAN_VERSION} plan (found version {found!r}); {_FIX}.")
         try:
-            units = tuple(PlannedUnit(str(u["name"]), int(u["bytes"]), str(u["home"])) for u in data["units"])
+            units = tuple(
+                PlannedUnit(str(u["name"]), int(u["bytes"]), str(u["home"]), *(str(u[k]) if u.get(k) is not None else None for k in EXPLAINED))
+                for u in data["units"]
+            )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{source} has a malformed unit entry ({error!r}); each needs name, bytes and home. {_FIX}.") from error
         bad = sorted({u.home for u in units} - set(HOMES))
         if bad:
             raise ValueError(f"{source} names homes {bad}; a home is one of {', '.join(HOMES)}.")
         activations = data.get("activations")
-        return cls(units, tuple(activations) if activations is not None else None, data.get("budgets"))
+        return cls(units, tuple(activations) if activations is not None else None, data.get("budgets"), data.get("prediction"))
 
 
 def save_plan(plan: PlanFile, path: Union[str, Path]) -> Path:
