@@ -4,8 +4,8 @@ not at hand (the model can live on the meta device: nothing is allocated or run)
 Each unit's forward costs 2 FLOPs per parameter per token for every module that multiplies by it
 (a linear layer, or an output head tied to an embedding); an embedding lookup costs none. Backward
 costs twice forward. Time is FLOPs over the GPU's dense peak at ``efficiency`` (model FLOPs
-utilisation). Attention's sequence-squared work is not attached to parameters and is left out, so
-short sequences are modelled better than long ones. The CPU optimizer updates ``cpu_params_per_s``
+utilisation). Attention's sequence-squared work is not attached to parameters and is left out of
+the units' times (the blocks' costs below include it). The CPU optimizer updates ``cpu_params_per_s``
 parameters per second per core (fused AdamW measured 0.8 G/s per core on the development machine).
 
 Direct host access (MemFerry §III-B, Fig. 3): a unit computed in place on pinned host memory reads
@@ -13,7 +13,8 @@ its parameters over the host -> GPU link while it computes. An embedding reads o
 looks up; a matrix is re-read by every tile of ``DHA_TILE_TOKENS`` tokens of a GEMM (the GPU cannot
 cache it across tiles), and vectors (norms, biases) are read once. So DHA takes
 ``max(compute, bytes read / link)``, against the copy plus the compute for on-GPU execution
-(GFGB): embeddings and norms are cheaper read in place, large GEMMs far costlier.
+(GFGB): an embedding is cheaper read in place, a norm costs the same either way (its bytes
+cross once; the copy's launch is not priced), a large GEMM far more in place.
 
 Block activations (:func:`analytic_blocks`) come from one forward of the model on the meta device:
 what autograd saves inside each block (parameters excluded, as the runtime's accounting does), the
@@ -37,11 +38,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import HardwareSpec
 from ..planning.activations import BlockCost
+from ..planning.cost_model import UNKNOWN_LINK
 from ..runtime.units import TransferUnit
 
 CPU_PARAMS_PER_S_PER_CORE = 0.8e9
 DHA_TILE_TOKENS = 128  # rows of a GEMM's output tile: each such tile reads the whole weight once
-UNKNOWN_LINK_GBPS = 10.0  # a hardware spec without a link speed: PCIe 3.0 x16
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def analytic_units(
         for u in used:
             multiplies[u.index] += 1
     cpu_rate = CPU_PARAMS_PER_S_PER_CORE * max(hardware.cpu_cores, 1)
-    link = (hardware.h2d_gbps or UNKNOWN_LINK_GBPS) * 1e9
+    link = hardware.h2d_gbps * 1e9 if hardware.h2d_gbps else UNKNOWN_LINK
     reads = dha_read_bytes(units, users, tokens)
     out = []
     for u in units:
