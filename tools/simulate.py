@@ -134,7 +134,7 @@ def counts(layout: Optional[tuple[str, ...]], n_blocks: int) -> str:
 
 def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int, owned: Optional[set[int]], owners: list[int]) -> list[Row]:
     """The ``fill`` and ``auto`` rows for one GPU budget (see the module docstring)."""
-    from offload_strategy.planning.activations import KEEP, Links, peak_bytes
+    from offload_strategy.planning.activations import KEEP, peak_bytes
     from offload_strategy.planning.auto import plan_auto
     from offload_strategy.planning.cost_model import simulate_step
     from offload_strategy.planning.placement import GPU, NVME, PlacementError, place_units
@@ -159,9 +159,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     fits = placement.gpu_bytes + kept_peak <= gpu
     rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
                 buffers, step.seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + kept_peak - gpu)}")]
-    streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
-    links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
-                  parameter_forward_seconds=streamed / machine.h2d, parameter_backward_seconds=streamed / machine.h2d)
+    links = parameter_links(machine, sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU))
     try:
         plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
@@ -177,6 +175,15 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
                     chosen.gpu_bytes + activations <= gpu))
     return rows
+
+
+def parameter_links(machine: Any, streamed: int) -> Any:
+    """The links activation swaps use, with ``streamed`` parameter bytes crossing host -> GPU in each pass."""
+    from offload_strategy.planning.activations import Links
+
+    seconds = streamed / machine.h2d
+    return Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
+                 parameter_forward_seconds=seconds, parameter_backward_seconds=seconds)
 
 
 def homes_of(placement: Any) -> str:
@@ -212,9 +219,9 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int) -> tuple[int, in
         sizes = list(outside)
         groups = [list(g) for g in users_outside]
         for b in range(depth):
-            base = len(sizes) + 10**9  # fresh indices for the copies
-            sizes += [UnitSize(base + b * len(first) + k, s.nbytes, s.trainable_bytes) for k, s in enumerate(per_block)]
-            groups += [[base + b * len(first) + k for k in g] for g in users_block]
+            base = 10**9 + b * len(first)  # fresh indices for each copy, clear of the model's own
+            sizes += [UnitSize(base + k, s.nbytes, s.trainable_bytes) for k, s in enumerate(per_block)]
+            groups += [[base + k for k in g] for g in users_block]
         activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
         if activations >= gpu:
             return False
@@ -265,7 +272,7 @@ def layer_kind(unit: Any) -> str:
 def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int) -> list[dict]:
     """ProTrain Table 4 and LoHan's cases across batch sizes at one GPU budget: the auto plan's
     resident units and layout, and LoHan's curve (parameters streamed from host memory, LoHan's setting)."""
-    from offload_strategy.planning.activations import CHECKPOINT, Links, step_seconds
+    from offload_strategy.planning.activations import CHECKPOINT, step_seconds
     from offload_strategy.planning.auto import plan_auto
     from offload_strategy.planning.lohan import FALLING, RISING, lohan_search
     from offload_strategy.planning.placement import PlacementError
@@ -280,9 +287,7 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         costs = unit_costs(model, [0] * len(model.units))
         order = [u.index for u in model.units]
         row: dict = {"batch": batch, "tokens": model.tokens}
-        streamed = sum(s.nbytes for s in model.sizes)
-        links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
-                      parameter_forward_seconds=streamed / machine.h2d, parameter_backward_seconds=streamed / machine.h2d)
+        links = parameter_links(machine, sum(s.nbytes for s in model.sizes))
         try:
             plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                              state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
