@@ -169,15 +169,20 @@ class PolicyConfig:
     gradient_reserve: Optional[float] = None
     throttle: bool = False
     checksums: bool = False
-    activations: Union[str, tuple[str, ...]] = "keep"
+    activations: Union[str, tuple[str, ...], None] = None
     block_class: Optional[str] = None
-    placement: str = "fill"
+    placement: Optional[str] = None
     prefetch: bool = True
     update_during_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
             raise ValueError(f"policy={self.name!r} is not a known policy; choose one of {', '.join(POLICY_NAMES)}.")
+        # unset: the planner decides under "auto"; "none" keeps everything where plain training would
+        if self.activations is None:
+            object.__setattr__(self, "activations", "auto" if self.name == "auto" else "keep")
+        if self.placement is None:
+            object.__setattr__(self, "placement", "search" if self.name == "auto" else "fill")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"policy.placement={self.placement!r} is not known; choose one of {', '.join(PLACEMENTS)}.")
         for flag in ("prefetch", "update_during_backward", "throttle", "checksums"):

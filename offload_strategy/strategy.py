@@ -37,7 +37,7 @@ from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
 from .profiling import StepProfile
-from .runtime.activations import ActivationPolicies, find_blocks
+from .runtime.activations import CHECKPOINT, ActivationPolicies, find_blocks
 from .runtime.data_parallel import DataParallel
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact
@@ -217,6 +217,9 @@ class TieredMixin(ActivationControl):
         for optimizer, state in zip(self.optimizers, states):
             optimizer.load_state_dict(state)
         self._use_saved_tensor_hooks()
+        if self._activations is not None and self._activations.swap is not None:
+            self._detach_swap()  # it copied through the old engine's device, now closed
+            self._attach_swap()
 
     def _build_engine(self, trainer: "pl.Trainer", gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
         """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
@@ -239,6 +242,7 @@ class TieredMixin(ActivationControl):
         inside = [{id(m) for m in block.modules()} for block in blocks]
         self._block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
         self._unit_names = [u.name for u in units]
+        together = self._working_groups()
         homes, persistent = None, None
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
         mode = self.policy.placement
@@ -248,7 +252,7 @@ class TieredMixin(ActivationControl):
         elif mode in ("host", "layerwise"):
             homes = {u.index: HOST for u in units}
             if mode == "layerwise":  # one layer's working set at a time, however large the budget
-                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, self._co_resident))
+                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, together))
         elif mode == "nvme":
             if self.nvme_path is None:
                 raise ValueError("policy.placement='nvme' keeps every unit on NVMe, but no nvme_path was given; name a directory for the NVMe tier.")
@@ -257,7 +261,7 @@ class TieredMixin(ActivationControl):
             persistent = self._persistent_choice
         self._state_factor = optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0)
         place = functools.partial(
-            place_units, sizes, self._co_resident, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
+            place_units, sizes, together, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
             state_factor=self._state_factor, homes=homes, owned=self._units_with_states_here(sizes),
         )
         try:
@@ -269,6 +273,8 @@ class TieredMixin(ActivationControl):
                         f"policy.placement={mode!r} puts every unit's parameters in {'NVMe' if mode == 'nvme' else 'host memory'}, "
                         f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
                     ) from None
+                if len(together) > len(self._co_resident) and minimum_gpu_bytes(sizes, self._co_resident) <= gpu_bytes:
+                    raise PlacementError(f"{error} {self._checkpoint_note(sizes)}") from None
                 raise
             # the searched units no longer fit (activations took part of the GPU tier): first-use placement
             self._persistent_choice = None
@@ -291,6 +297,22 @@ class TieredMixin(ActivationControl):
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
 
+    def _working_groups(self, every_block: bool = False) -> list[list[int]]:
+        """The unit sets that must be in the GPU tier together: each module's units and, since a
+        checkpointed block's recompute holds views of all its units until their gradients are in,
+        each checkpointed block's (every block's with ``every_block``)."""
+        policies = self._activations.policies if self._activations is not None else []
+        blocks = [units for units, policy in zip(self._block_units, policies) if every_block or policy == CHECKPOINT]
+        return [*self._co_resident, *blocks]
+
+    def _checkpoint_note(self, sizes: list[UnitSize]) -> str:
+        block = max((sum(sizes[i].nbytes for i in units) for units in self._block_units), default=0)
+        profiling = " (activations='auto' checkpoints every block but the first in its profiling step)" if self._activations.auto else ""
+        return (
+            f"Checkpointed blocks recompute with all their parameters in the GPU tier, {format_bytes(block)} for the largest block"
+            f"{profiling}; below that, keep or swap the blocks' activations instead (policy.activations='swap_host')."
+        )
+
     def _search_placement(self, trainer: "pl.Trainer") -> None:
         """``placement="search"``, after the profiled first step: ProTrain's search (§3.3,
         planning/auto.py) over how many leading units stay resident, each count priced by the step
@@ -300,9 +322,12 @@ class TieredMixin(ActivationControl):
         self._placement_searched = True
         engine = self.engine
         assert engine is not None and self.budgets is not None
-        profile = engine.profile
-        order = list(dict.fromkeys(profile.order)) + [i for i in range(len(engine.states)) if i not in profile.order]
-        costs = costs_from_timing(engine.last_timing or profile, [bool(s.unit.trainable) for s in engine.states])
+        timing = engine.last_timing or engine.profile
+        # first use in forward of every unit, resident ones included (the prefetch table lists
+        # only the units it fetches)
+        used = list(dict.fromkeys(timing.order or engine.profile.order))
+        order = used + [i for i in range(len(engine.states)) if i not in used]
+        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
         if engine.device.is_emulated and not self.policy.gradient_reserve:
             # every offloaded unit's gradient is written at home there (_direct_gradients): no copy on the link
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
@@ -329,9 +354,11 @@ class TieredMixin(ActivationControl):
             f"tiered: placement search keeps the first {persistent} units resident with {plan.parameters.buffers} streaming buffers, "
             f"predicted {plan.seconds * 1e3:.1f} ms per step"
         )
-        if chosen != current and persistent < len(order):  # all resident: the first placement had that choice
+        # the parameters get what the activation layout searched with them leaves
+        gpu_bytes = self.budgets.gpu - (plan.activations.peak_bytes if plan.activations is not None else 0)
+        if (chosen != current or self._gpu_placed > gpu_bytes) and persistent < len(order):  # all resident: the first placement had that choice
             self._persistent_choice = chosen
-            self._replace_engine(trainer, gpu_bytes=self.budgets.gpu)
+            self._replace_engine(trainer, gpu_bytes=gpu_bytes)
 
     # -- what a data-parallel strategy changes ------------------------------------------------------
 
@@ -429,7 +456,8 @@ class TieredMixin(ActivationControl):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.policy.placement == "search" and not self._placement_searched and self._optimizer_stepped and self.engine is not None:
+        searching = self.policy.placement == "search" and self._plan is None  # a plan file fixes every home
+        if searching and not self._placement_searched and self._optimizer_stepped and self.engine is not None:
             self._search_placement(self.lightning_module.trainer)
         activations = self._activations
         if activations is not None and activations.profile is not None and activations.profiled and self._optimizer_stepped:

@@ -98,7 +98,7 @@ class ActivationControl:
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
-            smallest = minimum_gpu_bytes(self._unit_sizes, self._co_resident) if self._unit_sizes else 0
+            smallest = minimum_gpu_bytes(self._unit_sizes, self._working_groups(every_block=True)) if self._unit_sizes else 0
             try:
                 plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
             except ValueError as error:
@@ -181,16 +181,21 @@ class ActivationControl:
             out["activations/swap_host_full_bytes"] = float(stats.host_full_bytes)
         return out
 
-    def _close_activations(self) -> None:
-        """Block policies off, swapped activations dropped, the swap store and device closed."""
-        if self._activations is not None:
-            if self._activations.swap is not None:
-                self._activations.swap.close()
-            self._activations.remove()
-            self._activations = None
+    def _detach_swap(self) -> None:
+        """Swapped activations dropped, the swap store and the swap's own device closed."""
+        if self._activations is not None and self._activations.swap is not None:
+            self._activations.swap.close()
+            self._activations.swap = None
         if self._swap_store is not None:
             self._swap_store.close()
             self._swap_store = None
         if self._swap_device is not None:
             self._swap_device.close()
             self._swap_device = None
+
+    def _close_activations(self) -> None:
+        """Block policies off and the swap detached."""
+        self._detach_swap()
+        if self._activations is not None:
+            self._activations.remove()
+            self._activations = None

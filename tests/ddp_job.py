@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import offload_strategy  # noqa: E402,F401  (registers "tiered_ddp")
 from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredDDPStrategy, TieredStrategy  # noqa: E402
-from tests.helpers import LossRecorder, tiny_data  # noqa: E402
+from tests.helpers import PARAMETERS_ONLY, LossRecorder, tiny_data  # noqa: E402
 
 GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 
@@ -82,7 +82,7 @@ def main() -> None:
 
     total = model_bytes()
     host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
-    budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(host * total))
+    budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":

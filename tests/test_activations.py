@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 from torch import nn
 
 from experiments.models import CausalLM
 from offload_strategy import TieredStrategy
+from offload_strategy.planning.placement import PlacementError
 from offload_strategy.runtime.activations import ActivationPolicies, find_blocks
-from tests.helpers import assert_same_weights, train
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_offload import GPT2_4L, param_bytes
 
 WITH_DROPOUT = {**GPT2_4L, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
@@ -49,7 +51,7 @@ def test_blocks_are_found():
 def test_checkpointed_blocks_match_plain_training(tmp_path, activations, offload):
     total = param_bytes(gpt2)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
-    budget = dict(gpu_memory=int(0.5 * total), host_memory="1GiB") if offload else {}
+    budget = dict(gpu_memory=int(0.6 * total), host_memory="1GiB") if offload else {}
     strategy = TieredStrategy(policy={"name": "auto", "activations": activations}, **budget)
     losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2)
     assert losses == plain_losses
@@ -62,7 +64,7 @@ def test_checkpointing_keeps_fewer_activation_bytes(tmp_path):
     saved = {}
     for activations in ("keep", "checkpoint"):
         seen = Saved()
-        strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy={"name": "auto", "activations": activations})
+        strategy = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", policy={"name": "auto", "activations": activations})
         train(strategy, tmp_path / activations, epochs=1, make_model=gpt2, extra_callbacks=(seen,))
         saved[activations] = seen.bytes[-1]
     assert 0 < saved["checkpoint"] < saved["keep"] / 3, saved
@@ -88,7 +90,7 @@ SWAP_LAYOUTS = {
 def test_swapped_blocks_match_plain_training(tmp_path, layout, offload):
     total = param_bytes(gpt2)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
-    budget = dict(gpu_memory=int(0.5 * total), host_memory="1GiB") if offload else {}
+    budget = dict(gpu_memory=int(0.6 * total), host_memory="1GiB") if offload else {}
     nvme = tmp_path / "nvme"
     seen = Swapped()
     strategy = TieredStrategy(policy={"name": "auto", "activations": SWAP_LAYOUTS[layout]}, nvme_path=nvme, **budget)
@@ -109,7 +111,7 @@ def test_swapping_keeps_as_few_bytes_as_checkpointing(tmp_path):
     metrics = {}
     for activations in ("keep", "swap_host", "checkpoint"):
         seen = Swapped()
-        strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy={"name": "auto", "activations": activations})
+        strategy = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", policy={"name": "auto", "activations": activations})
         train(strategy, tmp_path / activations, epochs=1, make_model=gpt2, extra_callbacks=(seen,))
         metrics[activations] = seen.metrics[-1]
     kept = {a: m["activations/saved_bytes"] for a, m in metrics.items()}
@@ -194,3 +196,59 @@ def test_swap_host_beyond_host_memory_goes_to_nvme_or_stays(tmp_path, with_nvme)
         assert last["activations/swapped_nvme_bytes"] > 0 and last["activations/swap_host_full_bytes"] == 0
     else:
         assert last["activations/swapped_nvme_bytes"] == 0 and last["activations/swap_host_full_bytes"] > 0
+
+
+def test_the_default_policy_searches_placement_and_activations_together(tmp_path):
+    """No policy given: the first step profiles, ProTrain's joint search places the parameters
+    and lays out the blocks, and the run stays within the GPU tier and matches plain training."""
+    total = param_bytes(gpt2)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
+    seen = PlanSeen()
+    budget = 2 * total
+    strategy = TieredStrategy(gpu_memory=budget, host_memory="1GiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    searched, plan = strategy.placement_search, strategy.activation_plan
+    assert searched is not None and searched.activations is not None
+    assert plan is not None and set(plan.layout) != {"keep"}, plan
+    assert strategy._gpu_parameter_bytes() + plan.peak_bytes <= budget
+
+
+def test_a_gpu_tier_smaller_than_a_checkpointed_block_is_refused_with_the_numbers(tmp_path):
+    total = param_bytes(gpt2)
+    with pytest.raises(PlacementError, match=r"raise gpu_memory to at least [\d.]+ KiB\. Checkpointed blocks recompute with all their "
+                                             r"parameters in the GPU tier, [\d.]+ KiB for the largest block \(activations='auto'"):
+        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2)
+
+
+class OneLinearBlocks(L.LightningModule):
+    """Blocks that are single modules: a checkpointed block's recompute calls the module's own
+    forward, so its parameters are read without its hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 256)
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_checkpointed_single_module_blocks_recompute_with_streamed_parameters(tmp_path):
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=OneLinearBlocks)
+    # the smallest working set (two buffers of the embedding's 16.5 KiB): recomputing a block must not leave
+    # its unit to a guard that holds parameters read outside their module's hooks
+    strategy = TieredStrategy(gpu_memory="34KiB", host_memory="1GiB", policy={**PARAMETERS_ONLY, "activations": "checkpoint"})
+    seen = PlanSeen()
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=OneLinearBlocks, extra_callbacks=(seen,))
+    assert seen.metrics[-1]["units/host"] > 0 and seen.metrics[-1]["activations/blocks_checkpoint"] == 4
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

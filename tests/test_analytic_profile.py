@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload_strategy import HardwareSpec
+from offload_strategy.config import parse_size
 from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_blocks, analytic_units
 from offload_strategy.runtime.units import build_units
 
@@ -132,8 +133,8 @@ def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     assert [(r[0], r[1]) for r in rows] == [("4.00 GiB", "fill"), ("4.00 GiB", "auto"), ("16.00 GiB", "fill"), ("16.00 GiB", "auto")]
     auto = [r for r in rows if r[1] == "auto"]
     for row, budget in zip(auto, (4, 16)):
-        parameters, activations = (float(part.split()[0]) for part in row[4].split(" + "))  # both in GiB here
-        assert parameters + activations <= budget  # the joint search stays within the GPU tier
+        parameters, activations = (parse_size(part) for part in row[4].split(" + "))
+        assert parameters + activations <= budget * 2**30  # the joint search stays within the GPU tier
         assert not row[9].startswith("-")  # it fits, so it has a throughput
     assert float(auto[1][8]) <= float(auto[0][8])  # more GPU tier, no slower
     # keeping every block's activations does not fit beside first-use placement: 2,048 tokens of a 7B model

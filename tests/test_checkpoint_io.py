@@ -5,7 +5,7 @@ import torch
 
 from offload_strategy import TieredStrategy
 from offload_strategy.checkpoint_io import AtomicCheckpointIO
-from tests.helpers import train
+from tests.helpers import PARAMETERS_ONLY, train
 
 
 def test_save_replaces_whole_files_and_keeps_default_permissions(tmp_path):
@@ -54,7 +54,7 @@ def test_checkpoints_hold_each_value_once_not_the_slabs_it_lives_in(tmp_path):
     sizes = {}
     for name, strategy in (
         ("plain", "auto"),
-        ("host", TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB")),
+        ("host", TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.5 * total), host_memory="1GiB")),
         ("nvme", nvme_strategy(total, tmp_path / "nvme")),
     ):
         train(strategy, tmp_path / name, epochs=1, make_model=gpt2_4l, save_every_epoch=True)

@@ -151,3 +151,13 @@ def test_a_gpu_asked_for_where_there_is_none_is_refused_before_training(tmp_path
 
     with pytest.raises(MisconfigurationException, match="No supported gpu backend found"):
         L.Trainer(strategy=TieredStrategy(), accelerator="gpu", devices=1, logger=False, default_root_dir=tmp_path)
+
+
+def test_the_default_policy_plans_everything_and_none_plans_nothing():
+    default = PolicyConfig()
+    assert (default.name, default.placement, default.activations) == ("auto", "search", "auto")
+    none = PolicyConfig(name="none")
+    assert (none.placement, none.activations) == ("fill", "keep")
+    chosen = PolicyConfig(placement="fill", activations=["keep", "checkpoint"])
+    assert (chosen.placement, chosen.activations) == ("fill", ("keep", "checkpoint"))
+    assert PolicyConfig.coerce({"name": "auto", "throttle": True}).activations == "auto"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.ddp_job import GPT2_4L
-from tests.helpers import assert_same_weights, train
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "ddp_job.py"
@@ -105,7 +105,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_in_plain_training(runs, tmp
 
     total = model_bytes()
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=6, resume=ckpt, make_model=gpt2_4l)
-    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=6, resume=ckpt, make_model=gpt2_4l)
     assert len(plain_losses) == 12, "the resumed run did not continue from epoch 4"
     assert losses == plain_losses

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_strategy import TieredStrategy
-from tests.helpers import train
+from tests.helpers import PARAMETERS_ONLY, train
 from tests.test_offload import gpt2_4l, param_bytes
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,7 @@ def test_offloaded_training_on_a_gpu_matches_plain(tmp_path):
             recorded["homes"] = {s.home for s in engine.states}
             recorded["arena"] = engine.arena.device.type
 
-    losses, weights, _ = train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
+    losses, weights, _ = train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
                                make_model=gpt2_4l, accelerator="gpu", extra_callbacks=(Where(),))
     assert recorded["arena"] == "cuda" and "host" in recorded["homes"]
     # cuBLAS may pick other kernels for other memory layouts: equal to within float32 rounding

@@ -7,7 +7,7 @@ import torch
 
 from experiments.models import CausalLM
 from offload_strategy import TieredStrategy
-from tests.helpers import tiny_data, train
+from tests.helpers import PARAMETERS_ONLY, tiny_data, train
 from tests.test_offload import GPT2_4L, param_bytes
 
 
@@ -62,7 +62,7 @@ def test_validate_test_predict_on_their_own(tmp_path):
     total = param_bytes(make)
     expected = run_loops("auto", tmp_path / "plain")
     saw = SawEngine()
-    got = run_loops(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", callbacks=(saw,))
+    got = run_loops(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", callbacks=(saw,))
     assert saw.requests > 0
     assert got[0] == expected[0] and got[1] == expected[1]
     assert torch.equal(got[2], expected[2])
@@ -73,6 +73,6 @@ def test_validate_test_predict_on_their_own(tmp_path):
 def test_evaluation_after_fit_matches(tmp_path):
     total = param_bytes(make)
     _, _, plain = train("auto", tmp_path / "plain", epochs=1, make_model=make)
-    _, _, tiered = train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=1, make_model=make)
+    _, _, tiered = train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=1, make_model=make)
     data = tiny_data()
     assert tiered.validate(tiered.lightning_module, datamodule=data, verbose=False) == plain.validate(plain.lightning_module, datamodule=data, verbose=False)

@@ -14,7 +14,7 @@ from torch import nn
 from experiments.models import CausalLM
 from offload_strategy import OffloadMonitor, TieredStrategy
 from offload_strategy.planning.placement import PlacementError
-from tests.helpers import assert_same_weights, train
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 
 # Four blocks, so that the embedding (tied to the output head) is a small part of the model.
 GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
@@ -65,7 +65,7 @@ class StatesOnNvme(L.Callback):
 
 
 def nvme_strategy(total: int, path: Path) -> TieredStrategy:
-    return TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=path, nvme_memory="64MiB")
+    return TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=path, nvme_memory="64MiB")
 
 
 def test_gpu_host_and_nvme_tiers_train_identically(tmp_path):
@@ -109,7 +109,7 @@ def test_gradient_accumulation_and_resume_match(tmp_path):
     total = param_bytes(gpt2_4l)
 
     def offloading() -> TieredStrategy:
-        return TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB")
+        return TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB")
 
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, accumulate_grad_batches=2)
     losses, weights, _ = train(offloading(), tmp_path / "full", epochs=2, make_model=gpt2_4l, accumulate_grad_batches=2)
@@ -165,7 +165,7 @@ def test_reused_modules_frozen_parameters_buffers_and_changing_order(tmp_path, s
     total = param_bytes(make)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=4, make_model=make)
     recorder = Recorder()
-    strategy = TieredStrategy(gpu_memory=int(0.85 * total), host_memory="1GiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.85 * total), host_memory="1GiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=4, make_model=make, extra_callbacks=(recorder,))
     assert recorder.homes["host"] > 0
     assert losses == plain_losses
@@ -179,7 +179,7 @@ def test_reused_modules_frozen_parameters_buffers_and_changing_order(tmp_path, s
 def test_steady_state_hit_rate_with_host_offload(tmp_path):
     total = param_bytes(gpt2_4l)
     recorder = Recorder()
-    strategy = TieredStrategy(gpu_memory=int(0.4 * total), host_memory="1GiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.4 * total), host_memory="1GiB")
     train(strategy, tmp_path / "tiered", epochs=4, make_model=gpt2_4l, extra_callbacks=(recorder,))
     steady = recorder.metrics[3:]
     hits = sum(m["cache/hit_rate"] * m["cache/requests"] for m in steady) / sum(m["cache/requests"] for m in steady)
@@ -190,7 +190,7 @@ def test_steady_state_hit_rate_with_host_offload(tmp_path):
 def test_metrics_reach_the_logger(tmp_path):
     total = param_bytes(gpt2_4l)
     monitor = OffloadMonitor(every_n_steps=1)
-    train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(monitor,))
+    train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(monitor,))
     for key in ("cache/hit_rate", "cache/wait_p99_ms", "cache/wait_under_0.01ms", "link/h2d_bytes", "tier/gpu_peak_bytes", "tier/host_bytes"):
         assert f"offload/{key}" in monitor.last, key
     assert monitor.last["offload/link/h2d_bytes"] > 0
@@ -198,21 +198,21 @@ def test_metrics_reach_the_logger(tmp_path):
 
 def test_too_small_gpu_budget_is_refused_before_training(tmp_path):
     with pytest.raises(PlacementError, match=r"gpu_memory=.* cannot hold the largest set of parameters one module needs at once"):
-        train(TieredStrategy(gpu_memory="4KiB", host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l)
+        train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory="4KiB", host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l)
 
 
 def test_units_on_nvme_need_an_nvme_path(tmp_path):
     total = param_bytes(gpt2_4l)
     with pytest.raises(PlacementError, match=r"must go to NVMe, which grants 0 B; give nvme_path"):
-        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total)), tmp_path, epochs=1, make_model=gpt2_4l)
+        train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(4.2 * total)), tmp_path, epochs=1, make_model=gpt2_4l)
 
 
 def test_chunks_train_identically(tmp_path):
     total = param_bytes(gpt2_4l)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l)
     per_module, chunked = Recorder(), Recorder()
-    train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "units", epochs=1, make_model=gpt2_4l, extra_callbacks=(per_module,))
-    strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy={"name": "auto", "chunk_size": "40KiB"})
+    train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "units", epochs=1, make_model=gpt2_4l, extra_callbacks=(per_module,))
+    strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy={**PARAMETERS_ONLY, "chunk_size": "40KiB"})
     losses, weights, _ = train(strategy, tmp_path / "chunks", epochs=2, make_model=gpt2_4l, extra_callbacks=(chunked,))
     assert sum(chunked.homes.values()) < sum(per_module.homes.values()) / 2
     assert losses == plain_losses
@@ -273,7 +273,7 @@ def test_profile_records_order_sizes_and_times(tmp_path):
         def on_train_batch_end(self, trainer, *args):
             profiles.append(trainer.strategy.engine.profile)
 
-    train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(Keep(),))
+    train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(Keep(),))
     profile = profiles[-1]
     n = len(profile.unit_names)
     assert sum(profile.unit_bytes) >= total
@@ -293,7 +293,7 @@ def test_profile_records_order_sizes_and_times(tmp_path):
 def test_nvme_units_are_kept_in_host_memory_between_uses(tmp_path):
     total = param_bytes(gpt2_4l)
     recorder = Recorder()
-    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, extra_callbacks=(recorder,))
     assert recorder.homes["nvme"] > 0
     assert sum(m["cache/nvme_reads_avoided"] for m in recorder.metrics[1:]) > 0
@@ -302,7 +302,7 @@ def test_nvme_units_are_kept_in_host_memory_between_uses(tmp_path):
 def test_bf16_mixed_with_offload_matches_plain_bf16_mixed(tmp_path):
     total = param_bytes(gpt2_4l)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, precision="bf16-mixed")
-    losses, weights, _ = train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
+    losses, weights, _ = train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
                                make_model=gpt2_4l, precision="bf16-mixed")
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
@@ -345,14 +345,14 @@ def test_activation_checkpointing_recomputes_with_offloaded_parameters(tmp_path)
     total = param_bytes(make)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=make)
     recorder = Recorder()
-    losses, weights, _ = train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
+    losses, weights, _ = train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
                                make_model=make, extra_callbacks=(recorder,))
     assert recorder.homes["host"] > 0
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
     # a GPU tier too small for a whole recomputed block is refused with the reason, never wrong
     with pytest.raises(RuntimeError, match="every module of the recomputed block"):
-        train(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "small", epochs=1, make_model=make)
+        train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "small", epochs=1, make_model=make)
 
 
 class Functional(L.LightningModule):
@@ -383,7 +383,7 @@ def test_parameters_used_outside_their_module(tmp_path, tiers):
     total = param_bytes(Functional)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Functional)
     host = "1GiB" if tiers == "host" else int(3.5 * total)
-    strategy = TieredStrategy(gpu_memory=int(0.5 * total), host_memory=host, nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.5 * total), host_memory=host, nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     recorder = Recorder()
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=Functional, extra_callbacks=(recorder,))
     assert recorder.homes[tiers] > 0, recorder.homes
@@ -401,7 +401,7 @@ def test_checksums_policy_verifies_nvme_reads(tmp_path):
             seen["checksums"] = trainer.strategy.engine.store.checksums
 
     strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.2 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB",
-                              policy={"name": "auto", "checksums": True})
+                              policy={**PARAMETERS_ONLY, "checksums": True})
     losses, _, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, extra_callbacks=(Check(),))
     assert seen["checksums"] is True and losses == plain_losses
 
@@ -438,7 +438,7 @@ def test_nvme_updates_read_ahead_and_write_behind(tmp_path):
             engine = trainer.strategy.engine
             seen.update(engine.pipeline, buffers=engine.update_buffers)
 
-    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(4.6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(4.6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, extra_callbacks=(Pipeline(),))
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
@@ -468,7 +468,7 @@ def test_nvme_read_ahead_never_starves_the_worker_of_update_buffers(tmp_path, mo
         def on_train_batch_end(self, trainer, *args):
             seen.update(trainer.strategy.engine.pipeline, buffers=trainer.strategy.engine.update_buffers)
 
-    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(2.6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(2.6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, extra_callbacks=(Pipeline(),))
     assert seen["buffers"] == 2, seen
     assert losses == plain_losses

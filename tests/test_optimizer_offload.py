@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from offload_strategy import TieredStrategy
-from tests.helpers import assert_same_weights, tiny_data, train
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, tiny_data, train
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
@@ -56,7 +56,7 @@ def param_bytes() -> int:
 
 
 def offloading(**kwargs) -> TieredStrategy:
-    return TieredStrategy(gpu_memory=int(0.85 * param_bytes()), host_memory="1GiB", **kwargs)
+    return TieredStrategy(gpu_memory=int(0.85 * param_bytes()), host_memory="1GiB", **{"policy": PARAMETERS_ONLY, **kwargs})
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -182,7 +182,7 @@ def test_gradients_written_straight_home_or_copied(tmp_path, reserve):
             seen["d2h"] = metrics["link/d2h_bytes"]
 
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, accumulate_grad_batches=2)
-    strategy = offloading(policy={"name": "auto", "gradient_reserve": reserve})
+    strategy = offloading(policy={**PARAMETERS_ONLY, "gradient_reserve": reserve})
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=Net, accumulate_grad_batches=2, extra_callbacks=(Links(),))
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)

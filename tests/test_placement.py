@@ -2,7 +2,7 @@
 
 import pytest
 
-from offload_strategy.planning.placement import GPU, HOST, NVME, PlacementError, UnitSize, place_units
+from offload_strategy.planning.placement import GPU, HOST, NVME, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from offload_strategy.runtime.scheduler import PrefetchTable
 
 # Four units of 1024, 2048, 1024 and 512 bytes, all trainable, each used by its own module.
@@ -28,6 +28,20 @@ def test_streaming_buffers_and_host_homes():
     assert placement.home == {0: HOST, 1: HOST, 2: HOST, 3: HOST}
     assert placement.device_slots == {2048: 2, 1024: 2}
     assert placement.gpu_bytes == 6144 and placement.host_bytes == 49152 and placement.staging_slots == {}
+
+
+def test_smallest_working_set_by_buffer_sizes():
+    # One module at a time: one buffer of the largest unit (2048) and one to prefetch into, 4096;
+    # a buffer of each unit's own size would cost more (1024 + 2 x 2048 + 512 = 5632).
+    assert minimum_gpu_bytes(UNITS, GROUPS) == 4096
+    # A checkpointed block of units 0, 2 and 3 (1024, 1024, 512) recomputes with all three
+    # resident: four buffers of 2048 cost 8192, but one per size in use, two of 1024, one of 512,
+    # one of 2048 for unit 1 alone and one of 2048 to prefetch into, cost 6656.
+    assert minimum_gpu_bytes(UNITS, [*GROUPS, [0, 2, 3]]) == 6656
+    placement = place_units(UNITS, [*GROUPS, [0, 2, 3]], gpu_bytes=6656, host_bytes=1 << 20, nvme_bytes=0, state_factor=2)
+    assert placement.device_slots == {2048: 2, 1024: 2, 512: 1}
+    with pytest.raises(PlacementError, match=r"raise gpu_memory to at least 6.50 KiB"):
+        place_units(UNITS, [*GROUPS, [0, 2, 3]], gpu_bytes=6655, host_bytes=1 << 20, nvme_bytes=0, state_factor=2)
 
 
 def test_nvme_takes_what_host_memory_cannot():

@@ -9,7 +9,7 @@ import pytest
 
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.placement import PlacementError
-from tests.helpers import assert_same_weights, train
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_activations import gpt2
 from tests.test_offload import param_bytes
 from tools.plan import show
@@ -37,7 +37,7 @@ def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     dump = Dump(plan)
     policy = {"name": "auto", "activations": ("checkpoint", "swap_host", "keep", "keep")}
-    first = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy=policy)
+    first = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", policy=policy)
     train(first, tmp_path / "first", epochs=1, make_model=gpt2, extra_callbacks=(dump,))
     written = json.loads(plan.read_text())
     assert written["version"] == 1 and written["activations"] == list(policy["activations"])
@@ -65,7 +65,7 @@ def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):
     plan.write_text(json.dumps(written))
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
     seen = Homes()
-    again = TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", plan_file=plan)
+    again = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", plan_file=plan)
     losses, weights, _ = train(again, tmp_path / "again", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
     assert seen.homes == [u["home"] for u in written["units"]] and seen.activations == ["checkpoint"] * 4
     assert losses == plain_losses
@@ -81,7 +81,7 @@ def _plan(tmp_path, units, activations=None, version=1):
 def _units_of_gpt2(tmp_path):
     total = param_bytes(gpt2)
     plan = tmp_path / "good.json"
-    train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "dump", epochs=1, make_model=gpt2, extra_callbacks=(Dump(plan),))
+    train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy=PARAMETERS_ONLY), tmp_path / "dump", epochs=1, make_model=gpt2, extra_callbacks=(Dump(plan),))
     return json.loads(plan.read_text())["units"], total
 
 
@@ -116,4 +116,4 @@ def test_unreadable_plans_and_plans_that_do_not_fit_are_refused(tmp_path):
         train(TieredStrategy(gpu_memory=int(0.5 * total), plan_file=everything_on_gpu), tmp_path / "d", epochs=1, make_model=gpt2)
     on_host = _plan(tmp_path, [{**u, "home": "host"} for u in units])
     with pytest.raises(PlacementError, match=r"the plan keeps .* in host memory .* but host_memory grants"):
-        train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory=total, plan_file=on_host), tmp_path / "e", epochs=1, make_model=gpt2)
+        train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory=total, plan_file=on_host, policy=PARAMETERS_ONLY), tmp_path / "e", epochs=1, make_model=gpt2)

@@ -19,7 +19,7 @@ from torch import nn
 
 from experiments.models import CausalLM
 from offload_strategy import TieredStrategy
-from tests.helpers import assert_same_weights, train
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_offload import GPT2_4L, gpt2_4l, nvme_strategy, param_bytes
 
 
@@ -162,7 +162,7 @@ def test_every_optimizer_in_every_precision(tmp_path, precision, name):
     reference = (lambda: fp32_master_net(name)) if half else (lambda: Net(name))
     expected_losses, expected_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=reference, precision=precision)
     homes = Homes()
-    strategy = TieredStrategy(gpu_memory=int(0.85 * net_bytes() / (2 if half else 1)), host_memory="1GiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.85 * net_bytes() / (2 if half else 1)), host_memory="1GiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=lambda: Net(name), precision=precision, extra_callbacks=(homes,))
     assert "host" in homes.homes and homes.master_dtypes == {torch.float32}
     assert losses == expected_losses

@@ -97,7 +97,7 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
     if name == "protrain":
         plan = strategy.placement_search
         assert plan is not None and plan.activations is not None  # searched together with the activation layout
-        order = list(dict.fromkeys(seen.engine.profile.order))
+        order = list(dict.fromkeys(seen.engine.last_timing.order))  # every unit's first use in forward
         assert seen.persistent == set(order[: plan.parameters.persistent])
         assert plan.parameters.placement.gpu_bytes + plan.activations.peak_bytes <= strategy.budgets.gpu
 

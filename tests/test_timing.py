@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.cost_model import GPU, costs_from_timing, outside_units
 from offload_strategy.profiling import StepProfile, mean_timing
-from tests.helpers import train
+from tests.helpers import PARAMETERS_ONLY, train
 
 
 def _timing(**kwargs) -> StepProfile:
@@ -65,7 +65,7 @@ class _Timings(Callback):
 def _timed_run(tmp_path, link_gbps):
     hardware = {"name": "throttled", "gpu": "emulated", "gpu_memory": "1GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "h2d_gbps": link_gbps, "d2h_gbps": link_gbps,
                 "host_memory": "16GiB", "cpu_cores": 2}
-    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", hardware=hardware, policy={"name": "auto", "throttle": link_gbps is not None})
+    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", hardware=hardware, policy={**PARAMETERS_ONLY, "throttle": link_gbps is not None})
     probe = _Timings()
     train(strategy, tmp_path, epochs=1, extra_callbacks=(probe,), max_steps=5)
     assert any(home != GPU for home in probe.homes)

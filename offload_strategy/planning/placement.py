@@ -74,13 +74,26 @@ def _fmt(n: float) -> str:
 
 
 def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], candidates: set[int]) -> dict[int, int]:
-    """The fewest streaming buffers that let every module run: buffers of the largest unit's size
-    (any unit fits one), as many as the most units one module uses at once, plus one to prefetch into."""
+    """The fewest streaming buffers that let every module run, plus one of the largest size to
+    prefetch into: the cheaper of buffers of the largest unit's size only (any unit fits one), as
+    many as the most units one group uses at once, and buffers of each unit's own size, as many of
+    each size as one group uses at once (groups of many small units, such as a checkpointed block
+    beside an embedding, need no buffer of the embedding's size per unit)."""
     if not candidates:
         return {}
-    largest = max(align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in units if u.index in candidates)
-    together = max((len(set(group) & candidates) for group in co_resident), default=1)
-    return {largest: max(together, 1) + 1}
+    size = {u.index: align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in units if u.index in candidates}
+    largest = max(size.values())
+    groups = [set(group) & candidates for group in co_resident]
+    together = max((len(g) for g in groups), default=1)
+    uniform = {largest: max(together, 1) + 1}
+    by_size: Counter[int] = Counter()
+    for group in groups:
+        for s, n in Counter(size[i] for i in group).items():
+            by_size[s] = max(by_size[s], n)
+    by_size[largest] += 1
+    if sum(s * c for s, c in by_size.items()) < sum(s * c for s, c in uniform.items()):
+        return dict(by_size)
+    return uniform
 
 
 def minimum_gpu_bytes(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]]) -> int:

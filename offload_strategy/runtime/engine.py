@@ -311,6 +311,12 @@ class TieredEngine(UnitUpdates, GradientExchange):
         s = found[0]
         if s.home == GPU or s.unit.index in self.placement.dha or (s.resident and s.bound):
             return
+        if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+            # a checkpointed module's own forward recomputed in backward (its hooks ran in the
+            # first forward only): held like every unit of a recomputed block
+            self.request(s.unit.index)
+            s.recompute_pinned = True
+            return
         # A read outside a hooked forward: fetch now, and keep the unit while a few others come
         # and go (the caller is about to compute with it).
         self._touched.append(s.unit.index)
