@@ -133,7 +133,10 @@ class PolicyConfig:
     """What the planner may do.
 
     ``auto`` lets the planner choose every placement from the profile; ``none`` keeps every
-    tensor in the GPU tier (plain training through the tiered runtime, the baseline).
+    tensor in the GPU tier (plain training through the tiered runtime, the baseline). Left unset,
+    ``placement`` and ``activations`` follow the name: ``"search"`` and ``"auto"`` under ``auto``
+    (parameters and activations share the GPU tier as the joint search chooses), ``"fill"`` and
+    ``"keep"`` under ``none``.
 
     ``chunk_size``: merge consecutive transfer units into chunks of up to this many bytes
     (ProTrain §3.1.1); ``None`` keeps one unit per module that owns parameters.
