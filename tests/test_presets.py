@@ -39,7 +39,7 @@ class Seen(L.Callback):
 
 
 def test_every_paper_and_baseline_has_a_preset():
-    assert set(PRESETS) == {"auto", "none", "memferry", "go_memferry", "tencache", "teraio", "protrain", "lohan", "zero_offload", "zero_infinity", "l2l"}
+    assert set(PRESETS) == {"auto", "fill", "none", "memferry", "go_memferry", "tencache", "teraio", "protrain", "lohan", "zero_offload", "zero_infinity", "l2l"}
 
 
 @pytest.fixture(scope="module")
