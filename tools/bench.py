@@ -37,7 +37,7 @@ import lightning as L  # noqa: E402
 
 from offload_strategy import TieredDDPStrategy, TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.hardware import process_peak_rss  # noqa: E402
-from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
+from tools.common import PARAMETERS_ONLY, StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 
 @dataclass
@@ -76,7 +76,7 @@ def data_parallel_rank(args: argparse.Namespace, config: dict[str, Any], gpu: in
     """One rank of a ``--processes`` run (this script started again by the parent, then by Lightning)."""
     strategy: Union[str, L.pytorch.strategies.Strategy] = "ddp"
     if args.rank_strategy == "tiered_ddp":
-        strategy = TieredDDPStrategy(gpu_memory=gpu, host_memory="4GiB")
+        strategy = TieredDDPStrategy(gpu_memory=gpu, host_memory="4GiB", policy=PARAMETERS_ONLY)
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:
         trainer = fit(strategy, config, args, root, timer, args.steps, precision=args.precision, devices=args.rank_processes)
@@ -158,11 +158,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         modes = [
             Mode("lightning (auto)", lambda: "auto"),
             Mode("tiered, everything fits", lambda: TieredStrategy()),
-            Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host", lambda: TieredStrategy(gpu_memory=gpu, host_memory="4GiB")),
+            Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host", lambda: TieredStrategy(gpu_memory=gpu, host_memory="4GiB", policy=PARAMETERS_ONLY)),
             Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host, {args.link} link",
-                 lambda: TieredStrategy(gpu_memory=gpu, host_memory="4GiB", hardware=args.link, policy={"name": "auto", "throttle": True})),
+                 lambda: TieredStrategy(gpu_memory=gpu, host_memory="4GiB", hardware=args.link, policy={**PARAMETERS_ONLY, "throttle": True})),
             Mode(f"tiered, gpu {args.gpu_fraction:.0%}, host + NVMe",
-                 lambda: TieredStrategy(gpu_memory=gpu, host_memory=host_nvme, nvme_path=nvme, nvme_memory="1GiB")),
+                 lambda: TieredStrategy(gpu_memory=gpu, host_memory=host_nvme, nvme_path=nvme, nvme_memory="1GiB", policy=PARAMETERS_ONLY)),
         ]
         for repeat in range(args.repeats):
             for mode in modes:

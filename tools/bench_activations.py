@@ -56,7 +56,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         costs = measured.activation_costs
         keep_all = sum(c.activation_bytes for c in costs)
         budget = int(param_bytes + args.activation_share * keep_all)
-        policy = {"name": "auto", "throttle": True}
+        policy = {"name": "auto", "throttle": True, "placement": "fill"}  # parameters placed as before the layout, for every policy alike
         results = []
         for name in ("keep", "checkpoint", "swap_host", "auto"):
             print(f"policy {name}", file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.runtime.optimizer import UnitOptimizers, grads_on  # noqa: E402
 from offload_strategy.runtime.units import build_units, merge_into_chunks  # noqa: E402
+from tools.common import PARAMETERS_ONLY  # noqa: E402
 
 
 def gpt2(layers: int, width: int) -> dict[str, Any]:
@@ -144,8 +145,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(dir=".", prefix="bench-opt-nvme-") as nvme:
         runs: dict[str, list[Metrics]] = {"host": [], "nvme": []}
         for _ in range(args.repeats):
-            runs["host"].append(train(TieredStrategy(gpu_memory=gpu, host_memory="8GiB"), config, args.steps, args.batch_size, args.seq_len))
-            runs["nvme"].append(train(TieredStrategy(gpu_memory=gpu, host_memory=int(3.2 * total), nvme_path=nvme, nvme_memory="4GiB"),
+            runs["host"].append(train(TieredStrategy(gpu_memory=gpu, host_memory="8GiB", policy=PARAMETERS_ONLY), config, args.steps, args.batch_size, args.seq_len))
+            runs["nvme"].append(train(TieredStrategy(gpu_memory=gpu, host_memory=int(3.2 * total), nvme_path=nvme, nvme_memory="4GiB", policy=PARAMETERS_ONLY),
                                       config, args.steps, args.batch_size, args.seq_len))
 
     def summary(name: str) -> tuple[float, float, float, str]:

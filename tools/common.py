@@ -13,6 +13,11 @@ import lightning as L
 from experiments.data import SyntheticTokens
 from experiments.models import CausalLM
 
+# The parameters' runtime alone (the `fill` preset): first-use placement, every block's activations
+# kept. The tools that measure parameter offloading size the emulated GPU tier for parameters,
+# which the default policy would (rightly) refuse once it counts the activations too.
+PARAMETERS_ONLY = {"name": "auto", "placement": "fill", "activations": "keep"}
+
 
 def gpt2_config(layers: int, width: int, positions: int = 256) -> dict[str, Any]:
     """A GPT-2 of ``layers`` x ``width`` over 256 byte tokens, without dropout."""

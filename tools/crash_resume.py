@@ -36,6 +36,7 @@ def run(work: Path, nvme: Path, epochs: int, steps_per_epoch: int, kill_at: int,
     from experiments.data import SyntheticTokens
     from experiments.models import CausalLM
     from offload_strategy import TieredStrategy
+    from tools.common import PARAMETERS_ONLY
 
     class Kill(L.Callback):
         def on_train_batch_end(self, trainer, *args):
@@ -53,7 +54,7 @@ def run(work: Path, nvme: Path, epochs: int, steps_per_epoch: int, kill_at: int,
     seq, batch = 32, 4
     data = SyntheticTokens(seq_len=seq, batch_size=batch, num_tokens=int(steps_per_epoch * seq * batch / 0.95) + seq, seed=0, shuffle_seed=0)
     checkpoints = work / "checkpoints"
-    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(3.5 * total), nvme_path=nvme, nvme_memory="1GiB")
+    strategy = TieredStrategy(gpu_memory=int(0.3 * total), host_memory=int(3.5 * total), nvme_path=nvme, nvme_memory="1GiB", policy=PARAMETERS_ONLY)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=work,
                         callbacks=[ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1, every_n_epochs=1), Kill()])

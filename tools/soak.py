@@ -28,6 +28,7 @@ import psutil  # noqa: E402
 from experiments.data import SyntheticTokens  # noqa: E402
 from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
+from tools.common import PARAMETERS_ONLY  # noqa: E402
 
 
 def directory_bytes(path: Path) -> int:
@@ -73,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         callbacks: list[L.Callback] = [sampler]
         if args.checkpoint_every:
             callbacks.append(ModelCheckpoint(dirpath=Path(root) / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=1))
-        strategy = TieredStrategy(gpu_memory=int(0.3 * param_bytes), host_memory=int(3.5 * param_bytes), nvme_path=nvme, nvme_memory="1GiB")
+        strategy = TieredStrategy(gpu_memory=int(0.3 * param_bytes), host_memory=int(3.5 * param_bytes), nvme_path=nvme, nvme_memory="1GiB", policy=PARAMETERS_ONLY)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
                             enable_checkpointing=bool(args.checkpoint_every), default_root_dir=root,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks)

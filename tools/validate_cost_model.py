@@ -30,7 +30,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.profiling import mean_timing  # noqa: E402
 from offload_strategy.planning.cost_model import GPU, StepPrediction  # noqa: E402
-from tools.common import StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
+from tools.common import PARAMETERS_ONLY, StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
 
 # (layers, width, sequence, batch, link GB/s): the tiny GPT of conf/model/gpt2_tiny.yaml, and
 # GPT-2 small's 12 x 768 (with the byte vocabulary the tools train on)
@@ -95,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for fraction in args.fractions:
                 print(f"{name}: gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
                 probe = Probe(args.warmup)
-                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, policy={"name": "auto", "throttle": True})
+                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, policy={**PARAMETERS_ONLY, "throttle": True})
                 fit(strategy, config, run, root, probe, args.steps)
                 after = slice(args.warmup, None)
                 measured = [statistics.median(p[k] for p in probe.phases[after]) for k in range(3)]
