@@ -78,11 +78,14 @@ def main() -> None:
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--rank-branch", action="store_true", help="a model with parameters unused on some ranks")
+    parser.add_argument("--default-policy", action="store_true", help="the default policy (placement and activations searched) with a GPU tier of twice the parameters")
     args = parser.parse_args()
 
     total = model_bytes()
     host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
     budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
+    if args.default_policy:
+        budgets = dict(gpu_memory=2 * total, host_memory=int(host * total))
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":

@@ -79,6 +79,19 @@ def test_two_ranks_match_ddp_with_parameters_and_states_on_host_and_nvme(runs):
     assert_same_optimizer_states(a["optimizer_states"][0], b["optimizer_states"][0])
 
 
+def test_two_ranks_with_the_default_policy_search_the_same_plan_and_match_ddp(runs, tmp_path):
+    """Placement and activation layout searched from each rank's own timings: the ranks agree on
+    one plan (rank 0's), place the parameters again between steps, and train as DDP does."""
+    plain_dir, plain = runs["ddp"]
+    out = tmp_path / "default"
+    tiered = launch(out, "--strategy", "tiered_ddp", "--default-policy")
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    homes = [(tiered[rank]["metrics"]["units/gpu"], tiered[rank]["metrics"]["units/host"]) for rank in (0, 1)]
+    assert homes[0] == homes[1] and homes[0][1] > 0, homes
+    assert_same_weights(load(plain_dir / "weights.pt"), load(out / "weights.pt"))
+
+
 def test_sharded_states_halve_each_ranks_share(runs):
     _, tiered = runs["tiered_ddp"]
     _, single = runs["tiered"]
