@@ -242,7 +242,7 @@ class TieredMixin(ActivationControl):
         inside = [{id(m) for m in block.modules()} for block in blocks]
         self._block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
         self._unit_names = [u.name for u in units]
-        together = self._working_groups()
+        together = self._working_groups() if trainer.training else list(self._co_resident)  # no recompute without gradients
         homes, persistent = None, None
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
         mode = self.policy.placement

@@ -62,7 +62,7 @@ def test_validate_test_predict_on_their_own(tmp_path):
     total = param_bytes(make)
     expected = run_loops("auto", tmp_path / "plain")
     saw = SawEngine()
-    got = run_loops(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", callbacks=(saw,))
+    got = run_loops(TieredStrategy(gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", callbacks=(saw,))  # the default policy
     assert saw.requests > 0
     assert got[0] == expected[0] and got[1] == expected[1]
     assert torch.equal(got[2], expected[2])
