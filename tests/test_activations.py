@@ -244,7 +244,7 @@ class OneLinearBlocks(L.LightningModule):
 
 def test_checkpointed_single_module_blocks_recompute_with_streamed_parameters(tmp_path):
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=OneLinearBlocks)
-    # the smallest working set (two buffers of the embedding's 16.5 KiB): recomputing a block must not leave
+    # the smallest working set (two buffers of the head's 17 KiB): recomputing a block must not leave
     # its unit to a guard that holds parameters read outside their module's hooks
     strategy = TieredStrategy(gpu_memory="34KiB", host_memory="1GiB", policy={**PARAMETERS_ONLY, "activations": "checkpoint"})
     seen = PlanSeen()
