@@ -11,13 +11,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from experiments.data import SyntheticTokens
 from experiments.models import CausalLM
+from tools.common import PARAMETERS_ONLY  # noqa: F401 (the tests of parameter offloading use it from here)
 
 TINY_GPT2 = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 BATCHES_PER_EPOCH = 6
-# The parameters' runtime alone: first-use placement and every block's activations kept. Tests of
-# parameter offloading size the emulated GPU tier for parameters; with the default policy the
-# planner would (rightly) refuse budgets that cannot also hold the activations.
-PARAMETERS_ONLY = {"name": "auto", "placement": "fill", "activations": "keep"}
 
 
 class StopAfterEpochs(Callback):
