@@ -22,7 +22,9 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
@@ -123,6 +125,7 @@ class TieredMixin(ActivationControl):
         self._unit_sizes: list[UnitSize] = []
         self._unit_names: list[str] = []
         self._gpu_placed: Optional[int] = None  # GPU tier the placement gave parameters, gradients and states
+        self._gpu_given: Optional[int] = None  # ... out of this much
         self._plan: Optional[PlanFile] = None
         self._saved_bytes = 0
         self._optimizer_stepped = False
@@ -191,16 +194,11 @@ class TieredMixin(ActivationControl):
             check_plan(self._plan, [u.name for u in self._plan.units], [u.nbytes for u in self._plan.units], blocks)  # blocks only, here
             activations = self._plan.activations
         self._activations = ActivationPolicies(self.lightning_module, activations, self.policy.block_class)
-        if trainer.training and not any(p.requires_grad for p in self.lightning_module.parameters()):
-            total = sum(p.numel() for p in self.lightning_module.parameters())
-            raise ValueError(
-                f"the model has no trainable parameters ({total:,} parameters, all with requires_grad=False), so fit has "
-                f"nothing to update; unfreeze the parameters to train (p.requires_grad_(True)), or run trainer.validate / "
-                f"test / predict for inference."
-            )
         if self.policy.name != "none":
+            _refuse_lazy_parameters(self.lightning_module)
             # every loop offloads: fit, and validate / test / predict on their own (forward only)
             self.engine = self._build_engine(trainer)
+            _refuse_weight_averaging_on_nvme(trainer, self.engine)
             if self.engine is None and self._places_parameters_itself():
                 self.model.to(self.root_device)  # it all fits after all
         self._use_saved_tensor_hooks()
@@ -245,6 +243,7 @@ class TieredMixin(ActivationControl):
         together = self._working_groups() if trainer.training else list(self._co_resident)  # no recompute without gradients
         homes, persistent = None, None
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
+        self._gpu_given = gpu_bytes
         mode = self.policy.placement
         if self._plan is not None:
             check_plan(self._plan, self._unit_names, [u.nbytes for u in units], len(self._activations.blocks) if self._activations else 0)
@@ -282,17 +281,24 @@ class TieredMixin(ActivationControl):
         self._gpu_placed = placement.gpu_bytes
         if not placement.offloaded and not self._engine_when_all_fits():
             return None
+        _refuse_compiled_modules(model)
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
         try:
             engine = TieredEngine(
                 model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
                 direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated), checksums=self.policy.checksums,
                 fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes), prefetch=self.policy.prefetch,
+                state_factor=self._state_factor,
             )
         except BaseException:
             device.close()
             raise
         self._profiled = False
+        for wrapper in self._lightning_optimizers:
+            # Lightning's wrappers copied the optimizer's attributes before the engine patched
+            # them: ``self.optimizers()[k].zero_grad()`` must reach the engine too
+            if "zero_grad" in wrapper.optimizer.__dict__:
+                wrapper.__dict__["zero_grad"] = wrapper.optimizer.zero_grad
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
@@ -464,6 +470,12 @@ class TieredMixin(ActivationControl):
             # between two optimizer steps' worth of batches: no gradient is waiting at home, so
             # the parameters may be placed again (every optimizer of the last batch has stepped)
             self._plan_activations(self.lightning_module.trainer)
+        engine = self.engine
+        if engine is not None and engine.trainable_grew() and (self._optimizer_stepped or not self._profiled):
+            # parameters were unfrozen (a finetuning callback) and no gradient is pending: place
+            # the model again with their gradients and states planned, states moved exactly
+            rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
+            self._replace_engine(self.lightning_module.trainer, gpu_bytes=self._gpu_given)
         self._optimizer_stepped = False
         self._begin_block_forward()
         if self.engine is None:
@@ -473,7 +485,7 @@ class TieredMixin(ActivationControl):
             with torch.autograd.graph.saved_tensors_hooks(*self._activations.outer):
                 return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
-        by_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None
+        by_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" and not _gradient_hooks(trainer) else None
         self.engine.begin_step(
             profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer), clip_value=by_value,
             reduce=self._gradient_reduction(trainer),
@@ -486,15 +498,18 @@ class TieredMixin(ActivationControl):
         """True when this step's backward is the last before the optimizer step and nothing must see
         every gradient first (loss-scale overflow checks, clipping by norm): then each unit is
         updated as soon as its gradients are complete."""
-        if not self.policy.update_during_backward:
-            return False
+        if not self.policy.update_during_backward or is_overridden("optimizer_step", trainer.lightning_module):
+            return False  # a module's own optimizer_step may skip the step or pass it arguments
         if not trainer.lightning_module.automatic_optimization or self._needs_all_gradients(trainer):
             return False
         return not trainer.fit_loop._should_accumulate()
 
     def _needs_all_gradients(self, trainer: "pl.Trainer") -> bool:
+        """Loss scaling, clipping by norm, and user code that looks at the gradients before the
+        step (``on_before_optimizer_step`` in the module or a callback, its own
+        ``configure_gradient_clipping``) see every gradient, and the weights not yet updated."""
         scaled = getattr(self.precision_plugin, "scaler", None) is not None
-        return scaled or bool(trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value")
+        return scaled or bool(trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value") or _gradient_hooks(trainer)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is not None:
@@ -518,12 +533,24 @@ class TieredMixin(ActivationControl):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         engine = self.engine
         if engine is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return self._backward(closure_loss, optimizer, *args, **kwargs)
         engine.attach_direct_gradients()
         engine.begin_backward()
-        result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        result = self._backward(closure_loss, optimizer, *args, **kwargs)
         engine.end_backward()
         return result
+
+    def _backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``Strategy.backward``'s steps, spelt out rather than reached through ``super()``, so that
+        code which wraps ``Strategy.backward`` around this strategy's own (a mock that spies on
+        backward) does not call back into it forever."""
+        self.pre_backward(closure_loss)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -543,15 +570,18 @@ class TieredMixin(ActivationControl):
         try:
             if not self._needs_all_gradients(trainer):
                 self._before_optimizer_step(trainer, optimizer)
-                self.engine.step(optimizer)
+                self.engine.step(optimizer, closure_result, **kwargs)
                 return closure_result
             scaler = getattr(self.precision_plugin, "scaler", None)
-            with self.engine.gradient_view(optimizer) as gradients:
+            with self.engine.gradient_view(optimizer, closure_result, **kwargs) as gradients:
                 if scaler is not None:
                     scaler.unscale_(gradients)
                 self._before_optimizer_step(trainer, optimizer)
-                if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-                    torch.nn.utils.clip_grad_norm_(gradients.params, trainer.gradient_clip_val)
+                if model.automatic_optimization:  # as Lightning's precision plugins do: the module's hook clips
+                    call._call_lightning_module_hook(
+                        trainer, "configure_gradient_clipping", gradients,
+                        gradient_clip_val=trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+                    )
                 if scaler is None:
                     gradients.step()
                 elif closure_result is not None or not model.automatic_optimization:
@@ -559,7 +589,7 @@ class TieredMixin(ActivationControl):
                     scaler.update()
             return closure_result
         finally:
-            self.engine.end_step()
+            self.engine.end_step(optimizer)
 
     @staticmethod
     def _before_optimizer_step(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
@@ -578,6 +608,20 @@ class TieredMixin(ActivationControl):
         with self.engine.materialized():
             state = self.lightning_module.state_dict()
         return type(state)((k, compact(v)) for k, v in state.items())
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, writeback: bool = False) -> Iterator[None]:
+        """Every parameter holds its true value in a real tensor for the duration, as DeepSpeed's
+        ``GatheredParameters`` and FSDP's ``summon_full_params`` give them: for callbacks that
+        read weights between steps (a weight-norm logger, an EMA), where units at home on NVMe
+        otherwise show placeholders. With ``writeback=True`` what the block writes into the
+        parameters is kept (an averaging callback copying weights in, a manual load); the
+        optimizer's fp32 masters then start from the written values."""
+        if self.engine is None:
+            yield
+            return
+        with self.engine.materialized(writeback=writeback):
+            yield
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -709,6 +753,55 @@ class TieredStrategy(TieredMixin, SingleDeviceStrategy):
     @override
     def root_device(self) -> torch.device:
         return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+
+
+def _refuse_lazy_parameters(model: torch.nn.Module) -> None:
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"{len(lazy)} parameters are not materialized yet ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: lazily "
+            f"initialized modules such as nn.LazyLinear), and strategy='tiered' places parameters by their sizes before the first "
+            f"step. Run one forward on an example batch before fit (in __init__ or configure_model), or give the modules their "
+            f"input sizes (nn.Linear(in_features, out_features))."
+        )
+
+
+def _refuse_compiled_modules(model: torch.nn.Module) -> None:
+    """torch.compile guards on the parameters' storages, which offloading swaps at every fetch:
+    a compiled module would recompile at each one or fail inside the compiler."""
+    compiled = [
+        name or "the LightningModule"
+        for name, module in model.named_modules()
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+    ]
+    if compiled or getattr(model, "_compiler_ctx", None):
+        where = ", ".join(compiled[:3]) if compiled else "the LightningModule"
+        raise ValueError(
+            f"torch.compile was applied to {where}, whose parameters are offloaded: compiled code guards on the parameters' "
+            f"storages, which the strategy swaps between tiers at every fetch, so it would recompile at each one or fail. "
+            f"Compile only code that owns no parameters (attention or activation functions), raise gpu_memory so that nothing "
+            f"is offloaded, or leave the model uncompiled."
+        )
+
+
+def _refuse_weight_averaging_on_nvme(trainer: "pl.Trainer", engine: Optional[TieredEngine]) -> None:
+    """Lightning's weight-averaging callbacks read and write every parameter between steps, where
+    units at home on NVMe hold placeholders."""
+    averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+    if averaging and engine is not None and any(s.home == NVME for s in engine.states):
+        raise ValueError(
+            f"{averaging[0]} reads and writes every parameter between steps, but {sum(s.home == NVME for s in engine.states)} "
+            f"units live on NVMe, where between steps their parameters are placeholders. Give host_memory enough room for "
+            f"every unit (or no nvme_path), or average the weights in your own callback inside "
+            f"`with trainer.strategy.gathered_parameters(writeback=True):`."
+        )
+
+
+def _gradient_hooks(trainer: "pl.Trainer") -> bool:
+    """User code runs between backward and the step: it must see plain training's gradients and weights."""
+    module = trainer.lightning_module
+    overridden = is_overridden("configure_gradient_clipping", module) or is_overridden("on_before_optimizer_step", module)
+    return overridden or any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in trainer.callbacks)
 
 
 def _validate_nvme_path(path: Optional[Union[str, Path]]) -> Optional[Path]:

@@ -60,7 +60,7 @@ class ActivationControl:
         store = None
         if self.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory
             used = self.engine.store.capacity if self.engine is not None and self.engine.store is not None else 0
-            store = NvmeStore(self.nvme_path, capacity=max(self.budgets.nvme - used, 1))
+            store = NvmeStore(self.nvme_path, capacity=max(self.budgets.nvme - used, 1), checksums=self.policy.checksums)
         self._swap_store = store
         swap = ActivationSwap(device, store, self._activations.is_parameter, host_limit=self._host_left())
         swap.outer = self._activations.outer

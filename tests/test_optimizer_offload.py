@@ -107,7 +107,7 @@ def test_whole_model_optimizers_are_refused(tmp_path):
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters(), lr=0.1)
 
-    with pytest.raises(ValueError, match="LBFGS re-evaluates the whole model inside its step"):
+    with pytest.raises(ValueError, match="LBFGS.step requires a closure: it re-evaluates the whole model inside its step"):
         trainer = L.Trainer(strategy=offloading(), accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp_path)
         trainer.fit(WithLbfgs(), datamodule=tiny_data())
 

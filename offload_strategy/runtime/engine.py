@@ -117,15 +117,21 @@ class TieredEngine(UnitUpdates, GradientExchange):
         fp32_masters: bool = False,
         data_parallel: Optional[DataParallel] = None,
         prefetch: bool = True,
+        state_factor: float = 2.0,
     ) -> None:
         self.model = model
+        self.state_factor = state_factor  # optimizer-state bytes per master byte, for states the placement did not plan
         self.prefetch_ahead = prefetch  # False: each unit is fetched when a module asks for it
         self.data_parallel = data_parallel
         self.device = device
         self.placement = placement
+        self.fp32_masters = fp32_masters
         self.states = [
             UnitState(unit=u, home=placement.home[u.index], master_dtypes=[master_dtype(p, fp32_masters) for p in u.params]) for u in units
         ]
+        self._grad_hooked: set[int] = set()  # id(param) of every parameter whose gradients the engine receives
+        # the parameters whose gradients and optimizer states the placement planned room for
+        self._planned_trainable = {id(p) for u in units for p in u.trainable}
         # offloaded units whose gradients autograd writes straight into their host buffers; a
         # gradient bound for an fp32 master is not the parameter's dtype, so it is copied
         self.direct_gradients = frozenset(i for i in direct_gradients if self.states[i].home != GPU and not self.states[i].widened)
@@ -176,8 +182,12 @@ class TieredEngine(UnitUpdates, GradientExchange):
             for optimizer in optimizers:
                 self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
         except BaseException:
-            self.close(materialize=True)
+            self.close(materialize=True, raise_errors=False)  # the error that stopped set-up is the one to see
             raise
+
+    def trainable_grew(self) -> bool:
+        """Some parameter is trainable now that the placement planned no gradient or state for."""
+        return any(p.requires_grad and id(p) not in self._planned_trainable for s in self.states for p in s.unit.params)
 
     # -- set-up -------------------------------------------------------------------------------------
 
@@ -296,9 +306,11 @@ class TieredEngine(UnitUpdates, GradientExchange):
                 for p, dtype in zip(s.unit.params, s.master_dtypes):
                     if p.requires_grad and (dtype != p.dtype or self.data_parallel is not None):
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_persistent_grad))
+                self._grad_hooked.update(id(p) for p in s.unit.trainable)
                 continue
             for p in s.unit.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._grad_hooked.add(id(p))
         self._watched: list[tuple[nn.Module, dict]] = []
         for module in users:
             self._watched.append((module, module._parameters))
@@ -625,6 +637,8 @@ class TieredEngine(UnitUpdates, GradientExchange):
             s.grads_arrived = 0
             s.used_in_backward = False
             s.recompute_pinned = False
+        if train:
+            self.sync_trainable()
         if profile:
             self.table.start_recording()
         else:
@@ -633,6 +647,7 @@ class TieredEngine(UnitUpdates, GradientExchange):
 
     def begin_backward(self) -> None:
         """The strategy's backward starts: forward's last interval (the head and the loss) ends."""
+        self.sync_trainable()  # parameters unfrozen inside the training step get their gradient hooks now
         timing, mark = self.timing, self._forward_mark
         if timing is None or mark is None:
             return
@@ -704,6 +719,8 @@ class TieredEngine(UnitUpdates, GradientExchange):
         try:
             yield
         finally:
+            if writeback:
+                self._masters_from_parameters()
             for s, buffer in loaded:
                 if writeback:
                     self.store.write(self._key(s), buffer).result()
@@ -711,16 +728,34 @@ class TieredEngine(UnitUpdates, GradientExchange):
                         s.host_copy.tensor[: buffer.numel()].copy_(buffer)
                 self._bind(s, s.placeholders)
 
-    def close(self, materialize: bool = True) -> None:
-        """Remove hooks, give every parameter a plain tensor with its true value, free all tiers."""
+    def _masters_from_parameters(self) -> None:
+        """Parameters were written from outside the step: fp32 masters kept apart from them take
+        the written values before their next update (masters that are the parameters need nothing)."""
+        for unit_optimizers in self.unit_optimizers.values():
+            for slot in unit_optimizers.slots.values():
+                unit_optimizers.stale.update(id(m) for position, m in enumerate(slot.masters) if slot.widened(position))
+
+    def close(self, materialize: bool = True, raise_errors: bool = True) -> None:
+        """Remove hooks, give every parameter a plain tensor with its true value, free all tiers.
+
+        Every step runs even when one fails (threads joined, hooks removed, files and pinned
+        memory freed); the first failure is then raised (``raise_errors``), so that a unit that
+        could not be read back never leaves training silently with placeholder weights.
+        """
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
+
+        def attempt(action: Any, *args: Any) -> None:
+            try:
+                action(*args)
+            except Exception as error:  # kept, and raised once everything is freed
+                errors.append(error)
+
         if hasattr(self, "worker"):
-            with contextlib.suppress(BaseException):
-                self.worker.drain()
-            with contextlib.suppress(BaseException):
-                self._finish_pipeline()
+            attempt(self.worker.drain)
+            attempt(self._finish_pipeline)
             self.worker.close()
         for handle in self._hooks:
             handle.remove()
@@ -732,29 +767,31 @@ class TieredEngine(UnitUpdates, GradientExchange):
             module._parameters = original
         self._watched = []
         if materialize:
-            with torch.no_grad():
-                for s in getattr(self, "states", []):
-                    if s.fetch is not None:
-                        with contextlib.suppress(Exception):
-                            self._complete(s)
-                    for i, p in enumerate(s.unit.params):
-                        if s.home == GPU and s.device_slot is not None:
-                            p.data = p.data.clone()
-                        elif s.home == HOST and s.home_views:
-                            p.data = s.home_views[i].clone()
-                    if s.home == NVME and self.store is not None and s.placeholders:
-                        with contextlib.suppress(Exception):
-                            buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
-                            self.store.read(self._key(s), buffer).result()
-                            self._bind(s, [v.clone() for v in s.unit.views(buffer)])
-        if materialize:
+            for s in getattr(self, "states", []):
+                attempt(self._materialize_for_good, s)
             for unit_optimizers in self.unit_optimizers.values():
-                with contextlib.suppress(Exception):
-                    unit_optimizers.restore_facade(self.nvme_states.materialized if self.nvme_states else contextlib.nullcontext)
+                attempt(unit_optimizers.restore_facade, self.nvme_states.materialized if self.nvme_states else contextlib.nullcontext)
         if self.store is not None:
-            self.store.close()
+            attempt(self.store.close)
         if getattr(self, "slab", None) is not None:
-            self.slab.close()
+            attempt(self.slab.close)
+        if errors and raise_errors:
+            raise errors[0]
+
+    @torch.no_grad()
+    def _materialize_for_good(self, s: UnitState) -> None:
+        """The unit's parameters become plain tensors holding their true values."""
+        if s.fetch is not None:
+            self._complete(s)
+        for i, p in enumerate(s.unit.params):
+            if s.home == GPU and s.device_slot is not None:
+                p.data = p.data.clone()
+            elif s.home == HOST and s.home_views:
+                p.data = s.home_views[i].clone()
+        if s.home == NVME and self.store is not None and s.placeholders:
+            buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+            self.store.read(self._key(s), buffer).result()
+            self._bind(s, [v.clone() for v in s.unit.views(buffer)])
 
     # -- metrics ------------------------------------------------------------------------------------
 

@@ -79,6 +79,11 @@ class NvmeOptimizerStates:
                 if torch.is_tensor(value) and value.dim() > 0:
                     entries.append(_Entry(p, key, tuple(value.shape), value.dtype, offset))
                     offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
+        if not entries:
+            # nothing to store (SGD without momentum, or no gradient yet for a module first used
+            # later): the unit stays unknown, so no later update reads a file never written
+            self.forget(unit)
+            return 0
         self.layouts[unit] = entries
         self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
         self.owners[unit] = optimizer
@@ -141,5 +146,8 @@ class NvmeOptimizerStates:
         the masters ``masters`` marks: offload them."""
         if self.learn(optimizer, unit, params, masters):
             self.save(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
-        else:
-            del self.layouts[unit], self.sizes[unit], self.owners[unit], self.placeholders[unit]
+
+    def forget(self, unit: int) -> None:
+        """The unit has no states on NVMe (any file it had is stale)."""
+        for table in (self.layouts, self.sizes, self.owners, self.placeholders):
+            table.pop(unit, None)

@@ -35,14 +35,75 @@ from torch import nn
 
 # Optimizers whose step re-evaluates the model through a closure, which a unit cannot do alone.
 WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
+# The unit index of the inner optimizer over tensors no unit owns.
+LOOSE = -1
 
 
 def check_per_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers that must re-evaluate the model inside their step: LBFGS, and any whose
+    ``step`` requires a closure (SAM-style: perturb the weights, recompute the loss, step)."""
     name = type(optimizer).__name__
-    if name in WHOLE_MODEL_OPTIMIZERS:
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if name in WHOLE_MODEL_OPTIMIZERS or (closure is not None and closure.default is inspect.Parameter.empty):
         raise ValueError(
-            f"{name} re-evaluates the whole model inside its step, so it cannot update offloaded units one at a time; "
-            f"use a per-parameter optimizer (AdamW, Adam, SGD, ...), or raise gpu_memory so that nothing is offloaded."
+            f"{name}.step requires a closure: it re-evaluates the whole model inside its step, so it cannot update offloaded "
+            f"units one at a time; use a per-parameter optimizer (AdamW, Adam, SGD, ...), or raise gpu_memory so that nothing "
+            f"is offloaded."
+        )
+
+
+# Tensors of the user's optimizer the coupling check steps, the smallest it holds.
+COUPLING_PROBE_TENSORS = 3
+
+
+def check_steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose step couples parameters (reads several parameters or their
+    states at once: a global norm, a shared statistic), which updating unit by unit would
+    silently change. torch's own optimizers are per-parameter; any other class is checked by
+    stepping copies of its smallest tensors together and one at a time, twice, with the same
+    random gradients, and comparing the results bit for bit."""
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return
+    params = sorted(
+        ((p, g) for g, group in enumerate(optimizer.param_groups) for p in group["params"]), key=lambda pg: pg[0].numel()
+    )[:COUPLING_PROBE_TENSORS]
+    if len(params) < 2:
+        return
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype) for p, _ in params]
+    grads = [[torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype) for p, _ in params] for _ in range(2)]
+
+    def run(together: bool) -> list[torch.Tensor]:
+        tensors = [v.clone() for v in values]
+        hyper = {g: {k: v for k, v in optimizer.param_groups[g].items() if k != "params"} for _, g in params}
+        # together: the user's groups; alone: one optimizer per tensor
+        sets = [[(g, [t for t, (_, h) in zip(tensors, params) if h == g]) for g in hyper]] if together else [
+            [(g, [t])] for t, (_, g) in zip(tensors, params)
+        ]
+        inners = [type(optimizer)([{**hyper[g], "params": ts} for g, ts in groups], **_constructor_defaults(optimizer)) for groups in sets]
+        for step_grads in grads:
+            for t, g in zip(tensors, step_grads):
+                t.grad = g.clone()
+            for inner in inners:
+                inner.step()
+        return tensors
+
+    try:
+        together = run(together=True)
+    except Exception:
+        return  # cannot be checked on stand-ins (it needs real shapes or devices): trusted, as documented
+    try:
+        alone = run(together=False)
+        same = all(torch.equal(a, b) for a, b in zip(together, alone))
+    except Exception:
+        same = False
+    if not same:
+        shapes = ", ".join(str(tuple(p.shape)) for p, _ in params)
+        raise ValueError(
+            f"{type(optimizer).__name__} couples parameters in its step: stepping tensors of shapes {shapes} one at a time "
+            f"gives other values than stepping them together. The tiered strategy updates each unit of offloaded parameters "
+            f"on its own, so results would differ from plain training; use an optimizer whose update of a parameter reads only "
+            f"that parameter, its gradient and its own state (AdamW, SGD, ...), or raise gpu_memory so that nothing is offloaded."
         )
 
 
@@ -63,36 +124,82 @@ class UnitSlot:
 
 
 class UnitOptimizers:
-    """Inner optimizers of one facade, one per unit, and the facade's standard state dict."""
+    """Inner optimizers of one facade, one per unit, and the facade's standard state dict.
 
-    def __init__(self, facade: torch.optim.Optimizer, units: Sequence[tuple[int, list[nn.Parameter], list[torch.Tensor]]]) -> None:
-        """``units``: (unit index, its trainable parameters, their masters) for every unit."""
+    Membership follows the facade: parameters added to it (``add_param_group``, a finetuning
+    callback) or unfrozen after set-up join their unit's inner optimizer at the next
+    :meth:`missing` / :meth:`add`, so nothing the user's optimizer holds is left out. Tensors the
+    model does not register (a free-standing scale the user passed with ``self.parameters()``)
+    are updated where they are by the ``loose`` inner optimizer, as plain training would.
+    """
+
+    def __init__(
+        self,
+        facade: torch.optim.Optimizer,
+        units: Sequence[tuple[int, list[nn.Parameter], list[torch.Tensor]]],
+        managed: Optional[set[int]] = None,
+    ) -> None:
+        """``units``: (unit index, its trainable parameters, their masters) for every unit;
+        ``managed``: ids of every parameter the engine places (others in the facade are loose)."""
         check_per_parameter(facade)
+        check_steps_each_parameter_alone(facade)
         self.facade = facade
-        group_of_param = {id(p): g for g, group in enumerate(facade.param_groups) for p in group["params"]}
-        self.order = [p for group in facade.param_groups for p in group["params"]]  # facade order = state-dict indices
+        self.step_kwargs: dict[str, Any] = {}  # the user's keyword arguments to this step (optimizer.step(**kwargs))
+        self.managed = managed if managed is not None else {id(p) for _, params, _ in units for p in params}
         self.slots: dict[int, UnitSlot] = {}
+        self.loose: Optional[UnitSlot] = None  # tensors the facade holds that no unit owns
         self.slot_of: dict[int, tuple[UnitSlot, int]] = {}  # id(param) -> (slot, position)
         # fp32 masters whose value is still the parameter's: taken from it right before their update
         self.stale: set[int] = set()
+        self._refresh_order()
         for unit_index, params, masters in units:
-            chosen = [(p, m) for p, m in zip(params, masters) if id(p) in group_of_param]
-            if not chosen:
-                continue
-            params = [p for p, _ in chosen]
-            masters = [m for _, m in chosen]
-            group_of = [group_of_param[id(p)] for p in params]
-            inner_groups = sorted(set(group_of))
-            groups = [
-                {**{k: v for k, v in facade.param_groups[g].items() if k != "params"}, "params": [m for m, gg in zip(masters, group_of) if gg == g]}
-                for g in inner_groups
-            ]
-            inner = type(facade)(groups, **_constructor_defaults(facade))
-            slot = UnitSlot(unit_index, params, masters, group_of, inner, inner_groups)
-            self.slots[unit_index] = slot
-            for position, p in enumerate(params):
-                self.slot_of[id(p)] = (slot, position)
+            for p, m in zip(params, masters):
+                if id(p) in self._group_of_param:
+                    self.add(unit_index, p, m)
+        self.adopt_loose()
         self._patch_facade()
+
+    def _refresh_order(self) -> None:
+        self._group_of_param = {id(p): g for g, group in enumerate(self.facade.param_groups) for p in group["params"]}
+        self.order = [p for group in self.facade.param_groups for p in group["params"]]  # facade order = state-dict indices
+
+    def all_slots(self) -> list[UnitSlot]:
+        return [*self.slots.values(), *([self.loose] if self.loose is not None else [])]
+
+    def add(self, unit_index: int, p: nn.Parameter, master: torch.Tensor) -> None:
+        """``p`` (in the facade) joins unit ``unit_index``'s inner optimizer, updated through ``master``."""
+        g = self._group_of_param[id(p)]
+        slot = self.slots.get(unit_index) if unit_index != LOOSE else self.loose
+        hyper = {k: v for k, v in self.facade.param_groups[g].items() if k != "params"}
+        if slot is None:
+            inner = type(self.facade)([{**hyper, "params": [master]}], **_constructor_defaults(self.facade))
+            slot = UnitSlot(unit_index, [], [], [], inner, [g])
+            if unit_index == LOOSE:
+                self.loose = slot
+            else:
+                self.slots[unit_index] = slot
+        elif g in slot.inner_groups:
+            slot.inner.param_groups[slot.inner_groups.index(g)]["params"].append(master)
+        else:
+            slot.inner.add_param_group({**hyper, "params": [master]})
+            slot.inner_groups.append(g)
+        slot.params.append(p)
+        slot.masters.append(master)
+        slot.group_of.append(g)
+        self.slot_of[id(p)] = (slot, len(slot.params) - 1)
+
+    def missing(self) -> list[nn.Parameter]:
+        """Trainable parameters of the model the facade holds that no unit's inner optimizer has
+        yet (added to the facade or unfrozen since): the engine adds each with its master."""
+        self._refresh_order()
+        return [p for p in self.order if id(p) in self.managed and id(p) not in self.slot_of and p.requires_grad]
+
+    def adopt_loose(self) -> None:
+        """Tensors in the facade that the model does not register: updated in place, as plain does."""
+        self._refresh_order()
+        for p in self.order:
+            if id(p) not in self.managed and id(p) not in self.slot_of:
+                self.add(LOOSE, p, p)
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -104,18 +211,24 @@ class UnitOptimizers:
                     inner_group[key] = value
 
     def step(self, unit_index: int) -> None:
-        slot = self.slots[unit_index]
+        slot = self.slots[unit_index] if unit_index != LOOSE else self.loose
+        if slot is None:
+            return
         self.sync_hyperparameters(slot)
-        slot.inner.step()
+        slot.inner.step(**self.step_kwargs)
 
-    def count_step(self) -> None:
-        """Run the facade's own step over no parameters: its step hooks and the counters LR
-        schedulers check see one step, and nothing is updated twice."""
+    def count_step(self, closure_result: Any = None) -> None:
+        """Run the facade's own step over no parameters, with the closure's result and the
+        user's keyword arguments: its step hooks and the counters LR schedulers check see one
+        step, and nothing is updated twice."""
         saved = [group["params"] for group in self.facade.param_groups]
         try:
             for group in self.facade.param_groups:
                 group["params"] = []
-            self.facade.step()
+            if "closure" in inspect.signature(self.facade.step).parameters:
+                self.facade.step(closure=lambda: closure_result, **self.step_kwargs)
+            else:
+                self.facade.step(**self.step_kwargs)
         finally:
             for group, params in zip(self.facade.param_groups, saved):
                 group["params"] = params
@@ -150,7 +263,7 @@ class UnitOptimizers:
         torch.optim.Optimizer.load_state_dict(self.facade, {"state": {}, "param_groups": groups})
         saved = {int(k): v for k, v in state_dict["state"].items()}
         index_of = {id(p): i for i, p in enumerate(self.order)}
-        for slot in self.slots.values():
+        for slot in self.all_slots():
             inner_state: dict[int, Any] = {}
             masters: dict[int, torch.Tensor] = {}
             for position, p in enumerate(slot.params):
@@ -193,6 +306,15 @@ class UnitOptimizers:
             units.load_state_dict(state_dict)
             units.after_load()
 
+        original_zero_grad = self.facade.zero_grad
+
+        def zero_grad(facade: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            original_zero_grad(*args, **kwargs)
+            units.on_zero_grad(units)
+
+        # gradients of offloaded units live at home, not in ``.grad``: the engine forgets them
+        self.on_zero_grad: Callable[[UnitOptimizers], None] = lambda units: None
+        self.facade.zero_grad = types.MethodType(zero_grad, self.facade)  # type: ignore[method-assign]
         self.after_load: Callable[[], None] = lambda: None
         # where a loaded fp32 master goes: into the master's memory (an NVMe unit's master has
         # none between updates, so the engine binds it to the value until it offloads it)
@@ -203,7 +325,7 @@ class UnitOptimizers:
     def restore_facade(self, materialize: Callable[[], contextlib.AbstractContextManager]) -> None:
         """End of training: the facade holds the real states of its own parameters, as after plain training."""
         with materialize():
-            for slot in self.slots.values():
+            for slot in self.all_slots():
                 for position, (p, master) in enumerate(zip(slot.params, slot.masters)):
                     values = slot.inner.state.get(master)
                     if values:
@@ -213,7 +335,8 @@ class UnitOptimizers:
                             k: (v.to(p.dtype) if cast and k != "step" and v.is_floating_point() else v.clone()) if torch.is_tensor(v) else v
                             for k, v in values.items()
                         }
-        for name in ("state_dict", "load_state_dict"):
+        self.on_zero_grad = lambda units: None
+        for name in ("state_dict", "load_state_dict", "zero_grad"):
             self.facade.__dict__.pop(name, None)
 
 

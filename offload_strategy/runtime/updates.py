@@ -20,8 +20,9 @@ import torch
 
 from ..memory import Slot
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
-from .optimizer import UnitOptimizers, grads_on
+from .optimizer import LOOSE, UnitOptimizers, grads_on
 from .state import UnitState
+from .units import PARAM_ALIGNMENT, master_dtype
 
 
 class GradientView:
@@ -220,29 +221,98 @@ class UnitUpdates:
         units = []
         for s in self.states:
             trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
-            if not trainable or (self.data_parallel is not None and not self.data_parallel.owns(s.unit.index)):
-                continue  # another rank's under sharded states: no masters or states here
-            if s.home == GPU:  # fp32 masters of a persistent unit stay in the GPU tier with its states
-                masters = [p if s.master_dtypes[i] == p.dtype else p.detach().to(s.master_dtypes[i], copy=True) for i, p in trainable]
-            elif s.home == HOST:
-                masters = [s.home_views[i].view(p.shape) if s.master_dtypes[i] == p.dtype else s.master_views[i] for i, p in trainable]
-                for i, _ in trainable:
-                    if s.master_views and s.master_views[i] is not None:
-                        s.master_views[i].copy_(s.home_views[i])
-            else:  # bound to the unit's host copy (or its stored master) for each update, to these placeholders between
-                idle = [torch.full((1,), float("nan"), dtype=s.master_dtypes[i]).expand(p.shape) for i, p in trainable]
-                masters = [t.view(t.shape) for t in idle]
-                self._idle_masters.update((id(m), t) for m, t in zip(masters, idle))
-            units.append((s.unit.index, [p for _, p in trainable], masters))
-        unit_optimizers = UnitOptimizers(facade, units)
+            if not trainable or not self._keeps_states(s):
+                continue
+            units.append((s.unit.index, [p for _, p in trainable], [self._master_for(s, i, p) for i, p in trainable]))
+        unit_optimizers = UnitOptimizers(facade, units, managed=set(self._param_slot))
         for index, slot in unit_optimizers.slots.items():
             if self.states[index].home == NVME:  # the master's first value is on NVMe with the parameter
                 unit_optimizers.stale.update(id(m) for position, m in enumerate(slot.masters) if slot.widened(position))
+        unit_optimizers.on_zero_grad = self._forget_gradients
         if self.nvme_states is not None:
             unit_optimizers._materialize = self.nvme_states.materialized
             unit_optimizers.after_load = lambda: self._adopt_states(unit_optimizers)
             unit_optimizers.set_master = self._set_master
         return unit_optimizers
+
+    def _keeps_states(self, s: UnitState) -> bool:
+        """Whether this process updates the unit (under sharded states: another rank may own it)."""
+        return self.data_parallel is None or self.data_parallel.owns(s.unit.index)
+
+    def _master_for(self, s: UnitState, i: int, p: torch.Tensor) -> torch.Tensor:
+        """What the inner optimizer updates for parameter ``i`` of ``s``."""
+        if s.home == GPU:  # fp32 masters of a persistent unit stay in the GPU tier with its states
+            return p if s.master_dtypes[i] == p.dtype else p.detach().to(s.master_dtypes[i], copy=True)
+        if s.home == HOST:
+            if s.master_dtypes[i] == p.dtype:
+                return s.home_views[i].view(p.shape)
+            s.master_views[i].copy_(s.home_views[i])
+            return s.master_views[i]
+        # NVMe: bound to the unit's host copy (or its stored master) for each update, to a placeholder between
+        idle = torch.full((1,), float("nan"), dtype=s.master_dtypes[i]).expand(p.shape)
+        master = idle.view(idle.shape)
+        self._idle_masters[id(master)] = idle
+        return master
+
+    # -- a trainable set that changes during training (unfreezing, add_param_group) ----------------
+
+    @torch.no_grad()
+    def sync_trainable(self) -> None:
+        """Parameters unfrozen since set-up get a gradient home and a gradient hook, and every
+        optimizer's newly added or unfrozen parameters join their unit's inner optimizer; a
+        gradient autograd already left in ``.grad`` (unfrozen inside a training step, before
+        the hook existed) moves home."""
+        for s in self.states:
+            for i, p in enumerate(s.unit.params):
+                if p.requires_grad and id(p) not in self._grad_hooked:
+                    self._start_gradients(s, i, p)
+        for unit_optimizers in self.unit_optimizers.values():
+            for p in unit_optimizers.missing():
+                s, i = self._param_slot[id(p)]
+                if self._keeps_states(s):
+                    unit_optimizers.add(s.unit.index, p, self._master_for(s, i, p))
+                    self._state_bytes.pop(s.unit.index, None)
+            unit_optimizers.adopt_loose()
+
+    def _start_gradients(self, s: UnitState, i: int, p: torch.Tensor) -> None:
+        if master_dtype(p, self.fp32_masters) != s.master_dtypes[i]:
+            raise RuntimeError(
+                f"parameter {s.unit.param_names[i]!r} became trainable during training, but under this precision it needs an "
+                f"fp32 master that set-up did not plan for a frozen parameter. Unfreeze it before fit, or use a '*-mixed' "
+                f"precision (parameters stay fp32)."
+            )
+        if s.home == GPU:
+            if s.master_dtypes[i] != p.dtype or self.data_parallel is not None:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_persistent_grad))
+            self._grad_hooked.add(id(p))
+            return
+        if s.grad_views[i] is None:  # frozen at set-up: its gradient home is made now, outside the slab
+            s.grad_views[i] = torch.zeros(p.shape, dtype=s.master_dtypes[i])
+            if s.home == NVME:  # room for the optimizer states the placement did not plan for a frozen parameter
+                nbytes = s.grad_views[i].numel() * s.grad_views[i].element_size()
+                self.store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)
+        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._grad_hooked.add(id(p))
+        if p.grad is not None:
+            self._wait_grad(s, i)
+            if s.grad_fresh[i]:
+                s.grad_views[i].add_(p.grad.to(s.grad_views[i].device))
+            else:
+                s.grad_views[i].copy_(p.grad)
+            s.grad_fresh[i] = True
+            p.grad = None
+
+    def _forget_gradients(self, unit_optimizers: UnitOptimizers) -> None:
+        """The facade's ``zero_grad`` (or its step's end): its parameters' gradients start afresh;
+        other optimizers' gradients stay, as in plain training."""
+        for p in unit_optimizers.order:
+            self._persistent_grads.pop(id(p), None)
+            found = self._param_slot.get(id(p))
+            if found is None or found[0].home == GPU:
+                continue
+            s, i = found
+            self._wait_grad(s, i)
+            s.grad_fresh[i] = False
 
     def _set_master(self, master: torch.Tensor, value: torch.Tensor) -> None:
         if id(master) in self._idle_masters:  # an NVMe unit's: held until ``_adopt_states`` offloads it
@@ -260,8 +330,9 @@ class UnitUpdates:
                     master.data = self._idle_masters[id(master)]
 
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Update every unit where it lives with the user's optimizer, one unit at a time."""
+    def step(self, optimizer: torch.optim.Optimizer, closure_result: Any = None, **kwargs: Any) -> None:
+        """Update every unit where it lives with the user's optimizer, one unit at a time
+        (``kwargs``: what the user passed to ``optimizer.step``, given to every unit's step)."""
         recording = self.table.recording
         if recording:
             self.table.freeze()
@@ -280,6 +351,7 @@ class UnitUpdates:
                 self.staging_pool.release(s.host_copy)
                 s.host_copy = None
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
+        unit_optimizers.step_kwargs = kwargs
         for s in self.states:
             if s.unit.index not in unit_optimizers.slots or s.updated:
                 continue
@@ -289,8 +361,9 @@ class UnitUpdates:
             else:
                 self._update_offloaded(unit_optimizers, s)
             self.update_log.append((s.unit.index, start, time.perf_counter()))
+        self._update_loose(unit_optimizers)
         self._share_updated_parameters()
-        unit_optimizers.count_step()
+        unit_optimizers.count_step(closure_result)
         self._finish_timing(recording)
         self.step_stats["exposed_seconds"] += time.perf_counter() - started
         self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.update_log)
@@ -311,8 +384,9 @@ class UnitUpdates:
             self.profile.outside_forward_seconds = timing.outside_forward_seconds
             self.profile.outside_backward_seconds = timing.outside_backward_seconds
 
-    def end_step(self) -> None:
-        """After the optimizer step, taken or skipped (an fp16 overflow): gradients start afresh."""
+    def end_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """After ``optimizer``'s step, taken or skipped (an fp16 overflow): its gradients start
+        afresh (every gradient without ``optimizer``); another optimizer's wait for its own step."""
         self._active = False
         self._update_in_backward = False
         try:
@@ -320,17 +394,21 @@ class UnitUpdates:
         finally:
             self._finish_pipeline()
             self._finish_reductions()
-        self._persistent_grads.clear()
         for s in self.states:
             s.used_in_backward = False
             s.updated = False
             s.recompute_pinned = False
+        if optimizer is not None:
+            self._forget_gradients(self._ensure_unit_optimizers(optimizer))
+            return
+        self._persistent_grads.clear()
+        for s in self.states:
             for i in range(len(s.grad_fresh)):
                 self._wait_grad(s, i)
                 s.grad_fresh[i] = False
 
     @contextlib.contextmanager
-    def gradient_view(self, optimizer: torch.optim.Optimizer) -> Iterator["GradientView"]:
+    def gradient_view(self, optimizer: torch.optim.Optimizer, closure_result: Any = None, **kwargs: Any) -> Iterator["GradientView"]:
         """Every gradient of ``optimizer``'s parameters, attached to tensors in the facade's order,
         for what needs them all at once: loss-scale unscaling and overflow checks, clipping by norm.
         Its ``step()`` runs the engine's update (so a GradScaler can skip it)."""
@@ -348,6 +426,9 @@ class UnitUpdates:
                         holders.append(stand_in)
                 continue
             slot, position = found
+            if slot.unit_index == LOOSE:
+                holders.append(p)
+                continue
             s = self.states[slot.unit_index]
             self._wait_reduction(s)
             if s.home == GPU:
@@ -365,11 +446,14 @@ class UnitUpdates:
             master.grad = s.grad_views[i] if s.grad_fresh[i] else None
             holders.append(master)
             attached.append(master)
+            if master.grad is not None and p.grad is None and (p.device, p.dtype) == (master.grad.device, master.grad.dtype):
+                p.grad = master.grad  # hooks before the step read ``p.grad`` as in plain training
+                attached.append(p)
         try:
-            yield GradientView(holders, lambda: self.step(optimizer))
+            yield GradientView(holders, lambda: self.step(optimizer, closure_result, **kwargs))
         finally:
-            for master in attached:
-                master.grad = None
+            for tensor in attached:
+                tensor.grad = None
 
     def _gradient_stand_in(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         s, i = self._param_slot[id(p)]
@@ -388,7 +472,17 @@ class UnitUpdates:
     def _ensure_unit_optimizers(self, optimizer: torch.optim.Optimizer) -> UnitOptimizers:
         if id(optimizer) not in self.unit_optimizers:
             self.unit_optimizers[id(optimizer)] = self._unit_optimizers(optimizer)
+        self.sync_trainable()
         return self.unit_optimizers[id(optimizer)]
+
+    def _update_loose(self, unit_optimizers: UnitOptimizers) -> None:
+        """Tensors the optimizer holds that the model does not register: updated where they are."""
+        loose = unit_optimizers.loose
+        if loose is None:
+            return
+        if self.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(loose.params, self.clip_value)
+        unit_optimizers.step(LOOSE)
 
     def _update_persistent(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
         """Update a unit whose parameters, states and masters stay in the GPU tier."""

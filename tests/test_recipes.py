@@ -1,0 +1,526 @@
+"""Training recipes users bring, each trained side by side with plain Lightning: the same losses
+and weights bit for bit (fp32, CPU) with units streamed from host memory and from NVMe, or a
+refusal at set-up that names the recipe and what to do."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.strategies import Strategy
+from torch import nn
+
+from offload_strategy import TieredStrategy
+from tests.helpers import assert_same_weights, tiny_data
+
+PLACEMENTS = ("host", "nvme")
+
+
+def tiered(placement: str, root: Path, **policy: Any) -> TieredStrategy:
+    """Every unit streamed through a 1 MiB GPU tier from its home: host memory or NVMe."""
+    nvme = {"nvme_path": str(root / "nvme"), "nvme_memory": "1GiB"} if placement == "nvme" else {}
+    return TieredStrategy(policy={"placement": placement, "activations": "keep", **policy}, gpu_memory="1MiB", host_memory="1GiB", **nvme)
+
+
+class Net(L.LightningModule):
+    """Embedding, four residual blocks, a norm and a head; AdamW over two param groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(self.norm(x))
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self(batch).flatten(0, 1), batch[:, 1:].flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2 and p.requires_grad]
+        rest = [p for p in self.parameters() if p.dim() < 2 and p.requires_grad]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) and "loss" in outputs else pl_module.last_loss
+        self.values.append(float(loss.detach()))
+
+
+def fit(
+    strategy: Any, root: Path, make: Callable[[], L.LightningModule], steps: int = 6, callbacks: tuple = (), **trainer_kwargs: Any
+) -> tuple[list[float], dict[str, torch.Tensor], L.LightningModule]:
+    L.seed_everything(7, verbose=False)
+    model = make()
+    losses = Losses()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        default_root_dir=root, callbacks=[losses, *callbacks], **trainer_kwargs,
+    )
+    trainer.fit(model, datamodule=tiny_data())
+    return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}, model
+
+
+def assert_like_plain(tmp_path: Path, placement: str, make: Callable[[], L.LightningModule], callbacks: Callable[[], tuple] = tuple,
+                      policy: Optional[dict] = None, **kwargs: Any) -> tuple[L.LightningModule, L.LightningModule]:
+    plain_losses, plain_weights, plain = fit("auto", tmp_path / "plain", make, callbacks=callbacks(), **kwargs)
+    losses, weights, model = fit(tiered(placement, tmp_path, **(policy or {})), tmp_path / "tiered", make, callbacks=callbacks(), **kwargs)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    return plain, model
+
+
+# -- optimizers -----------------------------------------------------------------------------------
+
+
+class TwoOptimizers(Net):
+    """Manual optimization: AdamW for the body, SGD for the head, both stepped after one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        body, head = self.optimizers()
+        body.zero_grad()
+        head.zero_grad()
+        self.last_loss = self.loss(batch)
+        self.manual_backward(self.last_loss)
+        body.step()
+        head.step()
+
+    def configure_optimizers(self):
+        body = [p for name, p in self.named_parameters() if not name.startswith("head")]
+        return torch.optim.AdamW(body, lr=1e-2), torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_two_optimizers_stepped_after_one_backward(tmp_path, placement):
+    plain, model = assert_like_plain(tmp_path, placement, TwoOptimizers)
+    assert not torch.equal(model.head.weight, TwoOptimizers().head.weight)
+
+
+class GanStyle(TwoOptimizers):
+    """The second optimizer steps every other batch, but both zero their gradients every batch."""
+
+    def training_step(self, batch, batch_idx):
+        body, head = self.optimizers()
+        body.zero_grad()
+        head.zero_grad()
+        self.last_loss = self.loss(batch)
+        self.manual_backward(self.last_loss)
+        body.step()
+        if batch_idx % 2:
+            head.step()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_zero_grad_of_an_optimizer_that_did_not_step_drops_its_gradients(tmp_path, placement):
+    assert_like_plain(tmp_path, placement, GanStyle)
+
+
+class WithScale(Net):
+    """A free-standing tensor the model does not register, given to the optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.ones((), requires_grad=True)
+
+    def forward(self, batch):
+        return super().forward(batch) * self.scale
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([*self.parameters(), self.scale], lr=1e-2)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_tensor_the_model_does_not_register_is_updated(tmp_path, placement):
+    plain, model = assert_like_plain(tmp_path, placement, WithScale)
+    assert model.scale.item() == plain.scale.item() != 1.0
+
+
+class PlainSGD(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_optimizer_without_state_on_nvme(tmp_path):
+    assert_like_plain(tmp_path, "nvme", PlainSGD)
+
+
+class ScaledStep(torch.optim.Optimizer):
+    """Per-parameter SGD defined outside torch, with a keyword its step takes."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None, scale=1.0):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class StepKeywords(Net):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure, scale=0.5 if batch_idx % 2 else 2.0)
+
+    def configure_optimizers(self):
+        return ScaledStep(self.parameters())
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_keyword_arguments_of_optimizer_step_reach_every_unit(tmp_path, placement):
+    assert_like_plain(tmp_path, placement, StepKeywords)
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """Couples parameters: every update is scaled by the norm of all gradients of the group."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / norm, alpha=-group["lr"])
+
+
+class Coupled(Net):
+    def configure_optimizers(self):
+        return GlobalNormSGD(self.parameters())
+
+
+class PerParameterCustom(Net):
+    def configure_optimizers(self):
+        return ScaledStep(self.parameters())
+
+
+def test_an_optimizer_that_couples_parameters_is_refused_at_set_up(tmp_path):
+    with pytest.raises(ValueError, match=r"GlobalNormSGD couples parameters in its step.*per-parameter|GlobalNormSGD couples"):
+        fit(tiered("host", tmp_path), tmp_path, Coupled)
+    # a custom per-parameter one passes the same check and trains like plain
+    assert_like_plain(tmp_path, "host", PerParameterCustom)
+
+
+class NeedsClosure(torch.optim.Optimizer):
+    """SAM-style: the step re-evaluates the model through its closure."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure):
+        with torch.enable_grad():
+            return closure()
+
+
+class ClosureOptimizer(Net):
+    steps = 0
+
+    def training_step(self, batch, batch_idx):
+        ClosureOptimizer.steps += 1
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return NeedsClosure(self.parameters())
+
+
+class Lbfgs(ClosureOptimizer):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+@pytest.mark.parametrize("make", [ClosureOptimizer, Lbfgs], ids=["requires-closure", "lbfgs"])
+def test_optimizers_that_re_evaluate_the_model_are_refused_before_any_step(tmp_path, make):
+    ClosureOptimizer.steps = 0
+    with pytest.raises(ValueError, match=r"step requires a closure: it re-evaluates the whole model"):
+        fit(tiered("host", tmp_path), tmp_path, make)
+    assert ClosureOptimizer.steps == 0
+
+
+# -- the trainable set changes ------------------------------------------------------------------
+
+
+class UnfreezeInStep(Net):
+    """Block 1 frozen at first, unfrozen inside the third training step (the optimizer has it)."""
+
+    def configure_optimizers(self):
+        self.blocks[1].requires_grad_(False)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            self.blocks[1].requires_grad_(True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_layer_unfrozen_inside_a_training_step_is_trained(tmp_path, placement):
+    plain, model = assert_like_plain(tmp_path, placement, UnfreezeInStep)
+    L.seed_everything(7, verbose=False)
+    assert not torch.equal(model.blocks[1].weight, UnfreezeInStep().blocks[1].weight)
+
+
+class Finetune(BaseFinetuning):
+    """Blocks frozen before training, unfrozen with a param group of their own at epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.blocks)
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.blocks, optimizer, lr=5e-3)
+
+
+class FinetuneNet(Net):
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_base_finetuning_unfreezes_and_adds_a_param_group(tmp_path, placement):
+    plain, model = assert_like_plain(tmp_path, placement, FinetuneNet, callbacks=lambda: (Finetune(),), steps=9)
+    assert len(model.trainer.optimizers[0].param_groups) == 2
+
+
+class UnfreezeAtStart(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        pl_module.requires_grad_(True)
+
+
+class AllFrozen(Net):
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        self.requires_grad_(False)  # everything frozen when the strategy places the model
+        return optimizer
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_model_frozen_at_set_up_trains_once_unfrozen(tmp_path, placement):
+    assert_like_plain(tmp_path, placement, AllFrozen, callbacks=lambda: (UnfreezeAtStart(),))
+
+
+class LateModule(Net):
+    """A layer first used from the third step on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Linear(32, 32)
+
+    def forward(self, batch):
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        if self.global_step >= 2:
+            x = x + self.late(x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_module_first_used_after_the_first_step(tmp_path, placement):
+    assert_like_plain(tmp_path, placement, LateModule)
+
+
+# -- user code between backward and the step ----------------------------------------------------
+
+
+class ClipsItself(Net):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_modules_own_gradient_clipping_is_applied(tmp_path, placement):
+    assert_like_plain(tmp_path, placement, ClipsItself)
+
+
+class SeesTheStep(L.Callback):
+    """What a gradient or weight logger reads right before each step."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        weights = sum(float(p.detach().double().sum()) for p in pl_module.parameters())
+        grads = sum(float(p.grad.double().norm()) for p in pl_module.parameters() if p.grad is not None)
+        self.seen.append((weights, grads))
+
+
+def test_on_before_optimizer_step_sees_the_gradients_and_the_weights_before_the_update(tmp_path):
+    seen = {}
+
+    def callbacks() -> tuple:
+        seen[len(seen)] = SeesTheStep()
+        return (seen[len(seen) - 1],)
+
+    assert_like_plain(tmp_path, "host", Net, callbacks=callbacks)
+    assert seen[0].seen == seen[1].seen and seen[0].seen[0][1] > 0
+
+
+def test_a_mock_that_wraps_strategy_backward_does_not_recurse(tmp_path):
+    """Lightning's own tests spy on backward by wrapping ``Strategy.backward`` around the strategy's."""
+    strategy = tiered("host", tmp_path)
+    with mock.patch.object(Strategy, "backward", wraps=strategy.backward):
+        losses, _, _ = fit(strategy, tmp_path, Net, steps=2)
+    assert len(losses) == 2
+
+
+# -- modules the strategy cannot place --------------------------------------------------------------
+
+
+class Lazy(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0] = nn.LazyLinear(32)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_lazy_module_not_yet_materialized_is_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match=r"not materialized yet \(blocks.0.weight, blocks.0.bias.*Run one forward"):
+        fit(tiered("host", tmp_path), tmp_path, Lazy)
+
+
+class CompiledBlock(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[2] = torch.compile(self.blocks[2])
+
+
+def test_a_compiled_block_is_refused_when_its_parameters_are_offloaded(tmp_path):
+    with pytest.raises(ValueError, match=r"torch.compile was applied to blocks.2, whose parameters are offloaded"):
+        fit(tiered("host", tmp_path), tmp_path, CompiledBlock)
+
+
+# -- failures are raised, never swallowed ----------------------------------------------------------
+
+
+class CorruptNvmeAtTrainEnd(L.Callback):
+    """The NVMe files are damaged after the last step, before the strategy reads them back."""
+
+    def on_train_end(self, trainer, pl_module):
+        store = trainer.strategy.engine.store
+        for path in Path(store.path).glob("*.bin"):
+            with open(path, "r+b") as f:
+                f.write(b"\xff" * 64)
+
+
+def test_a_read_failure_at_the_end_of_fit_is_raised(tmp_path):
+    strategy = tiered("nvme", tmp_path, checksums=True)
+    with pytest.raises(OSError, match="came back different from what was written"):
+        fit(strategy, tmp_path, Net, steps=2, callbacks=(CorruptNvmeAtTrainEnd(),))
+
+
+class CorruptSwapBeforeBackward(L.Callback):
+    def on_before_backward(self, trainer, pl_module, loss):
+        store = trainer.strategy._swap_store
+        damaged = 0
+        for path in Path(store.path).glob("*.bin"):
+            if path.stat().st_size:
+                with open(path, "r+b") as f:
+                    f.write(b"\xff" * 64)
+                damaged += 1
+        assert damaged
+
+
+def test_checksums_cover_activations_swapped_to_nvme(tmp_path):
+    strategy = tiered("nvme", tmp_path, checksums=True, activations="swap_nvme")
+    with pytest.raises(OSError, match="came back different from what was written"):
+        fit(strategy, tmp_path, Net, steps=2, callbacks=(CorruptSwapBeforeBackward(),))
+
+
+# -- reading and writing parameters between steps ---------------------------------------------------
+
+
+class Ema(L.Callback):
+    """An exponential moving average of the weights, read after every step; copied into the model
+    at the end of training (a write from outside the step)."""
+
+    def __init__(self) -> None:
+        self.average: dict[str, torch.Tensor] = {}
+
+    def _gathered(self, trainer, writeback: bool = False):
+        gather = getattr(trainer.strategy, "gathered_parameters", None)
+        return gather(writeback=writeback) if gather is not None else contextlib.nullcontext()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with self._gathered(trainer), torch.no_grad():
+            for name, p in pl_module.named_parameters():
+                value = p.detach().clone()
+                self.average[name] = value if name not in self.average else 0.9 * self.average[name] + 0.1 * value
+
+    def on_train_end(self, trainer, pl_module):
+        with self._gathered(trainer, writeback=True), torch.no_grad():
+            for name, p in pl_module.named_parameters():
+                p.copy_(self.average[name])
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_an_ema_callback_reads_and_writes_true_values_through_gathered_parameters(tmp_path, placement):
+    plain, model = assert_like_plain(tmp_path, placement, Net, callbacks=lambda: (Ema(),))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_weights_written_between_steps_reach_the_fp32_masters(tmp_path, placement):
+    """Under bf16-true the optimizer updates fp32 masters kept apart from the 16-bit parameters: a
+    write through gathered_parameters is where the next update starts, not lost at it."""
+
+    class Halve(L.Callback):
+        norms: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            with trainer.strategy.gathered_parameters(writeback=batch_idx == 2), torch.no_grad():
+                self.norms.append(sum(float(p.float().norm()) for p in pl_module.parameters()))
+                if batch_idx == 2:
+                    for p in pl_module.parameters():
+                        p.mul_(0.5)
+
+    halve = Halve()
+    fit(tiered(placement, tmp_path), tmp_path, Net, callbacks=(halve,), precision="bf16-true")
+    before, after = halve.norms[2], halve.norms[3]
+    assert 0.45 * before < after < 0.6 * before
+
+
+def test_stochastic_weight_averaging_with_units_in_host_memory(tmp_path):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    assert_like_plain(tmp_path, "host", Net, callbacks=lambda: (StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1),), steps=9)
+
+
+def test_stochastic_weight_averaging_with_units_on_nvme_is_refused_with_what_to_do(tmp_path):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    with pytest.raises(ValueError, match=r"StochasticWeightAveraging reads and writes every parameter.*gathered_parameters"):
+        fit(tiered("nvme", tmp_path), tmp_path, Net, callbacks=(StochasticWeightAveraging(swa_lrs=1e-3),))
