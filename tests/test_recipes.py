@@ -524,3 +524,48 @@ def test_stochastic_weight_averaging_with_units_on_nvme_is_refused_with_what_to_
 
     with pytest.raises(ValueError, match=r"StochasticWeightAveraging reads and writes every parameter.*gathered_parameters"):
         fit(tiered("nvme", tmp_path), tmp_path, Net, callbacks=(StochasticWeightAveraging(swa_lrs=1e-3),))
+
+
+# -- models with shared modules ---------------------------------------------------------------------
+
+
+class T5(L.LightningModule):
+    """An encoder-decoder whose one ``shared`` embedding serves the encoder, the decoder and the tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(
+            vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=True,
+        )
+        self.model = T5ForConditionalGeneration(config)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[:, :8].contiguous(), labels=batch[:, 8:].contiguous()).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("activations", ["keep", "swap_nvme"])
+def test_a_shared_embedding_trains_at_the_smallest_gpu_tier_set_up_accepts(tmp_path, activations):
+    """Modules that read the shared embedding's weight as an attribute (the tied head, T5's
+    scaling) must not hold GPU-tier buffers a module needs: the minimum set-up names is enough."""
+    import re
+
+    from offload_strategy.planning.placement import PlacementError
+
+    def strategy(gpu_memory: int) -> TieredStrategy:
+        nvme = {"nvme_path": str(tmp_path / "nvme"), "nvme_memory": "1GiB"} if activations == "swap_nvme" else {}
+        return TieredStrategy(policy={"placement": "fill", "activations": activations}, gpu_memory=gpu_memory, host_memory="1GiB", **nvme)
+
+    with pytest.raises(PlacementError, match=r"raise gpu_memory to at least") as refused:
+        fit(strategy(1024), tmp_path / "small", T5, steps=1)
+    number, unit = re.search(r"to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
+    minimum = int(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", T5, steps=4)
+    losses, weights, _ = fit(strategy(int(minimum * 1.05)), tmp_path / "tiered", T5, steps=4)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

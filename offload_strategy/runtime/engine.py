@@ -508,10 +508,13 @@ class TieredEngine(UnitUpdates, GradientExchange):
         coming, units backward used last) is dropped when nothing else can make room."""
         out = []
         for s in self.states:
-            if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned or s.unit.index in self._touched:
+            if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned:
                 continue
+            # read as an attribute outside a forward: kept while there is room, never at the cost
+            # of a module that needs a buffer now (the placement's minimum does not count them)
+            touched = s.unit.index in self._touched
             waiting_for_grads = s.used_in_backward and s.grads_arrived < len(s.unit.trainable)
-            if not hard and (waiting_for_grads or (self._phase == "backward" and s.unit.index in self._recent)):
+            if not hard and (touched or waiting_for_grads or (self._phase == "backward" and s.unit.index in self._recent)):
                 continue
             out.append(s.unit.index)
         return out
