@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -641,7 +642,9 @@ class TieredMixin(ActivationControl):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             try:
-                engine.close(materialize=True)
+                # while training's own failure propagates (teardown inside Lightning's handler),
+                # that failure is the one to see; otherwise a failure to read back is raised
+                engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None)
             finally:
                 engine.device.close()
 
