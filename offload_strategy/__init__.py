@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .callbacks import OffloadMonitor
 from .config import Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
 from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
+from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
 from .strategy_ddp import TieredDDPStrategy
 
@@ -36,6 +37,7 @@ _register_strategies()
 
 __all__ = [
     "KNOWN_MACHINES",
+    "OffloadedParameterError",
     "Budget",
     "HardwareSpec",
     "MemoryBudgetError",

@@ -14,6 +14,7 @@ first, checkpointed ones next, kept ones last) comes from ``planning/activations
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Sequence
@@ -110,17 +111,17 @@ class ActivationPolicies:
         self.policies = policies
         for index, (block, choice) in enumerate(zip(self.blocks, self.policies)):
             if choice == CHECKPOINT:
-                block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
+                block.forward = WrappedForward(_checkpointed, block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
             elif choice in (SWAP_HOST, SWAP_NVME):
-                block.forward = functools.partial(self._swapped, index, choice, block.forward)  # type: ignore[method-assign]
+                block.forward = WrappedForward(functools.partial(self._swapped, index, choice), block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
             elif self.profile is not None and index == 0:
-                block.forward = functools.partial(self._counted, block.forward)  # type: ignore[method-assign]
+                block.forward = WrappedForward(self._counted, block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
         if self.blocks and self.block_flops is None:
             first = self.blocks[0]
-            first.forward = functools.partial(self._flops_counted, first.forward)  # type: ignore[method-assign]
+            first.forward = WrappedForward(self._flops_counted, first.forward)  # type: ignore[method-assign]
             if first not in self._wrapped:
                 self._wrapped.append(first)
 
@@ -240,6 +241,24 @@ def _synchronize(args: Any) -> None:
         if torch.is_tensor(a) and a.is_cuda:
             torch.cuda.synchronize(a.device)
             return
+
+
+class WrappedForward:
+    """A block's forward run through a policy (``wrapper(forward, *args, **kwargs)``). A copy of
+    the module (an EMA's ``deepcopy``, ``AveragedModel``) or a pickle of it gets the block's own
+    forward: the policy belongs to this training run, not to the module."""
+
+    def __init__(self, wrapper: Any, forward: Any) -> None:
+        self.wrapper, self.forward = wrapper, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper(self.forward, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return copy.deepcopy(self.forward, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.forward.__reduce_ex__(protocol)
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

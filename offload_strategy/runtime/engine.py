@@ -52,6 +52,7 @@ from .metrics import HIT, LATE_HIT, MISS, RequestStats
 from .nvme_states import NvmeOptimizerStates
 from .optimizer import UnitOptimizers
 from .scheduler import PrefetchTable
+from .offloaded import mark_offloaded, mark_present, offloaded_class
 from .state import Fetch, UnitState, nan_placeholder
 from .units import TransferUnit, master_dtype
 from .data_parallel import DataParallel, GradientExchange
@@ -87,6 +88,24 @@ class _WatchedParameters(dict):
     def __reduce__(self) -> Any:
         # copies and pickles of the module (EMA, checkpoints) get a plain dict, not the engine
         return (dict, (dict(self),))
+
+
+class _UnitHook:
+    """A module hook of the engine. A copy of the module (an EMA's ``deepcopy``) gets a hook that
+    does nothing: the copy's parameters are its own, not the engine's."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+
+    def __call__(self, *args: Any) -> Any:
+        return self.call(*args)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _no_hook
+
+
+def _no_hook(*args: Any) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -156,6 +175,9 @@ class TieredEngine(UnitUpdates, GradientExchange):
         self._hooks: list[Any] = []
         self._recent: deque[int] = deque(maxlen=RECENT_GUARD)
         self._touched: deque[int] = deque(maxlen=TOUCHED_GUARD)  # units fetched by an attribute read
+        # units read as an attribute between steps: unit -> (host buffer bound, its value when lent) for NVMe, None for host
+        self._offloaded = offloaded_class(self._lend_parameter)  # the class of parameters at placeholders
+        self._lent: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._phase = "forward"
         self._active = False  # inside a training step: the prefetch table applies
         self._update_in_backward = False  # this backward ends a step: update units as their gradients complete
@@ -321,7 +343,12 @@ class TieredEngine(UnitUpdates, GradientExchange):
         if found is None:
             return
         s = found[0]
-        if s.home == GPU or s.unit.index in self.placement.dha or (s.resident and s.bound):
+        if s.home == GPU or s.unit.index in self.placement.dha:
+            return
+        if not self._active:
+            self._lend(s)
+            return
+        if s.resident and s.bound:
             return
         if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
             # a checkpointed module's own forward recomputed in backward (its hooks ran in the
@@ -334,18 +361,71 @@ class TieredEngine(UnitUpdates, GradientExchange):
         self._touched.append(s.unit.index)
         self.request(s.unit.index)
 
+    # -- parameters read and written between steps ---------------------------------------------------
+
+    def _lend_parameter(self, p: torch.Tensor) -> bool:
+        """A parameter at a placeholder is read as a value: as if read as an attribute (between steps
+        its unit is lent at home, inside a step fetched); False where that cannot be done."""
+        if self._closed or id(p) not in self._param_slot:
+            return False
+        self._on_read(p)
+        return type(p) is nn.Parameter
+
+    @torch.no_grad()
+    def _lend(self, s: UnitState) -> None:
+        """A parameter read as an attribute between steps (a callback, a logger) holds its true value
+        at home, where what the caller writes is kept: host units are bound there already; an NVMe
+        unit is read into a host buffer until the next step (or checkpoint) takes it back."""
+        index = s.unit.index
+        if index in self._lent:
+            return
+        if s.device_slot is not None:
+            self.evict(index)  # a GPU-tier copy would take writes that never reach home
+        if s.home == HOST:
+            self._lent[index] = None
+            return
+        buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+        if s.host_copy is not None:
+            buffer.copy_(s.host_copy.tensor[: buffer.numel()])
+        else:
+            self.store.read(self._key(s), buffer).result()
+        self._bind(s, s.unit.views(buffer))
+        self._lent[index] = (buffer, buffer.clone())
+
+    @torch.no_grad()
+    def _take_back(self) -> None:
+        """Units lent between steps return: what was written goes home, fp32 masters kept apart
+        from a written 16-bit parameter take its new value, NVMe units point at placeholders again."""
+        lent, self._lent = self._lent, {}
+        for index, held in lent.items():
+            s = self.states[index]
+            if held is None:
+                written = [m is not None and not torch.equal(h, m.to(h.dtype)) for h, m in zip(s.home_views, s.master_views)]
+            else:
+                buffer, before = held
+                written = [not torch.equal(a, b) for a, b in zip(s.unit.views(buffer), s.unit.views(before))]
+                if any(written):
+                    self.store.write(self._key(s), buffer).result()
+                    if s.host_copy is not None:
+                        s.host_copy.tensor[: buffer.numel()].copy_(buffer)
+                self._bind(s, s.placeholders)
+            self._masters_from_parameters({id(p) for p, w in zip(s.unit.params, written) if w})
+
     @staticmethod
     def _key(s: UnitState) -> str:
         return f"unit{s.unit.index}"
 
-    @staticmethod
-    def _bind(s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
-        for p, t in zip(s.unit.params, tensors):
+    def _bind(self, s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
+        away = bool(s.placeholders) and tensors is s.placeholders
+        for p, name, t in zip(s.unit.params, s.unit.param_names, tensors):
+            mark_present(p)
             p.data = t
+            if away:
+                mark_offloaded(p, self._offloaded, name)
 
     # -- residency ----------------------------------------------------------------------------------
 
-    def _make_pre_hook(self, indices: list[int], fetched: list[int]):
+    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "_UnitHook":
         def pre_hook(module: nn.Module, args: Any) -> None:
             if self._phase == "backward" and torch._C._current_autograd_node() is None:
                 self._phase = "forward"  # another forward in the same step (manual optimization)
@@ -362,8 +442,9 @@ class TieredEngine(UnitUpdates, GradientExchange):
             for i in fetched:
                 self.states[i].pins -= 1
 
-        pre_hook.post_hook = post_hook  # type: ignore[attr-defined]
-        return pre_hook
+        hook = _UnitHook(pre_hook)
+        hook.post_hook = _UnitHook(post_hook)  # type: ignore[attr-defined]
+        return hook
 
     # Views made under inference mode (evaluation loops) would be inference tensors, which training
     # could not update in place later: the engine makes all of its views outside it.
@@ -624,6 +705,7 @@ class TieredEngine(UnitUpdates, GradientExchange):
         gradient first), so units are updated as soon as their gradients are complete.
         ``reduce``: under data parallelism, how this backward's gradients are reduced (see
         ``GradientExchange``); None accumulates."""
+        self._take_back()
         self._phase = "forward"
         self.timing = StepProfile(unit_names=self.profile.unit_names, unit_bytes=self.profile.unit_bytes) if train else None
         self._backward_mark = None
@@ -704,6 +786,7 @@ class TieredEngine(UnitUpdates, GradientExchange):
     @contextlib.contextmanager
     def materialized(self, writeback: bool = False) -> Iterator[None]:
         """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
+        self._take_back()
         self.evict_all()
         self._drain_staging()
         # Fresh buffers, not staging ones: every NVMe unit is bound at once, and staging buffers
@@ -731,12 +814,16 @@ class TieredEngine(UnitUpdates, GradientExchange):
                         s.host_copy.tensor[: buffer.numel()].copy_(buffer)
                 self._bind(s, s.placeholders)
 
-    def _masters_from_parameters(self) -> None:
-        """Parameters were written from outside the step: fp32 masters kept apart from them take
-        the written values before their next update (masters that are the parameters need nothing)."""
+    def _masters_from_parameters(self, written: Optional[set[int]] = None) -> None:
+        """Parameters (``written``: those ids; None: all) were written from outside the step: fp32
+        masters kept apart from them take the written values before their next update (masters
+        that are the parameters need nothing)."""
         for unit_optimizers in self.unit_optimizers.values():
             for slot in unit_optimizers.slots.values():
-                unit_optimizers.stale.update(id(m) for position, m in enumerate(slot.masters) if slot.widened(position))
+                unit_optimizers.stale.update(
+                    id(m) for position, m in enumerate(slot.masters)
+                    if slot.widened(position) and (written is None or id(slot.params[position]) in written)
+                )
 
     def close(self, materialize: bool = True, raise_errors: bool = True) -> None:
         """Remove hooks, give every parameter a plain tensor with its true value, free all tiers.
@@ -770,10 +857,14 @@ class TieredEngine(UnitUpdates, GradientExchange):
             module._parameters = original
         self._watched = []
         if materialize:
+            attempt(self._take_back)
             for s in getattr(self, "states", []):
                 attempt(self._materialize_for_good, s)
             for unit_optimizers in self.unit_optimizers.values():
                 attempt(unit_optimizers.restore_facade, self.nvme_states.materialized if self.nvme_states else contextlib.nullcontext)
+        for s in getattr(self, "states", []):
+            for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
+                mark_present(p)
         if self.store is not None:
             attempt(self.store.close)
         if getattr(self, "slab", None) is not None:

@@ -337,6 +337,7 @@ class UnitUpdates:
         if recording:
             self.table.freeze()
             self.profile.order = list(self.table.order)
+        self._take_back()  # read by a callback since backward (on_before_optimizer_step): written values count
         self._active = False
         self._update_in_backward = False
         started = time.perf_counter()

@@ -1,0 +1,155 @@
+"""The compatibility matrix: model families and training recipes users bring, each trained side by
+side with plain Lightning with every unit streamed from host memory and from NVMe; the same
+losses and every weight bit for bit (fp32, CPU). The results are tabled in docs/compatibility.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from experiments.models import CausalLM
+from tests.helpers import assert_same_weights, tiny_data
+from tests.test_model_zoo import ConvNet
+from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, fit, tiered
+
+pytest.importorskip("transformers")
+
+# -- model families ---------------------------------------------------------------------------------
+
+TINY = {
+    "gpt2": {"vocab_size": 256, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "opt": {"vocab_size": 256, "max_position_embeddings": 32, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "word_embed_proj_dim": 32, "dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": 1},
+    "llama": {"vocab_size": 256, "max_position_embeddings": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+}
+
+
+def causal_lm(family: str) -> Any:
+    return lambda: CausalLM(family, TINY[family], lr=1e-2, weight_decay=0.1)
+
+
+class Bert(L.LightningModule):
+    """A masked language model (every token its own label), with BERT's tied output embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        self.model = BertForMaskedLM(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ReusedBlock(Net):
+    """One block applied twice in every forward (weights shared across depth, as ALBERT does)."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = self.embed(batch[:, :-1])
+        for block in (self.blocks[0], self.blocks[1], self.blocks[0]):
+            x = x + torch.tanh(block(x))
+        return self.head(self.norm(x))
+
+
+MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm("llama"), "bert": Bert, "t5": T5,
+          "cnn-batchnorm": ConvNet, "block-reused": ReusedBlock}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_family(tmp_path, model, placement):
+    assert_like_plain(tmp_path, placement, MODELS[model], steps=3)
+
+
+# -- recipes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_gradient_accumulation_with_clipping_by_norm(tmp_path, placement):
+    assert_like_plain(tmp_path, placement, Net, steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+
+class EpochScheduler(Net):
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.3), "interval": "epoch"}}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_lr_scheduler_stepping_per_epoch(tmp_path, placement):
+    plain, model = assert_like_plain(tmp_path, placement, EpochScheduler, steps=14)  # 6 batches an epoch: three epochs
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.3**2)
+
+
+class LoRA(L.LightningModule):
+    """PEFT's LoRA adapters on a frozen GPT-2: only the adapters train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        base = GPT2LMHeadModel(GPT2Config(**TINY["gpt2"]))
+        self.model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.0, fan_in_fan_out=True))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_peft_lora_on_a_frozen_base(tmp_path, placement):
+    pytest.importorskip("peft")
+    plain, model = assert_like_plain(tmp_path, placement, LoRA, steps=3)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+
+
+class LoggedLoss(Net):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _trainer(strategy: Any, root: Path, steps: int, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root, **kwargs,
+    )
+
+
+def _top_k_then_resume(strategy: Any, root: Path, resume_strategy: Any) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Four steps keeping the two best checkpoints by loss (and the last), then two more steps from the last one."""
+    L.seed_everything(7, verbose=False)
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=True)
+    _trainer(strategy, root, 4, callbacks=[checkpoints]).fit(LoggedLoss(), datamodule=tiny_data())
+    kept = sorted(p.name for p in (root / "ckpt").glob("*.ckpt"))
+    L.seed_everything(7, verbose=False)
+    model = LoggedLoss()
+    _trainer(resume_strategy, root, 6, enable_checkpointing=False).fit(model, datamodule=tiny_data(), ckpt_path=str(root / "ckpt" / "last.ckpt"))
+    return kept, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
+    plain_kept, plain_weights = _top_k_then_resume("auto", tmp_path / "plain", "auto")
+    kept, weights = _top_k_then_resume(tiered(placement, tmp_path / "a"), tmp_path / "tiered", tiered(placement, tmp_path / "b"))
+    assert kept == plain_kept and len(kept) == 3  # the same two best steps, and last.ckpt
+    assert_same_weights(plain_weights, weights)
