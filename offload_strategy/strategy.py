@@ -527,7 +527,11 @@ class TieredMixin(ActivationControl):
         if self.engine is not None:
             # Evaluation runs the forward part of the profiled order: prefetch along it too.
             self.engine.begin_step(profile=False, train=False)
-        return step(*args, **kwargs)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            if self.engine is not None:
+                self.engine.end_eval_step()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -573,6 +577,10 @@ class TieredMixin(ActivationControl):
         try:
             if not self._needs_all_gradients(trainer):
                 self._before_optimizer_step(trainer, optimizer)
+                if model.automatic_optimization:
+                    # Lightning's default hook, called as plain training calls it: it clips nothing
+                    # here (by value is idempotent, and the engine already clipped each unit)
+                    self._configure_gradient_clipping(trainer, optimizer)
                 self.engine.step(optimizer, closure_result, **kwargs)
                 return closure_result
             scaler = getattr(self.precision_plugin, "scaler", None)
@@ -581,10 +589,7 @@ class TieredMixin(ActivationControl):
                     scaler.unscale_(gradients)
                 self._before_optimizer_step(trainer, optimizer)
                 if model.automatic_optimization:  # as Lightning's precision plugins do: the module's hook clips
-                    call._call_lightning_module_hook(
-                        trainer, "configure_gradient_clipping", gradients,
-                        gradient_clip_val=trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm,
-                    )
+                    self._configure_gradient_clipping(trainer, gradients)
                 if scaler is None:
                     gradients.step()
                 elif closure_result is not None or not model.automatic_optimization:
@@ -593,6 +598,13 @@ class TieredMixin(ActivationControl):
             return closure_result
         finally:
             self.engine.end_step(optimizer)
+
+    @staticmethod
+    def _configure_gradient_clipping(trainer: "pl.Trainer", optimizer: Any) -> None:
+        call._call_lightning_module_hook(
+            trainer, "configure_gradient_clipping", optimizer,
+            gradient_clip_val=trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        )
 
     @staticmethod
     def _before_optimizer_step(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:

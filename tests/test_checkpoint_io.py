@@ -1,4 +1,6 @@
 import os
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +63,55 @@ def test_checkpoints_hold_each_value_once_not_the_slabs_it_lives_in(tmp_path):
         sizes[name] = next((tmp_path / name / "ckpt").glob("*.ckpt")).stat().st_size
     # the same values: within a few per cent (one storage record per tensor instead of shared ones)
     assert sizes["host"] <= 1.06 * sizes["plain"] and sizes["nvme"] <= 1.06 * sizes["plain"], sizes
+
+
+def _save_then_hang(directory: Path) -> str:
+    """A child process that starts saving a checkpoint into ``directory`` and stops mid-write."""
+    return textwrap.dedent(f"""
+        import sys, time, torch
+        from offload_strategy import checkpoint_io
+
+        def slow_save(obj, handle):
+            handle.write(b"x" * (1 << 20))
+            handle.flush()
+            print("writing", flush=True)
+            time.sleep(600)
+
+        checkpoint_io.torch.save = slow_save
+        checkpoint_io.AtomicCheckpointIO().save_checkpoint({{"w": torch.ones(4)}}, {str(directory / "last.ckpt")!r})
+    """)
+
+
+def test_a_save_killed_midway_leaves_a_partial_file_the_next_save_removes(tmp_path):
+    """SIGKILL skips every cleanup: the partial file stays, and the next save into that directory
+    removes it (its writer's lock is free), while a save in progress elsewhere is left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    def start() -> subprocess.Popen:
+        child = subprocess.Popen([sys.executable, "-c", _save_then_hang(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "writing"
+        return child
+
+    def age(paths: list[Path]) -> None:
+        for p in paths:
+            os.utime(p, (p.stat().st_atime - 60, p.stat().st_mtime - 60))
+
+    killed = start()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    abandoned = list(tmp_path.glob(".last.ckpt.*.partial"))
+    assert len(abandoned) == 1 and abandoned[0].stat().st_size >= 1 << 20
+    live = start()
+    try:
+        in_progress = [p for p in tmp_path.glob(".last.ckpt.*.partial") if p not in abandoned]
+        age(abandoned + in_progress)
+        AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(4)}, tmp_path / "last.ckpt")
+        assert not abandoned[0].exists(), "the killed save's partial file is still there"
+        assert all(p.exists() for p in in_progress) and len(in_progress) == 1, "a save in progress lost its file"
+        assert torch.equal(torch.load(tmp_path / "last.ckpt")["w"], torch.zeros(4))
+    finally:
+        live.kill()
+        live.wait(timeout=60)

@@ -283,3 +283,83 @@ def test_checksums_catch_data_that_comes_back_different(tmp_path):
             handle.write(bytes([byte[0] ^ 0x01]))
         with pytest.raises(NvmeChecksumError, match="came back different from what was written"):
             store.read("x", out).result()
+
+
+def _as_other_user(uid: int, action) -> int:
+    """Run ``action()`` in a forked child under ``uid``; its exit status (0: returned True)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            os._exit(0 if action() else 1)
+        except BaseException:
+            os._exit(2)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _foreign_stale_run(root: Path, uid: int) -> Path:
+    """A run directory of another user, its owner lock free (that run was killed), mode 0700."""
+    foreign = root / "offload-999999-theirs"
+    foreign.mkdir(mode=0o700)
+    (foreign / "owner.lock").write_text("999999")
+    (foreign / "00000000.bin").write_bytes(b"x" * 4096)
+    for path in (foreign / "owner.lock", foreign / "00000000.bin", foreign):
+        os.chown(path, uid, uid)
+    return foreign
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to act as two users")
+def test_a_shared_nvme_path_with_another_users_run_directory(tmp_path):
+    """A scratch directory shared by users (mode 1777): another user's run directory, even a stale
+    one, neither blocks a run nor is touched by it."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="shared-scratch-"))  # beside /tmp's own: reachable by every user
+    try:
+        _shared_scratch_cases(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _shared_scratch_cases(root: Path) -> None:
+    from offload_strategy.memory.nvme import create_run_directory, remove_stale_run_directories
+
+    os.chmod(root, 0o1777)
+    foreign = _foreign_stale_run(root, uid=54321)
+
+    def run_as_second_user() -> bool:
+        removed = remove_stale_run_directories(root)
+        path, owner = create_run_directory(root)
+        os.close(owner)
+        return removed == [] and path.is_dir()
+
+    assert _as_other_user(54322, run_as_second_user) == 0, "another user's directory blocked the run"
+    assert remove_stale_run_directories(root) == [] and (foreign / "00000000.bin").exists(), "another user's directory was touched"
+    with NvmeStore(root, capacity=1 << 20) as store:
+        assert store.removed_stale == [] and foreign.is_dir()
+
+
+def test_a_run_directory_is_never_visible_before_its_lock_is_held(tmp_path, monkeypatch):
+    """Ranks of one node start together: a second run's stale-run cleanup, at the moment the first
+    takes its owner lock, must not take the first's new directory for a killed run's."""
+    import fcntl
+
+    from offload_strategy.memory import nvme
+
+    root = tmp_path / "nvme"
+    root.mkdir()
+    original, seen = fcntl.flock, []
+
+    def flock_after_a_second_run_looked(fd: int, operation: int) -> None:
+        if not seen:
+            seen.append(None)
+            seen[0] = nvme.remove_stale_run_directories(root)  # the second run, right now
+        return original(fd, operation)
+
+    monkeypatch.setattr(nvme.fcntl, "flock", flock_after_a_second_run_looked)
+    with NvmeStore(root, capacity=1 << 20) as store:
+        monkeypatch.setattr(nvme.fcntl, "flock", original)
+        assert seen == [[]], "the second run removed a live run's directory"
+        store.write("x", torch.ones(4096, dtype=torch.uint8)).result()
+        assert store.path.is_dir() and store.path.name.startswith("offload-")

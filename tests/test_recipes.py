@@ -73,8 +73,8 @@ def fit(
     losses = Losses()
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=root, callbacks=[losses, *callbacks], **trainer_kwargs,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=root, callbacks=[losses, *callbacks], **{"limit_val_batches": 0, **trainer_kwargs},
     )
     trainer.fit(model, datamodule=tiny_data())
     return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}, model
@@ -620,6 +620,22 @@ def test_a_parameter_read_after_the_engine_closed_with_a_failure_is_an_error_not
     with pytest.raises(OffloadedParameterError, match=r"block.weight"):
         p.data.clone()
     assert "at home on NVMe" in repr(p)
+
+
+class Validated(Net):
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_weight_averaging_that_swaps_weights_around_validation(tmp_path, placement):
+    """Lightning's ``WeightAveraging`` copies the average into the parameters when validation
+    starts and the training weights back when it ends (``.data.copy_`` on every parameter): after
+    an evaluation step the parameters used to point at GPU-tier copies, so the weights copied back
+    never reached home and training went on from the average."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    assert_like_plain(tmp_path, placement, Validated, callbacks=lambda: (WeightAveraging(),), steps=14, limit_val_batches=1)
 
 
 def test_stochastic_weight_averaging_with_units_in_host_memory(tmp_path):

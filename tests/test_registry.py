@@ -49,11 +49,13 @@ def test_refuses_several_devices():
 
 
 def test_refuses_unsupported_precision():
-    with pytest.raises(ValueError, match="DoublePrecision"):
-        L.Trainer(strategy="tiered", accelerator="cpu", devices=1, precision="64-true", logger=False)
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    with pytest.raises(ValueError, match="FSDPPrecision.*use precision='32-true', '64-true'"):
+        TieredStrategy().precision_plugin = FSDPPrecision("32-true")
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-mixed", "bf16-true"])
 def test_accepts_supported_precision(precision):
     trainer = L.Trainer(strategy="tiered", accelerator="cpu", devices=1, precision=precision, logger=False)
     assert isinstance(trainer.strategy, TieredStrategy)

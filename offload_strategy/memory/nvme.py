@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -82,29 +83,76 @@ def _bytes_of(t: torch.Tensor, name: str) -> np.ndarray:
 
 
 RUN_PREFIX = "offload-"
+CREATING_PREFIX = ".creating-offload-"  # a run directory before its owner lock is held
 OWNER_FILE = "owner.lock"
 
 
+def create_run_directory(root: Path) -> tuple[Path, int]:
+    """A private run directory under ``root`` and the descriptor of its held owner lock.
+
+    The directory is created and locked under a name stale-run cleanup does not look at, then
+    renamed into place: no other process ever sees a run directory whose lock is not yet held,
+    so none can take a live run for a killed one."""
+    pid = os.getpid()
+    staging = Path(tempfile.mkdtemp(prefix=f"{CREATING_PREFIX}{pid}-", dir=root))  # mode 0700
+    owner = -1
+    try:
+        owner = os.open(staging / OWNER_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(owner, str(pid).encode())
+        final = root / f"{RUN_PREFIX}{pid}-{staging.name[len(CREATING_PREFIX) + len(str(pid)) + 1:]}"
+        os.rename(staging, final)
+    except BaseException:
+        if owner >= 0:
+            os.close(owner)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final, owner
+
+
+CREATION_SECONDS = 60.0  # a directory still under its creating name after this long was left by a killed run
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.lstat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _is_stale(candidate: Path) -> bool:
+    """A run directory of this user whose owner lock nobody holds: its run was killed.
+    Anything else (another user's, unreadable, live, not ours) is left alone."""
+    try:
+        if candidate.is_symlink() or not candidate.is_dir() or candidate.stat().st_uid != os.getuid():
+            return False
+        fd = os.open(candidate / OWNER_FILE, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # a live run
+    finally:
+        os.close(fd)
+    return True
+
+
 def remove_stale_run_directories(root: Path) -> list[Path]:
-    """Remove the run directories under ``root`` whose owner died without cleaning up (a killed
-    process): their owner lock can be taken. Live runs hold theirs and are left alone."""
+    """Remove this user's run directories under ``root`` whose owner died without cleaning up (a
+    killed process): their owner lock can be taken. Live runs hold theirs and are left alone, as
+    is every directory of another user or that cannot be read."""
     removed = []
-    for candidate in sorted(root.glob(f"{RUN_PREFIX}*")):
-        lock = candidate / OWNER_FILE
-        if not candidate.is_dir() or not lock.exists():
-            continue  # not ours, or still being created
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live run
-        finally:
-            os.close(fd)
-        shutil.rmtree(candidate, ignore_errors=True)
-        removed.append(candidate)
+    try:
+        candidates = sorted(root.glob(f"{RUN_PREFIX}*")) + sorted(root.glob(f"{CREATING_PREFIX}*"))
+    except OSError:
+        return removed
+    for candidate in candidates:
+        if candidate.name.startswith(CREATING_PREFIX) and not _older_than(candidate, CREATION_SECONDS):
+            continue  # possibly being created this moment: its lock may not be held yet
+        if _is_stale(candidate):
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
     if removed:
         warnings.warn(
             f"removed {len(removed)} NVMe swap director{'y' if len(removed) == 1 else 'ies'} left under {root} by runs that were "
@@ -127,12 +175,10 @@ class NvmeStore:
             )
         root.mkdir(parents=True, exist_ok=True)
         self.removed_stale = remove_stale_run_directories(root)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=root))  # mode 0700
+        # The owner lock is held for the store's lifetime; the kernel releases it when the process
+        # dies, even by SIGKILL, and the next run under this root removes the directory.
+        self.path, self._owner = create_run_directory(root)
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
-        # Held for the store's lifetime; the kernel releases it when the process dies, even by SIGKILL.
-        self._owner = os.open(self.path / OWNER_FILE, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(self._owner, str(os.getpid()).encode())
         self.capacity = capacity
         self.checksums = checksums  # CRC-32 of every write, verified on every read
         self.direct = direct and _direct_works(self.path)

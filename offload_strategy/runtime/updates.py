@@ -385,6 +385,13 @@ class UnitUpdates:
             self.profile.outside_forward_seconds = timing.outside_forward_seconds
             self.profile.outside_backward_seconds = timing.outside_backward_seconds
 
+    def end_eval_step(self) -> None:
+        """An evaluation step ended: as after a training step, every parameter points at its home,
+        so that what callbacks read and write between steps (an EMA swapping weights in and out
+        around validation) is the parameters' true value, not a GPU-tier copy."""
+        self._active = False
+        self.evict_all()
+
     def end_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """After ``optimizer``'s step, taken or skipped (an fp16 overflow): its gradients start
         afresh (every gradient without ``optimizer``); another optimizer's wait for its own step."""
