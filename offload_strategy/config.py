@@ -47,7 +47,7 @@ def parse_size(value: Union[int, float, str], name: str = "size") -> int:
     if isinstance(value, int):
         result = value
     elif isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
+        if not math.isfinite(value) or value != int(value) or abs(value) >= 2**63:
             raise ValueError(f"{name}={value!r} is not a whole number of bytes.")
         result = int(value)
     elif isinstance(value, str):
@@ -58,7 +58,15 @@ def parse_size(value: Union[int, float, str], name: str = "size") -> int:
                 f"{name}={value!r} is not a size: write bytes or a number with a unit "
                 f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '16GiB'."
             )
-        result = int(float(match.group(1)) * _UNITS[unit])
+        number = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number >= 2**63:
+            raise ValueError(f"{name}={value!r} is too large to be a size in bytes; give a size such as '16GiB'.")
+        if _UNITS[unit] == 1 and number != int(number):
+            raise ValueError(
+                f"{name}={value!r} is not a whole number of bytes; give a size with a unit such as '512MiB', "
+                f"or a fraction of what is free as a number (0.5) or a percentage ('50%')."
+            )
+        result = int(number)
     else:
         raise ValueError(f"{name}={value!r} is not a size: give bytes (int) or a string like '16GiB'.")
     if result < 0:
@@ -104,7 +112,10 @@ class Budget:
         if isinstance(value, str):
             percent = _PERCENT_RE.match(value)
             if percent:
-                return cls.parse(float(percent.group(1)) / 100.0, name)
+                share = float(percent.group(1))
+                if not 0 < share <= 100:
+                    raise ValueError(f"{name}={value!r}: a percentage of the free memory must lie in (0%, 100%].")
+                return cls(fraction=share / 100.0)
         return cls(bytes=parse_size(value, name))
 
     def resolve(self, free: int) -> int:
@@ -124,6 +135,9 @@ class Budget:
 
 
 POLICY_NAMES = ("auto", "none")
+# what a block does with its activations (PolicyConfig.activations), and the planners that choose
+BLOCK_POLICIES = ("keep", "checkpoint", "swap_host", "swap_nvme")
+ACTIVATION_PLANNERS = ("auto", "teraio", "lohan")
 # where the planner may put parameters (PolicyConfig.placement)
 PLACEMENTS = ("fill", "search", "host", "nvme", "layerwise")
 
@@ -191,17 +205,31 @@ class PolicyConfig:
         for flag in ("prefetch", "update_during_backward", "throttle", "checksums"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"policy.{flag}={getattr(self, flag)!r} must be true or false.")
-        if self.gradient_reserve is not None and not (isinstance(self.gradient_reserve, (int, float)) and 0.0 <= self.gradient_reserve <= 1.0):
+        if self.gradient_reserve is not None and not (
+            isinstance(self.gradient_reserve, (int, float)) and not isinstance(self.gradient_reserve, bool) and 0.0 <= self.gradient_reserve <= 1.0
+        ):
             raise ValueError(f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None.")
-        if not isinstance(self.activations, str):
-            if not all(isinstance(a, str) for a in self.activations):
-                raise ValueError(f"policy.activations={self.activations!r} must be a name or a list of names, one per block.")
-            object.__setattr__(self, "activations", tuple(self.activations))
+        self._check_activations()
+        if self.block_class is not None and not isinstance(self.block_class, str):
+            raise ValueError(f"policy.block_class={self.block_class!r} must be the name of the blocks' class, or None.")
         if self.chunk_size is not None:
             size = parse_size(self.chunk_size, "policy.chunk_size")
             if size == 0:
                 raise ValueError("policy.chunk_size=0: give a positive size such as '32MiB', or None for one unit per module.")
             object.__setattr__(self, "chunk_size", size)
+
+    def _check_activations(self) -> None:
+        names = f"a block policy ({', '.join(BLOCK_POLICIES)}) or a planner ({', '.join(ACTIVATION_PLANNERS)})"
+        if isinstance(self.activations, str):
+            if self.activations not in BLOCK_POLICIES + ACTIVATION_PLANNERS:
+                raise ValueError(f"policy.activations={self.activations!r} is not {names}.")
+            return
+        if not isinstance(self.activations, (list, tuple)) or not self.activations:
+            raise ValueError(f"policy.activations={self.activations!r} must be {names}, or a list of block policies, one per block.")
+        unknown = [a for a in self.activations if not isinstance(a, str) or a not in BLOCK_POLICIES]
+        if unknown:
+            raise ValueError(f"policy.activations lists {unknown!r}, which are not block policies; each must be one of {', '.join(BLOCK_POLICIES)}.")
+        object.__setattr__(self, "activations", tuple(self.activations))
 
     @classmethod
     def coerce(cls, value: Union[str, "PolicyConfig", Mapping[str, Any]]) -> "PolicyConfig":
@@ -211,7 +239,7 @@ class PolicyConfig:
             return cls(name=value)
         if isinstance(value, Mapping):
             fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - fields - {"_target_"})
+            unknown = sorted(str(k) for k in set(value) - fields - {"_target_"})
             if unknown:
                 raise ValueError(f"policy has unknown fields {unknown}; known fields: {sorted(fields)}.")
             return cls(**{k: v for k, v in value.items() if k in fields})

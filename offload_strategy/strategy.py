@@ -57,6 +57,13 @@ if TYPE_CHECKING:
 _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
 
+def nvme_reserve(free: int) -> int:
+    """Disk space an NVMe budget of "all that is free" (or a fraction of it) leaves unused."""
+    # a file system spends a few blocks per file beyond its bytes: 1 MiB, or 0.1% of a large disk,
+    # never more than an eighth of a small one
+    return min(free // 8, max(1024**2, free // 1000))
+
+
 # What a set-up minimum leaves out when the blocks' activations are planned from the first step.
 _ACTIVATIONS_NOT_COUNTED = (
     "That minimum is for parameters alone: with policy.activations='auto' the blocks' activations share the GPU "
@@ -276,6 +283,7 @@ class TieredMixin(ActivationControl):
         try:
             placement = place(persistent=persistent)
         except PlacementError as error:
+            self._refuse_a_full_disk(error)
             if persistent is None:
                 if homes is not None and self._plan is None:  # the policy fixed every home
                     raise PlacementError(
@@ -322,6 +330,21 @@ class TieredMixin(ActivationControl):
         policies = self._activations.policies if self._activations is not None else []
         blocks = [units for units, policy in zip(self._block_units, policies) if every_block or policy == CHECKPOINT]
         return [*self._co_resident, *blocks]
+
+    def _refuse_a_full_disk(self, error: PlacementError) -> None:
+        """NVMe fell short where its budget is what the disk has free: say the disk is full."""
+        if not error.nvme_needed or self.nvme_path is None or self.nvme_memory.bytes is not None:
+            return
+        free = disk_free(str(self.nvme_path))
+        if self.budgets is not None and self.budgets.nvme >= error.nvme_needed:
+            return
+        raise PlacementError(
+            f"{format_bytes(error.nvme_needed)} of parameters and optimizer states must go to NVMe, but the file system "
+            f"under nvme_path={str(self.nvme_path)!r} has only {format_bytes(free)} free (nvme_memory="
+            f"{'None' if self.nvme_memory.fraction is None else self.nvme_memory.fraction} grants what is free, less a reserve "
+            f"of {format_bytes(nvme_reserve(free))}): free space there, point nvme_path at a larger disk, or raise host_memory.",
+            nvme_needed=error.nvme_needed,
+        ) from None
 
     def _checkpoint_note(self, sizes: list[UnitSize]) -> str:
         block = max((sum(sizes[i].nbytes for i in units) for units in self._block_units), default=0)
@@ -648,7 +671,10 @@ class TieredMixin(ActivationControl):
     @override
     def teardown(self) -> None:
         self._close_activations()
-        self._close_engine()
+        try:
+            self._close_engine()
+        finally:
+            _remove_if_empty(getattr(self, "_created_directories", []))
         super().teardown()
 
     def _close_engine(self) -> None:
@@ -665,7 +691,7 @@ class TieredMixin(ActivationControl):
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""
         if self.nvme_path is not None:
-            _check_writable_directory(self.nvme_path)
+            self._created_directories = _check_writable_directory(self.nvme_path) or getattr(self, "_created_directories", [])
         free = {
             "gpu_memory": gpu_free(self.root_device),
             "host_memory": host_available(),
@@ -679,6 +705,10 @@ class TieredMixin(ActivationControl):
         granted = {}
         for name, budget in (("gpu_memory", self.gpu_memory), ("host_memory", self.host_memory), ("nvme_memory", self.nvme_memory)):
             granted[name] = budget.resolve(free[name])
+            if name == "nvme_memory" and budget.bytes is None:
+                # measured once here for every NVMe store of the run; the reserve covers what the
+                # file system spends beyond the bytes written (blocks, metadata, lock files)
+                granted[name] = max(budget.resolve(free[name] - nvme_reserve(free[name])), 0)
             if budget.bytes is not None and budget.bytes > free[name]:
                 raise MemoryBudgetError(
                     f"{name}={format_bytes(budget.bytes)} asks for more than is free in {where[name]}: "
@@ -832,8 +862,14 @@ def _validate_nvme_path(path: Optional[Union[str, Path]]) -> Optional[Path]:
     return resolved
 
 
-def _check_writable_directory(path: Path) -> None:
-    """Create ``path`` if needed and make sure files can be written there, before training starts."""
+def _check_writable_directory(path: Path) -> list[Path]:
+    """Create ``path`` if needed and make sure files can be written there, before training starts;
+    the directories it created, deepest first (removed again at teardown if left empty)."""
+    created = []
+    missing = path
+    while not missing.exists() and missing != missing.parent:
+        created.append(missing)
+        missing = missing.parent
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-write-test-"):
@@ -843,6 +879,16 @@ def _check_writable_directory(path: Path) -> None:
             f"nvme_path={str(path)!r} cannot hold the NVMe tier's files: {error.strerror or error}. "
             f"Give a directory this process can create files in, or nvme_path=None for no NVMe tier."
         ) from None
+    return created
+
+
+def _remove_if_empty(directories: list[Path]) -> None:
+    """Directories the strategy created, deepest first: each goes if nothing else was put there."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _validate_plan_file(path: Optional[Union[str, Path]]) -> Optional[Path]:

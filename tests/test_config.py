@@ -37,7 +37,7 @@ def test_budget_forms_and_resolution():
         ({"host_memory": "12 bananas"}, r"host_memory='12 bananas' is not a size"),
         ({"gpu_memory": 1.5}, r"gpu_memory=1.5: a float is a fraction .* \(0, 1\]"),
         ({"host_memory": 0.0}, r"host_memory=0.0: a float is a fraction"),
-        ({"host_memory": "150%"}, r"host_memory=1.5: a float is a fraction"),
+        ({"host_memory": "150%"}, r"host_memory='150%': a percentage of the free memory must lie in \(0%, 100%\]"),
         ({"nvme_memory": "1GiB"}, r"nvme_memory='1GiB' was given without nvme_path"),
         ({"policy": "fastest"}, r"policy='fastest' is not a known policy; choose one of auto, none"),
         ({"policy": {"name": "auto", "speed": 11}}, r"unknown fields \['speed'\]"),

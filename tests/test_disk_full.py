@@ -94,3 +94,50 @@ def test_a_checkpoint_that_meets_a_full_disk_keeps_the_previous_one(tmp_path):
         assert state["global_step"] == 6 and state["optimizer_states"][0]["state"]
         losses, _, _ = train(nvme_strategy(total, tmp_path / "nvme-b"), tmp_path / "b", epochs=2, resume=disk / "run" / "ckpt" / "epoch=0.ckpt", make_model=gpt2_4l)
         assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def _free_space_of(monkeypatch, path: Path, size: int) -> None:
+    """Where no file system can be mounted: ``path`` reports ``size`` less what lies under it."""
+    import offload_strategy.memory.nvme as nvme
+    import offload_strategy.strategy as strategy
+
+    def free(_: object) -> int:
+        used = sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
+        return max(size - used, 0)
+
+    monkeypatch.setattr(nvme, "disk_free", free)
+    monkeypatch.setattr(strategy, "disk_free", free)
+
+
+def test_all_that_is_free_is_measured_once_for_every_nvme_store(tmp_path, monkeypatch):
+    """``nvme_memory=None`` with parameters and swapped activations on NVMe: the free space is
+    measured once, less a reserve, and shared by both stores (the activations' store used to
+    demand it all again after the parameters' files had taken some)."""
+    from tests.test_recipes import Validated, fit
+
+    root = tmp_path / "nvme"
+    with small_filesystem(root, "96m") as mounted:
+        if not mounted:
+            _free_space_of(monkeypatch, root, 96 * 1024**2)
+        strategy = TieredStrategy(
+            policy={"placement": "nvme", "activations": "swap_nvme"}, gpu_memory="1MiB", host_memory="1GiB", nvme_path=str(root),
+        )
+        plain_losses, _, _ = fit("auto", tmp_path / "plain", Validated, steps=3)
+        losses, _, _ = fit(strategy, tmp_path / "tiered", Validated, steps=3)
+    assert losses == plain_losses
+    assert 0 < strategy.budgets.nvme <= 95 * 1024**2
+
+
+def test_a_full_disk_is_named_as_full_with_the_numbers(tmp_path, monkeypatch):
+    from offload_strategy.planning.placement import PlacementError
+
+    root = tmp_path / "nvme"
+    with small_filesystem(root, "1m") as mounted:
+        if mounted:
+            with contextlib.suppress(OSError):
+                (root / "filler").write_bytes(b"\0" * (1 << 20))
+        else:
+            _free_space_of(monkeypatch, root, 0)
+        strategy = TieredStrategy(policy={"placement": "fill", "activations": "keep"}, gpu_memory="64KiB", host_memory="64KiB", nvme_path=str(root))
+        with pytest.raises(PlacementError, match=r"must go to NVMe, but the file system under nvme_path=.* has only [\d.]+ (B|KiB) free.*point nvme_path at a larger disk"):
+            train(strategy, tmp_path / "run", epochs=1)

@@ -82,7 +82,7 @@ def test_persistent_units_by_first_use():
     [
         (dict(gpu_bytes=4000, host_bytes=1 << 20, nvme_bytes=0), r"gpu_memory=3.91 KiB cannot hold .* \(4.00 KiB\); raise gpu_memory to at least 4.00 KiB"),
         (dict(gpu_bytes=6144, host_bytes=20000, nvme_bytes=1 << 20), r"host_memory=19.53 KiB cannot hold the gradients .* 4 NVMe staging buffers .* at least 32.00 KiB"),
-        (dict(gpu_bytes=6144, host_bytes=45000, nvme_bytes=0), r"24.00 KiB of parameters and optimizer states .* must go to NVMe, which grants 0 B; give nvme_path"),
+        (dict(gpu_bytes=6144, host_bytes=45000, nvme_bytes=0), r"host_memory=43.95 KiB cannot hold the offloaded units' parameters, gradients and optimizer states \(.*\) and there is no NVMe tier; raise host_memory to at least .*, or give nvme_path"),
     ],
 )
 def test_refusals_name_the_numbers(budgets, message):

@@ -39,7 +39,12 @@ def align(n: int, alignment: int) -> int:
 
 
 class PlacementError(ValueError):
-    """The budgets cannot hold the model; the message gives the numbers and the fix."""
+    """The budgets cannot hold the model; the message gives the numbers and the fix.
+    ``nvme_needed``: bytes that must go to NVMe, where the NVMe budget was the shortfall."""
+
+    def __init__(self, message: str, nvme_needed: int = 0) -> None:
+        super().__init__(message)
+        self.nvme_needed = nvme_needed
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,14 @@ def place_units(
         for u in streaming:
             home[u.index] = HOST
         host_used = grads + sum(cost.values())
+    elif homes is None and nvme_bytes == 0:
+        needed = grads + sum(cost.values())
+        raise PlacementError(
+            f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
+            f"({_fmt(needed)}) and there is no NVMe tier; raise host_memory to at least {_fmt(needed)}, or give nvme_path "
+            f"for an NVMe tier.",
+            nvme_needed=needed,
+        )
     else:
         slot = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(states(u), HOST_SLOT_ALIGNMENT)) for u in streaming)
         staging = {slot: NVME_STAGING_BUFFERS}
@@ -239,6 +252,7 @@ def place_units(
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
         raise PlacementError(
             f"{_fmt(nvme_used)} of parameters and optimizer states do not fit in gpu_memory={_fmt(gpu_bytes)} and host_memory={_fmt(host_bytes)} "
-            f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory."
+            f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
+            nvme_needed=nvme_used,
         )
     return Placement(home, dict(slots), staging, gpu_used, host_used, nvme_used)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..config import BLOCK_POLICIES
 from .placement import GPU, HOST, NVME
 
 PLAN_VERSION = 1
@@ -72,12 +73,19 @@ class PlanFile:
                 PlannedUnit(str(u["name"]), int(u["bytes"]), str(u["home"]), *(str(u[k]) if u.get(k) is not None else None for k in EXPLAINED))
                 for u in data["units"]
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise ValueError(f"{source} has a malformed unit entry ({error!r}); each needs name, bytes and home. {_FIX}.") from error
         bad = sorted({u.home for u in units} - set(HOMES))
         if bad:
             raise ValueError(f"{source} names homes {bad}; a home is one of {', '.join(HOMES)}.")
+        if any(u.nbytes < 0 for u in units):
+            raise ValueError(f"{source} gives a unit a negative size; {_FIX}.")
         activations = data.get("activations")
+        if activations is not None and (not isinstance(activations, list) or not all(a in BLOCK_POLICIES for a in activations)):
+            raise ValueError(f"{source} gives activations={activations!r}; it must be a list of block policies ({', '.join(BLOCK_POLICIES)}), one per block. {_FIX}.")
+        for key in ("budgets", "prediction"):
+            if data.get(key) is not None and not isinstance(data[key], dict):
+                raise ValueError(f"{source} gives {key}={data[key]!r}; it must be an object. {_FIX}.")
         return cls(units, tuple(activations) if activations is not None else None, data.get("budgets"), data.get("prediction"))
 
 
@@ -99,9 +107,11 @@ def save_plan(plan: PlanFile, path: Union[str, Path]) -> Path:
 
 def load_plan(path: Union[str, Path]) -> PlanFile:
     try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"plan_file={str(path)!r} is not JSON ({error}); {_FIX}.") from error
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"plan_file={str(path)!r} is not JSON text ({error}); {_FIX}.") from error
+    except OSError as error:
+        raise ValueError(f"plan_file={str(path)!r} cannot be read: {error.strerror or error}; {_FIX}.") from error
     return PlanFile.from_json(data, source=f"plan_file={str(path)!r}")
 
 

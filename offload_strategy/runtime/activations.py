@@ -26,11 +26,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES
 from ..planning.activations import BlockCost
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 
 KEEP, CHECKPOINT = "keep", "checkpoint"
-POLICIES = (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
+POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
 
 
 def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.Module]:
@@ -50,7 +51,7 @@ def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.
 AUTO = "auto"
 TERAIO = "teraio"  # planned like "auto" from the profiled step, by TeraIO's offload selection
 LOHAN = "lohan"  # planned like "auto" from the profiled step, by LoHan's swap-or-recompute search
-PLANNERS = (AUTO, TERAIO, LOHAN)
+PLANNERS = ACTIVATION_PLANNERS  # (AUTO, TERAIO, LOHAN)
 
 
 def resolve_policies(blocks: Sequence[nn.Module], policy: Union[str, Sequence[str]]) -> list[str]:
