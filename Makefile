@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: env train test sweep clean
+.PHONY: env train test lint sweep clean
 
 env: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ train: env
 
 test: env
 	$(PY) -m pytest $(ARGS)
+
+# also run by the suite (tests/test_lint.py, tests/test_layers.py)
+lint: env
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -10,6 +10,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional, Union
 
 # A budget as a user writes it: bytes (int), a size string ("16GiB"), a fraction of what is
@@ -134,12 +135,57 @@ class Budget:
         return "all free"
 
 
+class _Name(str, Enum):
+    """A name users write in configs: equal to, hashed and printed as its string."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Tier(_Name):
+    """Where a unit lives: the GPU tier, host memory, or NVMe files."""
+
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class BlockPolicy(_Name):
+    """What a repeated block does with its activations."""
+
+    KEEP = "keep"
+    CHECKPOINT = "checkpoint"  # recomputed in backward
+    SWAP_HOST = "swap_host"  # copied to host memory after forward, back ahead of backward
+    SWAP_NVME = "swap_nvme"  # on to NVMe
+
+    @property
+    def letter(self) -> str:
+        """One letter per block in printed layouts."""
+        return {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}[self.value]
+
+
+class ActivationPlanner(_Name):
+    """A search that chooses every block's policy from the profiled first step."""
+
+    AUTO = "auto"  # ProTrain's interleaved layout under the step model
+    TERAIO = "teraio"  # TeraIO's offload selection
+    LOHAN = "lohan"  # LoHan's swap-or-recompute search
+
+
+class PlacementMode(_Name):
+    """Where the planner may put parameters (``PolicyConfig.placement``)."""
+
+    FILL = "fill"
+    SEARCH = "search"
+    HOST = "host"
+    NVME = "nvme"
+    LAYERWISE = "layerwise"
+
+
 POLICY_NAMES = ("auto", "none")
-# what a block does with its activations (PolicyConfig.activations), and the planners that choose
-BLOCK_POLICIES = ("keep", "checkpoint", "swap_host", "swap_nvme")
-ACTIVATION_PLANNERS = ("auto", "teraio", "lohan")
-# where the planner may put parameters (PolicyConfig.placement)
-PLACEMENTS = ("fill", "search", "host", "nvme", "layerwise")
+BLOCK_POLICIES = tuple(BlockPolicy)
+ACTIVATION_PLANNERS = tuple(ActivationPlanner)
+PLACEMENTS = tuple(PlacementMode)
 
 
 @dataclass(frozen=True)
@@ -208,7 +254,9 @@ class PolicyConfig:
         if self.gradient_reserve is not None and not (
             isinstance(self.gradient_reserve, (int, float)) and not isinstance(self.gradient_reserve, bool) and 0.0 <= self.gradient_reserve <= 1.0
         ):
-            raise ValueError(f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None.")
+            raise ValueError(
+                f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None."
+            )
         self._check_activations()
         if self.block_class is not None and not isinstance(self.block_class, str):
             raise ValueError(f"policy.block_class={self.block_class!r} must be the name of the blocks' class, or None.")

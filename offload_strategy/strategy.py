@@ -258,57 +258,76 @@ class TieredMixin(ActivationControl):
         self._block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
         self._unit_names = [u.name for u in units]
         together = self._working_groups() if trainer.training else list(self._co_resident)  # no recompute without gradients
-        homes, persistent = None, None
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
         self._gpu_given = gpu_bytes
+        homes, persistent, gpu_bytes = self._fixed_homes(units, sizes, together, gpu_bytes)
+        self._state_factor = optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0)
+        placement = self._place(sizes, together, gpu_bytes, homes, persistent)
+        self._gpu_placed = placement.gpu_bytes
+        if not placement.offloaded and not self._engine_when_all_fits():
+            return None
+        _refuse_compiled_modules(model)
+        return self._start_engine(units, users, placement, sizes, fp32_masters)
+
+    def _fixed_homes(
+        self, units: list[Any], sizes: list[UnitSize], together: list[list[int]], gpu_bytes: int,
+    ) -> tuple[Optional[dict[int, str]], Optional[Any], int]:
+        """What the plan file or the placement mode fixes: every unit's home, or the searched
+        persistent units; and the GPU bytes parameters may use (``layerwise``: one layer's)."""
         mode = self.policy.placement
         if self._plan is not None:
             check_plan(self._plan, self._unit_names, [u.nbytes for u in units], len(self._activations.blocks) if self._activations else 0)
-            homes = {u.index: planned.home for u, planned in zip(units, self._plan.units)}
-        elif mode in ("host", "layerwise"):
-            homes = {u.index: HOST for u in units}
+            return {u.index: planned.home for u, planned in zip(units, self._plan.units)}, None, gpu_bytes
+        if mode in ("host", "layerwise"):
             if mode == "layerwise":  # one layer's working set at a time, however large the budget
                 gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, together))
-        elif mode == "nvme":
+            return {u.index: HOST for u in units}, None, gpu_bytes
+        if mode == "nvme":
             if self.nvme_path is None:
                 raise ValueError("policy.placement='nvme' keeps every unit on NVMe, but no nvme_path was given; name a directory for the NVMe tier.")
-            homes = {u.index: NVME for u in units}
-        elif mode == "search" and self._persistent_choice is not None:
-            persistent = self._persistent_choice
-        self._state_factor = optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0)
+            return {u.index: NVME for u in units}, None, gpu_bytes
+        if mode == "search" and self._persistent_choice is not None:
+            return None, self._persistent_choice, gpu_bytes
+        return None, None, gpu_bytes
+
+    def _place(
+        self, sizes: list[UnitSize], together: list[list[int]], gpu_bytes: int, homes: Optional[dict[int, str]], persistent: Optional[Any],
+    ) -> Placement:
+        """``place_units`` within the budgets; a refusal says what the policy and the blocks add."""
+        assert self.budgets is not None
         place = functools.partial(
             place_units, sizes, together, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
             state_factor=self._state_factor, homes=homes, owned=self._units_with_states_here(sizes),
         )
         try:
-            placement = place(persistent=persistent)
+            return place(persistent=persistent)
         except PlacementError as error:
             self._refuse_a_full_disk(error)
-            if persistent is None:
-                if homes is not None and self._plan is None:  # the policy fixed every home
-                    raise PlacementError(
-                        f"policy.placement={mode!r} puts every unit's parameters in {'NVMe' if mode == 'nvme' else 'host memory'}, "
-                        f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
-                    ) from None
-                if len(together) > len(self._co_resident) and minimum_gpu_bytes(sizes, self._co_resident) <= gpu_bytes:
-                    raise PlacementError(f"{error} {self._checkpoint_note(sizes)}") from None
-                if self._activations.auto:
-                    raise PlacementError(f"{error} {_ACTIVATIONS_NOT_COUNTED}") from None
-                raise
-            # the searched units no longer fit (activations took part of the GPU tier): first-use placement
-            self._persistent_choice = None
-            placement = place()
-        self._gpu_placed = placement.gpu_bytes
-        if not placement.offloaded and not self._engine_when_all_fits():
-            return None
-        _refuse_compiled_modules(model)
+            if persistent is not None:
+                # the searched units no longer fit (activations took part of the GPU tier): first-use placement
+                self._persistent_choice = None
+                return place()
+            mode = self.policy.placement
+            if homes is not None and self._plan is None:  # the policy fixed every home
+                raise PlacementError(
+                    f"policy.placement={mode!r} puts every unit's parameters in {'NVMe' if mode == 'nvme' else 'host memory'}, "
+                    f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
+                ) from None
+            if len(together) > len(self._co_resident) and minimum_gpu_bytes(sizes, self._co_resident) <= gpu_bytes:
+                raise PlacementError(f"{error} {self._checkpoint_note(sizes)}") from None
+            if self._activations.auto:
+                raise PlacementError(f"{error} {_ACTIVATIONS_NOT_COUNTED}") from None
+            raise
+
+    def _start_engine(self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool) -> TieredEngine:
+        assert self.budgets is not None
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
         try:
             engine = TieredEngine(
-                model, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None, optimizers=self.optimizers,
-                direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated), checksums=self.policy.checksums,
-                fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes), prefetch=self.policy.prefetch,
-                state_factor=self._state_factor,
+                self.lightning_module, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None,
+                optimizers=self.optimizers, direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
+                checksums=self.policy.checksums, fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes),
+                prefetch=self.policy.prefetch, state_factor=self._state_factor,
             )
         except BaseException:
             device.close()

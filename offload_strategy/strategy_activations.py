@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from .config import format_bytes
+from .config import BlockPolicy, format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
@@ -25,7 +25,6 @@ from .runtime.activations import LOHAN, TERAIO, ActivationPolicies
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-_LAYOUT_LETTERS = {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}
 
 
 def _unchanged(t: Any) -> Any:
@@ -120,7 +119,7 @@ class ActivationControl:
             self._attach_swap()
         counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
         rank_zero_info(
-            f"tiered: activation layout {' '.join(_LAYOUT_LETTERS[p] for p in plan.layout)} "
+            f"tiered: activation layout {' '.join(BlockPolicy(p).letter for p in plan.layout)} "
             f"({', '.join(f'{n} {p}' for p, n in counts.items())}), predicted {plan.seconds * 1e3:.1f} ms per step, "
             f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
         )

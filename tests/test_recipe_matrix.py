@@ -11,12 +11,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 
 from experiments.models import CausalLM
 from tests.helpers import assert_same_weights, tiny_data
 from tests.test_model_zoo import ConvNet
-from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, fit, tiered
+from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, tiered
 
 pytest.importorskip("transformers")
 

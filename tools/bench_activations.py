@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
+from offload_strategy.config import BlockPolicy  # noqa: E402
 from offload_strategy.planning.activations import peak_bytes, step_seconds  # noqa: E402
 from offload_strategy.planning.placement import minimum_gpu_bytes  # noqa: E402
 from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
@@ -77,9 +78,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"(parameters + {args.activation_share:.0%} of keep-all); copies throttled to {args.link}; median of {args.steps - args.warmup} steps\n")
     print("| policy | layout | step (ms) | vs keep | held at end of forward (measured) | predicted peak | fits (parameters streamed) | predicted step (ms) |")
     print("|---|---|---|---|---|---|---|---|")
-    letters = {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}
     for name, layout, seconds, saved, peak, predicted, room in results:
-        print(f"| {name} | {''.join(letters[p] for p in layout)} | {seconds * 1e3:.1f} | {seconds / keep_time:.3f} | {format_bytes(int(saved))} | "
+        print(f"| {name} | {''.join(BlockPolicy(p).letter for p in layout)} | {seconds * 1e3:.1f} | {seconds / keep_time:.3f} | {format_bytes(int(saved))} | "
               f"{format_bytes(peak)} | {'yes' if peak <= room else 'no'} | {predicted * 1e3:.1f} |")
     return 0
 

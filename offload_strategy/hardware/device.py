@@ -27,7 +27,7 @@ _H2D, _D2H = "host-to-device", "device-to-host"
 class DeviceMemoryError(ValueError):
     """An allocation would exceed the capacity of the GPU tier.
 
-    Not ``strategy.MemoryBudgetError``: nothing below the strategy imports it (DESIGN.md, "Layout").
+    Not ``strategy.MemoryBudgetError``: nothing below the strategy imports it (docs/architecture.md, layers).
     """
 
 

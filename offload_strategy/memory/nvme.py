@@ -1,13 +1,13 @@
 """NVMe tier: tensors as private files of one run, read and written asynchronously.
 
 Every key is one file in a per-run directory (0700, files 0600) that ``close()`` removes, also on
-exceptions and, as a last resort, when the store is garbage-collected (DESIGN.md invariant 4).
+exceptions and, as a last resort, when the store is garbage-collected (docs/architecture.md, invariants).
 I/O uses ``O_DIRECT`` where the file system allows it, so a swap does not also fill the page cache
 that the host tier is budgeting. ``O_DIRECT`` wants page-aligned addresses, lengths and offsets:
 aligned tensors (slices of an mmap'ed slab) go straight to ``os.pwritev``/``os.preadv``; the rest
 of a request goes through a page-aligned bounce buffer per worker thread, with the file padded to
 whole pages. Requests are cut into chunks spread over a small thread pool, which measured faster
-here than mmap, numpy.memmap or libaio (DESIGN.md, "Platform facts").
+here than mmap, numpy.memmap or libaio (docs/architecture.md, "Platform facts").
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..config import BlockPolicy
 from .cost_model import move_seconds
 
-KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = "keep", "checkpoint", "swap_host", "swap_nvme"
+KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT, BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..profiling import StepProfile
-
-GPU, HOST, NVME = "gpu", "host", "nvme"
+from .placement import GPU, HOST, NVME  # defined once, as config.Tier
 
 
 @dataclass(frozen=True)
@@ -134,11 +133,11 @@ def move_seconds(nbytes: float, bandwidth: float) -> float:
     return nbytes / bandwidth
 
 
-def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine) -> StepPrediction:
-    """Predict one training step. ``buffers``: the streaming buffers in the GPU tier, a count (any
-    unit fits any buffer) or the placement's size classes (slot bytes -> count), where a unit
-    streams through the smallest class that holds it, as the runtime's prefetches do."""
-    offloaded = [i for i, u in enumerate(units) if u.home != GPU]
+def _buffer_classes(
+    units: Sequence[UnitCost], offloaded: Sequence[int], buffers: Union[int, Mapping[int, int]],
+) -> tuple[dict[int, int], dict[int, int]]:
+    """The streaming buffers' size classes (bytes -> count), and the class each offloaded unit
+    streams through: the smallest that holds it."""
     counts = {1 << 62: buffers} if isinstance(buffers, int) else dict(buffers)
     classes = {size: n for size, n in counts.items() if n > 0}
     if offloaded and not classes:
@@ -152,6 +151,15 @@ def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, in
                 f"({sum(classes.values())} buffers of at most {max(classes, default=0)} bytes); give the GPU tier a buffer that large."
             )
         class_of[i] = min(fitting)
+    return classes, class_of
+
+
+def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine) -> StepPrediction:
+    """Predict one training step. ``buffers``: the streaming buffers in the GPU tier, a count (any
+    unit fits any buffer) or the placement's size classes (slot bytes -> count), where a unit
+    streams through the smallest class that holds it, as the runtime's prefetches do."""
+    offloaded = [i for i, u in enumerate(units) if u.home != GPU]
+    classes, class_of = _buffer_classes(units, offloaded, buffers)
     compute = h2d = d2h = nvme = worker = net = gpu_ready = 0.0
     ranks = machine.world_size
     sharded = ranks > 1 and machine.shard_states

@@ -62,30 +62,30 @@ def forward_modes(
     modes = [GFGB] * n
     t_all = t_res = 0.0
     tag = -1  # first GFGB unit since the last backtrack whose copy the reserve hid
-    for l in range(n):
-        if dha[l] <= fp[l] + max(trans[l], 0.0):
-            modes[l] = DHA
-            t_all, t_res = t_all + dha[l], t_res + dha[l]
-        elif trans[l] < t_res:
+    for k in range(n):
+        if dha[k] <= fp[k] + max(trans[k], 0.0):
+            modes[k] = DHA
+            t_all, t_res = t_all + dha[k], t_res + dha[k]
+        elif trans[k] < t_res:
             if tag == -1:
-                tag = l
-            t_all, t_res = t_all + fp[l], t_res + fp[l] - trans[l]
+                tag = k
+            t_all, t_res = t_all + fp[k], t_res + fp[k] - trans[k]
         else:
-            base = t_all + trans[l] + fp[l] - t_res  # wait for what the reserve does not hide
+            base = t_all + trans[k] + fp[k] - t_res  # wait for what the reserve does not hide
             reserve = t_res
             if tag != -1:
-                for i in range(tag, l):
+                for i in range(tag, k):
                     if modes[i] != GFGB:
                         continue
                     gain = trans[i] + dha[i] - fp[i]
-                    candidate = max(trans[l] - reserve - gain, 0.0) + t_all + (dha[i] - fp[i] + fp[l])
+                    candidate = max(trans[k] - reserve - gain, 0.0) + t_all + (dha[i] - fp[i] + fp[k])
                     if candidate < base:
                         modes[i], tag = DHA, i + 1
                         base, reserve = candidate, reserve + gain
-                        if reserve >= trans[l]:
+                        if reserve >= trans[k]:
                             break
-            t_all, t_res = base, max(reserve - trans[l], 0.0) + fp[l]
-        t_all, t_res = t_all + between[l], t_res + between[l]
+            t_all, t_res = base, max(reserve - trans[k], 0.0) + fp[k]
+        t_all, t_res = t_all + between[k], t_res + between[k]
     return modes, t_all
 
 

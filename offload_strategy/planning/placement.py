@@ -19,6 +19,8 @@ Pure: no torch state.
 
 from __future__ import annotations
 
+from ..config import Tier, format_bytes
+
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from typing import Optional
 
 from .tencache import buffer_counts, tensor_size_distribution
 
-GPU, HOST, NVME = "gpu", "host", "nvme"
+GPU, HOST, NVME = Tier.GPU, Tier.HOST, Tier.NVME
 DEVICE_SLOT_ALIGNMENT = 512
 HOST_SLOT_ALIGNMENT = 4096  # O_DIRECT needs page-aligned buffers and lengths
 # NVMe staging buffers: two to fetch units through, two for the update worker (parameters, states)
@@ -71,11 +73,7 @@ class Placement:
         return any(h != GPU for h in self.home.values())
 
 
-def _fmt(n: float) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+_fmt = format_bytes
 
 
 def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], candidates: set[int]) -> dict[int, int]:
@@ -130,33 +128,80 @@ def place_units(
     still hold. ``owned``: under data parallelism with sharded states, the units whose optimizer
     states this rank keeps (the others need room for their parameters and gradients only).
     """
-    def states(u: UnitSize) -> int:
-        return 0 if owned is not None and u.index not in owned else int(u.trainable_bytes * state_factor)
+    costs = _Costs(state_factor, owned)
+    everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
+    if everything is not None:
+        return everything
+    home, used = _persistent_homes(units, co_resident, costs, gpu_bytes, homes, persistent)
+    streaming = [u for u in units if u.index not in home]
+    slots = _streaming_buffers(units, co_resident, streaming, gpu_bytes - used)
+    gpu_used = used + sum(s * c for s, c in slots.items())
+    staging, host_used = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
+    nvme_used = sum(costs.at_home(u) for u in streaming if home[u.index] == NVME)
+    if nvme_used > nvme_bytes:
+        fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
+        raise PlacementError(
+            f"{_fmt(nvme_used)} of parameters and optimizer states do not fit in gpu_memory={_fmt(gpu_bytes)} and host_memory={_fmt(host_bytes)} "
+            f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
+            nvme_needed=nvme_used,
+        )
+    return Placement(home, slots, staging, gpu_used, host_used, nvme_used)
 
-    def gpu_cost(u: UnitSize) -> int:
-        return u.nbytes + u.trainable_bytes + states(u)
 
-    total_gpu = sum(gpu_cost(u) for u in units)
+@dataclass(frozen=True)
+class _Costs:
+    """What a unit costs where it lives, for an optimizer keeping ``state_factor`` state bytes per
+    trainable byte (``owned``: the units whose states this rank keeps under sharded states)."""
+
+    state_factor: float
+    owned: Optional[Collection[int]]
+
+    def states(self, u: UnitSize) -> int:
+        return 0 if self.owned is not None and u.index not in self.owned else int(u.trainable_bytes * self.state_factor)
+
+    def gpu(self, u: UnitSize) -> int:
+        """Persistent: parameters, gradients and states in the GPU tier."""
+        return u.nbytes + u.trainable_bytes + self.states(u)
+
+    def at_home(self, u: UnitSize) -> int:
+        """Offloaded: parameters and states at home (host memory or NVMe), each padded."""
+        return align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(self.states(u), HOST_SLOT_ALIGNMENT)
+
+    def staging_slot(self, units: Sequence[UnitSize]) -> int:
+        """A staging buffer that holds any of ``units``' parameters, or its states."""
+        return max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(self.states(u), HOST_SLOT_ALIGNMENT)) for u in units)
+
+
+def _everything_on_gpu(
+    units: Sequence[UnitSize], costs: _Costs, gpu_bytes: int, all_on_gpu: bool,
+    homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]],
+) -> Optional[Placement]:
+    """The placement that keeps every unit in the GPU tier, where asked for or where it fits."""
+    total_gpu = sum(costs.gpu(u) for u in units)
     if homes is not None and all(homes[u.index] == GPU for u in units):
         all_on_gpu = True
-    if all_on_gpu or (homes is None and persistent is None and total_gpu <= gpu_bytes):
-        if total_gpu > gpu_bytes:
-            raise PlacementError(
-                f"the model needs {_fmt(total_gpu)} in the GPU tier (parameters, gradients and optimizer states) but "
-                f"gpu_memory grants {_fmt(gpu_bytes)}; raise gpu_memory or use policy='auto' to offload."
-            )
-        return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"])
+    if not (all_on_gpu or (homes is None and persistent is None and total_gpu <= gpu_bytes)):
+        return None
+    if total_gpu > gpu_bytes:
+        raise PlacementError(
+            f"the model needs {_fmt(total_gpu)} in the GPU tier (parameters, gradients and optimizer states) but "
+            f"gpu_memory grants {_fmt(gpu_bytes)}; raise gpu_memory or use policy='auto' to offload."
+        )
+    return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"])
 
-    everyone = {u.index for u in units}
-    minimum = _slot_minimums(units, co_resident, everyone)
-    working_set = sum(s * c for s, c in minimum.items())
+
+def _persistent_homes(
+    units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], costs: _Costs, gpu_bytes: int,
+    homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]],
+) -> tuple[dict[int, str], int]:
+    """Units kept in the GPU tier, by first use, while twice the streaming working set stays free
+    (or as ``homes``/``persistent`` fix them); the bytes they use."""
+    working_set = sum(s * c for s, c in _slot_minimums(units, co_resident, {u.index for u in units}).items())
     if working_set > gpu_bytes:
         raise PlacementError(
             f"gpu_memory={_fmt(gpu_bytes)} cannot hold the largest set of parameters one module needs at once plus one "
             f"prefetch buffer ({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set)}."
         )
-
-    # Persistent units, by first use, while twice the streaming working set stays free.
     home: dict[int, str] = {}
     used = 0
     reserve = min(2 * working_set, gpu_bytes)
@@ -166,93 +211,92 @@ def place_units(
         elif persistent is not None:
             keep = u.index in persistent
         else:
-            keep = used + gpu_cost(u) + reserve <= gpu_bytes
+            keep = used + costs.gpu(u) + reserve <= gpu_bytes
         if keep:
             home[u.index] = GPU
-            used += gpu_cost(u)
-    streaming = [u for u in units if u.index not in home]
-    if used + sum(s * c for s, c in _slot_minimums(units, co_resident, {u.index for u in streaming}).items()) > gpu_bytes:
+            used += costs.gpu(u)
+    streaming = {u.index for u in units if u.index not in home}
+    if used + sum(s * c for s, c in _slot_minimums(units, co_resident, streaming).items()) > gpu_bytes:
         raise PlacementError(
             f"the plan keeps {_fmt(used)} of units in the GPU tier, which leaves too little of gpu_memory={_fmt(gpu_bytes)} "
             f"for the streaming buffers; raise gpu_memory or dump a new plan for this budget."
         )
+    return home, used
 
-    # Streaming buffers: what every module needs, then 10Cache Alg. 1-2 over what is left.
+
+def _streaming_buffers(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], streaming: Sequence[UnitSize], left: int) -> dict[int, int]:
+    """GPU-tier buffers (size -> count) for the streaming units in ``left`` bytes: what every module
+    needs, then 10Cache Alg. 1-2 over what is left, then more of the sizes used first."""
     minimum = _slot_minimums(units, co_resident, {u.index for u in streaming})
     counts = Counter(align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in streaming)
     slots = dict(minimum)
-    left = gpu_bytes - used - sum(s * c for s, c in slots.items())
-    gpu_counts, _ = buffer_counts(counts, tensor_size_distribution(counts), max(left, 0), 0)
+    free = left - sum(s * c for s, c in slots.items())
+    gpu_counts, _ = buffer_counts(counts, tensor_size_distribution(counts), max(free, 0), 0)
     for s, c in gpu_counts.items():
         floor = minimum.get(s, 0)  # may exceed the units of that size: smaller units use them too
         slots[s] = max(floor, min(counts[s], floor + c))
     # Spend what Algorithm 2's floors left over on more buffers of the sizes used first.
-    spare = gpu_bytes - used - sum(s * c for s, c in slots.items())
+    spare = left - sum(s * c for s, c in slots.items())
     for u in streaming:
         s = align(u.nbytes, DEVICE_SLOT_ALIGNMENT)
         if slots.get(s, 0) < counts[s] and s <= spare:
             slots[s] = slots.get(s, 0) + 1
             spare -= s
-    slots = {s: c for s, c in slots.items() if c}
-    gpu_used = used + sum(s * c for s, c in slots.items())
+    return {s: c for s, c in slots.items() if c}
 
-    # Host: gradients of every offloaded unit; then, by first use, parameters and optimizer states
-    # of the units that fit. The others keep both on NVMe and pass through staging buffers: two
-    # for fetching units into the GPU tier, two for updating them (parameters and states).
+
+def _host_and_nvme_homes(
+    streaming: Sequence[UnitSize], costs: _Costs, home: dict[int, str], host_bytes: int, nvme_bytes: int,
+    homes: Optional[Mapping[int, str]],
+) -> tuple[dict[int, int], int]:
+    """Homes of the streaming units (into ``home``): host memory holds every offloaded unit's
+    gradients, then, by first use, the parameters and states of the units that fit; the others
+    keep both on NVMe and pass through staging buffers (two for fetching units into the GPU tier,
+    two for updating them). Returns the staging buffers (size -> count) and the host bytes used."""
     grads = sum(align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) for u in streaming)
-    cost = {u.index: align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(states(u), HOST_SLOT_ALIGNMENT) for u in streaming}
-    staging: dict[int, int] = {}
-    on_host = (lambda u, host_used: homes[u.index] == HOST) if homes is not None else (lambda u, host_used: host_used + cost[u.index] <= host_bytes)
-    if (homes is None and grads + sum(cost.values()) <= host_bytes) or (homes is not None and all(homes[u.index] == HOST for u in streaming)):
-        for u in streaming:
-            home[u.index] = HOST
-        host_used = grads + sum(cost.values())
+    all_at_home = grads + sum(costs.at_home(u) for u in streaming)
+    if (homes is None and all_at_home <= host_bytes) or (homes is not None and all(homes[u.index] == HOST for u in streaming)):
+        home.update({u.index: HOST for u in streaming})
+        host_used = all_at_home
+        staging: dict[int, int] = {}
     elif homes is None and nvme_bytes == 0:
-        needed = grads + sum(cost.values())
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
-            f"({_fmt(needed)}) and there is no NVMe tier; raise host_memory to at least {_fmt(needed)}, or give nvme_path "
+            f"({_fmt(all_at_home)}) and there is no NVMe tier; raise host_memory to at least {_fmt(all_at_home)}, or give nvme_path "
             f"for an NVMe tier.",
-            nvme_needed=needed,
+            nvme_needed=all_at_home,
         )
     else:
-        slot = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(states(u), HOST_SLOT_ALIGNMENT)) for u in streaming)
-        staging = {slot: NVME_STAGING_BUFFERS}
-        host_used = grads + NVME_STAGING_BUFFERS * slot
-        if host_used > host_bytes:
-            raise PlacementError(
-                f"host_memory={_fmt(host_bytes)} cannot hold the gradients of the offloaded units plus {NVME_STAGING_BUFFERS} NVMe "
-                f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
-            )
-        for u in streaming:
-            if on_host(u, host_used):
-                home[u.index] = HOST
-                host_used += cost[u.index]
-            else:
-                home[u.index] = NVME
-        # Staging buffers need only fit the units that did go to NVMe; host memory left over
-        # keeps more of them in staging buffers between their uses.
-        on_nvme = [u for u in streaming if home[u.index] == NVME]
-        if on_nvme:
-            fitted = max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(states(u), HOST_SLOT_ALIGNMENT)) for u in on_nvme)
-            host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
-            extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
-            staging = {fitted: NVME_STAGING_BUFFERS + extra}
-            host_used += extra * fitted
-        else:
-            staging = {}
-            host_used -= NVME_STAGING_BUFFERS * slot
+        staging, host_used = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
     if homes is not None and host_used > host_bytes:
         raise PlacementError(
             f"the plan keeps {_fmt(host_used)} in host memory (gradients, staging buffers, and the units it homes there) but "
             f"host_memory grants {_fmt(host_bytes)}; raise host_memory or dump a new plan for this budget."
         )
-    nvme_used = sum(cost[u.index] for u in streaming if home[u.index] == NVME)
-    if nvme_used > nvme_bytes:
-        fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
+    return staging, host_used
+
+
+def _split_host_and_nvme(
+    streaming: Sequence[UnitSize], costs: _Costs, home: dict[int, str], host_bytes: int, grads: int, homes: Optional[Mapping[int, str]],
+) -> tuple[dict[int, int], int]:
+    """Host memory beside the gradients and the staging buffers, by first use; the rest on NVMe.
+    The staging buffers then need only fit the units that went to NVMe, and host memory left
+    over keeps more of them in staging buffers between their uses."""
+    slot = costs.staging_slot(streaming)
+    host_used = grads + NVME_STAGING_BUFFERS * slot
+    if host_used > host_bytes:
         raise PlacementError(
-            f"{_fmt(nvme_used)} of parameters and optimizer states do not fit in gpu_memory={_fmt(gpu_bytes)} and host_memory={_fmt(host_bytes)} "
-            f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
-            nvme_needed=nvme_used,
+            f"host_memory={_fmt(host_bytes)} cannot hold the gradients of the offloaded units plus {NVME_STAGING_BUFFERS} NVMe "
+            f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
         )
-    return Placement(home, dict(slots), staging, gpu_used, host_used, nvme_used)
+    for u in streaming:
+        on_host = homes[u.index] == HOST if homes is not None else host_used + costs.at_home(u) <= host_bytes
+        home[u.index] = HOST if on_host else NVME
+        host_used += costs.at_home(u) if on_host else 0
+    on_nvme = [u for u in streaming if home[u.index] == NVME]
+    if not on_nvme:
+        return {}, host_used - NVME_STAGING_BUFFERS * slot
+    fitted = costs.staging_slot(on_nvme)
+    host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
+    extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
+    return {fitted: NVME_STAGING_BUFFERS + extra}, host_used + extra * fitted

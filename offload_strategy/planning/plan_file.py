@@ -82,7 +82,9 @@ class PlanFile:
             raise ValueError(f"{source} gives a unit a negative size; {_FIX}.")
         activations = data.get("activations")
         if activations is not None and (not isinstance(activations, list) or not all(a in BLOCK_POLICIES for a in activations)):
-            raise ValueError(f"{source} gives activations={activations!r}; it must be a list of block policies ({', '.join(BLOCK_POLICIES)}), one per block. {_FIX}.")
+            raise ValueError(
+                f"{source} gives activations={activations!r}; it must be a list of block policies ({', '.join(BLOCK_POLICIES)}), one per block. {_FIX}."
+            )
         for key in ("budgets", "prediction"):
             if data.get(key) is not None and not isinstance(data[key], dict):
                 raise ValueError(f"{source} gives {key}={data[key]!r}; it must be an object. {_FIX}.")

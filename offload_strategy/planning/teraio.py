@@ -94,68 +94,85 @@ def plan_migrations(
     """Bandwidths in bytes/s (0: no such path); memory in bytes; see the module docstring."""
     if len(kernel_seconds) != len(kernel_memory):
         raise ValueError(f"{len(kernel_seconds)} kernel durations but {len(kernel_memory)} memory figures; give one of each per kernel.")
-    starts = [0.0]
-    for d in kernel_seconds:
-        starts.append(starts[-1] + d)
-    memory = list(kernel_memory)
-    ssd, host_out, host_in = _Channel(), _Channel(), _Channel()
-    host_used = 0
+    timeline = _Timeline(kernel_seconds, kernel_memory, capacity, ssd_write, ssd_read, host_bandwidth)
     gaps = [(t, t.uses[i], t.uses[i + 1]) for t in tensors for i in range(len(t.uses) - 1) if t.uses[i + 1] > t.uses[i] + 1]
     planned: set[tuple[str, int]] = set()
+    host_used = 0
     plan = MigrationPlan()
+    while any(m > capacity for m in timeline.memory):
+        best = timeline.best([gap for gap in gaps if (gap[0].name, gap[1]) not in planned], host_limit - host_used)
+        if best is None:
+            break
+        _, t, last, following, destination, placed, kernels = best
+        timeline.take(t, destination, placed, kernels)
+        host_used += t.nbytes if destination == HOST else 0
+        planned.add((t.name, last))
+        urgent = placed[3] > timeline.starts[following - 1]
+        plan.migrations.append(Migration(t.name, destination, (placed[0], placed[1]), (placed[2], placed[3]), tuple(kernels), urgent))
+    plan.memory = timeline.memory
+    plan.over_capacity = {k: m - capacity for k, m in enumerate(timeline.memory) if m > capacity}
+    return plan
 
-    def window(t: TensorUses, last: int, following: int, destination: str) -> Optional[tuple[float, float, float, float]]:
-        write, read = (ssd_write, ssd_read) if destination == SSD else (host_bandwidth, host_bandwidth)
+
+class _Timeline:
+    """The kernels' start times and memory, and the busy intervals of the SSD channel (one, both
+    ways) and of host memory's two directions, as migrations are planned onto them."""
+
+    def __init__(
+        self, kernel_seconds: Sequence[float], kernel_memory: Sequence[int], capacity: int, ssd_write: float, ssd_read: float, host_bandwidth: float,
+    ) -> None:
+        self.seconds, self.capacity = kernel_seconds, capacity
+        self.starts = [0.0]
+        for d in kernel_seconds:
+            self.starts.append(self.starts[-1] + d)
+        self.memory = list(kernel_memory)
+        self.bandwidth = {SSD: (ssd_write, ssd_read), HOST: (host_bandwidth, host_bandwidth)}
+        ssd = _Channel()
+        self.channels = {SSD: (ssd, ssd), HOST: (_Channel(), _Channel())}
+
+    def window(self, t: TensorUses, last: int, following: int, destination: str) -> Optional[tuple[float, float, float, float]]:
+        """(offload start, end, prefetch start, end) of ``t`` between its uses, or None."""
+        write, read = self.bandwidth[destination]
         if write <= 0 or read <= 0:
             return None
-        out_channel, in_channel = (ssd, ssd) if destination == SSD else (host_out, host_in)
-        off_start = out_channel.earliest(starts[last + 1], t.nbytes / write)
+        out_channel, in_channel = self.channels[destination]
+        off_start = out_channel.earliest(self.starts[last + 1], t.nbytes / write)
         off_end = off_start + t.nbytes / write
-        pre_start = in_channel.latest(starts[following], t.nbytes / read)
+        pre_start = in_channel.latest(self.starts[following], t.nbytes / read)
         if destination == SSD and off_start < pre_start + t.nbytes / read and pre_start < off_end:
             return None  # one channel: the two moves would overlap
         if pre_start < off_end:
             return None
         return off_start, off_end, pre_start, pre_start + t.nbytes / read
 
-    def covered(off_end: float, pre_start: float) -> list[int]:
-        return [k for k in range(len(memory)) if starts[k] >= off_end and starts[k + 1] <= pre_start]
+    def covered(self, off_end: float, pre_start: float) -> list[int]:
+        return [k for k in range(len(self.memory)) if self.starts[k] >= off_end and self.starts[k + 1] <= pre_start]
 
-    while any(m > capacity for m in memory):
+    def best(self, gaps: Sequence[tuple[TensorUses, int, int]], host_room: int) -> Optional[tuple]:
+        """The migration that frees the most over-capacity memory-time per second of transfer:
+        the SSD when it can take the move, host memory only when it cannot."""
         best = None
         for t, last, following in gaps:
-            if (t.name, last) in planned:
-                continue
             for destination in (SSD, HOST):
-                if destination == HOST and host_used + t.nbytes > host_limit:
+                if destination == HOST and t.nbytes > host_room:
                     continue
-                placed = window(t, last, following, destination)
+                placed = self.window(t, last, following, destination)
                 if placed is None:
                     continue
-                kernels = covered(placed[1], placed[2])
-                benefit = sum(min(t.nbytes, max(memory[k] - capacity, 0)) * kernel_seconds[k] for k in kernels)
+                kernels = self.covered(placed[1], placed[2])
+                benefit = sum(min(t.nbytes, max(self.memory[k] - self.capacity, 0)) * self.seconds[k] for k in kernels)
                 if benefit <= 0:
                     continue
                 cost = (placed[1] - placed[0]) + (placed[3] - placed[2])
                 ratio = benefit / cost if cost > 0 else float("inf")
                 if best is None or ratio > best[0]:
                     best = (ratio, t, last, following, destination, placed, kernels)
-                break  # the SSD when it can take the move; host memory only when it cannot
-        if best is None:
-            break
-        _, t, last, following, destination, (off_start, off_end, pre_start, pre_end), kernels = best
-        if destination == SSD:
-            ssd.take(off_start, off_end)
-            ssd.take(pre_start, pre_end)
-        else:
-            host_out.take(off_start, off_end)
-            host_in.take(pre_start, pre_end)
-            host_used += t.nbytes
+                break
+        return best
+
+    def take(self, t: TensorUses, destination: str, placed: tuple[float, float, float, float], kernels: list[int]) -> None:
+        out_channel, in_channel = self.channels[destination]
+        out_channel.take(placed[0], placed[1])
+        in_channel.take(placed[2], placed[3])
         for k in kernels:
-            memory[k] -= t.nbytes
-        planned.add((t.name, last))
-        urgent = pre_end > starts[following - 1]
-        plan.migrations.append(Migration(t.name, destination, (off_start, off_end), (pre_start, pre_end), tuple(kernels), urgent))
-    plan.memory = memory
-    plan.over_capacity = {k: m - capacity for k, m in enumerate(memory) if m > capacity}
-    return plan
+            self.memory[k] -= t.nbytes

@@ -28,10 +28,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..config import BlockPolicy
 from ..hardware.device import Device, Event
 from ..memory.nvme import NvmeSpaceError, NvmeStore
 
-SWAP_HOST, SWAP_NVME = "swap_host", "swap_nvme"
+SWAP_HOST, SWAP_NVME = BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
 # Saved tensors below this size stay in the GPU tier.
 MIN_SWAP_BYTES = 4096
 

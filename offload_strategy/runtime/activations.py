@@ -26,11 +26,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES
+from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES, ActivationPlanner, BlockPolicy
 from ..planning.activations import BlockCost
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 
-KEEP, CHECKPOINT = "keep", "checkpoint"
+KEEP, CHECKPOINT = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT
 POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
 
 
@@ -48,9 +48,7 @@ def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.
     return best
 
 
-AUTO = "auto"
-TERAIO = "teraio"  # planned like "auto" from the profiled step, by TeraIO's offload selection
-LOHAN = "lohan"  # planned like "auto" from the profiled step, by LoHan's swap-or-recompute search
+AUTO, TERAIO, LOHAN = ActivationPlanner.AUTO, ActivationPlanner.TERAIO, ActivationPlanner.LOHAN
 PLANNERS = ACTIVATION_PLANNERS  # (AUTO, TERAIO, LOHAN)
 
 
@@ -58,7 +56,9 @@ def resolve_policies(blocks: Sequence[nn.Module], policy: Union[str, Sequence[st
     """One policy per block, from one name for all or a list with one per block."""
     per_block = [policy] * len(blocks) if isinstance(policy, str) else list(policy)
     if len(per_block) != len(blocks):
-        raise ValueError(f"policy.activations lists {len(per_block)} block policies but the model has {len(blocks)} blocks; give one per block or one name for all.")
+        raise ValueError(
+            f"policy.activations lists {len(per_block)} block policies but the model has {len(blocks)} blocks; give one per block or one name for all."
+        )
     unknown = sorted({p for p in per_block if p not in POLICIES})
     if unknown:
         raise ValueError(f"policy.activations={unknown} is not a block policy; choose from {', '.join(POLICIES)}, or 'auto' for all blocks.")

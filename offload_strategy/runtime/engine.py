@@ -15,7 +15,7 @@ Gradients and updates are the other half of the engine, in ``updates.py``: gradi
 host buffers as autograd produces them, and each unit is updated where it lives by the user's
 optimizer applied per unit (``optimizer.py``), during backward when it can be.
 
-Correctness never depends on the prefetch table (DESIGN.md invariant 1): a unit that is not
+Correctness never depends on the prefetch table (docs/architecture.md, invariants): a unit that is not
 resident when needed is fetched synchronously and counted as a miss.
 """
 
@@ -72,7 +72,7 @@ TOUCHED_GUARD = 4
 class _WatchedParameters(dict):
     """A module's ``_parameters``: reading a parameter as an attribute (``module.weight``) tells the
     engine, so a parameter used outside its module's forward — through the functional API, or by
-    another module — is fetched like any other use (DESIGN.md invariant 1). Iteration
+    another module — is fetched like any other use (docs/architecture.md, invariants). Iteration
     (``parameters()``, ``state_dict()``) reads nothing and fetches nothing."""
 
     def __init__(self, original: dict, on_read: Any) -> None:

@@ -523,10 +523,33 @@ class UnitUpdates:
                 copies[position].copy_(master)
 
     def _update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False) -> None:
-        """Update one offloaded unit at home. On the worker (during backward) an NVMe unit goes
-        through the worker's own two staging buffers, so the fetch path is never touched."""
+        """Update one offloaded unit at home: stage it, step it, write it back. On the worker
+        (during backward) an NVMe unit goes through the worker's own two staging buffers, so the
+        fetch path is never touched."""
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self._param_slot[id(p)][1] for p in slot.params]
+        grads = self._gradients_for_update(s, positions)
+        staged = None
+        if on_worker:
+            with self._pipeline_lock:
+                staged = self._reads_ahead.pop(s.unit.index, None)
+        if s.home == NVME:
+            known = self.nvme_states.known(s.unit.index)
+            params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
+        else:
+            copies = [s.home_views[i] for i in positions]
+        self._update_masters(unit_optimizers, slot, grads, copies)
+        for i in positions:
+            s.grad_fresh[i] = False
+        if s.home == NVME:
+            self._write_back_nvme(s, slot, params, states, known, on_worker)
+        elif s.unit.index not in self._state_bytes:
+            self._state_bytes[s.unit.index] = sum(
+                t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
+            )
+
+    def _gradients_for_update(self, s: UnitState, positions: list[int]) -> list[Optional[torch.Tensor]]:
+        """The unit's gradients once complete (reduced, landed), clipped by value where asked."""
         self._wait_reduction(s)
         for i in positions:
             self._wait_grad(s, i)
@@ -535,75 +558,69 @@ class UnitUpdates:
             for g in grads:
                 if g is not None:
                     g.clamp_(-self.clip_value, self.clip_value)
-        padded = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
-        params: Optional[Slot] = None
+        return grads
+
+    def _stage_nvme(
+        self, s: UnitState, slot: Any, positions: list[int], staged: Any, known: bool, on_worker: bool,
+    ) -> tuple[Slot, Optional[Slot], list[torch.Tensor]]:
+        """An NVMe unit's parameters (and its states, once stored) in host buffers, its masters
+        bound to them: (parameter buffer, state buffer or None, the parameters' views)."""
         states: Optional[Slot] = None
-        known = s.home == NVME and self.nvme_states.known(s.unit.index)
-        widened = [slot.widened(position) for position in range(len(slot.masters))]
-        staged = None
         if on_worker:
-            with self._pipeline_lock:
-                staged = self._reads_ahead.pop(s.unit.index, None)
-        if s.home == NVME:
-            if on_worker:
-                if self._writes_behind and not all(w.done() for w in self._writes_behind[-1][0]):
-                    self.pipeline["writes_behind"] += 1  # the last unit is still being written
-                self._reap_writes(block=False)
-            if staged is not None:
-                params, states, reads = staged
-                for r in reads:
-                    r.result()
-                self.pipeline["reads_ahead"] += 1
-            elif on_worker:
-                params = self._update_buffer(s.unit.nbytes)
-                self.store.read(self._key(s), params.tensor[:padded]).result()
-            else:
-                params = self._host_copy(s)
-            views = s.unit.views(params.tensor)
-            copies = [views[i] for i in positions]
-            for master, copy, wide in zip(slot.masters, copies, widened):
-                # an fp32 master is read with the states; before it was ever stored, it starts from the copy
-                master.data = torch.empty(copy.shape, dtype=master.dtype) if wide else copy
-            if known and states is not None:  # read ahead with the parameters
-                self.nvme_states.load(s.unit.index, states.tensor, read=False)
-            elif known:
+            if self._writes_behind and not all(w.done() for w in self._writes_behind[-1][0]):
+                self.pipeline["writes_behind"] += 1  # the last unit is still being written
+            self._reap_writes(block=False)
+        if staged is not None:
+            params, states, reads = staged
+            for r in reads:
+                r.result()
+            self.pipeline["reads_ahead"] += 1
+        elif on_worker:
+            params = self._update_buffer(s.unit.nbytes)
+            self.store.read(self._key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+        else:
+            params = self._host_copy(s)
+        views = s.unit.views(params.tensor)
+        copies = [views[i] for i in positions]
+        for position, (master, copy) in enumerate(zip(slot.masters, copies)):
+            # an fp32 master is read with the states; before it was ever stored, it starts from the copy
+            master.data = torch.empty(copy.shape, dtype=master.dtype) if slot.widened(position) else copy
+        if known and states is not None:  # read ahead with the parameters
+            self.nvme_states.load(s.unit.index, states.tensor, read=False)
+        elif known:
+            size = self.nvme_states.sizes[s.unit.index]
+            states = self._update_buffer(size) if on_worker else self._state_buffer(s, size)
+            self.nvme_states.load(s.unit.index, states.tensor)
+        return params, states, copies
+
+    def _write_back_nvme(self, s: UnitState, slot: Any, params: Slot, states: Optional[Slot], known: bool, on_worker: bool) -> None:
+        """The updated parameters and states of an NVMe unit go home: behind the next unit's
+        update on the worker, at once otherwise; the masters point at their placeholders again."""
+        widened = [slot.widened(position) for position in range(len(slot.masters))]
+        if not known or not self.nvme_states.matches(slot.inner, s.unit.index, slot.masters):
+            if states is not None:  # the optimizer added states: own the loaded ones, then a larger buffer
+                for master, wide in zip(slot.masters, widened):
+                    if wide:
+                        master.data = master.data.clone()
+                self._own_states(slot.inner, slot.masters)
+                (self.update_pool if on_worker else self.staging_pool).release(states)
+                states = None
+            if self.nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
                 size = self.nvme_states.sizes[s.unit.index]
                 states = self._update_buffer(size) if on_worker else self._state_buffer(s, size)
-                self.nvme_states.load(s.unit.index, states.tensor)
-        else:
-            copies = [s.home_views[i] for i in positions]
-        self._update_masters(unit_optimizers, slot, grads, copies)
-        for i in positions:
-            s.grad_fresh[i] = False
-        if s.home == NVME:
-            if not known or not self.nvme_states.matches(slot.inner, s.unit.index, slot.masters):
-                if states is not None:  # the optimizer added states: own the loaded ones, then a larger buffer
-                    for master, wide in zip(slot.masters, widened):
-                        if wide:
-                            master.data = master.data.clone()
-                    self._own_states(slot.inner, slot.masters)
-                    (self.update_pool if on_worker else self.staging_pool).release(states)
-                    states = None
-                if self.nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
-                    size = self.nvme_states.sizes[s.unit.index]
-                    states = self._update_buffer(size) if on_worker else self._state_buffer(s, size)
-            writes = []
-            if states is not None:
-                writes.append(self.nvme_states.save(s.unit.index, states.tensor, wait=not on_worker))
-            writes.append(self.store.write(self._key(s), params.tensor[:padded]))
-            for master in slot.masters:
-                master.data = self._idle_masters[id(master)]
-            if on_worker:  # written behind: the next unit's update does not wait for it
-                self._writes_behind.append((writes, [params] + ([states] if states is not None else [])))
-            else:
-                for w in writes:
-                    w.result()
-                if states is not None:
-                    self.staging_pool.release(states)
-        if s.home != NVME and s.unit.index not in self._state_bytes:
-            self._state_bytes[s.unit.index] = sum(
-                t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t)
-            )
+        writes = []
+        if states is not None:
+            writes.append(self.nvme_states.save(s.unit.index, states.tensor, wait=not on_worker))
+        writes.append(self.store.write(self._key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]))
+        for master in slot.masters:
+            master.data = self._idle_masters[id(master)]
+        if on_worker:  # written behind: the next unit's update does not wait for it
+            self._writes_behind.append((writes, [params] + ([states] if states is not None else [])))
+            return
+        for w in writes:
+            w.result()
+        if states is not None:
+            self.staging_pool.release(states)
 
     @staticmethod
     def _own_states(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
