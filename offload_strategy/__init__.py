@@ -8,7 +8,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .callbacks import OffloadMonitor
-from .config import Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
+from .config import PRESETS, Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
 from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
 from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
@@ -19,6 +19,10 @@ __version__ = "0.1.0"
 
 def _register_strategies() -> None:
     # Guarded so that re-importing (reloads, notebooks, spawned workers) never raises.
+    for preset in PRESETS:
+        name = f"{TieredStrategy.strategy_name}_{preset}"
+        if preset not in ("auto", "none") and name not in StrategyRegistry:
+            StrategyRegistry.register(name, TieredStrategy, description=f"The tiered strategy with the {preset!r} policy preset.", policy=preset)
     if TieredStrategy.strategy_name not in StrategyRegistry:
         StrategyRegistry.register(
             TieredStrategy.strategy_name,
@@ -37,6 +41,7 @@ _register_strategies()
 
 __all__ = [
     "KNOWN_MACHINES",
+    "PRESETS",
     "OffloadedParameterError",
     "Budget",
     "HardwareSpec",

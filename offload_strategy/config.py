@@ -284,7 +284,9 @@ class PolicyConfig:
         if isinstance(value, PolicyConfig):
             return value
         if isinstance(value, str):
-            return cls(name=value)
+            if value not in PRESETS:
+                raise ValueError(f"policy={value!r} is not a policy name or preset; choose one of {', '.join(PRESETS)}.")
+            return cls(**PRESETS[value])
         if isinstance(value, Mapping):
             fields = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(str(k) for k in set(value) - fields - {"_target_"})
@@ -292,6 +294,25 @@ class PolicyConfig:
                 raise ValueError(f"policy has unknown fields {unknown}; known fields: {sorted(fields)}.")
             return cls(**{k: v for k, v in value.items() if k in fields})
         raise ValueError(f"policy={value!r} is not a policy name, a PolicyConfig or a mapping of its fields.")
+
+
+# The policies each paper, or each baseline users compare us with, decides by: one definition,
+# used by ``policy="<name>"`` in Python, the ``tiered_<name>`` strategy names and Hydra's
+# conf/policy/<name>.yaml (tests/test_presets.py holds the YAML to these).
+PRESETS: dict[str, dict[str, Any]] = {
+    "auto": {"name": "auto"},
+    "none": {"name": "none"},
+    "fill": {"placement": "fill", "activations": "keep"},
+    "memferry": {"placement": "fill", "activations": "keep", "gradient_reserve": None},
+    "go_memferry": {"placement": "fill", "activations": "keep", "gradient_reserve": 0.0},
+    "tencache": {"placement": "fill", "activations": "keep", "gradient_reserve": 1.0, "prefetch": True},
+    "teraio": {"placement": "fill", "activations": "teraio"},
+    "protrain": {"placement": "search", "activations": "auto"},
+    "lohan": {"placement": "host", "activations": "lohan", "update_during_backward": True},
+    "zero_offload": {"placement": "host", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},
+    "zero_infinity": {"placement": "nvme", "activations": "keep", "prefetch": False, "update_during_backward": False},
+    "l2l": {"placement": "layerwise", "activations": "keep", "prefetch": False, "update_during_backward": False},
+}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def test_budget_forms_and_resolution():
         ({"host_memory": 0.0}, r"host_memory=0.0: a float is a fraction"),
         ({"host_memory": "150%"}, r"host_memory='150%': a percentage of the free memory must lie in \(0%, 100%\]"),
         ({"nvme_memory": "1GiB"}, r"nvme_memory='1GiB' was given without nvme_path"),
-        ({"policy": "fastest"}, r"policy='fastest' is not a known policy; choose one of auto, none"),
+        ({"policy": "fastest"}, r"policy='fastest' is not a policy name or preset; choose one of auto, none, fill, memferry"),
         ({"policy": {"name": "auto", "speed": 11}}, r"unknown fields \['speed'\]"),
         ({"hardware": "dgx9000"}, r"hardware='dgx9000' is not a known machine; known: a100_40g"),
         ({"plan_file": "/nonexistent/plan.json"}, r"plan_file='/nonexistent/plan.json' is not a file"),

@@ -42,6 +42,20 @@ def test_every_paper_and_baseline_has_a_preset():
     assert set(PRESETS) == {"auto", "fill", "none", "memferry", "go_memferry", "tencache", "teraio", "protrain", "lohan", "zero_offload", "zero_infinity", "l2l"}
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_hydra_preset_is_the_python_one(name):
+    """One definition (offload_strategy.config.PRESETS): the YAML Hydra reads says the same, and
+    Python takes the name as the policy, or as a strategy name."""
+    from offload_strategy import PRESETS as REGISTRY
+
+    assert set(REGISTRY) == set(PRESETS)
+    assert preset(name) == PolicyConfig.coerce(name)
+    assert TieredStrategy(policy=name).policy == preset(name)
+    if name not in ("auto", "none"):
+        trainer = L.Trainer(strategy=f"tiered_{name}", accelerator="cpu", devices=1, logger=False)
+        assert isinstance(trainer.strategy, TieredStrategy) and trainer.strategy.policy == preset(name)
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     return train("auto", tmp_path_factory.mktemp("plain"), epochs=2, make_model=gpt2_4l)
