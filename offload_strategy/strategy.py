@@ -280,7 +280,7 @@ class TieredMixin(ActivationControl):
             return {u.index: planned.home for u, planned in zip(units, self._plan.units)}, None, gpu_bytes
         if mode in ("host", "layerwise"):
             if mode == "layerwise":  # one layer's working set at a time, however large the budget
-                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, together))
+                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, together, self.policy.prefetch))
             return {u.index: HOST for u in units}, None, gpu_bytes
         if mode == "nvme":
             if self.nvme_path is None:
@@ -297,7 +297,7 @@ class TieredMixin(ActivationControl):
         assert self.budgets is not None
         place = functools.partial(
             place_units, sizes, together, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
-            state_factor=self._state_factor, homes=homes, owned=self._units_with_states_here(sizes),
+            state_factor=self._state_factor, homes=homes, owned=self._units_with_states_here(sizes), prefetch=self.policy.prefetch,
         )
         try:
             return place(persistent=persistent)
@@ -313,7 +313,7 @@ class TieredMixin(ActivationControl):
                     f"policy.placement={mode!r} puts every unit's parameters in {'NVMe' if mode == 'nvme' else 'host memory'}, "
                     f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
                 ) from None
-            if len(together) > len(self._co_resident) and minimum_gpu_bytes(sizes, self._co_resident) <= gpu_bytes:
+            if len(together) > len(self._co_resident) and minimum_gpu_bytes(sizes, self._co_resident, self.policy.prefetch) <= gpu_bytes:
                 raise PlacementError(f"{error} {self._checkpoint_note(sizes)}") from None
             if self._activations.auto:
                 raise PlacementError(f"{error} {_ACTIVATIONS_NOT_COUNTED}") from None

@@ -719,3 +719,29 @@ def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activa
     losses, weights, _ = fit(strategy(int(minimum(stopped.value, "must be at least") * 1.05)), tmp_path / "tiered", T5, steps=4)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.parametrize("make", [Net, T5], ids=["net", "t5-shared-embedding"])
+def test_without_prefetch_the_gpu_tier_needs_no_buffer_for_the_next_unit(tmp_path, make):
+    """``prefetch=False`` fetches each unit when a module asks for it: the smallest GPU tier is a
+    module's own units, one buffer of the largest unit less than with prefetch, and the model
+    trains there as plain Lightning does (a tied weight read as an attribute included)."""
+    import re
+
+    from offload_strategy.planning.placement import PlacementError
+
+    def refused_minimum(prefetch: bool) -> int:
+        with pytest.raises(PlacementError) as refused:
+            fit(TieredStrategy(policy={"placement": "fill", "activations": "keep", "prefetch": prefetch}, gpu_memory=1024, host_memory="1GiB"),
+                tmp_path / f"small{prefetch}", make, steps=1)
+        number, unit = re.search(r"to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
+        assert ("prefetch off" in str(refused.value)) is not prefetch
+        return int(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])
+
+    without, with_prefetch = refused_minimum(False), refused_minimum(True)
+    assert without < with_prefetch
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", make, steps=4)
+    losses, weights, _ = fit(TieredStrategy(policy={"placement": "fill", "activations": "keep", "prefetch": False}, gpu_memory=without, host_memory="1GiB"),
+                             tmp_path / "tiered", make, steps=4)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)

@@ -76,9 +76,9 @@ class Placement:
 _fmt = format_bytes
 
 
-def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], candidates: set[int]) -> dict[int, int]:
-    """The fewest streaming buffers that let every module run, plus one of the largest size to
-    prefetch into: the cheaper of buffers of the largest unit's size only (any unit fits one), as
+def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], candidates: set[int], prefetch: bool = True) -> dict[int, int]:
+    """The fewest streaming buffers that let every module run, plus (``prefetch``) one of the
+    largest size to prefetch into: the cheaper of buffers of the largest unit's size only (any unit fits one), as
     many as the most units one group uses at once, and buffers of each unit's own size, as many of
     each size as one group uses at once (groups of many small units, such as a checkpointed block
     beside an embedding, need no buffer of the embedding's size per unit)."""
@@ -88,20 +88,22 @@ def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int
     largest = max(size.values())
     groups = [set(group) & candidates for group in co_resident]
     together = max((len(g) for g in groups), default=1)
-    uniform = {largest: max(together, 1) + 1}
+    spare = 1 if prefetch else 0
+    uniform = {largest: max(together, 1) + spare}
     by_size: Counter[int] = Counter()
     for group in groups:
         for s, n in Counter(size[i] for i in group).items():
             by_size[s] = max(by_size[s], n)
-    by_size[largest] += 1
+    by_size[largest] += spare
     if sum(s * c for s, c in by_size.items()) < sum(s * c for s, c in uniform.items()):
         return dict(by_size)
     return uniform
 
 
-def minimum_gpu_bytes(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]]) -> int:
-    """The least GPU tier any placement of ``units`` runs in: the streaming buffers of the fewest kind."""
-    return sum(size * count for size, count in _slot_minimums(units, co_resident, {u.index for u in units}).items())
+def minimum_gpu_bytes(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], prefetch: bool = True) -> int:
+    """The least GPU tier any placement of ``units`` runs in: the streaming buffers of the fewest
+    kind (without ``prefetch`` no buffer is kept for the next unit: each is fetched when asked for)."""
+    return sum(size * count for size, count in _slot_minimums(units, co_resident, {u.index for u in units}, prefetch).items())
 
 
 def place_units(
@@ -116,6 +118,7 @@ def place_units(
     homes: Optional[Mapping[int, str]] = None,
     persistent: Optional[Collection[int]] = None,
     owned: Optional[Collection[int]] = None,
+    prefetch: bool = True,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -132,9 +135,9 @@ def place_units(
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
     if everything is not None:
         return everything
-    home, used = _persistent_homes(units, co_resident, costs, gpu_bytes, homes, persistent)
+    home, used = _persistent_homes(units, co_resident, costs, gpu_bytes, homes, persistent, prefetch)
     streaming = [u for u in units if u.index not in home]
-    slots = _streaming_buffers(units, co_resident, streaming, gpu_bytes - used)
+    slots = _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
     staging, host_used = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
     nvme_used = sum(costs.at_home(u) for u in streaming if home[u.index] == NVME)
@@ -192,15 +195,16 @@ def _everything_on_gpu(
 
 def _persistent_homes(
     units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], costs: _Costs, gpu_bytes: int,
-    homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]],
+    homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]], prefetch: bool,
 ) -> tuple[dict[int, str], int]:
     """Units kept in the GPU tier, by first use, while twice the streaming working set stays free
     (or as ``homes``/``persistent`` fix them); the bytes they use."""
-    working_set = sum(s * c for s, c in _slot_minimums(units, co_resident, {u.index for u in units}).items())
+    working_set = sum(s * c for s, c in _slot_minimums(units, co_resident, {u.index for u in units}, prefetch).items())
     if working_set > gpu_bytes:
+        spare = " plus one prefetch buffer" if prefetch else " (prefetch off: no buffer for the next unit)"
         raise PlacementError(
-            f"gpu_memory={_fmt(gpu_bytes)} cannot hold the largest set of parameters one module needs at once plus one "
-            f"prefetch buffer ({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set)}."
+            f"gpu_memory={_fmt(gpu_bytes)} cannot hold the largest set of parameters one module needs at once{spare} "
+            f"({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set)}."
         )
     home: dict[int, str] = {}
     used = 0
@@ -216,7 +220,7 @@ def _persistent_homes(
             home[u.index] = GPU
             used += costs.gpu(u)
     streaming = {u.index for u in units if u.index not in home}
-    if used + sum(s * c for s, c in _slot_minimums(units, co_resident, streaming).items()) > gpu_bytes:
+    if used + sum(s * c for s, c in _slot_minimums(units, co_resident, streaming, prefetch).items()) > gpu_bytes:
         raise PlacementError(
             f"the plan keeps {_fmt(used)} of units in the GPU tier, which leaves too little of gpu_memory={_fmt(gpu_bytes)} "
             f"for the streaming buffers; raise gpu_memory or dump a new plan for this budget."
@@ -224,10 +228,12 @@ def _persistent_homes(
     return home, used
 
 
-def _streaming_buffers(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], streaming: Sequence[UnitSize], left: int) -> dict[int, int]:
+def _streaming_buffers(
+    units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], streaming: Sequence[UnitSize], left: int, prefetch: bool,
+) -> dict[int, int]:
     """GPU-tier buffers (size -> count) for the streaming units in ``left`` bytes: what every module
     needs, then 10Cache Alg. 1-2 over what is left, then more of the sizes used first."""
-    minimum = _slot_minimums(units, co_resident, {u.index for u in streaming})
+    minimum = _slot_minimums(units, co_resident, {u.index for u in streaming}, prefetch)
     counts = Counter(align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in streaming)
     slots = dict(minimum)
     free = left - sum(s * c for s, c in slots.items())
