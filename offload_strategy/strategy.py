@@ -68,8 +68,9 @@ def nvme_reserve(free: int) -> int:
 _ACTIVATIONS_NOT_COUNTED = (
     "That minimum is for parameters alone: with policy.activations='auto' the blocks' activations share the GPU "
     "tier too; they are measured in the first training step, and if the tier is then too small the run stops "
-    "at the start of the second with the minimum for both. To size gpu_memory for parameters alone, use policy='fill' (activations kept "
-    "outside the budget on a machine without a GPU) or policy.activations='swap_host'."
+    "in that step's forward, before anything is updated, with the minimum for both. To size gpu_memory for "
+    "parameters alone, use policy='fill' (activations kept outside the budget on a machine without a GPU) or "
+    "policy.activations='swap_host'."
 )
 
 
@@ -265,6 +266,10 @@ class TieredMixin(ActivationControl):
         placement = self._place(sizes, together, gpu_bytes, homes, persistent)
         self._gpu_placed = placement.gpu_bytes
         if not placement.offloaded and not self._engine_when_all_fits():
+            rank_zero_info(
+                f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
+                f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device."
+            )
             return None
         _refuse_compiled_modules(model)
         return self._start_engine(units, users, placement, sizes, fp32_masters)
@@ -333,14 +338,20 @@ class TieredMixin(ActivationControl):
             device.close()
             raise
         self._profiled = False
-        for wrapper in self._lightning_optimizers:
-            # Lightning's wrappers copied the optimizer's attributes before the engine patched
-            # them: ``self.optimizers()[k].zero_grad()`` must reach the engine too
-            if "zero_grad" in wrapper.optimizer.__dict__:
-                wrapper.__dict__["zero_grad"] = wrapper.optimizer.zero_grad
+        self._share_optimizer_attributes()
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    def _share_optimizer_attributes(self) -> None:
+        """Lightning's wrappers find the optimizer's methods on its class before the instance:
+        the ``zero_grad`` the engine put in place (or took back) must reach ``self.optimizers()[k]``
+        too (``state`` and other instance attributes are looked up on the optimizer itself)."""
+        for wrapper in self._lightning_optimizers:
+            if "zero_grad" in wrapper.optimizer.__dict__:
+                wrapper.__dict__["zero_grad"] = wrapper.optimizer.zero_grad
+            else:
+                wrapper.__dict__.pop("zero_grad", None)
 
     def _working_groups(self, every_block: bool = False) -> list[list[int]]:
         """The unit sets that must be in the GPU tier together: each module's units and, since a
@@ -592,6 +603,7 @@ class TieredMixin(ActivationControl):
     # it (Lightning's test suite counts backward calls that way) sees every backward.
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
+        self._refuse_activations_that_cannot_fit()
         if self.engine is not None:
             self.engine.attach_direct_gradients()
             self.engine.begin_backward()
@@ -700,12 +712,14 @@ class TieredMixin(ActivationControl):
         """Parameters back to plain tensors with their true values, every tier freed."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
             try:
                 # while training's own failure propagates (teardown inside Lightning's handler),
                 # that failure is the one to see; otherwise a failure to read back is raised
                 engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None)
             finally:
                 engine.device.close()
+                self._share_optimizer_attributes()
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""
@@ -739,7 +753,8 @@ class TieredMixin(ActivationControl):
     # -- metrics ------------------------------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        """Numbers the strategy reports, read by :class:`~offload_strategy.OffloadMonitor`."""
+        """Numbers the strategy reports, read by :class:`~offload_strategy.OffloadMonitor`; after
+        ``fit`` the engine's figures are those of the run's last step."""
         out: dict[str, float] = {}
         if self.budgets is not None:
             out["budget/gpu_bytes"] = float(self.budgets.gpu)
@@ -748,8 +763,9 @@ class TieredMixin(ActivationControl):
         if self.root_device.type == "cuda":
             out["memory/gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.root_device))
         out["memory/host_peak_bytes"] = float(process_peak_rss())
-        if self.engine is not None:
-            out.update(self.engine.metrics())
+        engine_metrics = self.engine.metrics() if self.engine is not None else getattr(self, "_final_engine_metrics", None)
+        if engine_metrics is not None:  # after fit: the run's last figures
+            out.update(engine_metrics)
             out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
         else:
             out["memory/nvme_bytes"] = 0.0

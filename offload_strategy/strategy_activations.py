@@ -97,18 +97,11 @@ class ActivationControl:
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
-            smallest = minimum_gpu_bytes(self._unit_sizes, self._working_groups(every_block=True)) if self._unit_sizes else 0
+            smallest = self._smallest_parameter_share()
             try:
                 plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
             except ValueError as error:
-                if activations.planner == TERAIO:  # offloads only: every block but the last leaves
-                    least = peak_bytes(costs, [SWAP_HOST] * (len(costs) - 1) + [KEEP])
-                else:
-                    least = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
-                raise ValueError(
-                    f"{error} With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
-                    f"{format_bytes(smallest + least)} (it is {format_bytes(self.budgets.gpu)})."
-                ) from None
+                raise ValueError(f"{error} {self._activation_minimum_note(costs)}") from None
             self._replace_engine(trainer, gpu_bytes=self.budgets.gpu - plan.peak_bytes)
             plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
                                  host_bytes=self._host_left())
@@ -123,6 +116,40 @@ class ActivationControl:
             f"({', '.join(f'{n} {p}' for p, n in counts.items())}), predicted {plan.seconds * 1e3:.1f} ms per step, "
             f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
         )
+
+    def _smallest_parameter_share(self) -> int:
+        """The GPU tier the parameters need at the least: every block's units streamed together."""
+        return minimum_gpu_bytes(self._unit_sizes, self._working_groups(every_block=True), self.policy.prefetch) if self._unit_sizes else 0
+
+    def _least_activation_peak(self, costs: list[BlockCost]) -> int:
+        """The smallest activation peak any layout the planner may choose reaches."""
+        if self._activations.planner == TERAIO:  # offloads only: every block but the last leaves
+            return peak_bytes(costs, [SWAP_HOST] * (len(costs) - 1) + [KEEP])
+        return min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
+
+    def _activation_minimum_note(self, costs: list[BlockCost]) -> str:
+        smallest = self._smallest_parameter_share()
+        return (
+            f"With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
+            f"{format_bytes(smallest + self._least_activation_peak(costs))} (it is {format_bytes(self.budgets.gpu)})."
+        )
+
+    def _refuse_activations_that_cannot_fit(self) -> None:
+        """In the profiled step, once forward has measured the blocks and before backward updates
+        anything: when no layout fits even beside the parameters' smallest share of the GPU tier,
+        stop now, with the minimum, rather than after the first update."""
+        activations = self._activations
+        if activations is None or not activations.auto or activations.profile is None or not activations.profiled or self.policy.name == "none":
+            return
+        assert self.budgets is not None
+        costs = activations.block_costs()
+        least = self._least_activation_peak(costs)
+        if self._smallest_parameter_share() + least > self.budgets.gpu:
+            raise ValueError(
+                f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
+                f"{least:,} bytes, measured in the first training step before any update. {self._activation_minimum_note(costs)} "
+                f"Lower the batch size or sequence length, raise gpu_memory, or use policy.activations='swap_host'."
+            )
 
     def _gpu_parameter_bytes(self) -> int:
         """GPU tier taken by parameters, their gradients and optimizer states, as placed."""

@@ -622,6 +622,36 @@ def test_a_parameter_read_after_the_engine_closed_with_a_failure_is_an_error_not
     assert "at home on NVMe" in repr(p)
 
 
+class OptimizerStates(L.Callback):
+    """Reads Adam's first moments through the user's optimizer after every step (through the
+    optimizer and through Lightning's wrapper), and resets them after the third, as a callback
+    that restarts the moments does."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        optimizer, wrapper = trainer.optimizers[0], pl_module.optimizers()
+        self.norms.append(float(sum(optimizer.state[p]["exp_avg"].double().norm() for p in pl_module.parameters() if p in optimizer.state)))
+        assert len(wrapper.state) == len(optimizer.state) == sum(1 for p in pl_module.parameters() if p.requires_grad)
+        if batch_idx == 2:
+            for state in optimizer.state.values():
+                state["exp_avg"].zero_()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_optimizer_states_read_and_written_between_steps(tmp_path, placement):
+    """The user's optimizer's ``state`` holds the real states during training (it used to be
+    empty under offloading), on NVMe too, and what a callback writes there is what the next
+    update starts from."""
+    callbacks = [OptimizerStates(), OptimizerStates()]
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Net, callbacks=(callbacks[0],))
+    losses, weights, _ = fit(tiered(placement, tmp_path), tmp_path / "tiered", Net, callbacks=(callbacks[1],))
+    assert callbacks[0].norms == callbacks[1].norms and callbacks[1].norms[0] > 0
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
 class Validated(Net):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.loss(batch)
@@ -698,8 +728,9 @@ def test_a_shared_embedding_trains_at_the_smallest_gpu_tier_set_up_accepts(tmp_p
 
 def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activations(tmp_path):
     """Under the default policy the blocks' activations share the GPU tier and are measured in the
-    first step: set-up's minimum says it counts parameters alone, the second step names the
-    minimum for both, and at that minimum the model trains as plain Lightning does."""
+    first step: set-up's minimum says it counts parameters alone, the first step's forward names
+    the minimum for both before anything is updated, and at that minimum the model trains as
+    plain Lightning does."""
     import re
 
     from offload_strategy.planning.placement import PlacementError
@@ -713,8 +744,10 @@ def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activa
 
     with pytest.raises(PlacementError, match=r"for parameters alone: with policy.activations='auto'") as refused:
         fit(strategy(1024), tmp_path / "small", T5, steps=1)
-    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits") as stopped:
-        fit(strategy(int(minimum(refused.value, "to at least") * 1.05)), tmp_path / "parameters", T5, steps=3)
+    batches = Losses()
+    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits .* before any update") as stopped:
+        fit(strategy(int(minimum(refused.value, "to at least") * 1.05)), tmp_path / "parameters", T5, steps=3, callbacks=(batches,))
+    assert batches.values == [], "the run trained a step before it stopped"
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", T5, steps=4)
     losses, weights, _ = fit(strategy(int(minimum(stopped.value, "must be at least") * 1.05)), tmp_path / "tiered", T5, steps=4)
     assert losses == plain_losses

@@ -178,6 +178,8 @@ class TieredEngine(UnitUpdates, GradientExchange):
         # units read as an attribute between steps: unit -> (host buffer bound, its value when lent) for NVMe, None for host
         self._offloaded = offloaded_class(self._lend_parameter)  # the class of parameters at placeholders
         self._lent: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # NVMe units whose optimizer states were read through the user's optimizer between steps: unit -> (buffer, its value when lent)
+        self._lent_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._phase = "forward"
         self._active = False  # inside a training step: the prefetch table applies
         self._update_in_backward = False  # this backward ends a step: update units as their gradients complete
@@ -393,9 +395,36 @@ class TieredEngine(UnitUpdates, GradientExchange):
         self._lent[index] = (buffer, buffer.clone())
 
     @torch.no_grad()
+    def _lend_states(self, unit_index: int) -> None:
+        """An NVMe unit's optimizer states read through the user's optimizer (``optimizer.state``)
+        between steps: read into host memory until the next step takes them back (written home
+        if changed). Inside a step they are the update's own."""
+        states = self.nvme_states
+        if self._active or self._closed or states is None or not states.known(unit_index) or unit_index in self._lent_states:
+            return
+        if self.states[unit_index].home != NVME:
+            return
+        buffer = torch.empty(states.sizes[unit_index], dtype=torch.uint8)
+        states.load(unit_index, buffer)
+        self._lent_states[unit_index] = (buffer, buffer.clone())
+
+    @contextlib.contextmanager
+    def _states_materialized(self) -> Iterator[None]:
+        """Every NVMe unit's optimizer states in memory (a checkpoint), after lent ones went home."""
+        self._take_back()
+        with self.nvme_states.materialized():
+            yield
+
+    @torch.no_grad()
     def _take_back(self) -> None:
         """Units lent between steps return: what was written goes home, fp32 masters kept apart
         from a written 16-bit parameter take its new value, NVMe units point at placeholders again."""
+        lent_states, self._lent_states = self._lent_states, {}
+        for index, (buffer, before) in lent_states.items():
+            if torch.equal(buffer, before):
+                self.nvme_states.drop(index)
+            else:
+                self.nvme_states.save(index, buffer)
         lent, self._lent = self._lent, {}
         for index, held in lent.items():
             s = self.states[index]

@@ -122,6 +122,10 @@ class NvmeOptimizerStates:
             written.result()
         return written
 
+    def drop(self, unit: int) -> None:
+        """The unit's states, unchanged since loaded, leave memory (placeholders again)."""
+        self._drop(unit)
+
     def _drop(self, unit: int) -> None:
         optimizer = self.owners[unit]
         for entry, placeholder in zip(self.layouts[unit], self.placeholders[unit]):

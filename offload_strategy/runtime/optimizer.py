@@ -23,10 +23,11 @@ and any per-parameter optimizer works unchanged. Optimizers that need the whole 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -297,6 +298,9 @@ class UnitOptimizers:
 
     def _patch_facade(self) -> None:
         self._materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        # what reading a unit's states needs first (the engine lends an NVMe unit's states)
+        self.lend_states: Callable[[int], None] = lambda unit_index: None
+        self.facade.state = LiveState(self)  # type: ignore[assignment]
         units = self
 
         def state_dict(facade: torch.optim.Optimizer) -> dict[str, Any]:
@@ -324,6 +328,7 @@ class UnitOptimizers:
 
     def restore_facade(self, materialize: Callable[[], contextlib.AbstractContextManager]) -> None:
         """End of training: the facade holds the real states of its own parameters, as after plain training."""
+        self.facade.state = collections.defaultdict(dict)
         with materialize():
             for slot in self.all_slots():
                 for position, (p, master) in enumerate(zip(slot.params, slot.masters)):
@@ -338,6 +343,51 @@ class UnitOptimizers:
         self.on_zero_grad = lambda units: None
         for name in ("state_dict", "load_state_dict", "zero_grad"):
             self.facade.__dict__.pop(name, None)
+
+
+class LiveState(MutableMapping):
+    """The facade's ``state`` during training: each parameter's entry is its unit optimizer's state
+    for its master, the same dict and tensors, so that code reading or changing optimizer states
+    (a callback logging Adam's moments, Lightning moving states between devices) sees and changes
+    the real ones. An NVMe unit's states are lent on first read (see the engine)."""
+
+    def __init__(self, units: "UnitOptimizers") -> None:
+        self.units = units
+
+    def _locate(self, p: Any) -> tuple[dict, torch.Tensor, int]:
+        found = self.units.slot_of.get(id(p))
+        if found is None:
+            raise KeyError(p)
+        slot, position = found
+        return slot.inner.state, slot.masters[position], slot.unit_index
+
+    def __getitem__(self, p: Any) -> dict:
+        state, master, unit_index = self._locate(p)
+        if master not in state:
+            raise KeyError(p)
+        self.units.lend_states(unit_index)
+        return state[master]
+
+    def __setitem__(self, p: Any, value: dict) -> None:
+        state, master, unit_index = self._locate(p)
+        self.units.lend_states(unit_index)
+        state[master] = value
+
+    def __delitem__(self, p: Any) -> None:
+        state, master, _ = self._locate(p)
+        del state[master]
+
+    def __iter__(self) -> Iterator[Any]:
+        for slot in self.units.all_slots():
+            for p, master in zip(slot.params, slot.masters):
+                if master in slot.inner.state:
+                    yield p
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"LiveState({len(self)} parameters with states)"
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:

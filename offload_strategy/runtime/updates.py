@@ -230,9 +230,10 @@ class UnitUpdates:
                 unit_optimizers.stale.update(id(m) for position, m in enumerate(slot.masters) if slot.widened(position))
         unit_optimizers.on_zero_grad = self._forget_gradients
         if self.nvme_states is not None:
-            unit_optimizers._materialize = self.nvme_states.materialized
+            unit_optimizers._materialize = self._states_materialized
             unit_optimizers.after_load = lambda: self._adopt_states(unit_optimizers)
             unit_optimizers.set_master = self._set_master
+            unit_optimizers.lend_states = self._lend_states
         return unit_optimizers
 
     def _keeps_states(self, s: UnitState) -> bool:
