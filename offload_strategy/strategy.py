@@ -365,9 +365,9 @@ class TieredMixin(ActivationControl):
         """NVMe fell short where its budget is what the disk has free: say the disk is full."""
         if not error.nvme_needed or self.nvme_path is None or self.nvme_memory.bytes is not None:
             return
-        free = disk_free(str(self.nvme_path))
         if self.budgets is not None and self.budgets.nvme >= error.nvme_needed:
             return
+        free = disk_free(str(self.nvme_path))
         raise PlacementError(
             f"{format_bytes(error.nvme_needed)} of parameters and optimizer states must go to NVMe, but the file system "
             f"under nvme_path={str(self.nvme_path)!r} has only {format_bytes(free)} free (nvme_memory="

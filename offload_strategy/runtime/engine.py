@@ -386,13 +386,18 @@ class TieredEngine(UnitUpdates, GradientExchange):
         if s.home == HOST:
             self._lent[index] = None
             return
+        buffer = self._read_home(s)
+        self._bind(s, s.unit.views(buffer))
+        self._lent[index] = (buffer, buffer.clone())
+
+    def _read_home(self, s: UnitState) -> torch.Tensor:
+        """A fresh host buffer holding an NVMe unit's bytes (from its kept copy, or from disk)."""
         buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
         if s.host_copy is not None:
             buffer.copy_(s.host_copy.tensor[: buffer.numel()])
         else:
             self.store.read(self._key(s), buffer).result()
-        self._bind(s, s.unit.views(buffer))
-        self._lent[index] = (buffer, buffer.clone())
+        return buffer
 
     @torch.no_grad()
     def _lend_states(self, unit_index: int) -> None:
@@ -824,11 +829,7 @@ class TieredEngine(UnitUpdates, GradientExchange):
         for s in self.states:
             if s.home != NVME:
                 continue
-            buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
-            if s.host_copy is not None:
-                buffer.copy_(s.host_copy.tensor[: buffer.numel()])
-            else:
-                self.store.read(self._key(s), buffer).result()
+            buffer = self._read_home(s)
             self._bind(s, s.unit.views(buffer))
             loaded.append((s, buffer))
         try:
@@ -912,9 +913,7 @@ class TieredEngine(UnitUpdates, GradientExchange):
             elif s.home == HOST and s.home_views:
                 p.data = s.home_views[i].clone()
         if s.home == NVME and self.store is not None and s.placeholders:
-            buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
-            self.store.read(self._key(s), buffer).result()
-            self._bind(s, [v.clone() for v in s.unit.views(buffer)])
+            self._bind(s, [v.clone() for v in s.unit.views(self._read_home(s))])
 
     # -- metrics ------------------------------------------------------------------------------------
 
