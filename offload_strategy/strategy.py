@@ -41,7 +41,7 @@ from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, Unit
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
 from .profiling import StepProfile
 from .runtime.activations import CHECKPOINT, ActivationPolicies, find_blocks
-from .runtime.data_parallel import DataParallel
+from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact
 from .runtime.units import build_units, master_dtype, merge_into_chunks
@@ -449,7 +449,7 @@ class TieredMixin(ActivationControl):
         """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
         return choice
 
-    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[str]:
+    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[Reduction]:
         """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
         return None
 

@@ -165,7 +165,7 @@ class ActivationControl:
         """The hooks block policies stand in for: the engine's, or without one a counter of the
         bytes kept for backward."""
         if self.engine is not None:
-            outer = (self.engine._pack, self.engine._unpack)
+            outer = (self.engine.pack_saved, self.engine.unpack_saved)
         else:
             outer = (self._count_saved, _unchanged)
         self._activations.outer = outer

@@ -31,7 +31,7 @@ from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig, format_bytes
 from .planning.placement import UnitSize
 from .planning.sharding import assign_owners
-from .runtime.data_parallel import DataParallel
+from .runtime.data_parallel import DataParallel, Reduction
 from .strategy import TierBudgets, TieredMixin
 
 if TYPE_CHECKING:
@@ -145,10 +145,10 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
         return self.broadcast(choice, src=0)
 
     @override
-    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[str]:
+    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[Reduction]:
         if trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
             return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
-        return "all" if self._needs_all_gradients(trainer) else "owner"
+        return Reduction.ALL if self._needs_all_gradients(trainer) else Reduction.OWNER
 
     # -- budgets: per rank, the same on every rank ---------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,6 +23,42 @@ class Fetch:
     event: Optional[Event] = None
 
 
+class Landing(enum.Enum):
+    """What a 16-bit gradient that landed beside an fp32 master's gradient does once waited for."""
+
+    COPY = "copy"  # replaces a gradient of an earlier accumulation
+    ADD = "add"  # adds to this accumulation's gradient
+
+
+@dataclass(eq=False)
+class GradientRecord:
+    """One parameter's gradient at an offloaded unit's home, in its master's dtype."""
+
+    home: Optional[torch.Tensor] = None  # None while the parameter is frozen
+    # fp32 masters: where the 16-bit gradient lands (pinned, the copy is async) before widening
+    landing: Optional[torch.Tensor] = None
+    fresh: bool = False  # ``home`` holds this accumulation's gradient
+    event: Optional[Event] = None  # the copy from the GPU tier in flight
+    pending: Optional[Landing] = None
+
+    def wait(self) -> None:
+        """The copy in flight has landed and, for an fp32 master, has been widened into ``home``."""
+        if self.event is not None:
+            self.event.wait()
+            self.event = None
+        if self.pending is not None:
+            if self.pending is Landing.ADD:
+                self.home.add_(self.landing)
+            else:
+                self.home.copy_(self.landing)
+            self.pending = None
+
+    def value(self) -> Optional[torch.Tensor]:
+        """This accumulation's gradient once landed; None if there is none."""
+        self.wait()
+        return self.home if self.fresh else None
+
+
 @dataclass(eq=False)
 class UnitState:
     unit: TransferUnit
@@ -31,13 +68,7 @@ class UnitState:
     placeholders: list[torch.Tensor] = field(default_factory=list)  # NVME units while not resident
     master_dtypes: list[torch.dtype] = field(default_factory=list)  # per param: what it is updated in
     master_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # HOST units: fp32 masters of low-precision params
-    grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)  # host gradient home per param, in its master dtype
-    grad_fresh: list[bool] = field(default_factory=list)
-    grad_events: list[Optional[Event]] = field(default_factory=list)
-    # fp32 masters: a 16-bit gradient lands here (pinned, the copy is async) and is widened into
-    # grad_views when waited for, copied over a stale gradient or added to a fresh one
-    grad_landing: list[Optional[torch.Tensor]] = field(default_factory=list)
-    grad_pending: list[Optional[str]] = field(default_factory=list)  # None, "copy" or "add"
+    grads: list[GradientRecord] = field(default_factory=list)  # offloaded units: one per parameter
     fetch: Optional[Fetch] = None
     host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
     pins: int = 0
@@ -59,6 +90,12 @@ class UnitState:
     @property
     def resident(self) -> bool:
         return self.device_slot is not None and self.fetch is None
+
+    def wait_reductions(self) -> None:
+        """Data parallel: this unit's gradient reductions in flight have finished."""
+        works, self.reductions = self.reductions, []
+        for work in works:
+            work.wait()
 
 
 def nan_placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,291 @@
+"""The GPU tier as a cache of units: fetch on demand, prefetch along the profiled order (10Cache
+Alg. 3), evict by next use (Belady over the prefetch table), and the NVMe staging buffers units
+pass through (with the copies they keep, 10Cache Alg. 4).
+
+Correctness never depends on the prefetch table (docs/architecture.md, invariants): a unit that is
+not resident when needed is fetched synchronously and counted as a miss.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+
+from ..memory import Slot
+from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, align
+from .context import EngineContext, Phase
+from .metrics import HIT, LATE_HIT, MISS
+from .state import Fetch, UnitState
+
+# How many table entries ahead the scheduler looks for units to prefetch.
+PREFETCH_LOOKAHEAD = 16
+# Units used most recently in backward are never evicted: an autograd node may still hold views
+# of their buffers while it unpacks its other saved tensors.
+RECENT_GUARD = 2
+# Units fetched because a parameter was read outside its module's forward stay resident while
+# this many other such units are fetched after them.
+TOUCHED_GUARD = 4
+
+
+class UnitCache:
+    """Which offloaded units are resident in the GPU tier's streaming buffers, and why."""
+
+    def __init__(self, ctx: EngineContext, prefetch: bool = True) -> None:
+        self.ctx = ctx
+        self.prefetch_ahead = prefetch  # False: each unit is fetched when a module asks for it
+        self.recent: deque[int] = deque(maxlen=RECENT_GUARD)
+        self.touched: deque[int] = deque(maxlen=TOUCHED_GUARD)  # units fetched by an attribute read
+        memory = ctx.memory
+        persistent = [s for s in ctx.states if s.home == GPU]
+        # Address of every GPU-tier buffer, to find which unit a saved tensor aliases by bisection.
+        self.slot_starts = sorted([s.device_slot.tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in memory.device_pool.slots])
+        self.slot_owner: dict[int, UnitState] = {s.device_slot.tensor.data_ptr(): s for s in persistent}
+
+    def new_step(self) -> None:
+        self.recent.clear()
+        self.touched.clear()
+
+    def owner(self, ptr: int) -> Optional[UnitState]:
+        """The streamed unit whose GPU-tier buffer holds address ``ptr`` (None: persistent or none)."""
+        start = self.slot_starts[bisect.bisect_right(self.slot_starts, ptr) - 1]
+        s = self.slot_owner.get(start)
+        if s is None or s.home == GPU or ptr >= start + s.device_slot.slot_bytes:
+            return None
+        return s
+
+    def owner_offset(self, s: UnitState, ptr: int) -> int:
+        return ptr - s.device_slot.tensor.data_ptr()
+
+    # Views made under inference mode (evaluation loops) would be inference tensors, which training
+    # could not update in place later: the cache makes all of its views outside it.
+    @torch.inference_mode(False)
+    def request(self, index: int) -> torch.Tensor:
+        """Make unit ``index`` resident in the GPU tier and bind its parameters there."""
+        ctx = self.ctx
+        s = ctx.states[index]
+        if s.home == GPU:
+            return s.device_slot.tensor
+        active = ctx.step.active
+        if active and not ctx.table.record(index):
+            ctx.requests.out_of_order += 1
+        if s.resident:
+            kind, waited = HIT, 0.0
+        elif s.fetch is not None:
+            kind = LATE_HIT if not _fetch_done(s.fetch) else HIT
+            waited = self.complete(s)
+        else:
+            kind = MISS
+            start = time.perf_counter()
+            self._start_fetch(s, evict=True)
+            self.complete(s)
+            waited = time.perf_counter() - start
+        ctx.requests.add(kind, waited)
+        ctx.step.stalled_seconds += waited
+        if not s.bound:
+            ctx.bind(s, s.unit.views(s.device_slot.tensor))
+            s.bound = True
+        if not self.recent or self.recent[-1] != index:
+            self.recent.append(index)
+        if active:
+            s.pins += 1  # what is prefetched now must not push out what was just asked for
+            try:
+                self.prefetch()
+            finally:
+                s.pins -= 1
+        return s.device_slot.tensor
+
+    def touch(self, index: int) -> None:
+        """A read outside a hooked forward: fetch now, and keep the unit while a few others come
+        and go (the caller is about to compute with it)."""
+        self.touched.append(index)
+        self.request(index)
+
+    def prefetch(self) -> None:
+        """10Cache Alg. 3: bring the next units of the table into free buffers, asynchronously."""
+        self._progress_nvme()
+        if not self.prefetch_ahead:
+            return
+        ctx = self.ctx
+        for index in ctx.table.upcoming(PREFETCH_LOOKAHEAD):
+            s = ctx.states[index]
+            if s.home == GPU or s.device_slot is not None:
+                continue
+            size = ctx.memory.own_class(s.unit.nbytes)
+            if not ctx.memory.device_pool.free_slots(size) and not self._evict_farther_than(index, size):
+                break
+            if not self._start_fetch(s, evict=False):
+                break
+
+    def _evict_farther_than(self, index: int, size: int) -> bool:
+        """Evict a unit of buffer size ``size`` needed later than ``index`` (Belady), never one in use."""
+        table = self.ctx.table
+        distance = table.next_use(index)
+        victim = table.farthest([i for i in self.evictable(hard=False) if self.ctx.states[i].device_slot.slot_bytes == size])
+        victim_distance = table.next_use(victim) if victim is not None else None
+        if victim is None or (victim_distance is not None and distance is not None and victim_distance <= distance):
+            return False
+        self.evict(victim)
+        return True
+
+    def _start_fetch(self, s: UnitState, evict: bool) -> bool:
+        # A prefetch only takes a free buffer of the unit's own size class: parking a small unit in
+        # a large buffer would leave a large unit nowhere to go.
+        ctx = self.ctx
+        pool = ctx.memory.device_pool
+        size = ctx.memory.own_class(s.unit.nbytes)
+        slot = pool.acquire(size) if pool.free_slots(size) else None
+        if slot is None and evict:
+            slot = self._evict_for(s.unit.nbytes)
+            if slot is None:
+                in_use = [x.unit.name for x in ctx.states if x.pins > 0 or x.recompute_pinned]
+                raise RuntimeError(
+                    f"no GPU-tier buffer of {s.unit.nbytes} bytes is free for unit {s.unit.name!r}: every buffer holds a unit "
+                    f"in use ({', '.join(in_use) or 'none'}). The modules in use (with activation checkpointing: every module of "
+                    f"the recomputed block) need more than gpu_memory holds; raise gpu_memory."
+                )
+        if slot is None:
+            return False
+        fetch = Fetch(slot=slot)
+        n = s.unit.nbytes
+        if s.home == HOST:
+            fetch.event = ctx.device.copy_to_device(slot.tensor[:n], ctx.home_bytes(s))
+        elif s.host_copy is not None:
+            # The copy kept in host memory is current: no NVMe read (10Cache Alg. 4).
+            fetch.event = ctx.device.copy_to_device(slot.tensor[:n], s.host_copy.tensor[:n])
+            ctx.requests.nvme_reads_avoided += 1
+        else:
+            staging = self.staging(n, wait=evict, keep=s)
+            if staging is None:  # no staging buffer free: leave it for an on-demand fetch
+                pool.release(slot)
+                return False
+            fetch.staging = staging
+            fetch.nvme = ctx.store.read(ctx.key(s), staging.tensor[: align(n, HOST_SLOT_ALIGNMENT)])
+        s.device_slot, s.fetch = slot, fetch
+        self.slot_owner[slot.tensor.data_ptr()] = s
+        return True
+
+    def complete(self, s: UnitState) -> float:
+        """Wait for the unit's fetch to finish; returns seconds this thread was blocked."""
+        fetch = s.fetch
+        start = time.perf_counter()
+        if fetch.nvme is not None:
+            fetch.nvme.result()
+            fetch.event = self.ctx.device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
+            fetch.nvme = None
+        self.ctx.device.wait(fetch.event)
+        if fetch.staging is not None:
+            s.host_copy = fetch.staging  # keep it: backward and the optimizer step need the unit again
+        s.fetch = None
+        return time.perf_counter() - start
+
+    def staging(self, nbytes: int, wait: bool, keep: Optional[UnitState] = None) -> Optional[Slot]:
+        """A free staging buffer, dropping the kept host copy needed farthest ahead (never ``keep``'s) if none is free."""
+        pool = self.ctx.memory.staging_pool
+        slot = pool.try_acquire(nbytes)
+        while slot is None:
+            victim = self._copy_to_drop(nbytes, wait, keep)
+            if victim is not None:
+                pool.release(victim.host_copy)
+                victim.host_copy = None
+            elif wait and any(x.fetch is not None and x.fetch.staging is not None for x in self.ctx.states):
+                self.drain_staging()
+            else:
+                return None
+            slot = pool.try_acquire(nbytes)
+        return slot
+
+    def _copy_to_drop(self, nbytes: int, wait: bool, keep: Optional[UnitState]) -> Optional[UnitState]:
+        ctx = self.ctx
+        kept = [x.unit.index for x in ctx.states if x.host_copy is not None and x.fetch is None and x is not keep and x.host_copy.slot_bytes >= nbytes]
+        victim = ctx.states[ctx.table.farthest(kept)] if kept else None
+        if victim is not None and not wait and keep is not None:
+            # a prefetch may only displace a copy needed later than the unit it brings in
+            theirs, ours = ctx.table.next_use(victim.unit.index), ctx.table.next_use(keep.unit.index)
+            if theirs is not None and (ours is None or theirs <= ours):
+                return None
+        return victim
+
+    def drop_host_copy(self, s: UnitState) -> None:
+        if s.host_copy is not None:
+            self.ctx.memory.staging_pool.release(s.host_copy)
+            s.host_copy = None
+
+    def drain_staging(self) -> None:
+        for s in self.ctx.states:
+            if s.fetch is not None and s.fetch.staging is not None:
+                self.complete(s)
+
+    def _progress_nvme(self) -> None:
+        """Start the host → GPU copy of NVMe reads that have landed."""
+        device = self.ctx.device
+        for s in self.ctx.states:
+            fetch = s.fetch
+            if fetch is not None and fetch.nvme is not None and fetch.nvme.done():
+                fetch.nvme.result()
+                fetch.nvme = None
+                fetch.event = device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
+
+    def evictable(self, hard: bool) -> list[int]:
+        """Resident offloaded units not in use. Soft protection (units whose gradients are still
+        coming, units backward used last) is dropped when nothing else can make room."""
+        backward = self.ctx.step.phase is Phase.BACKWARD
+        out = []
+        for s in self.ctx.states:
+            if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned:
+                continue
+            # read as an attribute outside a forward: kept while there is room, never at the cost
+            # of a module that needs a buffer now (the placement's minimum does not count them)
+            touched = s.unit.index in self.touched
+            waiting_for_grads = s.used_in_backward and s.grads_arrived < len(s.unit.trainable)
+            if not hard and (touched or waiting_for_grads or (backward and s.unit.index in self.recent)):
+                continue
+            out.append(s.unit.index)
+        return out
+
+    def _evict_for(self, nbytes: int) -> Optional[Slot]:
+        """A buffer for ``nbytes``: a free one, else by evicting the unit needed farthest ahead,
+        trying the unit's own size class before larger ones, and units no one still waits for
+        (gradients, a recent backward use) before any other."""
+        ctx = self.ctx
+        pool = ctx.memory.device_pool
+        sizes = [c for c in ctx.memory.class_sizes if c >= nbytes]
+        while True:
+            for hard in (False, True):
+                for size in sizes:
+                    if pool.free_slots(size):
+                        return pool.acquire(size)
+                    victims = [i for i in self.evictable(hard) if ctx.states[i].device_slot.slot_bytes == size]
+                    if victims:
+                        self.evict(ctx.table.farthest(victims))
+                        return pool.acquire(size)
+            if not any(x.fetch is not None for x in ctx.states):
+                return None
+            self.drain_prefetches()  # units in flight become evictable once they land
+
+    def drain_prefetches(self) -> None:
+        for s in self.ctx.states:
+            if s.fetch is not None:
+                self.complete(s)
+
+    def evict(self, index: int) -> None:
+        s = self.ctx.states[index]
+        if s.fetch is not None:
+            self.complete(s)
+        self.ctx.bind(s, s.home_views if s.home == HOST else s.placeholders)
+        s.bound = False
+        del self.slot_owner[s.device_slot.tensor.data_ptr()]
+        self.ctx.memory.device_pool.release(s.device_slot)
+        s.device_slot = None
+
+    def evict_all(self) -> None:
+        for s in self.ctx.states:
+            if s.home != GPU and s.device_slot is not None:
+                self.evict(s.unit.index)
+
+
+def _fetch_done(fetch: Fetch) -> bool:
+    return (fetch.nvme is None or fetch.nvme.done()) and fetch.event is not None and fetch.event.done()

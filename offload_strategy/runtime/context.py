@@ -1,0 +1,94 @@
+"""What the engine's collaborators share: one context, made by the engine and passed to each
+constructor (as FSDP2's ``FSDPParamGroup`` receives its ``FSDPCommContext``). The collaborators
+read and change the unit states through it; none of them holds another's state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..hardware.device import Device
+from ..memory.nvme import NvmeStore
+from ..planning.placement import HOST_SLOT_ALIGNMENT, Placement, align
+from .metrics import RequestStats
+from .offloaded import mark_offloaded, mark_present
+from .scheduler import PrefetchTable
+from .state import UnitState
+from .tiers import TierMemory
+
+
+class Phase(enum.Enum):
+    """Which half of a training step the engine is in (decided by what autograd runs)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(eq=False)
+class StepState:
+    """The step in progress, as the engine sets it at its boundaries."""
+
+    active: bool = False  # inside a training or evaluation step: the prefetch table applies
+    phase: Phase = Phase.FORWARD
+    update_in_backward: bool = False  # this backward ends a step: units update as their gradients complete
+    clip_value: Optional[float] = None  # gradient clipping by value, applied per unit
+    stalled_seconds: float = 0.0  # the training thread's waits for units, cumulative over the run
+
+
+@dataclass(eq=False)
+class EngineContext:
+    """The unit states, the tiers' memory and the NVMe store, and the step in progress."""
+
+    device: Device
+    placement: Placement
+    states: list[UnitState]
+    memory: TierMemory
+    offloaded_class: type  # the class of parameters at placeholders (runtime/offloaded.py)
+    store: Optional[NvmeStore] = None
+    table: PrefetchTable = field(default_factory=PrefetchTable)
+    requests: RequestStats = field(default_factory=RequestStats)
+    step: StepState = field(default_factory=StepState)
+    param_slot: dict[int, tuple[UnitState, int]] = field(default_factory=dict)  # id(param) -> (unit, position)
+    fp32_masters: bool = False
+
+    @staticmethod
+    def key(s: UnitState) -> str:
+        """The NVMe file of a unit's parameters."""
+        return f"unit{s.unit.index}"
+
+    def bind(self, s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
+        """Point the unit's parameters at ``tensors`` (its placeholders: marked offloaded)."""
+        away = bool(s.placeholders) and tensors is s.placeholders
+        for p, name, t in zip(s.unit.params, s.unit.param_names, tensors):
+            mark_present(p)
+            p.data = t
+            if away:
+                mark_offloaded(p, self.offloaded_class, name)
+
+    def read_home(self, s: UnitState) -> torch.Tensor:
+        """A fresh host buffer holding an NVMe unit's bytes (from its kept copy, or from disk)."""
+        buffer = torch.empty(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+        if s.host_copy is not None:
+            buffer.copy_(s.host_copy.tensor[: buffer.numel()])
+        else:
+            self.store.read(self.key(s), buffer).result()
+        return buffer
+
+    def write_home(self, s: UnitState, buffer: torch.Tensor) -> None:
+        """An NVMe unit's new bytes go home (and to its kept host copy)."""
+        self.store.write(self.key(s), buffer).result()
+        if s.host_copy is not None:
+            s.host_copy.tensor[: buffer.numel()].copy_(buffer)
+
+    def home_bytes(self, s: UnitState) -> torch.Tensor:
+        """A host unit's home as one byte range (its views are consecutive in one slab slot)."""
+        slab = self.memory.slab.tensor
+        start = s.home_views[0].data_ptr() - slab.data_ptr()
+        return slab[start : start + s.unit.nbytes]
+
+

@@ -1,0 +1,198 @@
+"""The gradient path: gradients of offloaded units reach their homes in host memory as autograd
+produces them — copied from the GPU tier, or accumulated there directly (GO-MemFerry §IV-D) — and
+16-bit gradients of persistent units accumulate in fp32 beside them. It says when a unit's
+gradients are complete; what happens then (a reduction, an update) is the engine's to decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+
+from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
+from .context import EngineContext
+from .optimizer import UnitOptimizers
+from .state import Landing, UnitState
+from .units import PARAM_ALIGNMENT, master_dtype
+
+
+def clip_by_value(grads: Iterable[Optional[torch.Tensor]], clip_value: Optional[float]) -> None:
+    """Clipping by value, element by element (as ``torch.nn.utils.clip_grad_value_``): exact when
+    applied unit by unit."""
+    if clip_value is None:
+        return
+    for g in grads:
+        if g is not None:
+            g.clamp_(min=-clip_value, max=clip_value)
+
+
+class GradientPath:
+    def __init__(self, ctx: EngineContext, direct_gradients: frozenset[int], data_parallel: bool, state_factor: float) -> None:
+        self.ctx = ctx
+        # offloaded units whose gradients autograd writes straight into their host buffers; a
+        # gradient bound for an fp32 master is not the parameter's dtype, so it is copied
+        self.direct = frozenset(i for i in direct_gradients if ctx.states[i].home != GPU and not ctx.states[i].widened)
+        self.counts_persistent = data_parallel  # every persistent gradient is counted for its reduction
+        self.state_factor = state_factor  # optimizer-state bytes per master byte, for states the placement did not plan
+        self.persistent: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient of a 16-bit persistent parameter
+
+    def needs_persistent_hook(self, s: UnitState, i: int) -> bool:
+        """A persistent parameter whose gradients the path receives: a 16-bit one (accumulated in
+        fp32), or any under data parallelism (counted for its reduction)."""
+        return s.master_dtypes[i] != s.unit.params[i].dtype or self.counts_persistent
+
+    def receive(self, p: torch.Tensor) -> Optional[UnitState]:
+        """An offloaded parameter's gradient was accumulated: move it home. Returns the unit when
+        this completes its gradients for the backward."""
+        s, i = self.ctx.param_slot[id(p)]
+        record = s.grads[i]
+        grad, home = p.grad, record.home
+        if grad is None or home is None:
+            return None
+        if s.unit.index in self.direct and grad.data_ptr() == home.data_ptr():
+            record.fresh = True  # already accumulated in place, at home
+        elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
+            record.wait()
+            record.event = self.ctx.device.copy_to_host(record.landing, grad)
+            record.pending = Landing.ADD if record.fresh else Landing.COPY
+            record.fresh = True
+        elif record.fresh:
+            record.wait()
+            home.add_(grad.to(home.device))
+        else:
+            record.event = self.ctx.device.copy_to_host(home, grad)
+            record.fresh = True
+        if grad.data_ptr() != home.data_ptr():
+            p.grad = None
+        s.grads_arrived += 1
+        if s.grads_arrived < len(s.unit.trainable):
+            return None
+        s.recompute_pinned = False
+        return s
+
+    def receive_persistent(self, p: torch.Tensor) -> Optional[UnitState]:
+        """A persistent parameter's gradient: a 16-bit one widened and accumulated in fp32 in the
+        GPU tier. Returns the unit when, under data parallelism, this completes its gradients."""
+        if p.grad is None:
+            return None
+        s, i = self.ctx.param_slot[id(p)]
+        if s.master_dtypes[i] != p.dtype:
+            total = self.persistent.get(id(p))
+            if total is None:
+                self.persistent[id(p)] = p.grad.to(torch.float32)
+            else:
+                total.add_(p.grad)
+            p.grad = None
+        if not self.counts_persistent:
+            return None
+        s.grads_arrived += 1
+        return s if s.grads_arrived == len(s.unit.trainable) else None
+
+    @torch.no_grad()
+    def attach_direct(self) -> None:
+        """Right before backward — after Lightning's ``zero_grad`` — make each direct unit's host
+        buffer its parameter's ``.grad``, so autograd accumulates into it in place (GO-MemFerry);
+        zeroed when a new accumulation starts."""
+        for index in self.direct:
+            s = self.ctx.states[index]
+            for record, p in zip(s.grads, s.unit.params):
+                if record.home is None:
+                    continue
+                if not record.fresh:
+                    record.home.zero_()
+                p.grad = record.home
+
+    def unit_gradients(self, s: UnitState) -> list[torch.Tensor]:
+        """The unit's gradients for this step, at the place where its update reads them."""
+        if s.home == GPU:
+            grads = [self.persistent.get(id(p), p.grad) for p in s.unit.trainable]
+            return [g for g in grads if g is not None]
+        out = []
+        for record, p in zip(s.grads, s.unit.params):
+            if p.requires_grad and record.home is not None and record.fresh:
+                record.wait()  # the copy from the GPU tier has landed
+                out.append(record.home)
+        return out
+
+    def for_update(self, s: UnitState, positions: list[int]) -> list[Optional[torch.Tensor]]:
+        """An offloaded unit's gradients once complete (reduced, landed), clipped by value where asked."""
+        s.wait_reductions()
+        grads = [s.grads[i].value() for i in positions]
+        clip_by_value(grads, self.ctx.step.clip_value)
+        return grads
+
+    def has_gradient(self, s: UnitState, i: int, p: torch.Tensor) -> bool:
+        if s.home == GPU:
+            return id(p) in self.persistent or p.grad is not None
+        return s.grads[i].home is not None and s.grads[i].fresh
+
+    def zero(self, s: UnitState, i: int, p: torch.Tensor) -> None:
+        """A parameter unused on this rank but used on another: it contributes zeros."""
+        if s.home == GPU:
+            if s.master_dtypes[i] != p.dtype:
+                self.persistent[id(p)] = torch.zeros(p.shape, dtype=s.master_dtypes[i], device=p.device)
+            else:
+                p.grad = torch.zeros_like(p)
+        elif s.grads[i].home is not None:
+            s.grads[i].wait()
+            s.grads[i].home.zero_()
+            s.grads[i].fresh = True
+
+    def stand_in(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """Another rank's unit under sharded states: a tensor of the gradient's shape carrying the
+        reduced gradient, so that it counts towards the norm and the overflow check."""
+        s, i = self.ctx.param_slot[id(p)]
+        s.wait_reductions()
+        grad = self.persistent.get(id(p), p.grad) if s.home == GPU else s.grads[i].value()
+        if grad is None:
+            return None
+        stand_in = torch.empty((1,), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        stand_in.grad = grad
+        return stand_in
+
+    def forget(self, unit_optimizers: UnitOptimizers) -> None:
+        """The facade's ``zero_grad`` (or its step's end): its parameters' gradients start afresh;
+        other optimizers' gradients stay, as in plain training."""
+        for p in unit_optimizers.order:
+            self.persistent.pop(id(p), None)
+            found = self.ctx.param_slot.get(id(p))
+            if found is None or found[0].home == GPU:
+                continue
+            s, i = found
+            s.grads[i].wait()
+            s.grads[i].fresh = False
+
+    def forget_all(self) -> None:
+        self.persistent.clear()
+        for s in self.ctx.states:
+            for record in s.grads:
+                record.wait()
+                record.fresh = False
+
+    def start(self, s: UnitState, i: int, p: torch.Tensor) -> None:
+        """A parameter became trainable during training: its gradient home (outside the slab, for
+        one frozen at set-up), and a gradient autograd already left in ``.grad`` moved there."""
+        if master_dtype(p, self.ctx.fp32_masters) != s.master_dtypes[i]:
+            raise RuntimeError(
+                f"parameter {s.unit.param_names[i]!r} became trainable during training, but under this precision it needs an "
+                f"fp32 master that set-up did not plan for a frozen parameter. Unfreeze it before fit, or use a '*-mixed' "
+                f"precision (parameters stay fp32)."
+            )
+        if s.home == GPU:
+            return
+        record = s.grads[i]
+        if record.home is None:
+            record.home = torch.zeros(p.shape, dtype=s.master_dtypes[i])
+            if s.home == NVME:  # room for the optimizer states the placement did not plan for a frozen parameter
+                nbytes = record.home.numel() * record.home.element_size()
+                self.ctx.store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)
+        if p.grad is not None:
+            record.wait()
+            if record.fresh:
+                record.home.add_(p.grad.to(record.home.device))
+            else:
+                record.home.copy_(p.grad)
+            record.fresh = True
+            p.grad = None

@@ -1,0 +1,112 @@
+"""Parameters and optimizer states read or written by user code between steps (a callback, a
+logger, an EMA, a checkpoint): they hold their true values at home, where writes are kept. Host
+units are bound there already; an NVMe unit is *lent* — read into a host buffer until the next
+step, optimizer step or checkpoint takes it back, and written home if it changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+
+from ..planning.placement import HOST, NVME
+from .cache import UnitCache
+from .context import EngineContext
+from .nvme_states import NvmeOptimizerStates
+from .state import UnitState
+from .updates import UnitUpdater
+
+
+class Lending:
+    def __init__(self, ctx: EngineContext, cache: UnitCache, updater: UnitUpdater, nvme_states: Optional[NvmeOptimizerStates]) -> None:
+        self.ctx, self.cache, self.updater, self.nvme_states = ctx, cache, updater, nvme_states
+        # unit -> (host buffer bound, its value when lent) for NVMe, None for host
+        self.lent: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # NVMe units whose optimizer states were read through the user's optimizer: unit -> (buffer, its value when lent)
+        self.lent_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.closed = False
+
+    @torch.no_grad()
+    def lend(self, s: UnitState) -> None:
+        index = s.unit.index
+        if index in self.lent:
+            return
+        if s.device_slot is not None:
+            self.cache.evict(index)  # a GPU-tier copy would take writes that never reach home
+        if s.home == HOST:
+            self.lent[index] = None
+            return
+        buffer = self.ctx.read_home(s)
+        self.ctx.bind(s, s.unit.views(buffer))
+        self.lent[index] = (buffer, buffer.clone())
+
+    @torch.no_grad()
+    def lend_states(self, unit_index: int) -> None:
+        """An NVMe unit's optimizer states read through the user's optimizer (``optimizer.state``)
+        between steps. Inside a step they are the update's own."""
+        states = self.nvme_states
+        if self.ctx.step.active or self.closed or states is None or not states.known(unit_index) or unit_index in self.lent_states:
+            return
+        if self.ctx.states[unit_index].home != NVME:
+            return
+        buffer = torch.empty(states.sizes[unit_index], dtype=torch.uint8)
+        states.load(unit_index, buffer)
+        self.lent_states[unit_index] = (buffer, buffer.clone())
+
+    @contextlib.contextmanager
+    def states_materialized(self) -> Iterator[None]:
+        """Every NVMe unit's optimizer states in memory (a checkpoint), after lent ones went home."""
+        self.take_back()
+        with self.nvme_states.materialized():
+            yield
+
+    @torch.no_grad()
+    def take_back(self) -> None:
+        """Units lent between steps return: what was written goes home, fp32 masters kept apart
+        from a written 16-bit parameter take its new value, NVMe units point at placeholders again."""
+        lent_states, self.lent_states = self.lent_states, {}
+        for index, (buffer, before) in lent_states.items():
+            if torch.equal(buffer, before):
+                self.nvme_states.drop(index)
+            else:
+                self.nvme_states.save(index, buffer)
+        lent, self.lent = self.lent, {}
+        for index, held in lent.items():
+            s = self.ctx.states[index]
+            if held is None:
+                written = [m is not None and not torch.equal(h, m.to(h.dtype)) for h, m in zip(s.home_views, s.master_views)]
+            else:
+                buffer, before = held
+                written = [not torch.equal(a, b) for a, b in zip(s.unit.views(buffer), s.unit.views(before))]
+                if any(written):
+                    self.ctx.write_home(s, buffer)
+                self.ctx.bind(s, s.placeholders)
+            self.updater.mark_masters_stale({id(p) for p, w in zip(s.unit.params, written) if w})
+
+    @contextlib.contextmanager
+    def materialized(self, writeback: bool = False) -> Iterator[None]:
+        """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
+        self.take_back()
+        self.cache.evict_all()
+        self.cache.drain_staging()
+        # Fresh buffers, not staging ones: every NVMe unit is bound at once, and staging buffers
+        # are fewer than units.
+        loaded: list[tuple[UnitState, torch.Tensor]] = []
+        for s in self.ctx.states:
+            if s.home != NVME:
+                continue
+            buffer = self.ctx.read_home(s)
+            self.ctx.bind(s, s.unit.views(buffer))
+            loaded.append((s, buffer))
+        try:
+            yield
+        finally:
+            if writeback:
+                self.updater.mark_masters_stale()
+            for s, buffer in loaded:
+                if writeback:
+                    self.ctx.write_home(s, buffer)
+                self.ctx.bind(s, s.placeholders)

@@ -1,0 +1,118 @@
+"""The memory one placement needs, allocated once: the GPU tier's arena (persistent units, then
+the streaming buffers) and the pinned host slab (host homes, gradient homes, the NVMe staging
+and update buffers), carved into the unit states' views."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from ..hardware.device import Device
+from ..memory import HostSlab, SizeClass, Slot, SlotPool
+from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME_STAGING_BUFFERS, UPDATE_STAGING_BUFFERS, Placement, align
+from .state import GradientRecord, UnitState
+
+
+@dataclass(eq=False)
+class TierMemory:
+    arena: torch.Tensor  # the whole GPU tier
+    device_pool: SlotPool  # streaming buffers
+    class_sizes: list[int]  # the streaming buffers' sizes, ascending
+    slab: HostSlab
+    staging_pool: SlotPool  # what NVMe units pass through on their way to the GPU tier
+    update_pool: SlotPool  # the update worker's own staging buffers
+    update_buffers: int
+    master_region: torch.Tensor  # fp32 masters of host-homed 16-bit units (never transferred: not pinned)
+
+    @classmethod
+    def allocate(cls, states: list[UnitState], placement: Placement, device: Device) -> "TierMemory":
+        arena, device_pool, class_sizes = _device_tier(states, placement, device)
+        slab, staging_pool, update_pool, update_buffers = _host_tier(states, placement, device)
+        return cls(arena, device_pool, class_sizes, slab, staging_pool, update_pool, update_buffers, _master_region(states))
+
+    def own_class(self, nbytes: int) -> int:
+        """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
+        return self.class_sizes[bisect.bisect_left(self.class_sizes, nbytes)]
+
+    def host_fixed_bytes(self) -> int:
+        """Host homes and gradients in the slab (the staging buffers excluded)."""
+        return self.slab.nbytes - self.staging_pool.capacity_bytes
+
+
+def _device_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[torch.Tensor, SlotPool, list[int]]:
+    persistent = [s for s in states if s.home == GPU]
+    persistent_bytes = sum(align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT) for s in persistent)
+    classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.device_slots.items(), reverse=True)]
+    stream_bytes = SlotPool.required_bytes(classes, DEVICE_SLOT_ALIGNMENT) if classes else 0
+    arena = device.allocate(persistent_bytes + stream_bytes)
+    offset = 0
+    for s in persistent:
+        size = align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT)
+        s.device_slot = Slot(slot_bytes=size, offset=offset, tensor=arena[offset : offset + size])
+        offset += size
+    pool = SlotPool(arena[offset:], classes, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
+    return arena, pool, sorted(c.slot_bytes for c in classes)
+
+
+def _host_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[HostSlab, SlotPool, SlotPool, int]:
+    offloaded = [s for s in states if s.home != GPU]
+    home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
+    grad_bytes = sum(align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
+    grad_bytes += sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.widened)  # 16-bit landing areas
+    staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.staging_slots.items(), reverse=True)]
+    staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
+    # The update worker's own staging buffers, so it never shares one with the fetch path.
+    # Two at least (parameters and states of the unit being updated). Of the buffers the
+    # planner added beyond the minimum, half (up to four) let the worker read the next NVMe
+    # unit and write the last one back while it updates this one (LoHan Fig. 3b); the others
+    # keep NVMe units in host memory between forward and backward.
+    spare = max(staging_classes[0].count - NVME_STAGING_BUFFERS, 0) if staging_classes else 0
+    update_buffers = UPDATE_STAGING_BUFFERS + min(2 * UPDATE_STAGING_BUFFERS, spare - spare // 2)
+    update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=update_buffers) for c in staging_classes[:1]]
+    staging_classes = [SizeClass(c.slot_bytes, c.count - (update_buffers if k == 0 else 0)) for k, c in enumerate(staging_classes)]
+    slab = HostSlab(home_bytes + grad_bytes + staging_bytes, pin=device.compute.type == "cuda")
+    offset = _carve_homes(offloaded, slab.tensor)
+    update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
+    host = slab.tensor
+    update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
+    staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
+    return slab, staging_pool, update_pool, update_buffers
+
+
+def _carve_homes(offloaded: list[UnitState], host: torch.Tensor) -> int:
+    """Host homes first, then each unit's gradient homes (and 16-bit landing areas); the bytes used."""
+    offset = 0
+    for s in offloaded:
+        if s.home == HOST:
+            size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+            s.home_views = s.unit.views(host[offset : offset + size])
+            offset += size
+    for s in offloaded:
+        homes: list = [None] * len(s.unit.params)
+        if s.unit.trainable:
+            size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+            views = s.unit.typed_views(host[offset : offset + size], s.master_dtypes)
+            homes = [v if p.requires_grad else None for v, p in zip(views, s.unit.params)]
+            offset += size
+        landings: list = [None] * len(s.unit.params)
+        if s.widened:
+            size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+            views = s.unit.views(host[offset : offset + size])
+            landings = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
+            offset += size
+        s.grads = [GradientRecord(home=h, landing=landing) for h, landing in zip(homes, landings)]
+    return offset
+
+
+def _master_region(states: list[UnitState]) -> torch.Tensor:
+    widened = [s for s in states if s.home == HOST and s.widened]
+    sizes = [align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in widened]
+    region = torch.empty(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for s, size in zip(widened, sizes):
+        views = s.unit.typed_views(region[offset : offset + size], s.master_dtypes)
+        s.master_views = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
+        offset += size
+    return region
