@@ -9,11 +9,10 @@ Lightning's single-device strategy does.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -34,13 +33,14 @@ from .hardware import disk_free, gpu_free, host_available, known_hardware, proce
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
 from .planning.activations import ActivationPlan, BlockCost, Links
-from .planning.auto import AutoPlan, plan_auto
+from .planning.auto import AutoPlan
 from .planning.cost_model import StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
+from .planning.placement import GPU, NVME, Placement, PlacementError, UnitSize
+from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
 from .profiling import StepProfile
-from .runtime.activations import CHECKPOINT, ActivationPolicies, find_blocks
+from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact
@@ -64,16 +64,6 @@ def nvme_reserve(free: int) -> int:
     return min(free // 8, max(1024**2, free // 1000))
 
 
-# What a set-up minimum leaves out when the blocks' activations are planned from the first step.
-_ACTIVATIONS_NOT_COUNTED = (
-    "That minimum is for parameters alone: with policy.activations='auto' the blocks' activations share the GPU "
-    "tier too; they are measured in the first training step, and if the tier is then too small the run stops "
-    "in that step's forward, before anything is updated, with the minimum for both. To size gpu_memory for "
-    "parameters alone, use policy='fill' (activations kept outside the budget on a machine without a GPU) or "
-    "policy.activations='swap_host'."
-)
-
-
 # Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
 _STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
 
@@ -90,15 +80,6 @@ def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
 
 class MemoryBudgetError(ValueError):
     """A tier budget asks for more than the tier has free."""
-
-
-@dataclass(frozen=True)
-class TierBudgets:
-    """Bytes the strategy may use in each tier, resolved against what was free at setup."""
-
-    gpu: int
-    host: int
-    nvme: int
 
 
 class TieredMixin(ActivationControl):
@@ -140,21 +121,12 @@ class TieredMixin(ActivationControl):
         self.activation_plan: Optional[ActivationPlan] = None  # what activations="auto" chose
         self.activation_costs: list[BlockCost] = []  # ... from these block costs
         self.activation_links: Optional[Links] = None  # ... and these links
-        self._unit_sizes: list[UnitSize] = []
-        self._unit_names: list[str] = []
-        self._gpu_placed: Optional[int] = None  # GPU tier the placement gave parameters, gradients and states
-        self._gpu_given: Optional[int] = None  # ... out of this much
+        self.planner: Optional[Planner] = None  # made at setup, once the budgets are known
         self._plan: Optional[PlanFile] = None
         self._saved_bytes = 0
         self._optimizer_stepped = False
-        self._co_resident: list[list[int]] = []
         self._swap_device: Optional[Device] = None
         self._profiled = False
-        self._state_factor = 0.0
-        self._block_units: list[list[int]] = []  # the units each repeated block uses
-        self._persistent_choice: Optional[set[int]] = None  # placement="search": the units it keeps resident
-        self._placement_searched = False
-        self.placement_search: Optional[AutoPlan] = None  # ... and its pick, with the prediction
 
     @property
     @override
@@ -212,6 +184,7 @@ class TieredMixin(ActivationControl):
             check_plan(self._plan, [u.name for u in self._plan.units], [u.nbytes for u in self._plan.units], blocks)  # blocks only, here
             activations = self._plan.activations
         self._activations = ActivationPolicies(self.lightning_module, activations, self.policy.block_class)
+        self.planner = Planner(self.policy, self.budgets, self.nvme_path is not None, self._plan, self._refuse_a_full_disk)
         if self.policy.name != "none":
             _refuse_lazy_parameters(self.lightning_module)
             # every loop offloads: fit, and validate / test / predict on their own (forward only)
@@ -240,7 +213,7 @@ class TieredMixin(ActivationControl):
     def _build_engine(self, trainer: "pl.Trainer", gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
         """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
         may use, all of it by default); None when everything fits in the GPU tier."""
-        assert self.budgets is not None and self.lightning_module is not None
+        assert self.budgets is not None and self.lightning_module is not None and self.planner is not None
         model = self.lightning_module
         units, users = build_units(model)
         if self.policy.chunk_size:
@@ -253,18 +226,18 @@ class TieredMixin(ActivationControl):
             UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if trainer.training else 0)
             for u in units
         ]
-        self._unit_sizes, self._co_resident = sizes, [[u.index for u in used] for used in users.values()]
         blocks = self._activations.blocks if self._activations is not None else []
         inside = [{id(m) for m in block.modules()} for block in blocks]
-        self._block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
-        self._unit_names = [u.name for u in units]
-        together = self._working_groups() if trainer.training else list(self._co_resident)  # no recompute without gradients
+        planner = self.planner
+        planner.model = ModelUnits(
+            sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
+            block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
+            state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0), owned=self._units_with_states_here(sizes),
+        )
+        policies = self._activations.policies if self._activations is not None else []
+        together = planner.working_groups(policies) if trainer.training else list(planner.model.co_resident)  # no recompute without gradients
         gpu_bytes = self.budgets.gpu if gpu_bytes is None else gpu_bytes
-        self._gpu_given = gpu_bytes
-        homes, persistent, gpu_bytes = self._fixed_homes(units, sizes, together, gpu_bytes)
-        self._state_factor = optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0)
-        placement = self._place(sizes, together, gpu_bytes, homes, persistent)
-        self._gpu_placed = placement.gpu_bytes
+        placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self._activations is not None and self._activations.auto)
         if not placement.offloaded and not self._engine_when_all_fits():
             rank_zero_info(
                 f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
@@ -274,56 +247,6 @@ class TieredMixin(ActivationControl):
         _refuse_compiled_modules(model)
         return self._start_engine(units, users, placement, sizes, fp32_masters)
 
-    def _fixed_homes(
-        self, units: list[Any], sizes: list[UnitSize], together: list[list[int]], gpu_bytes: int,
-    ) -> tuple[Optional[dict[int, str]], Optional[Any], int]:
-        """What the plan file or the placement mode fixes: every unit's home, or the searched
-        persistent units; and the GPU bytes parameters may use (``layerwise``: one layer's)."""
-        mode = self.policy.placement
-        if self._plan is not None:
-            check_plan(self._plan, self._unit_names, [u.nbytes for u in units], len(self._activations.blocks) if self._activations else 0)
-            return {u.index: planned.home for u, planned in zip(units, self._plan.units)}, None, gpu_bytes
-        if mode in ("host", "layerwise"):
-            if mode == "layerwise":  # one layer's working set at a time, however large the budget
-                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(sizes, together, self.policy.prefetch))
-            return {u.index: HOST for u in units}, None, gpu_bytes
-        if mode == "nvme":
-            if self.nvme_path is None:
-                raise ValueError("policy.placement='nvme' keeps every unit on NVMe, but no nvme_path was given; name a directory for the NVMe tier.")
-            return {u.index: NVME for u in units}, None, gpu_bytes
-        if mode == "search" and self._persistent_choice is not None:
-            return None, self._persistent_choice, gpu_bytes
-        return None, None, gpu_bytes
-
-    def _place(
-        self, sizes: list[UnitSize], together: list[list[int]], gpu_bytes: int, homes: Optional[dict[int, str]], persistent: Optional[Any],
-    ) -> Placement:
-        """``place_units`` within the budgets; a refusal says what the policy and the blocks add."""
-        assert self.budgets is not None
-        place = functools.partial(
-            place_units, sizes, together, gpu_bytes=gpu_bytes, host_bytes=self.budgets.host, nvme_bytes=self.budgets.nvme,
-            state_factor=self._state_factor, homes=homes, owned=self._units_with_states_here(sizes), prefetch=self.policy.prefetch,
-        )
-        try:
-            return place(persistent=persistent)
-        except PlacementError as error:
-            self._refuse_a_full_disk(error)
-            if persistent is not None:
-                # the searched units no longer fit (activations took part of the GPU tier): first-use placement
-                self._persistent_choice = None
-                return place()
-            mode = self.policy.placement
-            if homes is not None and self._plan is None:  # the policy fixed every home
-                raise PlacementError(
-                    f"policy.placement={mode!r} puts every unit's parameters in {'NVMe' if mode == 'nvme' else 'host memory'}, "
-                    f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
-                ) from None
-            if len(together) > len(self._co_resident) and minimum_gpu_bytes(sizes, self._co_resident, self.policy.prefetch) <= gpu_bytes:
-                raise PlacementError(f"{error} {self._checkpoint_note(sizes)}") from None
-            if self._activations.auto:
-                raise PlacementError(f"{error} {_ACTIVATIONS_NOT_COUNTED}") from None
-            raise
-
     def _start_engine(self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool) -> TieredEngine:
         assert self.budgets is not None
         device = make_device(self.root_device, capacity=self.budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
@@ -332,7 +255,7 @@ class TieredMixin(ActivationControl):
                 self.lightning_module, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None,
                 optimizers=self.optimizers, direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
                 checksums=self.policy.checksums, fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes),
-                prefetch=self.policy.prefetch, state_factor=self._state_factor,
+                prefetch=self.policy.prefetch, state_factor=self.planner.model.state_factor,
             )
         except BaseException:
             device.close()
@@ -353,14 +276,6 @@ class TieredMixin(ActivationControl):
             else:
                 wrapper.__dict__.pop("zero_grad", None)
 
-    def _working_groups(self, every_block: bool = False) -> list[list[int]]:
-        """The unit sets that must be in the GPU tier together: each module's units and, since a
-        checkpointed block's recompute holds views of all its units until their gradients are in,
-        each checkpointed block's (every block's with ``every_block``)."""
-        policies = self._activations.policies if self._activations is not None else []
-        blocks = [units for units, policy in zip(self._block_units, policies) if every_block or policy == CHECKPOINT]
-        return [*self._co_resident, *blocks]
-
     def _refuse_a_full_disk(self, error: PlacementError) -> None:
         """NVMe fell short where its budget is what the disk has free: say the disk is full."""
         if not error.nvme_needed or self.nvme_path is None or self.nvme_memory.bytes is not None:
@@ -376,60 +291,43 @@ class TieredMixin(ActivationControl):
             nvme_needed=error.nvme_needed,
         ) from None
 
-    def _checkpoint_note(self, sizes: list[UnitSize]) -> str:
-        block = max((sum(sizes[i].nbytes for i in units) for units in self._block_units), default=0)
-        profiling = " (activations='auto' checkpoints every block but the first in its profiling step)" if self._activations.auto else ""
-        return (
-            f"Checkpointed blocks recompute with all their parameters in the GPU tier, {format_bytes(block)} for the largest block"
-            f"{profiling}; below that, keep or swap the blocks' activations instead (policy.activations='swap_host')."
-        )
-
     def _search_placement(self, trainer: "pl.Trainer") -> None:
-        """``placement="search"``, after the profiled first step: ProTrain's search (§3.3,
-        planning/auto.py) over how many leading units stay resident, each count priced by the step
-        model from this run's measured per-unit compute and update times, jointly with the
-        activation layout under ``activations="auto"``; the fastest is put in place between two
-        steps (the optimizer states move through their state dicts, exactly)."""
-        self._placement_searched = True
+        """``placement="search"``, after the profiled first step: the planner's search (jointly with
+        the activation layout under ``activations="auto"``); the fastest is put in place between
+        two steps (the optimizer states move through their state dicts, exactly)."""
         engine = self.engine
-        assert engine is not None and self.budgets is not None
+        assert engine is not None and self.planner is not None
         timing = engine.last_timing or engine.profile
-        # first use in forward of every unit, resident ones included (the prefetch table lists
-        # only the units it fetches)
-        used = list(dict.fromkeys(timing.order or engine.profile.order))
-        order = used + [i for i in range(len(engine.states)) if i not in used]
-        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
-        if engine.device.is_emulated and not self.policy.gradient_reserve:
-            # every offloaded unit's gradient is written at home there (_direct_gradients): no copy on the link
-            costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
-        machine = machine_from_spec(self.hardware, nvme=self.nvme_path is not None)
+        if not timing.order:  # first use in forward of every unit, resident ones included
+            timing = replace(timing, order=list(engine.profile.order))
         activations = self._activations
         joint = activations is not None and activations.planner == "auto" and activations.profile is not None and activations.profiled
         try:
-            plan = plan_auto(
-                self._unit_sizes, self._co_resident, order, costs, machine, gpu_bytes=self.budgets.gpu, host_bytes=self.budgets.host,
-                nvme_bytes=self.budgets.nvme, state_factor=self._state_factor,
+            plan, order = self.planner.search(
+                timing, [bool(s.unit.trainable) for s in engine.states], machine_from_spec(self.hardware, nvme=self.nvme_path is not None),
+                # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
+                direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
                 blocks=activations.block_costs() if joint else (), links=self._activation_links() if joint else None,
-                activation_host_bytes=self._host_left(), block_units=self._block_units, owned=self._units_with_states_here(self._unit_sizes),
+                activation_host_bytes=self._host_left(),
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
             # activation planner's own fallback) may still fit
             rank_zero_info(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
             return
-        persistent = self._same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
-        self.placement_search = plan
-        chosen = set(order[:persistent])
-        current = {s.unit.index for s in engine.states if s.home == GPU}
+        count = self._same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
         rank_zero_info(
-            f"tiered: placement search keeps the first {persistent} units resident with {plan.parameters.buffers} streaming buffers, "
+            f"tiered: placement search keeps the first {count} units resident with {plan.parameters.buffers} streaming buffers, "
             f"predicted {plan.seconds * 1e3:.1f} ms per step"
         )
-        # the parameters get what the activation layout searched with them leaves
-        gpu_bytes = self.budgets.gpu - (plan.activations.peak_bytes if plan.activations is not None else 0)
-        if (chosen != current or self._gpu_placed > gpu_bytes) and persistent < len(order):  # all resident: the first placement had that choice
-            self._persistent_choice = chosen
-            self._replace_engine(trainer, gpu_bytes=gpu_bytes)
+        resident = self.planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
+        if resident is not None:
+            self._replace_engine(trainer, gpu_bytes=resident.gpu_bytes)
+
+    @property
+    def placement_search(self) -> Optional[AutoPlan]:
+        """What ``placement="search"`` chose, with its prediction (None before or without it)."""
+        return self.planner.search_result if self.planner is not None else None
 
     # -- what a data-parallel strategy changes ------------------------------------------------------
 
@@ -458,12 +356,13 @@ class TieredMixin(ActivationControl):
         plan file that ``plan_file=`` runs again without planning. Call it after setup."""
         if self.budgets is None or self.lightning_module is None:
             raise RuntimeError("dump_plan needs a strategy that has been set up; call it from a callback (on_train_start or later).")
-        if not self._unit_sizes:  # nothing was placed (policy 'none'): every unit in the GPU tier
+        model = self.planner.model if self.planner is not None else None
+        if model is None:  # nothing was placed (policy 'none'): every unit in the GPU tier
             units, _ = build_units(self.lightning_module)
             names, nbytes, homes = [u.name for u in units], [u.nbytes for u in units], [GPU] * len(units)
         else:
-            names, nbytes = self._unit_names, [u.nbytes for u in self._unit_sizes]
-            homes = [self.engine.placement.home[u.index] if self.engine is not None else GPU for u in self._unit_sizes]
+            names, nbytes = model.names, [u.nbytes for u in model.sizes]
+            homes = [self.engine.placement.home[u.index] if self.engine is not None else GPU for u in model.sizes]
         blocks = self._activations is not None and bool(self._activations.blocks)
         prediction = self.predicted_step()
         plan = PlanFile(
@@ -498,12 +397,13 @@ class TieredMixin(ActivationControl):
         if engine is None or timing is None:
             return None
         costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
-        sizes = {u.index: u for u in self._unit_sizes}
+        sizes = {u.index: u for u in self.planner.model.sizes}
+        state_factor = self.planner.model.state_factor
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [
             replace(
                 costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients,
-                state_bytes=int(sizes[i].trainable_bytes * self._state_factor) if engine.states[i].home == NVME and i in sizes else 0,
+                state_bytes=int(sizes[i].trainable_bytes * state_factor) if engine.states[i].home == NVME and i in sizes else 0,
             )
             for i in order
         ]
@@ -527,8 +427,8 @@ class TieredMixin(ActivationControl):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        searching = self.policy.placement == "search" and self._plan is None  # a plan file fixes every home
-        if searching and not self._placement_searched and self._optimizer_stepped and self.engine is not None:
+        planner = self.planner
+        if planner.searching and planner.phase is PlanPhase.INITIAL and self._optimizer_stepped and self.engine is not None:
             self._search_placement(self.lightning_module.trainer)
         activations = self._activations
         if activations is not None and activations.profile is not None and activations.profiled and self._optimizer_stepped:
@@ -540,7 +440,7 @@ class TieredMixin(ActivationControl):
             # parameters were unfrozen (a finetuning callback) and no gradient is pending: place
             # the model again with their gradients and states planned, states moved exactly
             rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
-            self._replace_engine(self.lightning_module.trainer, gpu_bytes=self._gpu_given)
+            self._replace_engine(self.lightning_module.trainer, gpu_bytes=planner.gpu_given)
         self._optimizer_stepped = False
         self._begin_block_forward()
         if self.engine is None:

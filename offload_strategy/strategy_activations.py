@@ -15,12 +15,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import BlockPolicy, format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
-from .planning.lohan import lohan_layout
+from .planning.activations import ActivationPlan, BlockCost, Links
 from .planning.cost_model import machine_from_spec
-from .planning.placement import GPU, minimum_gpu_bytes
+from .planning.placement import GPU
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
-from .runtime.activations import LOHAN, TERAIO, ActivationPolicies
+from .runtime.activations import ActivationPolicies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,31 +79,22 @@ class ActivationControl:
             activations.swap.begin_forward()
 
     def _plan_activations(self, trainer: "pl.Trainer") -> None:
-        """``activations="auto"``, after the profiling step: choose every block's policy (ProTrain's
-        search under LoHan's step-time model, planning/activations.py) and put it in place. When no
-        layout fits beside the parameters' share of the GPU tier, that share shrinks to what the
-        smallest working set needs, the layout is chosen for what remains, and the parameters are
-        placed again (the optimizer states move through their standard state dicts, exactly)."""
+        """``activations="auto"``, after the profiling step: the planner chooses every block's
+        policy and it is put in place. When no layout fits beside the parameters' share of the GPU
+        tier, the parameters are placed again in the share the planner names (the optimizer states
+        move through their standard state dicts, exactly) and the layout is chosen for what remains."""
         activations = self._activations
-        assert activations is not None and self.budgets is not None
+        assert activations is not None and self.planner is not None
         costs = self._same_on_every_rank(activations.block_costs())  # measured times differ between ranks
         self.activation_costs = costs
         activations.end_profile()
-        choose = {TERAIO: teraio_layout, LOHAN: lohan_layout}.get(activations.planner, choose_layout)
-        try:
-            plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
-                                 host_bytes=self._host_left())
-        except ValueError as error:
-            if self.policy.name == "none":
-                raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
-            smallest = self._smallest_parameter_share()
-            try:
-                plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - smallest, 0), host_bytes=self._host_left())
-            except ValueError as error:
-                raise ValueError(f"{error} {self._activation_minimum_note(costs)}") from None
-            self._replace_engine(trainer, gpu_bytes=self.budgets.gpu - plan.peak_bytes)
-            plan = choose(costs, self._activation_links(), gpu_bytes=max(self.budgets.gpu - self._gpu_parameter_bytes(), 0),
-                                 host_bytes=self._host_left())
+        planner = self.planner
+        plan, parameter_bytes = planner.layout(
+            costs, self._activation_links(), activations.planner, self._gpu_parameter_bytes(), self._host_left(), activations.policies,
+        )
+        if parameter_bytes is not None:
+            self._replace_engine(trainer, gpu_bytes=parameter_bytes)
+            plan = planner.choose_layout_again(costs, self._activation_links(), activations.planner, self._gpu_parameter_bytes(), self._host_left())
         self.activation_plan = plan
         self.activation_links = self._activation_links()
         activations.apply(plan.layout)
@@ -117,23 +107,6 @@ class ActivationControl:
             f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
         )
 
-    def _smallest_parameter_share(self) -> int:
-        """The GPU tier the parameters need at the least: every block's units streamed together."""
-        return minimum_gpu_bytes(self._unit_sizes, self._working_groups(every_block=True), self.policy.prefetch) if self._unit_sizes else 0
-
-    def _least_activation_peak(self, costs: list[BlockCost]) -> int:
-        """The smallest activation peak any layout the planner may choose reaches."""
-        if self._activations.planner == TERAIO:  # offloads only: every block but the last leaves
-            return peak_bytes(costs, [SWAP_HOST] * (len(costs) - 1) + [KEEP])
-        return min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [SWAP_HOST] * len(costs)))
-
-    def _activation_minimum_note(self, costs: list[BlockCost]) -> str:
-        smallest = self._smallest_parameter_share()
-        return (
-            f"With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
-            f"{format_bytes(smallest + self._least_activation_peak(costs))} (it is {format_bytes(self.budgets.gpu)})."
-        )
-
     def _refuse_activations_that_cannot_fit(self) -> None:
         """In the profiled step, once forward has measured the blocks and before backward updates
         anything: when no layout fits even beside the parameters' smallest share of the GPU tier,
@@ -141,20 +114,13 @@ class ActivationControl:
         activations = self._activations
         if activations is None or not activations.auto or activations.profile is None or not activations.profiled or self.policy.name == "none":
             return
-        assert self.budgets is not None
-        costs = activations.block_costs()
-        least = self._least_activation_peak(costs)
-        if self._smallest_parameter_share() + least > self.budgets.gpu:
-            raise ValueError(
-                f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
-                f"{least:,} bytes, measured in the first training step before any update. {self._activation_minimum_note(costs)} "
-                f"Lower the batch size or sequence length, raise gpu_memory, or use policy.activations='swap_host'."
-            )
+        self.planner.refuse_unfitting_activations(activations.block_costs(), activations.planner, activations.policies)
 
     def _gpu_parameter_bytes(self) -> int:
         """GPU tier taken by parameters, their gradients and optimizer states, as placed."""
-        if self._gpu_placed is not None:
-            return self._gpu_placed
+        placed = self.planner.gpu_placed if self.planner is not None else None
+        if placed is not None:
+            return placed
         return sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
 
     def _host_left(self) -> int:

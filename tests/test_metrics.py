@@ -27,3 +27,32 @@ def test_memory_stays_bounded_when_nobody_reads_the_metrics():
         stats.add(HIT, 0.0)
     assert len(stats.recent) == QUANTILE_WINDOW
     assert stats.report()["requests"] == QUANTILE_WINDOW + 1000
+
+
+def test_optimizer_state_bytes_count_the_units_kept_in_the_gpu_tier(tmp_path):
+    """SGD with momentum keeps one buffer per parameter: the GPU tier's optimizer states are the
+    persistent units' parameter bytes exactly (they were reported as 0)."""
+    import lightning as L
+    import torch
+
+    from offload_strategy import TieredStrategy
+    from tests.test_recipes import Net, fit
+
+    class Momentum(Net):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    seen = {}
+
+    class Homes(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            engine = trainer.strategy.engine
+            seen["gpu"] = sum(p.numel() * p.element_size() for s in engine.states if s.home == "gpu" for p in s.unit.params)
+            seen["offloaded"] = sum(s.home != "gpu" for s in engine.states)
+
+    strategy = TieredStrategy(policy={"placement": "fill", "activations": "keep"}, gpu_memory="200KiB", host_memory="1GiB")
+    fit(strategy, tmp_path, Momentum, steps=3, callbacks=(Homes(),))
+    metrics = strategy.metrics()
+    assert seen["gpu"] > 0 and seen["offloaded"] > 0, seen
+    assert metrics["optimizer/gpu_state_bytes"] == seen["gpu"]
+    assert metrics["optimizer/host_state_bytes"] > 0

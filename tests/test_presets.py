@@ -91,7 +91,7 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
     if name == "l2l":
         slots = sum(size * count for size, count in seen.engine.placement.device_slots.items())
         # one layer resident at a time: without prefetch no buffer waits for the next unit
-        assert slots == minimum_gpu_bytes(strategy._unit_sizes, strategy._co_resident, prefetch=False)
+        assert slots == minimum_gpu_bytes(strategy.planner.model.sizes, strategy.planner.model.co_resident, prefetch=False)
         assert sum(seen.engine.placement.device_slots.values()) == 1
     if name in ("zero_infinity", "l2l"):
         assert seen.engine.prefetch_ahead is False

@@ -67,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results = [(*r[:5], step_seconds(costs, r[1], strategy.activation_links), r[6]) for r in results]
             layout = strategy.activation_plan.layout if name == "auto" else (name,) * len(costs)
             links = strategy.activation_links or measured.activation_links
-            room = budget - minimum_gpu_bytes(strategy._unit_sizes, strategy._co_resident)  # with parameters streamed
+            room = budget - minimum_gpu_bytes(strategy.planner.model.sizes, strategy.planner.model.co_resident)  # with parameters streamed
             saved = timer.metrics[-1].get("activations/saved_bytes", float("nan"))
             results.append((name, layout, statistics.median(timer.times[args.warmup :]), saved, peak_bytes(costs, layout),
                             step_seconds(costs, layout, links), room))

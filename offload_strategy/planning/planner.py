@@ -1,0 +1,271 @@
+"""The planner: what the strategy places, from what it knows, phase by phase.
+
+The strategy builds a :class:`Planner` at set-up and asks it for each placement; it hands the
+plans to the engine and tells the planner what the run measured. The planner's phases, in order:
+
+1. ``INITIAL``: every unit's home from sizes alone (10Cache's first-use allocator,
+   ``placement.py``), or from the plan file, or as the placement mode fixes them.
+2. ``SEARCHED``: after the profiled first step, under ``placement="search"``, how many leading
+   units stay resident, priced by the step model from the measured times (ProTrain §3.3,
+   ``auto.py``), jointly with the activation layout under ``activations="auto"``.
+3. ``LAID_OUT``: under ``activations="auto"``, every block's activation policy (``activations.py``,
+   ``lohan.py``); when no layout fits beside the parameters' share of the GPU tier, that share
+   shrinks to the smallest working set first.
+
+Pure: no torch state. Errors say what does not fit, the numbers, and what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+from ..config import ActivationPlanner, BlockPolicy, PlacementMode, PolicyConfig, Tier, format_bytes
+from ..profiling.profile import StepProfile
+from .activations import ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
+from .auto import AutoPlan, plan_auto
+from .cost_model import Machine, costs_from_timing
+from .lohan import lohan_layout
+from .placement import Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
+from .plan_file import PlanFile, check_plan
+
+# What a set-up minimum leaves out when the blocks' activations are planned from the first step.
+_ACTIVATIONS_NOT_COUNTED = (
+    "That minimum is for parameters alone: with policy.activations='auto' the blocks' activations share the GPU "
+    "tier too; they are measured in the first training step, and if the tier is then too small the run stops "
+    "in that step's forward, before anything is updated, with the minimum for both. To size gpu_memory for "
+    "parameters alone, use policy='fill' (activations kept outside the budget on a machine without a GPU) or "
+    "policy.activations='swap_host'."
+)
+
+_LAYOUTS = {ActivationPlanner.TERAIO: teraio_layout, ActivationPlanner.LOHAN: lohan_layout}
+
+
+class PlanPhase(enum.Enum):
+    INITIAL = "initial placement"
+    SEARCHED = "searched placement"
+    LAID_OUT = "activation layout"
+
+
+@dataclass(frozen=True)
+class TierBudgets:
+    """Bytes the strategy may use in each tier, resolved against what was free at setup."""
+
+    gpu: int
+    host: int
+    nvme: int
+
+
+@dataclass(frozen=True)
+class ModelUnits:
+    """What the planner knows of the model before any step."""
+
+    sizes: list[UnitSize]
+    names: list[str]
+    co_resident: list[list[int]]  # the units each module uses together
+    block_units: list[list[int]]  # the units each repeated block uses
+    state_factor: float  # optimizer-state bytes per trainable parameter byte
+    owned: Optional[set[int]] = None  # under sharded states: the units whose states this rank keeps
+
+
+@dataclass(frozen=True)
+class Resident:
+    """The search's choice: the units kept resident, and the GPU bytes the parameters get."""
+
+    units: frozenset[int]
+    gpu_bytes: int
+
+
+class Planner:
+    def __init__(
+        self, policy: PolicyConfig, budgets: TierBudgets, has_nvme: bool, plan: Optional[PlanFile] = None,
+        explain_nvme_shortfall: Callable[[PlacementError], None] = lambda error: None,
+    ) -> None:
+        self.policy = policy
+        self.budgets = budgets
+        self.has_nvme = has_nvme
+        self.plan = plan
+        self.explain_nvme_shortfall = explain_nvme_shortfall  # raises a clearer error where the disk is full
+        self.phase = PlanPhase.INITIAL
+        self.model: Optional[ModelUnits] = None
+        self.resident: Optional[Resident] = None  # what the search chose, kept while it fits
+        self.gpu_given: Optional[int] = None  # GPU tier the last placement could use ...
+        self.gpu_placed: Optional[int] = None  # ... and what it used for parameters, gradients and states
+        self.search_result: Optional[AutoPlan] = None
+
+    @property
+    def searching(self) -> bool:
+        """``placement="search"`` without a plan file (which fixes every home)."""
+        return self.policy.placement == PlacementMode.SEARCH and self.plan is None
+
+    def working_groups(self, block_policies: Sequence[str], every_block: bool = False) -> list[list[int]]:
+        """The unit sets that must be in the GPU tier together: each module's units and, since a
+        checkpointed block's recompute holds views of all its units until their gradients are in,
+        each checkpointed block's (every block's with ``every_block``)."""
+        model = self.model
+        blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy == BlockPolicy.CHECKPOINT]
+        return [*model.co_resident, *blocks]
+
+    # -- phase 1: placing ---------------------------------------------------------------------------
+
+    def place(self, model: ModelUnits, gpu_bytes: int, together: list[list[int]], activations_auto: bool) -> Placement:
+        """Every unit's home within the budgets, ``gpu_bytes`` of the GPU tier for parameters."""
+        self.model = model
+        self.gpu_given = gpu_bytes
+        homes, gpu_bytes = self._fixed_homes(together, gpu_bytes)
+        placement = self._place(together, gpu_bytes, homes, activations_auto)
+        self.gpu_placed = placement.gpu_bytes
+        return placement
+
+    def _fixed_homes(self, together: list[list[int]], gpu_bytes: int) -> tuple[Optional[dict[int, str]], int]:
+        """What the plan file or the placement mode fixes: every unit's home; and the GPU bytes
+        parameters may use (``layerwise``: one layer's)."""
+        model, mode = self.model, self.policy.placement
+        if self.plan is not None:
+            check_plan(self.plan, model.names, [u.nbytes for u in model.sizes], len(model.block_units))
+            return {u.index: planned.home for u, planned in zip(model.sizes, self.plan.units)}, gpu_bytes
+        if mode in (PlacementMode.HOST, PlacementMode.LAYERWISE):
+            if mode == PlacementMode.LAYERWISE:  # one layer's working set at a time, however large the budget
+                gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(model.sizes, together, self.policy.prefetch))
+            return {u.index: Tier.HOST for u in model.sizes}, gpu_bytes
+        if mode == PlacementMode.NVME:
+            if not self.has_nvme:
+                raise ValueError("policy.placement='nvme' keeps every unit on NVMe, but no nvme_path was given; name a directory for the NVMe tier.")
+            return {u.index: Tier.NVME for u in model.sizes}, gpu_bytes
+        return None, gpu_bytes
+
+    def _place(self, together: list[list[int]], gpu_bytes: int, homes: Optional[dict[int, str]], activations_auto: bool) -> Placement:
+        """``place_units`` within the budgets; a refusal says what the policy and the blocks add."""
+        model, budgets = self.model, self.budgets
+
+        def place(persistent: Optional[frozenset[int]] = None) -> Placement:
+            return place_units(
+                model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
+                homes=homes, owned=model.owned, prefetch=self.policy.prefetch, persistent=persistent,
+            )
+
+        resident = self.resident.units if self.resident is not None and homes is None else None
+        try:
+            return place(resident)
+        except PlacementError as error:
+            self.explain_nvme_shortfall(error)
+            if resident is not None:
+                # the searched units no longer fit (activations took part of the GPU tier): first-use placement
+                self.resident = None
+                return place()
+            raise self._refusal(error, together, gpu_bytes, homes, activations_auto) from None
+
+    def _refusal(self, error: PlacementError, together: list[list[int]], gpu_bytes: int, homes: Optional[dict], activations_auto: bool) -> PlacementError:
+        model, mode = self.model, self.policy.placement
+        if homes is not None and self.plan is None:  # the policy fixed every home
+            return PlacementError(
+                f"policy.placement={str(mode)!r} puts every unit's parameters in {'NVMe' if mode == PlacementMode.NVME else 'host memory'}, "
+                f"and then: {error} Or use policy.placement='fill', which places what does not fit elsewhere."
+            )
+        if len(together) > len(model.co_resident) and minimum_gpu_bytes(model.sizes, model.co_resident, self.policy.prefetch) <= gpu_bytes:
+            return PlacementError(f"{error} {self._checkpoint_note(activations_auto)}")
+        if activations_auto:
+            return PlacementError(f"{error} {_ACTIVATIONS_NOT_COUNTED}")
+        return error
+
+    def _checkpoint_note(self, activations_auto: bool) -> str:
+        sizes = self.model.sizes
+        block = max((sum(sizes[i].nbytes for i in units) for units in self.model.block_units), default=0)
+        profiling = " (activations='auto' checkpoints every block but the first in its profiling step)" if activations_auto else ""
+        return (
+            f"Checkpointed blocks recompute with all their parameters in the GPU tier, {format_bytes(block)} for the largest block"
+            f"{profiling}; below that, keep or swap the blocks' activations instead (policy.activations='swap_host')."
+        )
+
+    # -- phase 2: the search over resident units ----------------------------------------------------
+
+    def search(
+        self, timing: StepProfile, trainable: Sequence[bool], machine: Machine, direct_gradients: bool,
+        blocks: Sequence[BlockCost] = (), links: Optional[Links] = None, activation_host_bytes: int = 0,
+    ) -> tuple[AutoPlan, list[int]]:
+        """ProTrain's search (§3.3) over how many leading units stay resident, each count priced
+        by the step model from the measured times of ``timing`` (``direct_gradients``: every
+        offloaded gradient is written at home, no copy on the link); with ``blocks``, jointly with
+        the activation layout. Returns the plan and the units in first-use order. Raises
+        PlacementError when no split of the GPU tier fits."""
+        self.phase = PlanPhase.SEARCHED
+        model, budgets = self.model, self.budgets
+        used = list(dict.fromkeys(timing.order))
+        order = used + [i for i in range(len(model.sizes)) if i not in used]
+        costs = costs_from_timing(timing, list(trainable))
+        if direct_gradients:
+            costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
+        plan = plan_auto(
+            model.sizes, model.co_resident, order, costs, machine, gpu_bytes=budgets.gpu, host_bytes=budgets.host,
+            nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
+            activation_host_bytes=activation_host_bytes, block_units=model.block_units, owned=model.owned,
+        )
+        self.search_result = plan
+        return plan, order
+
+    def keep_resident(self, plan: AutoPlan, order: list[int], count: int, current: set[int]) -> Optional[Resident]:
+        """The first ``count`` units of ``order`` resident, with what the activation layout searched
+        with them leaves of the GPU tier; None when the placement in use already is that."""
+        chosen = frozenset(order[:count])
+        gpu_bytes = self.budgets.gpu - (plan.activations.peak_bytes if plan.activations is not None else 0)
+        if count >= len(order) or (chosen == current and self.gpu_placed <= gpu_bytes):
+            return None  # all resident: the first placement had that choice
+        self.resident = Resident(chosen, gpu_bytes)
+        return self.resident
+
+    # -- phase 3: the activation layout ---------------------------------------------------------------
+
+    def smallest_parameter_share(self, block_policies: Sequence[str]) -> int:
+        """The GPU tier the parameters need at the least: every block's units streamed together."""
+        if self.model is None or not self.model.sizes:
+            return 0
+        return minimum_gpu_bytes(self.model.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
+
+    def least_activation_peak(self, costs: Sequence[BlockCost], planner: str) -> int:
+        """The smallest activation peak any layout the planner may choose reaches."""
+        if planner == ActivationPlanner.TERAIO:  # offloads only: every block but the last leaves
+            return peak_bytes(costs, [BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP])
+        return min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [BlockPolicy.SWAP_HOST] * len(costs)))
+
+    def activation_minimum_note(self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str]) -> str:
+        smallest = self.smallest_parameter_share(block_policies)
+        return (
+            f"With {format_bytes(smallest)} of streaming buffers for the parameters, gpu_memory must be at least "
+            f"{format_bytes(smallest + self.least_activation_peak(costs, planner))} (it is {format_bytes(self.budgets.gpu)})."
+        )
+
+    def refuse_unfitting_activations(self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str]) -> None:
+        """When no layout fits even beside the parameters' smallest share of the GPU tier."""
+        least = self.least_activation_peak(costs, planner)
+        if self.smallest_parameter_share(block_policies) + least > self.budgets.gpu:
+            raise ValueError(
+                f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
+                f"{least:,} bytes, measured in the first training step before any update. "
+                f"{self.activation_minimum_note(costs, planner, block_policies)} "
+                f"Lower the batch size or sequence length, raise gpu_memory, or use policy.activations='swap_host'."
+            )
+
+    def layout(
+        self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int, block_policies: Sequence[str],
+    ) -> tuple[ActivationPlan, Optional[int]]:
+        """Every block's policy beside ``parameter_bytes`` of parameters in the GPU tier. When none
+        fits there, the layout for the parameters' smallest share, and the GPU bytes the parameters
+        must be placed again in (then ask again with what that placement uses)."""
+        self.phase = PlanPhase.LAID_OUT
+        choose = _LAYOUTS.get(planner, choose_layout)
+        gpu = self.budgets.gpu
+        try:
+            return choose(costs, links, gpu_bytes=max(gpu - parameter_bytes, 0), host_bytes=host_bytes), None
+        except ValueError as error:
+            if self.policy.name == "none":
+                raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
+        try:
+            plan = choose(costs, links, gpu_bytes=max(gpu - self.smallest_parameter_share(block_policies), 0), host_bytes=host_bytes)
+        except ValueError as error:
+            raise ValueError(f"{error} {self.activation_minimum_note(costs, planner, block_policies)}") from None
+        return plan, gpu - plan.peak_bytes
+
+    def choose_layout_again(self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int) -> ActivationPlan:
+        return _LAYOUTS.get(planner, choose_layout)(costs, links, gpu_bytes=max(self.budgets.gpu - parameter_bytes, 0), host_bytes=host_bytes)

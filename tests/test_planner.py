@@ -1,0 +1,82 @@
+"""The planner object: its phases and decisions on cases small enough to work out by hand."""
+
+import pytest
+
+from offload_strategy.config import PolicyConfig
+from offload_strategy.planning.activations import BlockCost, Links
+from offload_strategy.planning.auto import AutoPlan
+from offload_strategy.planning.placement import PlacementError, UnitSize
+from offload_strategy.planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
+
+
+def model(sizes=(100, 100, 100), blocks=()) -> ModelUnits:
+    units = [UnitSize(i, n, n) for i, n in enumerate(sizes)]
+    return ModelUnits(sizes=units, names=[f"u{i}" for i in range(len(units))], co_resident=[[i] for i in range(len(units))],
+                      block_units=[list(b) for b in blocks], state_factor=2.0)
+
+
+def test_placement_modes_fix_every_home_and_layerwise_takes_one_layer():
+    budgets = TierBudgets(gpu=10_000, host=100_000, nvme=0)
+    placement = Planner(PolicyConfig(placement="host"), budgets, has_nvme=False).place(model(), 10_000, [[0], [1], [2]], False)
+    assert set(placement.home.values()) == {"host"}
+    planner = Planner(PolicyConfig(placement="layerwise", prefetch=False), budgets, has_nvme=False)
+    planner.place(model(), 10_000, [[0], [1], [2]], False)
+    # one 100-byte unit at a time, without a spare buffer to prefetch into: one 512-byte-aligned slot
+    assert planner.gpu_placed == 512
+    with pytest.raises(ValueError, match="no nvme_path"):
+        Planner(PolicyConfig(placement="nvme"), budgets, has_nvme=False).place(model(), 10_000, [[0]], False)
+
+
+def test_a_refusal_under_a_fixed_placement_names_the_mode_and_the_way_out():
+    planner = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=10_000, host=50, nvme=0), has_nvme=False)
+    with pytest.raises(PlacementError, match="placement='host' puts every unit's parameters in host memory.*'fill'"):
+        planner.place(model(), 10_000, [[0], [1], [2]], False)
+
+
+def test_checkpointed_blocks_are_placed_together():
+    planner = Planner(PolicyConfig(placement="fill"), TierBudgets(gpu=10_000, host=100_000, nvme=0), has_nvme=False)
+    planner.model = model(blocks=([0, 1], [2]))
+    assert planner.working_groups(["checkpoint", "keep"]) == [[0], [1], [2], [0, 1]]
+    assert planner.working_groups(["keep", "keep"]) == [[0], [1], [2]]
+    assert planner.working_groups(["keep", "keep"], every_block=True) == [[0], [1], [2], [0, 1], [2]]
+
+
+class _Plan:
+    """An AutoPlan's fields the planner reads."""
+
+    def __init__(self, peak: int) -> None:
+        self.activations = type("A", (), {"peak_bytes": peak})() if peak else None
+
+
+def test_the_search_keeps_its_resident_units_only_when_they_change_something():
+    planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=4000, host=100_000, nvme=0), has_nvme=False)
+    planner.place(model(), 4000, [[0], [1], [2]], False)
+    order = [2, 0, 1]
+    # the first unit in use order, with 1000 bytes of activations beside: 3000 bytes for the parameters
+    chosen = planner.keep_resident(_Plan(1000), order, 1, current=set())
+    assert chosen is not None and chosen.units == frozenset({2}) and chosen.gpu_bytes == 3000
+    planner.gpu_placed = 2500
+    assert planner.keep_resident(_Plan(1000), order, 1, current={2}) is None  # already so, and within 3000 bytes
+    planner.gpu_placed = 3500
+    assert planner.keep_resident(_Plan(1000), order, 1, current={2}) is not None  # the same units, but over 3000 bytes
+    assert planner.keep_resident(_Plan(0), order, 3, current=set()) is None  # all resident: the first placement could
+    # the searched units are placed again: unit 2 stays in the GPU tier, the others stream
+    placement = planner.place(model(), 3000, [[0], [1], [2]], False)
+    assert placement.home == {0: "host", 1: "host", 2: "gpu"}
+
+
+def test_phases_follow_the_work_done():
+    planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=100_000, host=100_000, nvme=0), has_nvme=False)
+    assert planner.phase is PlanPhase.INITIAL and planner.searching
+    planner.place(model(), 100_000, [[0], [1], [2]], False)
+    costs = [BlockCost(activation_bytes=1000, input_bytes=10, forward_seconds=1e-3)] * 2
+    links = Links(d2h=1e9, h2d=1e9, nvme_write=0.0, nvme_read=0.0)
+    plan, extra = planner.layout(costs, links, "auto", parameter_bytes=1000, host_bytes=0, block_policies=["keep", "keep"])
+    assert planner.phase is PlanPhase.LAID_OUT and extra is None and list(plan.layout) == ["keep", "keep"]
+    # 500 bytes beside the parameters hold no layout (one block alone is 1000 bytes): the layout
+    # is chosen beside the parameters' smallest share (two 512-byte streaming buffers), and the
+    # parameters must be placed again in what it leaves
+    plan, extra = planner.layout(costs, links, "auto", parameter_bytes=99_500, host_bytes=0, block_policies=["keep", "keep"])
+    assert list(plan.layout) == ["keep", "keep"] and extra == 100_000 - plan.peak_bytes >= 1024
+    assert not Planner(PolicyConfig(placement="search"), TierBudgets(1, 1, 0), False, plan=object()).searching  # a plan file fixes homes
+    assert AutoPlan  # the search's result type, read by the strategy
