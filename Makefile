@@ -29,6 +29,7 @@ test: env
 # also run by the suite (tests/test_lint.py, tests/test_layers.py)
 lint: env
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -139,7 +139,7 @@ class _Name(str, Enum):
     """A name users write in configs: equal to, hashed and printed as its string."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]
 
 
 class Tier(_Name):

@@ -135,7 +135,7 @@ def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     link to it. Raises ValueError, with the smallest peak any layout reaches, when none fits."""
     best: ActivationPlan | None = None
     best_key: tuple[float, int] | None = None
-    smallest = None
+    smallest: int | None = None
     for layout, peak, seconds, managed in _layouts(costs, links, host_bytes):
         smallest = peak if smallest is None else min(smallest, peak)
         if peak > gpu_bytes:

@@ -79,8 +79,8 @@ def plan_auto(
         )[0]
 
     if not blocks:
-        best = parameters(gpu_bytes)
-        return AutoPlan(best, None, best.prediction.seconds)
+        only = parameters(gpu_bytes)
+        return AutoPlan(only, None, only.prediction.seconds)
     if links is None:
         links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read)
     keep_seconds = step_seconds(blocks, [KEEP] * len(blocks), links)

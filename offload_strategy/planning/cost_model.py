@@ -190,7 +190,7 @@ def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, in
 
     # backward: the last offloaded units of each class, as many as it has buffers, are still
     # resident; their buffers stay taken until their backward
-    resident = set()
+    resident: set[int] = set()
     for size, n in classes.items():
         mine = [i for i in offloaded if class_of[i] == size]
         resident.update(mine[len(mine) - n :] if n else ())

@@ -40,7 +40,7 @@ _ACTIVATIONS_NOT_COUNTED = (
     "policy.activations='swap_host'."
 )
 
-_LAYOUTS = {ActivationPlanner.TERAIO: teraio_layout, ActivationPlanner.LOHAN: lohan_layout}
+_LAYOUTS: dict[str, Callable[..., ActivationPlan]] = {ActivationPlanner.TERAIO: teraio_layout, ActivationPlanner.LOHAN: lohan_layout}
 
 
 class PlanPhase(enum.Enum):
@@ -100,11 +100,18 @@ class Planner:
         """``placement="search"`` without a plan file (which fixes every home)."""
         return self.policy.placement == PlacementMode.SEARCH and self.plan is None
 
+    @property
+    def units(self) -> ModelUnits:
+        """What is known of the model's units (set by the first ``place``)."""
+        if self.model is None:
+            raise RuntimeError("the planner knows no model yet: place() it first.")
+        return self.model
+
     def working_groups(self, block_policies: Sequence[str], every_block: bool = False) -> list[list[int]]:
         """The unit sets that must be in the GPU tier together: each module's units and, since a
         checkpointed block's recompute holds views of all its units until their gradients are in,
         each checkpointed block's (every block's with ``every_block``)."""
-        model = self.model
+        model = self.units
         blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy == BlockPolicy.CHECKPOINT]
         return [*model.co_resident, *blocks]
 
@@ -122,7 +129,7 @@ class Planner:
     def _fixed_homes(self, together: list[list[int]], gpu_bytes: int) -> tuple[Optional[dict[int, str]], int]:
         """What the plan file or the placement mode fixes: every unit's home; and the GPU bytes
         parameters may use (``layerwise``: one layer's)."""
-        model, mode = self.model, self.policy.placement
+        model, mode = self.units, self.policy.placement
         if self.plan is not None:
             check_plan(self.plan, model.names, [u.nbytes for u in model.sizes], len(model.block_units))
             return {u.index: planned.home for u, planned in zip(model.sizes, self.plan.units)}, gpu_bytes
@@ -138,7 +145,7 @@ class Planner:
 
     def _place(self, together: list[list[int]], gpu_bytes: int, homes: Optional[dict[int, str]], activations_auto: bool) -> Placement:
         """``place_units`` within the budgets; a refusal says what the policy and the blocks add."""
-        model, budgets = self.model, self.budgets
+        model, budgets = self.units, self.budgets
 
         def place(persistent: Optional[frozenset[int]] = None) -> Placement:
             return place_units(
@@ -158,7 +165,7 @@ class Planner:
             raise self._refusal(error, together, gpu_bytes, homes, activations_auto) from None
 
     def _refusal(self, error: PlacementError, together: list[list[int]], gpu_bytes: int, homes: Optional[dict], activations_auto: bool) -> PlacementError:
-        model, mode = self.model, self.policy.placement
+        model, mode = self.units, self.policy.placement
         if homes is not None and self.plan is None:  # the policy fixed every home
             return PlacementError(
                 f"policy.placement={str(mode)!r} puts every unit's parameters in {'NVMe' if mode == PlacementMode.NVME else 'host memory'}, "
@@ -171,8 +178,8 @@ class Planner:
         return error
 
     def _checkpoint_note(self, activations_auto: bool) -> str:
-        sizes = self.model.sizes
-        block = max((sum(sizes[i].nbytes for i in units) for units in self.model.block_units), default=0)
+        sizes = self.units.sizes
+        block = max((sum(sizes[i].nbytes for i in units) for units in self.units.block_units), default=0)
         profiling = " (activations='auto' checkpoints every block but the first in its profiling step)" if activations_auto else ""
         return (
             f"Checkpointed blocks recompute with all their parameters in the GPU tier, {format_bytes(block)} for the largest block"
@@ -191,7 +198,7 @@ class Planner:
         the activation layout. Returns the plan and the units in first-use order. Raises
         PlacementError when no split of the GPU tier fits."""
         self.phase = PlanPhase.SEARCHED
-        model, budgets = self.model, self.budgets
+        model, budgets = self.units, self.budgets
         used = list(dict.fromkeys(timing.order))
         order = used + [i for i in range(len(model.sizes)) if i not in used]
         costs = costs_from_timing(timing, list(trainable))
@@ -210,7 +217,7 @@ class Planner:
         with them leaves of the GPU tier; None when the placement in use already is that."""
         chosen = frozenset(order[:count])
         gpu_bytes = self.budgets.gpu - (plan.activations.peak_bytes if plan.activations is not None else 0)
-        if count >= len(order) or (chosen == current and self.gpu_placed <= gpu_bytes):
+        if count >= len(order) or (chosen == current and (self.gpu_placed or 0) <= gpu_bytes):
             return None  # all resident: the first placement had that choice
         self.resident = Resident(chosen, gpu_bytes)
         return self.resident
@@ -221,7 +228,7 @@ class Planner:
         """The GPU tier the parameters need at the least: every block's units streamed together."""
         if self.model is None or not self.model.sizes:
             return 0
-        return minimum_gpu_bytes(self.model.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
+        return minimum_gpu_bytes(self.units.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
 
     def least_activation_peak(self, costs: Sequence[BlockCost], planner: str) -> int:
         """The smallest activation peak any layout the planner may choose reaches."""
