@@ -94,7 +94,7 @@ class ActivationControl:
         )
         if parameter_bytes is not None:
             self._replace_engine(trainer, gpu_bytes=parameter_bytes)
-            plan = planner.choose_layout_again(costs, self._activation_links(), activations.planner, self._gpu_parameter_bytes(), self._host_left())
+            plan = planner.layout_beside(costs, self._activation_links(), activations.planner, self._gpu_parameter_bytes(), self._host_left())
         self.activation_plan = plan
         self.activation_links = self._activation_links()
         activations.apply(plan.layout)

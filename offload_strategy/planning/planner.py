@@ -261,18 +261,17 @@ class Planner:
         fits there, the layout for the parameters' smallest share, and the GPU bytes the parameters
         must be placed again in (then ask again with what that placement uses)."""
         self.phase = PlanPhase.LAID_OUT
-        choose = _LAYOUTS.get(planner, choose_layout)
-        gpu = self.budgets.gpu
         try:
-            return choose(costs, links, gpu_bytes=max(gpu - parameter_bytes, 0), host_bytes=host_bytes), None
+            return self.layout_beside(costs, links, planner, parameter_bytes, host_bytes), None
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
         try:
-            plan = choose(costs, links, gpu_bytes=max(gpu - self.smallest_parameter_share(block_policies), 0), host_bytes=host_bytes)
+            plan = self.layout_beside(costs, links, planner, self.smallest_parameter_share(block_policies), host_bytes)
         except ValueError as error:
             raise ValueError(f"{error} {self.activation_minimum_note(costs, planner, block_policies)}") from None
-        return plan, gpu - plan.peak_bytes
+        return plan, self.budgets.gpu - plan.peak_bytes
 
-    def choose_layout_again(self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int) -> ActivationPlan:
+    def layout_beside(self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int) -> ActivationPlan:
+        """The planner's layout in what ``parameter_bytes`` of parameters leave of the GPU tier."""
         return _LAYOUTS.get(planner, choose_layout)(costs, links, gpu_bytes=max(self.budgets.gpu - parameter_bytes, 0), host_bytes=host_bytes)

@@ -132,7 +132,7 @@ class TieredEngine:
         self.placement = placement
         self.data_parallel = data_parallel
         states = [UnitState(unit=u, home=placement.home[u.index], master_dtypes=[master_dtype(p, fp32_masters) for p in u.params]) for u in units]
-        self._states = states
+        self.states = states
         # the parameters whose gradients and optimizer states the placement planned room for
         self._planned_trainable = {id(p) for u in units for p in u.trainable}
         self._grad_hooked: set[int] = set()  # id(param) of every parameter whose gradients the engine receives
@@ -144,7 +144,7 @@ class TieredEngine:
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         self.activation_bytes = 0  # saved for backward by the last forward (parameters excluded)
         self.memory: Optional[TierMemory] = None
-        self.nvme_store: Optional[NvmeStore] = None
+        self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
         self.updater: Optional[UnitUpdater] = None
         self.lending: Optional[Lending] = None
@@ -164,15 +164,17 @@ class TieredEngine:
     ) -> None:
         """The tiers' memory, the NVMe store, and the collaborators over one context."""
         self.memory = TierMemory.allocate(states, self.placement, self.device)
+        # what a saved tensor aliasing the GPU tier shares with it
+        self._arena_device, self._arena_storage = self.memory.arena.device, self.memory.arena.untyped_storage().data_ptr()
         nvme_states = None
         if any(s.home == NVME for s in states):
             assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
-            self.nvme_store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1), checksums=checksums)
-            nvme_states = NvmeOptimizerStates(self.nvme_store)
+            self.store = NvmeStore(nvme_path, capacity=max(self.placement.nvme_bytes, 1), checksums=checksums)
+            nvme_states = NvmeOptimizerStates(self.store)
         self.nvme_states = nvme_states
         ctx = EngineContext(
             device=self.device, placement=self.placement, states=states, memory=self.memory,
-            offloaded_class=offloaded_class(self._lend_parameter), store=self.nvme_store, fp32_masters=fp32_masters,
+            offloaded_class=offloaded_class(self._lend_parameter), store=self.store, fp32_masters=fp32_masters,
         )
         self.ctx = ctx
         self.cache = UnitCache(ctx, prefetch)
@@ -187,14 +189,6 @@ class TieredEngine:
         return self.data_parallel is None or self.data_parallel.owns(unit_index)
 
     # -- what the strategy, the tools and the tests read --------------------------------------------
-
-    @property
-    def states(self) -> list[UnitState]:
-        return self._states
-
-    @property
-    def store(self) -> Optional[NvmeStore]:
-        return self.nvme_store
 
     @property
     def arena(self) -> torch.Tensor:
@@ -252,14 +246,14 @@ class TieredEngine:
 
     def trainable_grew(self) -> bool:
         """Some parameter is trainable now that the placement planned no gradient or state for."""
-        return any(p.requires_grad and id(p) not in self._planned_trainable for s in self._states for p in s.unit.params)
+        return any(p.requires_grad and id(p) not in self._planned_trainable for s in self.states for p in s.unit.params)
 
     # -- set-up -------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _move_to_homes(self) -> None:
         ctx = self.ctx
-        for s in self._states:
+        for s in self.states:
             values = [p.data for p in s.unit.params]
             if s.home == GPU:
                 targets = s.unit.views(s.device_slot.tensor)
@@ -275,7 +269,7 @@ class TieredEngine:
                 staging = self.memory.staging_pool.acquire(s.unit.nbytes)
                 for t, v in zip(s.unit.views(staging.tensor), values):
                     t.copy_(v)
-                self.nvme_store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+                self.store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
                 self.memory.staging_pool.release(staging)
                 s.placeholders = [nan_placeholder(p, self.device.compute) for p in s.unit.params]
                 ctx.bind(s, s.placeholders)
@@ -288,16 +282,16 @@ class TieredEngine:
         in_place = self.placement.dha
         for module, used in users.items():
             indices = [u.index for u in used]
-            fetched = [i for i in indices if self._states[i].home != GPU and i not in in_place]
+            fetched = [i for i in indices if self.states[i].home != GPU and i not in in_place]
             pre_hook = self._make_pre_hook(indices, fetched)
             self._hooks.append(module.register_forward_pre_hook(pre_hook))
             self._hooks.append(module.register_forward_hook(pre_hook.post_hook, always_call=True))
-        for s in self._states:
+        for s in self.states:
             for i, p in enumerate(s.unit.params):
                 if p.requires_grad:
                     self._hook_gradient(s, i, p)
         # the parameters an attribute read fetches: those of streamed units
-        self._streamed = {id(p): s for s in self._states if s.home != GPU and s.unit.index not in in_place for p in s.unit.params}
+        self._streamed = {id(p): s for s in self.states if s.home != GPU and s.unit.index not in in_place for p in s.unit.params}
         for module in users:
             self._watched.append((module, module._parameters))
             module._parameters = _WatchedParameters(module._parameters, self._on_read)
@@ -331,7 +325,7 @@ class TieredEngine:
         """A trainable set that changed during training (unfreezing, ``add_param_group``):
         parameters unfrozen since set-up get a gradient home and a gradient hook, and every
         optimizer's newly added or unfrozen parameters join their unit's inner optimizer."""
-        for s in self._states:
+        for s in self.states:
             for i, p in enumerate(s.unit.params):
                 if p.requires_grad and id(p) not in self._grad_hooked:
                     self.gradients.start(s, i, p)
@@ -348,7 +342,7 @@ class TieredEngine:
     # -- hooks --------------------------------------------------------------------------------------
 
     def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "_UnitHook":
-        step, states, cache, timer = self.ctx.step, self._states, self.cache, self.timer
+        step, states, cache, timer = self.ctx.step, self.states, self.cache, self.timer
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             recomputing = torch._C._current_autograd_node() is not None
@@ -403,7 +397,7 @@ class TieredEngine:
 
     def _on_persistent_grad(self, p: torch.Tensor) -> None:
         s = self.gradients.receive_persistent(p)
-        if s is not None and self.exchange is not None and self.exchange.mode is not None:
+        if s is not None:
             self._gradients_complete(s)
 
     def _gradients_complete(self, s: UnitState) -> None:
@@ -425,8 +419,7 @@ class TieredEngine:
             yield
 
     def pack_saved(self, t: torch.Tensor) -> Any:
-        arena = self.memory.arena
-        if t.device != arena.device or t.untyped_storage().data_ptr() != arena.untyped_storage().data_ptr():
+        if t.device != self._arena_device or t.untyped_storage().data_ptr() != self._arena_storage:
             step = self.ctx.step
             if step.active and step.phase is Phase.FORWARD:
                 self.activation_bytes += t.numel() * t.element_size()  # kept for backward (checkpointed blocks save only inputs)
@@ -444,7 +437,7 @@ class TieredEngine:
         self.backward_log.append(time.perf_counter())
         self.timer.unpacked(packed.unit)
         buffer = self.cache.request(packed.unit)
-        self._states[packed.unit].used_in_backward = True
+        self.states[packed.unit].used_in_backward = True
         typed = buffer.view(packed.dtype)
         element = typed.element_size()
         # as_strided's offset counts from the start of the storage, not of the view
@@ -473,7 +466,7 @@ class TieredEngine:
         self.updater.log, self.backward_log = [], []
         if self.exchange is not None:
             self.exchange.reset(reduce)
-        for s in self._states:
+        for s in self.states:
             s.grads_arrived = 0
             s.used_in_backward = False
             s.recompute_pinned = False
@@ -519,7 +512,7 @@ class TieredEngine:
         finally:
             self.updater.drain()  # the updates started during backward
         self.cache.evict_all()  # parameters are about to change: copies in the GPU tier go stale
-        for s in self._states:
+        for s in self.states:
             if s.updated:  # updated on the worker: the kept copy is stale
                 self.cache.drop_host_copy(s)
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
@@ -536,13 +529,12 @@ class TieredEngine:
     def _update_the_rest(self, unit_optimizers: UnitOptimizers) -> None:
         """Every unit the worker did not update during backward, in unit order, then loose tensors."""
         updater = self.updater
-        for s in self._states:
+        for s in self.states:
             if s.unit.index not in unit_optimizers.slots or s.updated:
                 continue
             start = time.perf_counter()
             if s.home == GPU:
                 updater.update_persistent(unit_optimizers, s)
-                updater.record_persistent_states(unit_optimizers, s)
             else:
                 updater.update_offloaded(unit_optimizers, s)
             updater.log.append((s.unit.index, start, time.perf_counter()))
@@ -565,7 +557,7 @@ class TieredEngine:
         finally:
             if self.exchange is not None:
                 self.exchange.finish()
-        for s in self._states:
+        for s in self.states:
             s.used_in_backward = False
             s.updated = False
             s.recompute_pinned = False
@@ -605,7 +597,7 @@ class TieredEngine:
         if slot.unit_index == LOOSE:
             holders.append(p)
             return
-        s = self._states[slot.unit_index]
+        s = self.states[slot.unit_index]
         s.wait_reductions()
         master = slot.masters[position]
         if s.home == GPU:
@@ -642,14 +634,14 @@ class TieredEngine:
         errors = self.updater.close() if self.updater is not None else []
         self._remove_hooks()
         if materialize and self.lending is not None:
-            errors += _attempt([self.lending.take_back, *(lambda s=s: self._materialize_for_good(s) for s in self._states)])
+            errors += _attempt([self.lending.take_back, *(lambda s=s: self._materialize_for_good(s) for s in self.states)])
             states_in_memory = self.nvme_states.materialized if self.nvme_states is not None else contextlib.nullcontext
             errors += _attempt([lambda u=u: u.restore_facade(states_in_memory) for u in self.updater.optimizers.values()])
-        for s in self._states:
+        for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
                 mark_present(p)
         errors += _attempt([
-            self.nvme_store.close if self.nvme_store is not None else None,
+            self.store.close if self.store is not None else None,
             self.memory.slab.close if self.memory is not None else None,
         ])
         if errors and raise_errors:
@@ -676,7 +668,7 @@ class TieredEngine:
                 p.data = p.data.clone()
             elif s.home == HOST and s.home_views:
                 p.data = s.home_views[i].clone()
-        if s.home == NVME and self.nvme_store is not None and s.placeholders:
+        if s.home == NVME and self.store is not None and s.placeholders:
             self.ctx.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
 
     # -- metrics ------------------------------------------------------------------------------------
@@ -695,7 +687,7 @@ class TieredEngine:
         return out
 
     def _tier_metrics(self) -> dict[str, float]:
-        memory, store, states = self.memory, self.nvme_store, self._states
+        memory, store, states = self.memory, self.store, self.states
         out = {
             "link/h2d_bytes": float(self.device.bytes_to_device),
             "link/d2h_bytes": float(self.device.bytes_to_host),

@@ -143,11 +143,10 @@ class UnitUpdater:
                 self.pipeline.finish()
 
     def close(self) -> list[BaseException]:
-        errors = []
-        for action in (self.worker.drain, self.pipeline.finish if self.pipeline is not None else None):
+        errors: list[BaseException] = []
+        for action in [self.worker.drain] + ([self.pipeline.finish] if self.pipeline is not None else []):
             try:
-                if action is not None:
-                    action()
+                action()
             except Exception as error:  # returned to the engine's close, raised once all is freed
                 errors.append(error)
         self.worker.close()
@@ -170,11 +169,12 @@ class UnitUpdater:
         if not s.widened:
             clip_by_value([p.grad for p in slot.params], self.ctx.step.clip_value)
             unit_optimizers.step(s.unit.index)
-            return
-        persistent = self.gradients.persistent
-        grads = [persistent.get(id(p)) if slot.widened(k) else p.grad for k, p in enumerate(slot.params)]
-        clip_by_value(grads, self.ctx.step.clip_value)
-        _step_masters(unit_optimizers, slot, grads, [p.data for p in slot.params])
+        else:
+            persistent = self.gradients.persistent
+            grads = [persistent.get(id(p)) if slot.widened(k) else p.grad for k, p in enumerate(slot.params)]
+            clip_by_value(grads, self.ctx.step.clip_value)
+            _step_masters(unit_optimizers, slot, grads, [p.data for p in slot.params])
+        self._remember_state_bytes(s, slot)
 
     def update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False) -> None:
         """Update one offloaded unit at home: stage it, step it, write it back."""
@@ -192,12 +192,14 @@ class UnitUpdater:
             s.grads[i].fresh = False
         if s.home == NVME:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
-        elif s.unit.index not in self.state_bytes:
-            self.state_bytes[s.unit.index] = _state_bytes(slot)
+        else:
+            self._remember_state_bytes(s, slot)
 
-    def record_persistent_states(self, unit_optimizers: UnitOptimizers, s: UnitState) -> None:
-        if s.unit.index not in self.state_bytes and s.unit.index in unit_optimizers.slots:
-            self.state_bytes[s.unit.index] = _state_bytes(unit_optimizers.slots[s.unit.index])
+    def _remember_state_bytes(self, s: UnitState, slot: UnitSlot) -> None:
+        """A unit whose states stay in memory: their bytes, once its optimizer has created them
+        (NVMe units' are counted by their packed files)."""
+        if s.unit.index not in self.state_bytes:
+            self.state_bytes[s.unit.index] = _state_bytes(slot)
 
     def _stage_nvme(
         self, s: UnitState, slot: UnitSlot, positions: list[int], staged: Any, known: bool, on_worker: bool,
