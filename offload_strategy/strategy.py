@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
+from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
@@ -127,6 +128,8 @@ class TieredMixin(ActivationControl):
         self._optimizer_stepped = False
         self._swap_device: Optional[Device] = None
         self._profiled = False
+        # parameters of models built under this strategy, recorded instead of held (deferred.py)
+        self.deferred = DeferredParameters()
 
     @property
     @override
@@ -153,21 +156,30 @@ class TieredMixin(ActivationControl):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """Models built here (``configure_model``, ``trainer.init_module()``) take no memory for
+        their parameters: each is computed in its home once placed, to the bit what plain
+        construction gives (deferred.py)."""
+        building = self.deferred.recording() if self.policy.name != "none" else contextlib.nullcontext()
         if not self._places_parameters_itself():
-            with super().tensor_init_context(empty_init):
+            with building, super().tensor_init_context(empty_init):
                 yield
             return
-        with _EmptyInit(enabled=bool(empty_init)), self.precision_plugin.tensor_init_context():
+        with building, _EmptyInit(enabled=bool(empty_init)), self.precision_plugin.tensor_init_context():
             yield
 
     @override
     def model_to_device(self) -> None:
-        if not self._places_parameters_itself():
-            return super().model_to_device()
         assert self.model is not None
-        for module in self.model.modules():  # buffers now; parameters once the engine has placed them
+        if not self._places_parameters_itself() and not len(self.deferred):
+            return super().model_to_device()
+        # buffers now; parameters once the engine has placed them (or computed where they are)
+        for module in self.model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.to(self.root_device)
+            if not self._places_parameters_itself():
+                for p in module.parameters(recurse=False):
+                    if p not in self.deferred:
+                        p.data = p.data.to(self.root_device)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -176,6 +188,8 @@ class TieredMixin(ActivationControl):
         self.budgets = self.resolve_budgets()
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
+        if self.lightning_module is not None:
+            self.deferred.adopt(self.lightning_module)
         super().setup(trainer)
         self._plan = load_plan(self.plan_file) if self.plan_file is not None else None
         activations = self.policy.activations
@@ -191,7 +205,9 @@ class TieredMixin(ActivationControl):
             self.engine = self._build_engine(trainer)
             _refuse_weight_averaging_on_nvme(trainer, self.engine)
             if self.engine is None and self._places_parameters_itself():
+                self.deferred.materialize_all(self.root_device)
                 self.model.to(self.root_device)  # it all fits after all
+        self.deferred.materialize_all(self.root_device)  # nothing placed them: where they are
         self._use_saved_tensor_hooks()
         if self._activations.swaps:
             self._attach_swap()
@@ -255,7 +271,7 @@ class TieredMixin(ActivationControl):
                 self.lightning_module, units, users, placement, device, nvme_path=str(self.nvme_path) if self.nvme_path else None,
                 optimizers=self.optimizers, direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
                 checksums=self.policy.checksums, fp32_masters=fp32_masters, data_parallel=self._data_parallel(sizes),
-                prefetch=self.policy.prefetch, state_factor=self.planner.model.state_factor,
+                prefetch=self.policy.prefetch, state_factor=self.planner.model.state_factor, initial_value=self.deferred.fill,
             )
         except BaseException:
             device.close()

@@ -126,8 +126,11 @@ class TieredEngine:
         data_parallel: Optional[DataParallel] = None,
         prefetch: bool = True,
         state_factor: float = 2.0,
+        initial_value: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None,
     ) -> None:
         self.model = model
+        # writes a parameter built without memory into its home (deferred.py); False for the others
+        self._initial_value = initial_value or (lambda p, target: False)
         self.device = device
         self.placement = placement
         self.data_parallel = data_parallel
@@ -250,25 +253,27 @@ class TieredEngine:
 
     # -- set-up -------------------------------------------------------------------------------------
 
+    def _write_values(self, s: UnitState, targets: list[torch.Tensor]) -> None:
+        """The unit's parameters' values into ``targets``, computed there for those built without memory."""
+        for p, target in zip(s.unit.params, targets):
+            if not self._initial_value(p, target):
+                target.copy_(p.data)
+
     @torch.no_grad()
     def _move_to_homes(self) -> None:
         ctx = self.ctx
         for s in self.states:
-            values = [p.data for p in s.unit.params]
             if s.home == GPU:
                 targets = s.unit.views(s.device_slot.tensor)
-                for t, v in zip(targets, values):
-                    t.copy_(v)
+                self._write_values(s, targets)
                 ctx.bind(s, targets)
                 s.bound = True
             elif s.home == HOST:
-                for t, v in zip(s.home_views, values):
-                    t.copy_(v)
+                self._write_values(s, s.home_views)
                 ctx.bind(s, s.home_views)
             else:
                 staging = self.memory.staging_pool.acquire(s.unit.nbytes)
-                for t, v in zip(s.unit.views(staging.tensor), values):
-                    t.copy_(v)
+                self._write_values(s, s.unit.views(staging.tensor))
                 self.store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
                 self.memory.staging_pool.release(staging)
                 s.placeholders = [nan_placeholder(p, self.device.compute) for p in s.unit.params]
