@@ -13,6 +13,7 @@ from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
 from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
 from .strategy_ddp import TieredDDPStrategy
+from .weights import WeightsMismatchError, load_weights
 
 __version__ = "0.1.0"
 
@@ -51,8 +52,10 @@ __all__ = [
     "TierBudgets",
     "TieredDDPStrategy",
     "TieredStrategy",
+    "WeightsMismatchError",
     "format_bytes",
     "known_hardware",
+    "load_weights",
     "parse_size",
     "probe_hardware",
 ]

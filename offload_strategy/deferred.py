@@ -92,7 +92,7 @@ class Recipe:
     def compute_into(self, target: torch.Tensor) -> None:
         """Write the value into ``target`` (any device and dtype; converted as ``copy_`` does)."""
         if self.source is not None:
-            target.copy_(self.source().view(target.shape))
+            target.copy_(self.source())
             return
         direct = target.device.type == "cpu" and target.dtype == self.dtype and target.is_contiguous()
         value = target if direct else torch.empty(self.shape, dtype=self.dtype)
@@ -134,6 +134,8 @@ class DeferredParameter(OffloadedParameter):
     (``lend``). Moving it where and as it already is (``module.to(device)``, a precision's
     ``convert_module``) changes nothing and computes nothing."""
 
+    registry: "DeferredParameters"
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         name = _name(func)
@@ -154,7 +156,7 @@ class DeferredParameters:
         self.recipes: dict[int, Recipe] = {}
         self.params: dict[int, nn.Parameter] = {}
         self.twins: dict[int, torch.Tensor] = {}  # id(param) -> a meta tensor standing for its values
-        self.parameter_class = type("DeferredParameter", (DeferredParameter,), {"lend": staticmethod(self._lend), "names": {}})
+        self.parameter_class = type("DeferredParameter", (DeferredParameter,), {"lend": staticmethod(self._lend), "names": {}, "registry": self})
         self._recording = False
 
     def __len__(self) -> int:

@@ -2,7 +2,8 @@
 
 From the bottom: ``config`` and the profile's data (``profiling/profile.py``); ``planning`` (pure
 functions over sizes and times: no torch, no Lightning); ``hardware`` and ``memory``; ``runtime``
-(the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units);
+(the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units),
+``deferred`` and ``weights`` (models built without memory, weights read into homes);
 and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, the package's
 ``__init__``), the only modules that may import Lightning. A module may import its own layer and
 those below it. See docs/architecture.md.
@@ -27,6 +28,8 @@ LAYERS = {
     "memory": 3,
     "runtime": 4,
     "profiling.analytic": 5,
+    "deferred": 5,
+    "weights": 5,
     "strategy": 6,
     "strategy_activations": 6,
     "strategy_ddp": 6,
