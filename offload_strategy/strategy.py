@@ -249,6 +249,7 @@ class TieredMixin(ActivationControl):
             sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
             block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
             state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0), owned=self._units_with_states_here(sizes),
+            gradients_until_update=trainer.training and self._every_step_updates_in_backward(trainer),
         )
         policies = self._activations.policies if self._activations is not None else []
         together = planner.working_groups(policies) if trainer.training else list(planner.model.co_resident)  # no recompute without gradients
@@ -484,6 +485,15 @@ class TieredMixin(ActivationControl):
         if not trainer.lightning_module.automatic_optimization or self._needs_all_gradients(trainer):
             return False
         return not trainer.fit_loop._should_accumulate()
+
+    def _every_step_updates_in_backward(self, trainer: "pl.Trainer") -> bool:
+        """Known at set-up: every step's backward updates each unit as its gradients complete, so
+        a gradient lives only until its unit's update (one process, one optimizer, no
+        accumulation, nothing that needs every gradient first)."""
+        single = self.world_size == 1 and len(self.optimizers) == 1 and trainer.accumulate_grad_batches == 1
+        return single and self.policy.update_during_backward and not is_overridden("optimizer_step", trainer.lightning_module) and (
+            trainer.lightning_module.automatic_optimization and not self._needs_all_gradients(trainer)
+        )
 
     def _needs_all_gradients(self, trainer: "pl.Trainer") -> bool:
         """Loss scaling, clipping by norm, and user code that looks at the gradients before the

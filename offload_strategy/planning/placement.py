@@ -34,6 +34,9 @@ HOST_SLOT_ALIGNMENT = 4096  # O_DIRECT needs page-aligned buffers and lengths
 # NVMe staging buffers: two to fetch units through, two for the update worker (parameters, states)
 NVME_STAGING_BUFFERS = 4
 UPDATE_STAGING_BUFFERS = 2
+# Host buffers the gradients of NVMe units pass through when each lives only from its first
+# gradient to its update (LoHan §IV-C): units in flight between backward and the update worker.
+GRADIENT_BUFFERS = 4
 
 
 def align(n: int, alignment: int) -> int:
@@ -67,6 +70,9 @@ class Placement:
     notes: list[str] = field(default_factory=list)
     # host-homed units the GPU computes on in place, never copied in (MemFerry's DHA mode)
     dha: frozenset[int] = frozenset()
+    # host buffers for the gradients of NVMe units, each held from a unit's first gradient to its
+    # update (slot bytes -> count); empty when every offloaded unit keeps a gradient home
+    gradient_slots: dict[int, int] = field(default_factory=dict)
 
     @property
     def offloaded(self) -> bool:
@@ -119,6 +125,7 @@ def place_units(
     persistent: Optional[Collection[int]] = None,
     owned: Optional[Collection[int]] = None,
     prefetch: bool = True,
+    gradients_until_update: bool = False,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -130,8 +137,11 @@ def place_units(
     units stay in the GPU tier (the planner's search); buffers are sized as usual and the budgets
     still hold. ``owned``: under data parallelism with sharded states, the units whose optimizer
     states this rank keeps (the others need room for their parameters and gradients only).
+    ``gradients_until_update``: every unit is updated as soon as its gradients are complete, so
+    the gradients of NVMe units need host memory only while in flight (``GRADIENT_BUFFERS`` of the
+    largest), not a home each.
     """
-    costs = _Costs(state_factor, owned)
+    costs = _Costs(state_factor, owned, gradients_until_update)
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
     if everything is not None:
         return everything
@@ -140,6 +150,8 @@ def place_units(
     slots = _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
     staging, host_used = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
+    on_nvme = [u for u in streaming if home[u.index] == NVME]
+    gradient_slots = {costs.gradient_slot(on_nvme): GRADIENT_BUFFERS} if costs.transient_gradients and costs.gradient_slot(on_nvme) else {}
     nvme_used = sum(costs.at_home(u) for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
@@ -148,16 +160,26 @@ def place_units(
             f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
             nvme_needed=nvme_used,
         )
-    return Placement(home, slots, staging, gpu_used, host_used, nvme_used)
+    return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots)
 
 
 @dataclass(frozen=True)
 class _Costs:
     """What a unit costs where it lives, for an optimizer keeping ``state_factor`` state bytes per
-    trainable byte (``owned``: the units whose states this rank keeps under sharded states)."""
+    trainable byte (``owned``: the units whose states this rank keeps under sharded states;
+    ``transient_gradients``: NVMe units' gradients pass through ``GRADIENT_BUFFERS`` buffers)."""
 
     state_factor: float
     owned: Optional[Collection[int]]
+    transient_gradients: bool = False
+
+    def gradient(self, u: UnitSize) -> int:
+        """An offloaded unit's gradient home in host memory."""
+        return align(u.trainable_bytes, HOST_SLOT_ALIGNMENT)
+
+    def gradient_slot(self, units: Sequence[UnitSize]) -> int:
+        """A gradient buffer that holds any of ``units``' gradients (0: none is trainable)."""
+        return max((self.gradient(u) for u in units if u.trainable_bytes), default=0)
 
     def states(self, u: UnitSize) -> int:
         return 0 if self.owned is not None and u.index not in self.owned else int(u.trainable_bytes * self.state_factor)
@@ -259,7 +281,7 @@ def _host_and_nvme_homes(
     gradients, then, by first use, the parameters and states of the units that fit; the others
     keep both on NVMe and pass through staging buffers (two for fetching units into the GPU tier,
     two for updating them). Returns the staging buffers (size -> count) and the host bytes used."""
-    grads = sum(align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) for u in streaming)
+    grads = sum(costs.gradient(u) for u in streaming)
     all_at_home = grads + sum(costs.at_home(u) for u in streaming)
     if (homes is None and all_at_home <= host_bytes) or (homes is not None and all(homes[u.index] == HOST for u in streaming)):
         home.update({u.index: HOST for u in streaming})
@@ -289,20 +311,26 @@ def _split_host_and_nvme(
     The staging buffers then need only fit the units that went to NVMe, and host memory left
     over keeps more of them in staging buffers between their uses."""
     slot = costs.staging_slot(streaming)
-    host_used = grads + NVME_STAGING_BUFFERS * slot
+    # gradients: a home for every offloaded unit, or for host units only beside the NVMe units' buffers
+    pool = GRADIENT_BUFFERS * costs.gradient_slot(streaming) if costs.transient_gradients else grads
+    host_used = pool + NVME_STAGING_BUFFERS * slot
     if host_used > host_bytes:
+        what = f"{GRADIENT_BUFFERS} gradient buffers" if costs.transient_gradients else "the gradients of the offloaded units"
         raise PlacementError(
-            f"host_memory={_fmt(host_bytes)} cannot hold the gradients of the offloaded units plus {NVME_STAGING_BUFFERS} NVMe "
+            f"host_memory={_fmt(host_bytes)} cannot hold {what} plus {NVME_STAGING_BUFFERS} NVMe "
             f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
         )
     for u in streaming:
-        on_host = homes[u.index] == HOST if homes is not None else host_used + costs.at_home(u) <= host_bytes
+        cost = costs.at_home(u) + (costs.gradient(u) if costs.transient_gradients else 0)
+        on_host = homes[u.index] == HOST if homes is not None else host_used + cost <= host_bytes
         home[u.index] = HOST if on_host else NVME
-        host_used += costs.at_home(u) if on_host else 0
+        host_used += cost if on_host else 0
     on_nvme = [u for u in streaming if home[u.index] == NVME]
     if not on_nvme:
-        return {}, host_used - NVME_STAGING_BUFFERS * slot
+        return {}, host_used - NVME_STAGING_BUFFERS * slot - (pool if costs.transient_gradients else 0)
     fitted = costs.staging_slot(on_nvme)
     host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
+    if costs.transient_gradients:
+        host_used -= GRADIENT_BUFFERS * (costs.gradient_slot(streaming) - costs.gradient_slot(on_nvme))
     extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
     return {fitted: NVME_STAGING_BUFFERS + extra}, host_used + extra * fitted

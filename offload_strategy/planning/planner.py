@@ -68,6 +68,8 @@ class ModelUnits:
     block_units: list[list[int]]  # the units each repeated block uses
     state_factor: float  # optimizer-state bytes per trainable parameter byte
     owned: Optional[set[int]] = None  # under sharded states: the units whose states this rank keeps
+    # every step updates each unit as its gradients complete: NVMe units' gradients are transient
+    gradients_until_update: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class Planner:
             return place_units(
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
                 homes=homes, owned=model.owned, prefetch=self.policy.prefetch, persistent=persistent,
+                gradients_until_update=model.gradients_until_update,
             )
 
         resident = self.resident.units if self.resident is not None and homes is None else None

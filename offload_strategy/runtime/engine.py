@@ -44,6 +44,7 @@ from ..profiling import StepProfile
 from .cache import UnitCache
 from .context import EngineContext, Phase
 from .data_parallel import DataParallel, GradientExchange, Reduction
+from .gradient_buffers import GradientBuffers
 from .gradients import GradientPath
 from .lending import Lending
 from .metrics import RequestStats
@@ -135,6 +136,8 @@ class TieredEngine:
         self.placement = placement
         self.data_parallel = data_parallel
         states = [UnitState(unit=u, home=placement.home[u.index], master_dtypes=[master_dtype(p, fp32_masters) for p in u.params]) for u in units]
+        for s in states:
+            s.transient_gradients = bool(placement.gradient_slots) and s.home == NVME and bool(s.unit.trainable)
         self.states = states
         # the parameters whose gradients and optimizer states the placement planned room for
         self._planned_trainable = {id(p) for u in units for p in u.trainable}
@@ -181,7 +184,7 @@ class TieredEngine:
         )
         self.ctx = ctx
         self.cache = UnitCache(ctx, prefetch)
-        self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor)
+        self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots))
         self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, self._owns)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None

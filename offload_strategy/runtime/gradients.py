@@ -13,6 +13,7 @@ import torch
 
 from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from .context import EngineContext
+from .gradient_buffers import GradientBuffers
 from .optimizer import UnitOptimizers
 from .state import Landing, UnitState
 from .units import PARAM_ALIGNMENT, master_dtype
@@ -29,11 +30,17 @@ def clip_by_value(grads: Iterable[Optional[torch.Tensor]], clip_value: Optional[
 
 
 class GradientPath:
-    def __init__(self, ctx: EngineContext, direct_gradients: frozenset[int], data_parallel: bool, state_factor: float) -> None:
+    def __init__(
+        self, ctx: EngineContext, direct_gradients: frozenset[int], data_parallel: bool, state_factor: float, buffers: GradientBuffers,
+    ) -> None:
         self.ctx = ctx
         # offloaded units whose gradients autograd writes straight into their host buffers; a
-        # gradient bound for an fp32 master is not the parameter's dtype, so it is copied
-        self.direct = frozenset(i for i in direct_gradients if ctx.states[i].home != GPU and not ctx.states[i].widened)
+        # gradient bound for an fp32 master is not the parameter's dtype, so it is copied; one
+        # that takes a buffer only when its first gradient arrives has none to write into before
+        self.direct = frozenset(
+            i for i in direct_gradients if ctx.states[i].home != GPU and not ctx.states[i].widened and not ctx.states[i].transient_gradients
+        )
+        self.buffers = buffers
         self.counts_persistent = data_parallel  # every persistent gradient is counted for its reduction
         self.state_factor = state_factor  # optimizer-state bytes per master byte, for states the placement did not plan
         self.persistent: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient of a 16-bit persistent parameter
@@ -48,6 +55,8 @@ class GradientPath:
         this completes its gradients for the backward."""
         s, i = self.ctx.param_slot[id(p)]
         record = s.grads[i]
+        if s.transient_gradients and p.grad is not None and not self.buffers.holds(s):
+            self.buffers.acquire(s)
         grad, home = p.grad, record.home
         if grad is None or home is None:
             return None
@@ -163,6 +172,7 @@ class GradientPath:
             s, i = found
             s.grads[i].wait()
             s.grads[i].fresh = False
+            self.done_with(s)
 
     def forget_all(self) -> None:
         self.persistent.clear()
@@ -170,6 +180,12 @@ class GradientPath:
             for record in s.grads:
                 record.wait()
                 record.fresh = False
+            self.done_with(s)
+
+    def done_with(self, s: UnitState) -> None:
+        """A unit's gradients are consumed: a transient buffer goes back once none is fresh."""
+        if s.transient_gradients and self.buffers.holds(s) and not any(r.fresh for r in s.grads):
+            self.buffers.release(s)
 
     def start(self, s: UnitState, i: int, p: torch.Tensor) -> None:
         """A parameter became trainable during training: its gradient home (outside the slab, for

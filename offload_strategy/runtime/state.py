@@ -81,6 +81,8 @@ class UnitState:
     bound: bool = False  # parameters currently point into device_slot
     reduce_ready: bool = False  # data parallel: complete for this step, its reduction due in the canonical order
     reductions: list[Any] = field(default_factory=list)  # data parallel: its collectives in flight
+    # an NVMe unit whose gradients live in a shared buffer from the first to the update (gradient_buffers.py)
+    transient_gradients: bool = False
 
     @property
     def widened(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from ..hardware.device import Device
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME_STAGING_BUFFERS, UPDATE_STAGING_BUFFERS, Placement, align
+from .gradient_buffers import bind_gradients, gradient_bytes
 from .state import GradientRecord, UnitState
 
 
@@ -25,12 +26,13 @@ class TierMemory:
     update_pool: SlotPool  # the update worker's own staging buffers
     update_buffers: int
     master_region: torch.Tensor  # fp32 masters of host-homed 16-bit units (never transferred: not pinned)
+    gradient_slots: list[torch.Tensor]  # buffers the gradients of NVMe units pass through (gradient_buffers.py)
 
     @classmethod
     def allocate(cls, states: list[UnitState], placement: Placement, device: Device) -> "TierMemory":
         arena, device_pool, class_sizes = _device_tier(states, placement, device)
-        slab, staging_pool, update_pool, update_buffers = _host_tier(states, placement, device)
-        return cls(arena, device_pool, class_sizes, slab, staging_pool, update_pool, update_buffers, _master_region(states))
+        slab, staging_pool, update_pool, update_buffers, gradient_slots = _host_tier(states, placement, device)
+        return cls(arena, device_pool, class_sizes, slab, staging_pool, update_pool, update_buffers, _master_region(states), gradient_slots)
 
     def own_class(self, nbytes: int) -> int:
         """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
@@ -56,11 +58,14 @@ def _device_tier(states: list[UnitState], placement: Placement, device: Device) 
     return arena, pool, sorted(c.slot_bytes for c in classes)
 
 
-def _host_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[HostSlab, SlotPool, SlotPool, int]:
+def _host_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[HostSlab, SlotPool, SlotPool, int, list[torch.Tensor]]:
     offloaded = [s for s in states if s.home != GPU]
     home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
-    grad_bytes = sum(align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in offloaded if s.unit.trainable)
-    grad_bytes += sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.widened)  # 16-bit landing areas
+    homed = [s for s in offloaded if s.unit.trainable and not s.transient_gradients]
+    grad_bytes = sum(gradient_bytes(s) for s in homed)  # with the 16-bit landing areas
+    transient = [s for s in offloaded if s.transient_gradients]
+    gradient_slot = max((gradient_bytes(s) for s in transient), default=0)
+    gradient_count = sum(placement.gradient_slots.values()) if gradient_slot else 0
     staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.staging_slots.items(), reverse=True)]
     staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
     # The update worker's own staging buffers, so it never shares one with the fetch path.
@@ -72,13 +77,15 @@ def _host_tier(states: list[UnitState], placement: Placement, device: Device) ->
     update_buffers = UPDATE_STAGING_BUFFERS + min(2 * UPDATE_STAGING_BUFFERS, spare - spare // 2)
     update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=update_buffers) for c in staging_classes[:1]]
     staging_classes = [SizeClass(c.slot_bytes, c.count - (update_buffers if k == 0 else 0)) for k, c in enumerate(staging_classes)]
-    slab = HostSlab(home_bytes + grad_bytes + staging_bytes, pin=device.compute.type == "cuda")
-    offset = _carve_homes(offloaded, slab.tensor)
-    update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
+    slab = HostSlab(home_bytes + grad_bytes + gradient_slot * gradient_count + staging_bytes, pin=device.compute.type == "cuda")
     host = slab.tensor
+    offset = _carve_homes(offloaded, host)
+    gradient_slots = [host[offset + k * gradient_slot : offset + (k + 1) * gradient_slot] for k in range(gradient_count)]
+    offset += gradient_slot * gradient_count
+    update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
     update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
     staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
-    return slab, staging_pool, update_pool, update_buffers
+    return slab, staging_pool, update_pool, update_buffers, gradient_slots
 
 
 def _carve_homes(offloaded: list[UnitState], host: torch.Tensor) -> int:
@@ -90,19 +97,11 @@ def _carve_homes(offloaded: list[UnitState], host: torch.Tensor) -> int:
             s.home_views = s.unit.views(host[offset : offset + size])
             offset += size
     for s in offloaded:
-        homes: list = [None] * len(s.unit.params)
-        if s.unit.trainable:
-            size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
-            views = s.unit.typed_views(host[offset : offset + size], s.master_dtypes)
-            homes = [v if p.requires_grad else None for v, p in zip(views, s.unit.params)]
+        s.grads = [GradientRecord() for _ in s.unit.params]
+        if s.unit.trainable and not s.transient_gradients:
+            size = gradient_bytes(s)
+            bind_gradients(s, host[offset : offset + size])
             offset += size
-        landings: list = [None] * len(s.unit.params)
-        if s.widened:
-            size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
-            views = s.unit.views(host[offset : offset + size])
-            landings = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
-            offset += size
-        s.grads = [GradientRecord(home=h, landing=landing) for h, landing in zip(homes, landings)]
     return offset
 
 

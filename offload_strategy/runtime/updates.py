@@ -124,6 +124,7 @@ class UnitUpdater:
         if s.unit.index not in unit_optimizers.slots:
             return
         s.updated = True
+        self.gradients.buffers.submitted_for_update(s)
         if s.home == NVME:
             self.pipeline.start_reads(s)
 
@@ -190,6 +191,7 @@ class UnitUpdater:
         _step_masters(unit_optimizers, slot, grads, copies)
         for i in positions:
             s.grads[i].fresh = False
+        self.gradients.done_with(s)
         if s.home == NVME:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
         else:

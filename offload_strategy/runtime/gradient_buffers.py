@@ -1,0 +1,79 @@
+"""Host buffers the gradients of NVMe units pass through: LoHan's active gradient offloading
+(§IV-C). When every unit is updated as soon as its gradients are complete, a unit's gradient is
+needed only from its first gradient to its update, so host memory holds the gradients of the units
+in flight between backward and the update worker, not of the model: a unit takes a buffer when its
+first gradient arrives and gives it back once updated. With every buffer taken, backward waits for
+the worker to finish an update; if nothing submitted holds one (a step that does not update in
+backward), a buffer of its own is made and freed after the update, so the step is never stuck.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..planning.placement import HOST_SLOT_ALIGNMENT, align
+from .state import UnitState
+
+
+def gradient_bytes(s: UnitState) -> int:
+    """A unit's gradients in their masters' dtypes, and the landing area of its 16-bit ones."""
+    nbytes = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+    return nbytes + (align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) if s.widened else 0)
+
+
+def bind_gradients(s: UnitState, buffer: torch.Tensor) -> None:
+    """The unit's gradient records point into ``buffer`` (trainable parameters only), empty."""
+    size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+    homes = s.unit.typed_views(buffer[:size], s.master_dtypes)
+    landings = s.unit.views(buffer[size : size + align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]) if s.widened else [None] * len(homes)
+    for record, home, landing, dtype, p in zip(s.grads, homes, landings, s.master_dtypes, s.unit.params):
+        record.home = home if p.requires_grad else None
+        record.landing = landing if landing is not None and dtype != p.dtype else None
+        record.fresh, record.event, record.pending = False, None, None
+
+
+class GradientBuffers:
+    def __init__(self, slots: list[torch.Tensor]) -> None:
+        self.free = list(slots)
+        self.pooled = {t.data_ptr() for t in slots}
+        self.held: dict[int, torch.Tensor] = {}  # unit index -> its buffer
+        self.submitted: set[int] = set()  # units holding a buffer whose update is on the worker
+        self.changed = threading.Condition()
+        self.extra = 0  # buffers made beyond the pool (over the run)
+        self.most_held = 0
+
+    def acquire(self, s: UnitState) -> None:
+        """The unit's first gradient arrives: a buffer for all of its gradients."""
+        with self.changed:
+            while not self.free and self.submitted:
+                self.changed.wait()
+            if self.free:
+                buffer = self.free.pop()
+            else:
+                buffer = torch.empty(gradient_bytes(s), dtype=torch.uint8)
+                self.extra += 1
+            self.held[s.unit.index] = buffer
+            self.most_held = max(self.most_held, len(self.held))
+        bind_gradients(s, buffer)
+
+    def holds(self, s: UnitState) -> bool:
+        return s.unit.index in self.held
+
+    def submitted_for_update(self, s: UnitState) -> None:
+        with self.changed:
+            if s.unit.index in self.held:
+                self.submitted.add(s.unit.index)
+
+    def release(self, s: UnitState) -> None:
+        """The unit's gradients are consumed (updated, or forgotten): its buffer goes back."""
+        for record in s.grads:
+            record.wait()
+            record.home, record.landing, record.fresh = None, None, False
+        with self.changed:
+            buffer = self.held.pop(s.unit.index, None)
+            self.submitted.discard(s.unit.index)
+            if buffer is not None and buffer.data_ptr() in self.pooled:
+                self.free.append(buffer)
+            self.changed.notify_all()

@@ -1,0 +1,107 @@
+"""Gradients of NVMe units live only from their first gradient to their update (LoHan §IV-C):
+host memory holds the units in flight, not the model's gradients, and training is unchanged."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from offload_strategy.planning.placement import GRADIENT_BUFFERS, NVME, PlacementError, UnitSize, place_units
+from offload_strategy.runtime.gradient_buffers import GradientBuffers, gradient_bytes
+from offload_strategy.runtime.state import GradientRecord, UnitState
+from offload_strategy.runtime.units import TransferUnit
+from tests.test_recipes import Net, assert_like_plain
+
+MiB = 2**20
+
+
+def test_the_host_budget_holds_four_gradient_buffers_instead_of_every_gradient():
+    # 16 units of 1 MiB, all trainable, AdamW (2 state bytes per byte): a staging buffer holds the
+    # 2 MiB of a unit's states. Every gradient at home: 16 MiB + 4 staging buffers = 24 MiB.
+    # Gradients until the update: 4 gradient buffers of 1 MiB + the staging = 12 MiB.
+    units = [UnitSize(i, MiB, MiB) for i in range(16)]
+    groups = [[i] for i in range(16)]
+    budget = dict(gpu_bytes=2 * MiB + 4096, host_bytes=13 * MiB, nvme_bytes=1024 * MiB, state_factor=2.0)
+    with pytest.raises(PlacementError, match=r"cannot hold the gradients of the offloaded units plus 4 NVMe staging buffers \(24.00 MiB\)"):
+        place_units(units, groups, **budget)
+    placement = place_units(units, groups, **budget, gradients_until_update=True)
+    assert all(h == NVME for h in placement.home.values())  # a unit at home in host memory would cost 4 MiB more
+    assert placement.gradient_slots == {MiB: GRADIENT_BUFFERS}
+    assert placement.host_bytes == 12 * MiB
+    with pytest.raises(PlacementError, match=r"cannot hold 4 gradient buffers plus 4 NVMe staging buffers \(12.00 MiB\)"):
+        place_units(units, groups, **{**budget, "host_bytes": 11 * MiB}, gradients_until_update=True)
+
+
+def unit_state(index: int) -> UnitState:
+    unit = TransferUnit(index, f"u{index}", [nn.Parameter(torch.zeros(1024))], [f"u{index}.w"])
+    s = UnitState(unit=unit, home=NVME, master_dtypes=[torch.float32], transient_gradients=True)
+    s.grads = [GradientRecord()]
+    return s
+
+
+def test_backward_waits_for_the_worker_when_every_buffer_is_taken_and_never_when_none_will_come_back():
+    states = [unit_state(i) for i in range(4)]
+    buffers = GradientBuffers([torch.empty(gradient_bytes(states[0]), dtype=torch.uint8) for _ in range(2)])
+    buffers.acquire(states[0])
+    buffers.acquire(states[1])
+    assert states[0].grads[0].home is not None and states[0].grads[0].home.data_ptr() != states[1].grads[0].home.data_ptr()
+    # nothing submitted holds a buffer: a buffer of its own, rather than waiting forever
+    buffers.acquire(states[2])
+    assert buffers.extra == 1
+    buffers.release(states[2])
+    buffers.submitted_for_update(states[0])
+    released = []
+
+    def worker() -> None:
+        time.sleep(0.2)
+        released.append(time.perf_counter())
+        buffers.release(states[0])  # the update is done
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    buffers.acquire(states[3])  # waits for the worker's release
+    acquired = time.perf_counter()
+    thread.join()
+    assert released and acquired >= released[0] and buffers.extra == 1
+    assert states[0].grads[0].home is None and states[3].grads[0].home is not None
+
+
+class Watch:
+    """The engine's gradient buffers after every step."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int, int]] = []
+
+    def __call__(self):
+        import lightning as L
+
+        watch = self
+
+        class Callback(L.Callback):
+            def on_train_batch_end(self, trainer, *args) -> None:
+                engine = getattr(trainer.strategy, "engine", None)
+                if engine is not None:
+                    b = engine.gradients.buffers
+                    transient = sum(s.transient_gradients for s in engine.states)
+                    watch.seen.append((len(engine.memory.gradient_slots), b.extra, b.most_held, transient))
+
+        return (Callback(),)
+
+
+def test_nvme_units_train_like_plain_with_their_gradients_only_in_flight(tmp_path):
+    watch = Watch()
+    assert_like_plain(tmp_path, "nvme", Net, callbacks=watch)
+    slots, extra, most, transient = watch.seen[-1]
+    assert slots == GRADIENT_BUFFERS and transient == 7  # every unit: embedding, 4 blocks, norm, head
+    assert extra == 0 and 1 <= most <= GRADIENT_BUFFERS
+
+
+def test_clipping_by_norm_keeps_every_gradient_at_home(tmp_path):
+    watch = Watch()
+    assert_like_plain(tmp_path, "nvme", Net, callbacks=watch, gradient_clip_val=0.5)
+    slots, extra, _, transient = watch.seen[-1]
+    assert slots == 0 and transient == 0 and extra == 0

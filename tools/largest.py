@@ -1,0 +1,190 @@
+"""Train a GPT-2 whose training state is larger than the host budget, through the NVMe tier, and
+say where the process's memory goes, phase by phase.
+
+    python tools/largest.py --layers 24 --width 1024 --nvme-path /tmp/offload-largest
+    python tools/largest.py --layers 4 --width 256 --steps 2 --nvme-path /tmp/x --weights DIR   # from local weights
+
+The model is built in ``configure_model`` (under the strategy: without memory for its
+parameters), every unit is homed on NVMe with its optimizer states (``placement="nvme"``), and
+the host budget is what the gradients and staging buffers need. The table gives the parameters,
+the training state (fp32 parameters, gradients and AdamW's two states), the peak resident set of
+each phase (the kernel's high-water mark, reset between phases through ``/proc/self/clear_refs``),
+seconds per step, the NVMe bytes read and written per step, and the step time the raw disk
+bandwidth (measured here as ``tools/probe.py`` does) allows for that traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+GiB = 1024**3
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_rss() -> int:
+    return _status("VmHWM")
+
+
+def reset_peak() -> None:
+    """The high-water mark starts again from the current resident set (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class Phases:
+    """Peak resident set of each phase of a run."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self.start = time.perf_counter()
+
+    def end(self, name: str) -> None:
+        self.peaks[name] = peak_rss()
+        reset_peak()
+
+
+def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float, float]]) -> Any:
+    import lightning as L
+
+    class Watch(L.Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            phases.end("construction and placement")
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            self._start = time.perf_counter()
+            store = trainer.strategy.engine.store if trainer.strategy.engine is not None else None
+            self._io = (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            steps.append(time.perf_counter() - self._start)
+            store = trainer.strategy.engine.store if trainer.strategy.engine is not None else None
+            if store is not None:
+                traffic.append((store.bytes_read - self._io[0], store.bytes_written - self._io[1]))
+            phases.end("first step" if len(steps) == 1 else f"step {len(steps)}")
+
+    return Watch()
+
+
+def raw_disk_gbps(path: Path, size: int) -> tuple[float, float]:
+    """Raw sequential write and read bandwidth of the disk under ``path`` (GB/s), as tools/probe.py measures."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tools.probe import raw_io
+
+    buf = mmap.mmap(-1, size)
+    buf.write(os.urandom(1024) * (size // 1024))
+    file = path / "raw-probe.bin"
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            write = min(raw_io(file, memoryview(buf), pool, True, hasattr(os, "O_DIRECT")) for _ in range(2))
+            read = min(raw_io(file, memoryview(buf), pool, False, hasattr(os, "O_DIRECT")) for _ in range(2))
+    finally:
+        file.unlink(missing_ok=True)
+    return size / write / 1e9, size / read / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+
+    from experiments.data import SyntheticTokens
+    from experiments.models import CausalLM
+    from offload_strategy import TieredStrategy, load_weights
+    from tools.common import gpt2_config
+
+    config = gpt2_config(args.layers, args.width, positions=args.seq_len)
+
+    class Model(CausalLM):
+        def configure_model(self) -> None:
+            if self.model is None:
+                super().configure_model()
+                if args.weights:
+                    load_weights(self.model, args.weights)
+
+    phases = Phases()
+    reset_peak()
+    L.seed_everything(0, verbose=False)
+    module = Model(family="gpt2", config=config, lr=1e-4)
+    strategy = TieredStrategy(
+        policy={"placement": "nvme", "activations": "keep"}, gpu_memory=args.gpu_memory, host_memory=args.host_memory,
+        nvme_path=str(args.nvme_path), hardware="auto",
+    )
+    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
+    steps: list[float] = []
+    traffic: list[tuple[float, float]] = []
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[make_callback(phases, steps, traffic)], default_root_dir=str(args.nvme_path),
+    )
+    trainer.fit(module, datamodule=data)
+    phases.end("teardown")
+    parameters = sum(p.numel() for p in module.parameters())
+    return {"parameters": parameters, "phases": phases.peaks, "steps": steps, "traffic": traffic, "budgets": strategy.budgets}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gpu-memory", default="512MiB", help="the emulated GPU tier")
+    parser.add_argument("--host-memory", default=None, help="host budget (default: all that is free)")
+    parser.add_argument("--nvme-path", type=Path, default=None, help="directory for the NVMe tier (default: a temporary one)")
+    parser.add_argument("--weights", type=Path, default=None, help="a local Hugging Face directory or weights file to start from")
+    parser.add_argument("--probe-bytes", type=int, default=GiB, help="bytes written and read to measure the raw disk")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="offload-largest-") as scratch:
+        args.nvme_path = args.nvme_path or Path(scratch)
+        args.nvme_path.mkdir(parents=True, exist_ok=True)
+        result = run(args)
+        write_gbps, read_gbps = raw_disk_gbps(args.nvme_path, args.probe_bytes)
+    from offload_strategy import format_bytes
+
+    n = result["parameters"]
+    state = 16 * n  # fp32 parameters, gradients, AdamW's exp_avg and exp_avg_sq
+    budgets = result["budgets"]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    steady = result["steps"][1:] or result["steps"]
+    seconds = sorted(steady)[len(steady) // 2]
+    read, written = result["traffic"][-1] if result["traffic"] else (0, 0)
+    bound = read / (read_gbps * 1e9) + written / (write_gbps * 1e9)
+    print(f"\nGPT-2 {n / 1e6:.0f}M parameters on {os.cpu_count()} cores, {format_bytes(ram)} of RAM; budgets: GPU tier "
+          f"{format_bytes(budgets.gpu)} (emulated), host {format_bytes(budgets.host)}, NVMe {format_bytes(budgets.nvme)}\n")
+    print("| quantity | value |\n|---|---|")
+    print(f"| parameters | {n:,} |")
+    print(f"| training state (fp32 parameters, gradients, 2 AdamW states) | {format_bytes(state)} ({state / ram:.2f}x RAM, {state / budgets.host:.1f}x the host budget) |")
+    for phase, peak in result["phases"].items():
+        print(f"| peak RSS, {phase} | {format_bytes(peak)} ({peak / ram:.2f}x RAM) |")
+    print(f"| seconds per step (median after the first) | {seconds:.2f} |")
+    print(f"| NVMe read / written per step | {format_bytes(read)} / {format_bytes(written)} |")
+    print(f"| raw disk read / write (GB/s) | {read_gbps:.2f} / {write_gbps:.2f} |")
+    print(f"| NVMe-bound step time from raw bandwidth | {bound:.2f} s ({seconds / bound:.2f}x of it measured) |" if bound else "| NVMe-bound step | - |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
