@@ -139,7 +139,7 @@ class DeferredParameter(OffloadedParameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         name = _name(func)
-        if name == "to" and args and isinstance(args[0], DeferredParameter):
+        if name in ("to", "cpu") and args and isinstance(args[0], DeferredParameter):
             with torch._C.DisableTorchFunctionSubclass():
                 moved = func(*args, **(kwargs or {}))  # the placeholder: host memory, the parameter's dtype
             if moved is args[0]:
@@ -210,6 +210,16 @@ class DeferredParameters:
         recipe.compute_into(target)
         self._forget(p)
         return True
+
+    def defer_read(self, p: nn.Parameter, name: str, read: Callable[[], torch.Tensor]) -> None:
+        """``p`` (holding a value of its own, or a placeholder) gives up its memory: its value is read
+        by ``read`` when needed."""
+        shape, dtype = p.shape, p.dtype
+        with torch.no_grad():
+            p.data = _placeholder(shape, dtype)
+        self.recipes[id(p)] = Recipe(shape, dtype, source=read)
+        self.params[id(p)] = p
+        mark_offloaded(p, self.parameter_class, name)
 
     def set_source(self, p: torch.Tensor, read: Callable[[], torch.Tensor]) -> None:
         """The parameter's value is read by ``read`` when needed, instead of computed."""

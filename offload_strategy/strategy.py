@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
@@ -639,13 +640,31 @@ class TieredMixin(ActivationControl):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
+            leave = self._too_large_to_bring_back(engine)
             try:
                 # while training's own failure propagates (teardown inside Lightning's handler),
                 # that failure is the one to see; otherwise a failure to read back is raised
-                engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None)
+                engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if leave else None)
             finally:
                 engine.device.close()
                 self._share_optimizer_attributes()
+            if leave and engine.store is not None:
+                weakref.finalize(self, engine.store.close)  # the parameters left there read from it
+
+    def _too_large_to_bring_back(self, engine: TieredEngine) -> bool:
+        """What lives on NVMe (parameters and optimizer states) would take more than half of the
+        host memory available: after training it stays there, each parameter read when used."""
+        on_nvme = [s for s in engine.states if s.home == NVME]
+        nbytes = sum(s.unit.nbytes for s in on_nvme) + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+        if not on_nvme or nbytes <= host_available() // 2:
+            return False
+        rank_zero_warn(
+            f"tiered: after training, the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of parameters and "
+            f"optimizer states, more than half of the {format_bytes(host_available())} of host memory available): each parameter is "
+            f"read from its file when used, and their optimizer states are not brought back into the optimizer. Save checkpoints "
+            f"during training to keep the optimizer's states."
+        )
+        return True
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""

@@ -203,3 +203,30 @@ def test_everything_fitting_computes_the_parameters_where_they_are(tmp_path):
     assert strategy.engine is None and len(strategy.deferred) == 0
     assert losses == plain_losses
     assert all(torch.equal(plain_weights[k], weights[k]) for k in plain_weights)
+
+
+def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exactly(tmp_path, monkeypatch):
+    import offload_strategy.strategy as strategy_module
+
+    class HostFills(L.Callback):
+        """Host memory looks nearly full when training ends."""
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            monkeypatch.setattr(strategy_module, "host_available", lambda: 2**10)
+
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Net)
+    strategy = tiered("nvme", tmp_path)
+    with pytest.warns(UserWarning, match=r"the 7 units at home on NVMe stay there"):
+        L.seed_everything(7, verbose=False)
+        model = Net()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                            default_root_dir=tmp_path, callbacks=[HostFills()])
+        from tests.helpers import tiny_data
+        trainer.fit(model, datamodule=tiny_data())
+    assert [n for n, p in model.named_parameters() if p not in strategy.deferred] == []  # nothing was read back into memory
+    assert len(trainer.optimizers[0].state) == 0
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # each read from its file now
+    for name in plain_weights:
+        assert torch.equal(plain_weights[name], weights[name]), name
+    assert len(strategy.deferred) == 0

@@ -105,3 +105,13 @@ def test_clipping_by_norm_keeps_every_gradient_at_home(tmp_path):
     assert_like_plain(tmp_path, "nvme", Net, callbacks=watch, gradient_clip_val=0.5)
     slots, extra, _, transient = watch.seen[-1]
     assert slots == 0 and transient == 0 and extra == 0
+
+
+def test_a_failed_worker_never_leaves_backward_waiting_for_a_buffer():
+    states = [unit_state(i) for i in range(2)]
+    buffers = GradientBuffers([torch.empty(gradient_bytes(states[0]), dtype=torch.uint8)])
+    buffers.acquire(states[0])
+    buffers.submitted_for_update(states[0])  # its update will be skipped: the worker failed
+    buffers.worker_failed = lambda: True
+    buffers.acquire(states[1])  # returns, with a buffer of its own (the step then reports the failure)
+    assert buffers.extra == 1 and states[1].grads[0].home is not None

@@ -627,8 +627,16 @@ class TieredEngine:
         """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
         return self.lending.materialized(writeback)
 
-    def close(self, materialize: bool = True, raise_errors: bool = True) -> None:
+    def close(
+        self, materialize: bool = True, raise_errors: bool = True,
+        leave_on_nvme: Optional[Callable[[nn.Parameter, str, Callable[[], torch.Tensor]], None]] = None,
+    ) -> None:
         """Remove hooks, give every parameter a plain tensor with its true value, free all tiers.
+
+        With ``leave_on_nvme`` (the training state on NVMe is too large for host memory), NVMe
+        units stay there: each parameter is handed to ``leave_on_nvme(p, name, read)`` with a
+        function reading its value, the NVMe store stays open (``self.store``; its owner closes
+        it), and their optimizer states are not brought back into the user's optimizer.
 
         Every step runs even when one fails (threads joined, hooks removed, files and pinned
         memory freed); the first failure is then raised (``raise_errors``), so that a unit that
@@ -641,15 +649,21 @@ class TieredEngine:
             self.lending.closed = True
         errors = self.updater.close() if self.updater is not None else []
         self._remove_hooks()
+        left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
         if materialize and self.lending is not None:
-            errors += _attempt([self.lending.take_back, *(lambda s=s: self._materialize_for_good(s) for s in self.states)])
-            states_in_memory = self.nvme_states.materialized if self.nvme_states is not None else contextlib.nullcontext
-            errors += _attempt([lambda u=u: u.restore_facade(states_in_memory) for u in self.updater.optimizers.values()])
+            errors += _attempt([self.lending.take_back, *(lambda s=s: self._materialize_for_good(s, leave_on_nvme) for s in self.states)])
+            nvme_states = self.nvme_states
+
+            def states_in_memory() -> contextlib.AbstractContextManager:
+                return nvme_states.materialized(skip=left) if nvme_states is not None else contextlib.nullcontext()
+
+            errors += _attempt([lambda u=u: u.restore_facade(states_in_memory, left) for u in self.updater.optimizers.values()])
         for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
-                mark_present(p)
+                if s.unit.index not in left:
+                    mark_present(p)
         errors += _attempt([
-            self.store.close if self.store is not None else None,
+            self.store.close if self.store is not None and not left else None,
             self.memory.slab.close if self.memory is not None else None,
         ])
         if errors and raise_errors:
@@ -667,8 +681,9 @@ class TieredEngine:
         self._watched = []
 
     @torch.no_grad()
-    def _materialize_for_good(self, s: UnitState) -> None:
-        """The unit's parameters become plain tensors holding their true values."""
+    def _materialize_for_good(self, s: UnitState, leave_on_nvme: Optional[Callable] = None) -> None:
+        """The unit's parameters become plain tensors holding their true values (an NVMe unit's
+        handed to ``leave_on_nvme`` with a reader instead, where given)."""
         if s.fetch is not None:
             self.cache.complete(s)
         for i, p in enumerate(s.unit.params):
@@ -676,7 +691,13 @@ class TieredEngine:
                 p.data = p.data.clone()
             elif s.home == HOST and s.home_views:
                 p.data = s.home_views[i].clone()
-        if s.home == NVME and self.store is not None and s.placeholders:
+        if s.home == NVME and self.store is not None and s.placeholders and leave_on_nvme is not None:
+            s.host_copy = None  # the slab is freed: reads come from the file
+            self.ctx.bind(s, s.placeholders)
+            for i, p in enumerate(s.unit.params):
+                mark_present(p)
+                leave_on_nvme(p, s.unit.param_names[i], lambda s=s, i=i: s.unit.views(self.ctx.read_home(s))[i].clone())
+        elif s.home == NVME and self.store is not None and s.placeholders:
             self.ctx.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
 
     # -- metrics ------------------------------------------------------------------------------------

@@ -4,12 +4,14 @@ needed only from its first gradient to its update, so host memory holds the grad
 in flight between backward and the update worker, not of the model: a unit takes a buffer when its
 first gradient arrives and gives it back once updated. With every buffer taken, backward waits for
 the worker to finish an update; if nothing submitted holds one (a step that does not update in
-backward), a buffer of its own is made and freed after the update, so the step is never stuck.
+backward), or the worker failed (and skips the updates that would give buffers back), a buffer of
+its own is made and freed after the update, so the step is never stuck.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -43,12 +45,14 @@ class GradientBuffers:
         self.changed = threading.Condition()
         self.extra = 0  # buffers made beyond the pool (over the run)
         self.most_held = 0
+        # set by the updater: its worker failed, and skips the updates that would give buffers back
+        self.worker_failed: Callable[[], bool] = lambda: False
 
     def acquire(self, s: UnitState) -> None:
         """The unit's first gradient arrives: a buffer for all of its gradients."""
         with self.changed:
-            while not self.free and self.submitted:
-                self.changed.wait()
+            while not self.free and self.submitted and not self.worker_failed():
+                self.changed.wait(timeout=0.05)
             if self.free:
                 buffer = self.free.pop()
             else:

@@ -135,14 +135,15 @@ class NvmeOptimizerStates:
                 optimizer.state[entry.param][entry.key] = placeholder
 
     @contextlib.contextmanager
-    def materialized(self) -> Iterator[None]:
-        """Every offloaded state is a real tensor of its own for the duration (checkpoints)."""
-        for unit in self.layouts:
+    def materialized(self, skip: frozenset[int] = frozenset()) -> Iterator[None]:
+        """Every offloaded state (but the units ``skip``) is a real tensor of its own for the duration (checkpoints)."""
+        units = [unit for unit in self.layouts if unit not in skip]
+        for unit in units:
             self.load(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
         try:
             yield
         finally:
-            for unit in self.layouts:
+            for unit in units:
                 self._drop(unit)
 
     def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter], masters: Sequence[bool] = ()) -> None:

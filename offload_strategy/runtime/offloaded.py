@@ -28,6 +28,7 @@ _METADATA_CALLS = frozenset({
     "is_floating_point", "is_complex", "get_device", "requires_grad_", "register_hook",
     "register_post_accumulate_grad_hook", "__hash__", "__format__", "_is_view", "is_shared", "is_pinned",
     "untyped_storage", "data_ptr", "storage_offset",  # addresses, used to tell tensors apart
+    "_has_compatible_shallow_copy_type",  # module.to() asks before rebinding .data
 })
 _METADATA_ATTRIBUTES = frozenset({
     "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "names", "grad_fn",

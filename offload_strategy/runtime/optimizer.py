@@ -326,11 +326,14 @@ class UnitOptimizers:
         self.facade.state_dict = types.MethodType(state_dict, self.facade)  # type: ignore[method-assign]
         self.facade.load_state_dict = types.MethodType(load_state_dict, self.facade)  # type: ignore[method-assign]
 
-    def restore_facade(self, materialize: Callable[[], contextlib.AbstractContextManager]) -> None:
-        """End of training: the facade holds the real states of its own parameters, as after plain training."""
+    def restore_facade(self, materialize: Callable[[], contextlib.AbstractContextManager], left: frozenset[int] = frozenset()) -> None:
+        """End of training: the facade holds the real states of its own parameters, as after plain
+        training (but those of the units ``left`` on NVMe, too large to bring back)."""
         self.facade.state = collections.defaultdict(dict)
         with materialize():
-            for slot in self.all_slots():
+            for index, slot in [*self.slots.items(), *([(LOOSE, self.loose)] if self.loose is not None else [])]:
+                if index in left:
+                    continue
                 for position, (p, master) in enumerate(zip(slot.params, slot.masters)):
                     values = slot.inner.state.get(master)
                     if values:

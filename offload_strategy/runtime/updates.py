@@ -53,6 +53,7 @@ class UnitUpdater:
         self.pipeline = NvmeUpdatePipeline(ctx, nvme_states) if nvme_states is not None else None
         self.owns = owns  # whether this process updates a unit (under sharded states another rank may)
         self.worker = UpdateWorker()
+        gradients.buffers.worker_failed = lambda: self.worker.failed
         self.optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
         self.state_bytes: dict[int, int] = {}  # optimizer state bytes of each unit updated here, once known
         self.idle_masters: dict[int, torch.Tensor] = {}  # id(master) of an NVMe unit -> its placeholder between updates

@@ -30,6 +30,11 @@ class UpdateWorker:
             finally:
                 self._queue.task_done()
 
+    @property
+    def failed(self) -> bool:
+        """A task raised: the rest are skipped until ``drain`` reports it."""
+        return self._error is not None
+
     def submit(self, task: Callable[[], None]) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("the update worker has stopped")
