@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     load_weights(self.model, args.weights)
 
     phases = Phases()
+    phases.peaks["before fit (imports, interpreter)"] = _status("VmRSS")
     reset_peak()
     L.seed_everything(0, verbose=False)
     module = Model(family="gpt2", config=config, lr=1e-4)
