@@ -276,10 +276,12 @@ class _Recorder(TorchFunctionMode):
         self.registry = registry
         self.creations: dict[int, _Creation] = {}  # data_ptr -> how that tensor was made
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, tuple]] = {}  # id(meta view) -> (view, param, chain)
+        self.scratch = torch.empty(0, dtype=torch.uint8)
 
     def __exit__(self, *exc: Any) -> Any:
         self.creations.clear()
         self.views.clear()
+        self.scratch = torch.empty(0, dtype=torch.uint8)
         return super().__exit__(*exc)
 
     # -- parameters registered ----------------------------------------------------------------------
@@ -362,7 +364,15 @@ class _Recorder(TorchFunctionMode):
         if rng is not None:  # draw from the generator exactly as plain construction does
             recipe = self.registry.recipes[id(root)]
             with torch._C.DisableTorchFunctionSubclass():
-                func(_through(torch.empty(recipe.shape, dtype=recipe.dtype), chain), *args[1:], **kwargs)
+                func(_through(self._scratch(recipe.shape, recipe.dtype), chain), *args[1:], **kwargs)
+
+    def _scratch(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """One buffer for every scratch run, grown to the largest parameter: allocating one per
+        parameter leaves freed blocks in the allocator's arenas (docs/benchmarks.md)."""
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self.scratch[:nbytes].view(dtype).view(shape)
 
     def _set_data(self, func: Any, args: tuple) -> Any:
         param, value = args
