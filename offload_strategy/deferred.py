@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .runtime.offloaded import OffloadedParameter, _reads_no_values, mark_offloaded, mark_present
+from .runtime.state import nan_placeholder
 
 # Factories whose result may become a parameter; the random ones consume the generator.
 _FACTORIES = frozenset({"empty", "zeros", "ones", "full", "rand", "randn", "normal", "randint", "empty_strided"})
@@ -123,10 +124,7 @@ def _through(tensor: torch.Tensor, chain: tuple) -> torch.Tensor:
     return tensor
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    # one element expanded to the shape: the right metadata, no memory
-    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
-    return torch.full((1,), fill, dtype=dtype).expand(shape)
+_HOST = torch.device("cpu")
 
 
 class DeferredParameter(OffloadedParameter):
@@ -166,7 +164,7 @@ class DeferredParameters:
         return id(p) in self.recipes
 
     def deferred_bytes(self) -> int:
-        return sum(r.shape.numel() * torch.empty((), dtype=r.dtype).element_size() for r in self.recipes.values())
+        return sum(r.shape.numel() * r.dtype.itemsize for r in self.recipes.values())
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -214,10 +212,9 @@ class DeferredParameters:
     def defer_read(self, p: nn.Parameter, name: str, read: Callable[[], torch.Tensor]) -> None:
         """``p`` (holding a value of its own, or a placeholder) gives up its memory: its value is read
         by ``read`` when needed."""
-        shape, dtype = p.shape, p.dtype
         with torch.no_grad():
-            p.data = _placeholder(shape, dtype)
-        self.recipes[id(p)] = Recipe(shape, dtype, source=read)
+            p.data = nan_placeholder(p, _HOST)
+        self.recipes[id(p)] = Recipe(p.shape, p.dtype, source=read)
         self.params[id(p)] = p
         mark_offloaded(p, self.parameter_class, name)
 
@@ -299,7 +296,7 @@ class _Recorder(TorchFunctionMode):
         create = None if creation.step.func is torch.empty else creation.step
         recipe = Recipe(param.shape, param.dtype, create)
         with torch.no_grad():
-            param.data = _placeholder(param.shape, param.dtype)  # its memory goes, before it is tracked
+            param.data = nan_placeholder(param, _HOST)  # its memory goes, before it is tracked
         registry.recipes[id(param)] = recipe
         registry.params[id(param)] = param
         mark_offloaded(param, registry.parameter_class, name)
@@ -314,11 +311,11 @@ class _Recorder(TorchFunctionMode):
         if not tracked:
             return self._untracked(func, args, kwargs)
         name = _name(func)
-        if _reads_no_values(func) or name == "requires_grad_":
+        if _reads_no_values(func):
             with torch._C.DisableTorchFunctionSubclass():  # placeholders and meta views carry the metadata
                 return func(*args, **kwargs)
         if name in _FROM_METADATA:
-            stand_in = tree_map(lambda a: _placeholder(a.shape, a.dtype) if self._root(a) is not None else a, (args, kwargs))
+            stand_in = tree_map(lambda a: nan_placeholder(a, _HOST) if self._root(a) is not None else a, (args, kwargs))
             return func(*stand_in[0], **stand_in[1])
         if args and _writes_in_place(name) and self._root(args[0]) is not None and len(tracked) == 1:
             self._record(func, args, kwargs)
@@ -359,17 +356,16 @@ class _Recorder(TorchFunctionMode):
         chain = self._chain(target)
         name = _name(func)
         rng = None if name in _DETERMINISTIC_WRITES else torch.random.get_rng_state()
-        step = _Step(func, tuple(args[1:]), dict(kwargs), chain, rng, _generator_states(kwargs))
-        self.registry.recipes[id(root)].steps.append(step)
+        recipe = self.registry.recipes[id(root)]
+        recipe.steps.append(_Step(func, tuple(args[1:]), dict(kwargs), chain, rng, _generator_states(kwargs)))
         if rng is not None:  # draw from the generator exactly as plain construction does
-            recipe = self.registry.recipes[id(root)]
             with torch._C.DisableTorchFunctionSubclass():
                 func(_through(self._scratch(recipe.shape, recipe.dtype), chain), *args[1:], **kwargs)
 
     def _scratch(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """One buffer for every scratch run, grown to the largest parameter: allocating one per
         parameter leaves freed blocks in the allocator's arenas (docs/benchmarks.md)."""
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape.numel() * dtype.itemsize
         if self.scratch.numel() < nbytes:
             self.scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self.scratch[:nbytes].view(dtype).view(shape)

@@ -173,14 +173,11 @@ class TieredMixin(ActivationControl):
         assert self.model is not None
         if not self._places_parameters_itself() and not len(self.deferred):
             return super().model_to_device()
-        # buffers now; parameters once the engine has placed them (or computed where they are)
+        # buffers now; parameters once the engine has placed them (or computed where they run: on a
+        # host root, the others are there already)
         for module in self.model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.to(self.root_device)
-            if not self._places_parameters_itself():
-                for p in module.parameters(recurse=False):
-                    if p not in self.deferred:
-                        p.data = p.data.to(self.root_device)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -205,10 +202,9 @@ class TieredMixin(ActivationControl):
             # every loop offloads: fit, and validate / test / predict on their own (forward only)
             self.engine = self._build_engine(trainer)
             _refuse_weight_averaging_on_nvme(trainer, self.engine)
-            if self.engine is None and self._places_parameters_itself():
-                self.deferred.materialize_all(self.root_device)
-                self.model.to(self.root_device)  # it all fits after all
-        self.deferred.materialize_all(self.root_device)  # nothing placed them: where they are
+        self.deferred.materialize_all(self.root_device)  # nothing placed them (it all fits): computed where they run
+        if self.engine is None and self._places_parameters_itself():
+            self.model.to(self.root_device)
         self._use_saved_tensor_hooks()
         if self._activations.swaps:
             self._attach_swap()

@@ -60,13 +60,13 @@ def load_weights(module: nn.Module, path: Union[str, Path], *, strict: bool = Tr
             f"names the files use (the Hugging Face model, not the LightningModule holding it), or strict=False to load what matches."
         )
     wrong = [
-        f"{own}: {tuple(stored[key].shape)} in the file, {tuple(t.shape)} in the module"
-        for own, key in names.items() for t in [_tensor_named(targets, own)] if tuple(stored[key].shape) != tuple(t.shape)
+        f"{own}: {tuple(stored[key].shape)} in the file, {tuple(targets[own][0].shape)} in the module"
+        for own, key in names.items() if tuple(stored[key].shape) != tuple(targets[own][0].shape)
     ]
     if wrong:
         raise WeightsMismatchError(f"{len(wrong)} tensors have other shapes in {str(path)!r} than in the module: {'; '.join(wrong[:_SHOWN])}")
     for own, key in names.items():
-        _fill(_tensor_named(targets, own), stored[key].read, own)
+        _fill(targets[own][0], stored[key].read, own)
     return {"missing": missing, "unexpected": unexpected}
 
 
@@ -84,10 +84,6 @@ def _targets(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[str, ...]
             aliases.setdefault(id(b), []).append(name)
             tensors[id(b)] = b
     return {names[0]: (tensors[key], tuple(names)) for key, names in aliases.items()}
-
-
-def _tensor_named(targets: dict[str, tuple[torch.Tensor, tuple[str, ...]]], name: str) -> torch.Tensor:
-    return targets[name][0]
 
 
 def _match(module: nn.Module, stored: dict[str, _Stored], targets: dict[str, tuple[torch.Tensor, tuple[str, ...]]]) -> dict[str, str]:

@@ -101,5 +101,7 @@ class UnitState:
 
 
 def nan_placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # One element expanded to the parameter's shape: right shape, dtype and device, no memory.
-    return torch.full((1,), float("nan"), dtype=p.dtype, device=device).expand(p.shape)
+    # One element expanded to the parameter's shape: right shape, dtype and device, no memory
+    # (NaN, so that a value read by mistake shows; 0 for integer parameters).
+    fill = float("nan") if p.dtype.is_floating_point or p.dtype.is_complex else 0
+    return torch.full((1,), fill, dtype=p.dtype, device=device).expand(p.shape)
