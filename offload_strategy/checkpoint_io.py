@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import os
 import re
+import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -43,17 +47,83 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
-                os.replace(temporary, path)  # before the lock goes with the handle
+                replace_atomically(Path(temporary), path)  # before the lock goes with the handle
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
             raise
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself survives a power loss
-        finally:
-            os.close(directory)
 
+    @override
+    def load_checkpoint(self, path: Union[str, Path], map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if Path(path).is_dir():
+            raise IsADirectoryError(
+                f"{path} is a sharded checkpoint directory: load it with the tiered strategy, or convert it to one file with "
+                f"`python tools/consolidate.py {path} OUT.ckpt`."
+            )
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def sync_directory(path: Path) -> None:
+    """Entries just created or renamed in ``path`` survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (a partial file or directory) while it is written, so that
+    another process's clean-up leaves it alone; the kernel drops it if this process dies."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), str(a), None, str(b))
+
+
+def replace_atomically(new: Path, target: Path) -> None:
+    """Put ``new`` (a file or a directory) at ``target``, replacing whatever is there, so that a
+    crash at any moment leaves either the old or the new one at ``target``."""
+    if not os.path.lexists(target) or (new.is_file() and not target.is_dir()):
+        os.replace(new, target)
+    elif _exchange(new, target):
+        _remove_tree(new)  # the old one, now under the partial name
+    else:  # a filesystem without exchange: a short moment with nothing at ``target``
+        aside = new.with_name(new.name + ".old")
+        os.rename(target, aside)
+        os.rename(new, target)
+        _remove_tree(aside)
+    sync_directory(target.parent)
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 PARTIAL_SUFFIX = ".partial"
 FRESH_SECONDS = 10.0  # a partial file younger than this may not be locked by its writer yet
@@ -71,7 +141,8 @@ def remove_abandoned_partials(directory: Path) -> list[Path]:
         try:
             status = candidate.lstat()
             # another user's, or just created (its writer may not hold the lock yet)
-            if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid() or time.time() - status.st_mtime < FRESH_SECONDS:
+            regular = stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode)  # a sharded checkpoint is a directory
+            if not regular or status.st_uid != os.getuid() or time.time() - status.st_mtime < FRESH_SECONDS:
                 continue
             fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -81,8 +152,7 @@ def remove_abandoned_partials(directory: Path) -> list[Path]:
         except OSError:
             continue  # a save in progress
         else:
-            with contextlib.suppress(FileNotFoundError):
-                candidate.unlink()
+            _remove_tree(candidate)
             removed.append(candidate)
         finally:
             os.close(fd)

@@ -47,6 +47,7 @@ from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact
 from .runtime.units import build_units, master_dtype, merge_into_chunks
+from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, StateDictType, is_sharded_checkpoint, write_sharded
 from .strategy_activations import ActivationControl
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class TieredMixin(ActivationControl):
         self._profiled = False
         # parameters of models built under this strategy, recorded instead of held (deferred.py)
         self.deferred = DeferredParameters()
+        self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
+        self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
 
     @property
     @override
@@ -592,14 +595,54 @@ class TieredMixin(ActivationControl):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # the checkpoint being built is sharded: values on NVMe stay there until written
+        self._stand_ins = (self.engine.stand_in_readers() if self.engine is not None else {}) if self._writes_sharded() else None
         if self.engine is None:
             return super().lightning_module_state_dict()
+        if self._stand_ins is not None:
+            state = self.lightning_module.state_dict()
+            return type(state)((k, compact(v)) for k, v in state.items())
         # Views of where each value lives, as plain training returns views of its parameters: no
         # second copy of the model, except for units on NVMe, which are read into fresh buffers.
         # Each over only its own bytes, so that a checkpoint does not carry whole slabs.
         with self.engine.materialized():
             state = self.lightning_module.state_dict()
         return type(state)((k, compact(v)) for k, v in state.items())
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.unit_optimizers:
+            return self.engine.unit_optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
+        return super().optimizer_state(optimizer)
+
+    def _writes_sharded(self) -> bool:
+        """The next checkpoint is a directory written tensor by tensor (README, "Checkpoints")."""
+        if self.state_dict_type is StateDictType.AUTO:
+            return self.engine is not None and _nvme_state_bytes(self.engine) > host_available() // 2
+        return self.state_dict_type is StateDictType.SHARDED
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        readers, self._stand_ins = self._stand_ins, None
+        if readers is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("a sharded checkpoint takes no storage_options: it is written by torch.distributed.checkpoint, not by the CheckpointIO plugin.")
+        if self.is_global_zero:
+            write_sharded(checkpoint, filepath, readers)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if not is_sharded_checkpoint(checkpoint_path) or "://" in str(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # the model's and optimizers' tensors are read when loaded into their places, the rest now
+        source = ShardedCheckpoint(checkpoint_path)
+        checkpoint = source.meta(lambda path: self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
+        checkpoint["state_dict"] = source.model_state()
+        if source.optimizer_count():
+            checkpoint["optimizer_states"] = [source.optimizer_state(i) for i in range(source.optimizer_count())]
+        return checkpoint
 
     @contextlib.contextmanager
     def gathered_parameters(self, writeback: bool = False) -> Iterator[None]:
@@ -617,10 +660,14 @@ class TieredMixin(ActivationControl):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self.engine is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        with self.engine.materialized(writeback=True):
-            super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint["state_dict"]
+        with self.engine.materialized(writeback=True) if self.engine is not None else contextlib.nullcontext():
+            if not isinstance(state, LazyState):
+                return super().load_model_state_dict(checkpoint, strict=strict)
+            # parameters built without memory are read when placed, the others in place now
+            state.checkpoint.load_model(
+                self.lightning_module, strict, defer=lambda p: self.engine is None and p in self.deferred, set_source=self.deferred.set_source
+            )
 
     @override
     def teardown(self) -> None:
@@ -651,7 +698,7 @@ class TieredMixin(ActivationControl):
         """What lives on NVMe (parameters and optimizer states) would take more than half of the
         host memory available: after training it stays there, each parameter read when used."""
         on_nvme = [s for s in engine.states if s.home == NVME]
-        nbytes = sum(s.unit.nbytes for s in on_nvme) + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+        nbytes = _nvme_state_bytes(engine)
         if not on_nvme or nbytes <= host_available() // 2:
             return False
         rank_zero_warn(
@@ -730,6 +777,11 @@ class TieredStrategy(TieredMixin, SingleDeviceStrategy):
         plan_file: a JSON plan (as written by ``tools/plan.py`` or :meth:`dump_plan`) to run
             instead of planning: every unit's home and every block's activation policy. A plan
             made for another model is refused with the first difference.
+        state_dict_type: how checkpoints are written, in the words of Lightning's FSDP strategy:
+            ``"full"`` (one file, as plain Lightning writes), ``"sharded"`` (a directory written
+            tensor by tensor, never the whole model in memory), or ``"auto"``: sharded when the
+            parameters and optimizer states at home on NVMe exceed half the host memory
+            available, one file otherwise. Both kinds load with ``ckpt_path``.
     """
 
     strategy_name = "tiered"
@@ -744,12 +796,14 @@ class TieredStrategy(TieredMixin, SingleDeviceStrategy):
         nvme_memory: BudgetLike = None,
         plan_file: Optional[Union[str, Path]] = None,
         *,
+        state_dict_type: Union[str, StateDictType] = StateDictType.AUTO,
         accelerator: Optional["Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         self._init_tiered(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        self.state_dict_type = StateDictType.coerce(state_dict_type)
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin
@@ -776,6 +830,12 @@ class TieredStrategy(TieredMixin, SingleDeviceStrategy):
     @override
     def root_device(self) -> torch.device:
         return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+
+
+def _nvme_state_bytes(engine: TieredEngine) -> int:
+    """Parameters and optimizer states at home on NVMe."""
+    on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
+    return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
 
 
 def _refuse_lazy_parameters(model: torch.nn.Module) -> None:

@@ -317,7 +317,7 @@ class TieredEngine:
         if self.nvme_states is not None:
             updater = self.updater
             unit_optimizers._materialize = self.lending.states_materialized
-            unit_optimizers.after_load = lambda: updater.adopt_states(unit_optimizers)
+            unit_optimizers.after_slot_load = updater.adopt_states
             unit_optimizers.set_master = updater.set_master
             unit_optimizers.lend_states = self.lending.lend_states
         return unit_optimizers
@@ -622,6 +622,10 @@ class TieredEngine:
         attached.append(master)
 
     # -- whole-model views --------------------------------------------------------------------------
+
+    def stand_in_readers(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """NVMe units' placeholders -> functions reading their true values (sharded checkpoints)."""
+        return self.lending.stand_in_readers()
 
     def materialized(self, writeback: bool = False) -> contextlib.AbstractContextManager:
         """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""

@@ -7,8 +7,9 @@ step, optimizer step or checkpoint takes it back, and written home if it changed
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -16,6 +17,7 @@ from ..planning.placement import HOST, NVME
 from .cache import UnitCache
 from .context import EngineContext
 from .nvme_states import NvmeOptimizerStates
+from .optimizer import compact
 from .state import UnitState
 from .updates import UnitUpdater
 
@@ -86,6 +88,28 @@ class Lending:
                 self.ctx.bind(s, s.placeholders)
             self.updater.mark_masters_stale({id(p) for p, w in zip(s.unit.params, written) if w})
 
+    @torch.no_grad()
+    def stand_in_readers(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """For a checkpoint written tensor by tensor: each placeholder that an NVMe unit's
+        parameter or optimizer state points at (by its storage's address) -> a function reading
+        that value from disk. One unit's values are held at a time, so reading them in the
+        state dict's order reads each unit once."""
+        self.take_back()
+        self.cache.evict_all()
+        self.cache.drain_staging()  # every write behind is on disk
+        held = _OneUnit()
+        readers: dict[int, Callable[[], torch.Tensor]] = {}
+        for s in self.ctx.states:
+            if s.home != NVME:
+                continue
+            for position, placeholder in enumerate(s.placeholders):
+                readers[storage_address(placeholder)] = functools.partial(held.parameter, self.ctx, s, position)
+            states = self.nvme_states
+            if states is not None and states.known(s.unit.index):
+                for entry, current in zip(states.layouts[s.unit.index], states.current_values(s.unit.index)):
+                    readers[storage_address(current)] = functools.partial(held.state, states, s.unit.index, entry.offset)
+        return readers
+
     @contextlib.contextmanager
     def materialized(self, writeback: bool = False) -> Iterator[None]:
         """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
@@ -110,3 +134,35 @@ class Lending:
                 if writeback:
                     self.ctx.write_home(s, buffer)
                 self.ctx.bind(s, s.placeholders)
+
+
+def storage_address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _OneUnit:
+    """The last NVMe unit read for a checkpoint: its parameters' buffer or its states' buffer."""
+
+    def __init__(self) -> None:
+        self.key: Optional[tuple[str, int]] = None
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _load(self, key: tuple[str, int], read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.key != key:
+            self.key, self.buffer = None, torch.empty(0, dtype=torch.uint8)  # the last one goes first
+            self.buffer, self.key = read(), key
+        return self.buffer
+
+    def parameter(self, ctx: EngineContext, s: UnitState, position: int) -> torch.Tensor:
+        buffer = self._load(("parameters", s.unit.index), lambda: ctx.read_home(s))
+        return compact(s.unit.views(buffer)[position])
+
+    def state(self, states: NvmeOptimizerStates, unit: int, offset: int) -> torch.Tensor:
+        def read() -> torch.Tensor:
+            buffer = torch.empty(states.sizes[unit], dtype=torch.uint8)
+            states.read(unit, buffer).result()
+            return buffer
+
+        buffer = self._load(("states", unit), read)
+        (view,) = [v for e, v in zip(states.layouts[unit], states.views(unit, buffer)) if e.offset == offset]
+        return compact(view)

@@ -90,8 +90,13 @@ class NvmeOptimizerStates:
         self.placeholders[unit] = [torch.full((1,), float("nan"), dtype=e.dtype).expand(e.shape) for e in entries]
         return self.sizes[unit]
 
-    def _views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+    def views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]
+
+    def current_values(self, unit: int) -> list[torch.Tensor]:
+        """What each entry of the unit's layout points at now (placeholders between steps)."""
+        optimizer = self.owners[unit]
+        return [e.param.data if e.key is None else optimizer.state[e.param][e.key] for e in self.layouts[unit]]
 
     def read(self, unit: int, buffer: torch.Tensor) -> Any:
         """Start reading the unit's states into ``buffer``; a Future."""
@@ -102,7 +107,7 @@ class NvmeOptimizerStates:
         if read:
             self.read(unit, buffer).result()
         optimizer = self.owners[unit]
-        for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
+        for entry, view in zip(self.layouts[unit], self.views(unit, buffer)):
             if entry.key is None:
                 entry.param.data = view
             else:
@@ -112,7 +117,7 @@ class NvmeOptimizerStates:
         """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from
         memory; with ``wait=False`` the write's Future is returned and ``buffer`` must stay untouched until it is done."""
         optimizer = self.owners[unit]
-        for entry, view in zip(self.layouts[unit], self._views(unit, buffer)):
+        for entry, view in zip(self.layouts[unit], self.views(unit, buffer)):
             value = entry.param.data if entry.key is None else optimizer.state[entry.param][entry.key]
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)

@@ -262,15 +262,16 @@ class UnitOptimizers:
             raise ValueError(f"the state dict has {len(groups)} param groups, the optimizer {len(self.facade.param_groups)}.")
         # hyperparameters (lr, initial_lr, ...) go to the facade, as torch does
         torch.optim.Optimizer.load_state_dict(self.facade, {"state": {}, "param_groups": groups})
-        saved = {int(k): v for k, v in state_dict["state"].items()}
+        saved = state_dict["state"]  # read per parameter: a sharded checkpoint's is read from disk on access
+        saved_key = {int(k): k for k in saved}
         index_of = {id(p): i for i, p in enumerate(self.order)}
         for slot in self.all_slots():
             inner_state: dict[int, Any] = {}
             masters: dict[int, torch.Tensor] = {}
             for position, p in enumerate(slot.params):
                 index = index_of[id(p)]
-                if index in saved:
-                    values = dict(saved[index])
+                if index in saved_key:
+                    values = dict(saved[saved_key[index]])
                     master = values.pop("master", None)
                     if master is not None and slot.widened(position):
                         masters[position] = master
@@ -286,6 +287,7 @@ class UnitOptimizers:
                     self.stale.discard(id(master))
                 else:
                     self.stale.add(id(master))
+            self.after_slot_load(slot)
 
     @staticmethod
     def _inner_position(slot: UnitSlot, position: int) -> int:
@@ -308,7 +310,6 @@ class UnitOptimizers:
 
         def load_state_dict(facade: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
             units.load_state_dict(state_dict)
-            units.after_load()
 
         original_zero_grad = self.facade.zero_grad
 
@@ -319,7 +320,8 @@ class UnitOptimizers:
         # gradients of offloaded units live at home, not in ``.grad``: the engine forgets them
         self.on_zero_grad: Callable[[UnitOptimizers], None] = lambda units: None
         self.facade.zero_grad = types.MethodType(zero_grad, self.facade)  # type: ignore[method-assign]
-        self.after_load: Callable[[], None] = lambda: None
+        # each unit's loaded states, before the next unit's are read (the engine offloads NVMe units')
+        self.after_slot_load: Callable[[UnitSlot], None] = lambda slot: None
         # where a loaded fp32 master goes: into the master's memory (an NVMe unit's master has
         # none between updates, so the engine binds it to the value until it offloads it)
         self.set_master: Callable[[torch.Tensor, torch.Tensor], None] = lambda master, value: master.copy_(value)

@@ -108,14 +108,13 @@ class UnitUpdater:
         else:
             master.copy_(value)
 
-    def adopt_states(self, unit_optimizers: UnitOptimizers) -> None:
-        """States just loaded from a checkpoint: those of NVMe units go to NVMe, with their masters."""
-        for index, slot in unit_optimizers.slots.items():
-            if self.ctx.states[index].home == NVME:
-                widened = [slot.widened(position) for position in range(len(slot.masters))]
-                self.nvme_states.adopt(slot.inner, index, slot.masters, widened)
-                for master in slot.masters:
-                    master.data = self.idle_masters[id(master)]
+    def adopt_states(self, slot: UnitSlot) -> None:
+        """A unit's states just loaded from a checkpoint: an NVMe unit's go to NVMe, with its masters."""
+        if slot.unit_index != LOOSE and self.ctx.states[slot.unit_index].home == NVME:
+            widened = [slot.widened(position) for position in range(len(slot.masters))]
+            self.nvme_states.adopt(slot.inner, slot.unit_index, slot.masters, widened)
+            for master in slot.masters:
+                master.data = self.idle_masters[id(master)]
 
     # -- during backward, on the worker -----------------------------------------------------------
 

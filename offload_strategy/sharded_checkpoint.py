@@ -1,0 +1,344 @@
+"""Checkpoints written and read tensor by tensor, so that the model is never gathered in memory.
+
+A sharded checkpoint is a directory in ``torch.distributed.checkpoint``'s format, laid out as
+Lightning's FSDP strategy lays out its sharded checkpoints::
+
+    epoch=0-step=100.ckpt/
+        .metadata          where each tensor lies (DCP)
+        __0_0.distcp       the tensors: {"model": state dict, "optimizer_0": optimizer state dict, ...}
+        meta.pt            the rest of Lightning's checkpoint (loops, callbacks, schedulers, hparams)
+
+Writing: the state dicts handed in may hold *stand-ins* for values that live on NVMe (the
+placeholders their parameters and optimizer states point at between steps); ``readers`` maps each
+stand-in's storage to a function that reads its true value, which DCP calls as it writes that
+tensor, so one unit's values are in memory at a time. The directory is written beside its target
+and swapped in whole (``checkpoint_io.replace_atomically``): a crash mid-save leaves the previous
+checkpoint.
+
+Reading: :class:`ShardedCheckpoint` opens the directory and hands out mappings whose values are
+read when asked for; :meth:`ShardedCheckpoint.load_model` reads each parameter straight into its
+tensor, or, for a parameter built without memory (``deferred.py``), when the engine places it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .checkpoint_io import PARTIAL_SUFFIX, locked, remove_abandoned_partials, replace_atomically, sync_directory
+
+META_FILE = "meta.pt"  # Lightning's FSDP strategy names its non-tensor part so
+MODEL = "model"
+_DCP_METADATA = ".metadata"
+
+Readers = dict[int, Callable[[], torch.Tensor]]  # a stand-in's storage address -> its true value
+
+
+class StateDictType(str, Enum):
+    """How checkpoints are written (the words of Lightning's FSDP strategy)."""
+
+    FULL = "full"  # one file, as plain Lightning writes
+    SHARDED = "sharded"  # a directory, tensor by tensor
+    AUTO = "auto"  # sharded when what lives on NVMe would not fit in half the host memory
+
+    @classmethod
+    def coerce(cls, value: Union[str, StateDictType]) -> StateDictType:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"state_dict_type={value!r}: choose one of {', '.join(repr(k.value) for k in cls)}.") from None
+
+
+def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file() and (path / _DCP_METADATA).is_file()
+
+
+def storage_address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+class _StandInPlanner(DefaultSavePlanner):
+    """Writes each stand-in's true value, read when DCP reaches it."""
+
+    def __init__(self, readers: Readers) -> None:
+        super().__init__()
+        self.readers = readers
+
+    def resolve_data(self, write_item: Any) -> Any:
+        value = self.lookup_object(write_item.index)
+        if torch.is_tensor(value) and value.numel() and storage_address(value) in self.readers:
+            return self.readers[storage_address(value)]()
+        return super().resolve_data(write_item)
+
+
+def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint -> (the tensors DCP writes, the rest for ``meta.pt``)."""
+    rest = dict(checkpoint)
+    tensors: dict[str, Any] = {}
+    if "state_dict" in rest:
+        tensors[MODEL] = rest.pop("state_dict")
+    for i, state in enumerate(rest.pop("optimizer_states", [])):
+        tensors[optimizer_key(i)] = state
+    return tensors, rest
+
+
+def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers: Optional[Readers] = None) -> None:
+    """Write ``checkpoint`` as a sharded checkpoint directory at ``path``, replacing what is there
+    (a file or a directory) only once the whole directory is on disk."""
+    path = Path(path)
+    if "://" in str(path):
+        raise ValueError(f"a sharded checkpoint is a local directory; {str(path)!r} is remote. Save to a local path, or use state_dict_type='full'.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_partials(path.parent)
+    tensors, rest = split_checkpoint(checkpoint)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o777 & ~umask)  # what a plain mkdir gives, not mkdtemp's private mode
+        with locked(temporary):
+            # one thread, no read-ahead: tensors are resolved in the state dict's order, unit by unit
+            writer = dcp.FileSystemWriter(temporary, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+            with _single_process():
+                dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
+            with open(temporary / META_FILE, "wb") as handle:
+                torch.save(rest, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            sync_directory(temporary)
+            replace_atomically(temporary, path)
+    except BaseException:
+        _remove(temporary)
+        raise
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP in one process: without its warning that says so, and with the error that stopped it
+    (a full disk, a failed read) raised as itself instead of wrapped in a ``BaseException``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        try:
+            yield
+        except CheckpointException as wrapped:
+            failures = [error for error, _ in wrapped.failures.values()]
+            if failures and isinstance(failures[0], Exception):
+                raise failures[0] from None
+            raise
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+class _CachedReader(dcp.FileSystemReader):
+    """DCP's reader, reading the directory's metadata once for many small loads."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._metadata: Optional[Metadata] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+Path_ = tuple[Union[str, int], ...]  # a value's place in the nested state: keys, and indices into lists
+
+
+def _nest(paths: Mapping[Path_, Any]) -> dict[str, Any]:
+    # DCP names nested values by their keys as strings (``optimizer_0.state.3.exp_avg``)
+    nested: dict[str, Any] = {}
+    for path, value in paths.items():
+        node = nested
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = value
+    return nested
+
+
+def _find(nested: Mapping[str, Any], path: Path_) -> Any:
+    for key in path:
+        nested = nested[str(key)]
+    return nested
+
+
+def assemble(values: Mapping[Path_, Any], strip: int = 0) -> Any:
+    """Nested values from their paths (the first ``strip`` keys dropped): lists where the keys
+    were list indices, integer keys where an optimizer keys its states by parameter index."""
+    root: dict[Any, Any] = {}
+    for path, value in values.items():
+        node = root
+        for key in path[strip:-1]:
+            node = node.setdefault(_original_key(key), {})
+        node[_original_key(path[-1])] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and all(isinstance(k, _ListIndex) for k in node):
+        return [node[k] for k in sorted(node)]
+    return node
+
+
+class _ListIndex(int):
+    """An index into a list (DCP keeps it an ``int`` in the path), told apart from a mapping key
+    that looked like a number."""
+
+
+def _original_key(key: Union[str, int]) -> Any:
+    if isinstance(key, int):
+        return _ListIndex(key)
+    # DCP stores mapping keys as strings; an optimizer's per-parameter states are keyed by index
+    return int(key) if key.isdigit() else key
+
+
+class ShardedCheckpoint:
+    """A sharded checkpoint directory, read a few tensors at a time."""
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        if not is_sharded_checkpoint(self.path):
+            raise FileNotFoundError(f"{self.path} is not a sharded checkpoint directory (it needs {_DCP_METADATA} and {META_FILE}).")
+        self._reader = _CachedReader(self.path)
+        metadata = self._reader.read_metadata()
+        self.entries: dict[Path_, Any] = {tuple(metadata.planner_data[fqn]): md for fqn, md in metadata.state_dict_metadata.items()}
+
+    def under(self, prefix: Path_) -> list[Path_]:
+        return [path for path in self.entries if path[: len(prefix)] == prefix]
+
+    def read(self, paths: list[Path_], into: Optional[Mapping[Path_, torch.Tensor]] = None) -> dict[Path_, Any]:
+        """The values at ``paths``, each tensor read into ``into[path]`` where given, else into a new one."""
+        into = into or {}
+        targets = {path: into[path] if path in into else self._empty(path) for path in paths}
+        if not targets:
+            return {}
+        nested = _nest(targets)
+        with _single_process():
+            dcp.load(nested, storage_reader=self._reader, planner=DefaultLoadPlanner(), no_dist=True)
+        return {path: _find(nested, path) for path in paths}
+
+    def _empty(self, path: Path_) -> Any:
+        entry = self.entries[path]
+        if isinstance(entry, TensorStorageMetadata):
+            return torch.empty(entry.size, dtype=entry.properties.dtype)
+        assert isinstance(entry, BytesStorageMetadata)
+        return None  # DCP puts the unpickled object there
+
+    def meta(self, load: Callable[[Path], dict[str, Any]] = lambda path: torch.load(path, weights_only=False)) -> dict[str, Any]:
+        return load(self.path / META_FILE)
+
+    def optimizer_count(self) -> int:
+        return len({path[0] for path in self.entries if str(path[0]).startswith("optimizer_")})
+
+    def model_state(self) -> LazyState:
+        return LazyState(self, (MODEL,))
+
+    def optimizer_state(self, index: int) -> dict[str, Any]:
+        """An optimizer's state dict whose per-parameter states are read when asked for."""
+        groups = (optimizer_key(index), "param_groups")
+        return {"state": LazyState(self, (optimizer_key(index), "state")), "param_groups": assemble(self.read(self.under(groups)), strip=2) or []}
+
+    def load_model(
+        self, module: nn.Module, strict: bool, defer: Callable[[nn.Parameter], bool], set_source: Callable[[nn.Parameter, Callable[[], torch.Tensor]], None]
+    ) -> None:
+        """Read the module's state into it: plain tensors in place now, each parameter ``defer``
+        claims when its home is ready (``set_source``)."""
+        state = module.state_dict(keep_vars=True)  # the tensors themselves: reading them would compute deferred ones
+        stored = {str(path[1]): path for path in self.entries if path[0] == MODEL and len(path) == 2}
+        _check_names(state, stored, self.entries, strict, self.path)
+        now: dict[Path_, torch.Tensor] = {}
+        claimed: set[int] = set()
+        for name, value in state.items():
+            if name not in stored or not torch.is_tensor(value) or id(value) in claimed:
+                continue
+            claimed.add(id(value))  # a tied parameter is read once
+            if isinstance(value, nn.Parameter) and defer(value):
+                set_source(value, self._reader_for(stored[name]))
+            else:
+                now[stored[name]] = value.detach()
+        self.read(list(now), into=now)
+
+    def _reader_for(self, path: Path_) -> Callable[[], torch.Tensor]:
+        return lambda: self.read([path])[path]
+
+
+def _check_names(state: Mapping[str, Any], stored: Mapping[str, tuple[str, ...]], entries: Mapping[tuple[str, ...], Any], strict: bool, where: Path) -> None:
+    from .weights import WeightsMismatchError
+
+    missing = [name for name in state if name not in stored]
+    unexpected = [name for name in stored if name not in state]
+    wrong = [
+        f"{name}: {tuple(entries[stored[name]].size)} in the checkpoint, {tuple(value.shape)} in the model"
+        for name, value in state.items()
+        if name in stored and torch.is_tensor(value) and isinstance(entries[stored[name]], TensorStorageMetadata)
+        and tuple(entries[stored[name]].size) != tuple(value.shape)
+    ]
+    if wrong or (strict and (missing or unexpected)):
+        raise WeightsMismatchError(str(where), missing if strict else [], unexpected if strict else [], wrong)
+
+
+class LazyState(Mapping):
+    """A nested part of a sharded checkpoint (the model's state dict, an optimizer's per-parameter
+    states) as a read-only mapping: each value is read from disk when looked up."""
+
+    def __init__(self, checkpoint: ShardedCheckpoint, prefix: Path_) -> None:
+        self.checkpoint, self.prefix = checkpoint, prefix
+        self._paths: dict[Any, list[Path_]] = {}
+        for path in checkpoint.under(prefix):
+            key = path[len(prefix)]
+            self._paths.setdefault(_original_key(key) if len(path) > len(prefix) + 1 else key, []).append(path)
+
+    def __getitem__(self, key: Any) -> Any:
+        paths = self._paths[key]
+        values = self.checkpoint.read(paths)
+        if len(paths) == 1 and len(paths[0]) == len(self.prefix) + 1:
+            return values[paths[0]]
+        return assemble(values, strip=len(self.prefix) + 1)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+def consolidate(directory: Union[str, Path]) -> dict[str, Any]:
+    """The whole checkpoint a sharded directory holds, as the single-file checkpoint plain
+    Lightning writes (it needs the whole state in memory)."""
+    source = ShardedCheckpoint(directory)
+    checkpoint = source.meta()
+    tensors = assemble(source.read(list(source.entries)))
+    checkpoint["state_dict"] = tensors.pop(MODEL, {})
+    count = source.optimizer_count()
+    if count:
+        checkpoint["optimizer_states"] = [tensors.pop(optimizer_key(i)) for i in range(count)]
+    return checkpoint
