@@ -116,7 +116,7 @@ def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers
         os.chmod(temporary, 0o777 & ~umask)  # what a plain mkdir gives, not mkdtemp's private mode
         with locked(temporary):
             # one thread, no read-ahead: tensors are resolved in the state dict's order, unit by unit
-            writer = dcp.FileSystemWriter(temporary, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+            writer = dcp.FileSystemWriter(temporary, single_file_per_rank=False, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
             with _single_process():
                 dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
             with open(temporary / META_FILE, "wb") as handle:

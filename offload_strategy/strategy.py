@@ -600,7 +600,10 @@ class TieredMixin(ActivationControl):
         if self.engine is None:
             return super().lightning_module_state_dict()
         if self._stand_ins is not None:
-            state = self.lightning_module.state_dict()
+            # plain detached aliases of the placeholders: detaching an offloaded parameter the
+            # usual way would lend (read) its unit, gathering the model after all
+            with torch._C.DisableTorchFunctionSubclass():
+                state = self.lightning_module.state_dict()
             return type(state)((k, compact(v)) for k, v in state.items())
         # Views of where each value lives, as plain training returns views of its parameters: no
         # second copy of the model, except for units on NVMe, which are read into fresh buffers.

@@ -35,6 +35,7 @@ LAYERS = {
     "strategy_ddp": 6,
     "callbacks": 6,
     "checkpoint_io": 6,
+    "sharded_checkpoint": 6,
     "__init__": 6,
 }
 GLUE = 6

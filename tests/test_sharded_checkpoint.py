@@ -33,7 +33,8 @@ def sharded(root: Path, placement: str = "nvme", state_dict_type: str = "sharded
 
 @pytest.fixture
 def never_gathered(monkeypatch):
-    """Fails a checkpoint save that brings every NVMe unit or optimizer state into memory at once."""
+    """Fails a checkpoint save that brings NVMe units or their optimizer states into memory other
+    than one at a time as they are written."""
     saving: list[bool] = []
     save = L.Trainer.save_checkpoint
 
@@ -52,6 +53,8 @@ def never_gathered(monkeypatch):
 
     monkeypatch.setattr(L.Trainer, "save_checkpoint", tracked_save)
     monkeypatch.setattr(Lending, "materialized", refuse(Lending.materialized))
+    monkeypatch.setattr(Lending, "lend", refuse(Lending.lend))  # a unit read for a detach or a state
+    monkeypatch.setattr(Lending, "lend_states", refuse(Lending.lend_states))
     monkeypatch.setattr(NvmeOptimizerStates, "materialized", refuse(NvmeOptimizerStates.materialized))
 
 

@@ -252,8 +252,16 @@ class UnitOptimizers:
                     # the tensors themselves (no second copy of the states, as torch's own
                     # state_dict gives them), each over only its own bytes
                     state[index] = {k: compact(v) if torch.is_tensor(v) else v for k, v in values.items()}
-        groups = torch.optim.Optimizer.state_dict(self.facade)["param_groups"]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        """The facade's param groups as torch packs them, without reading its states: those of
+        NVMe units would each be read into memory."""
+        states, self.facade.state = self.facade.state, collections.defaultdict(dict)
+        try:
+            return torch.optim.Optimizer.state_dict(self.facade)["param_groups"]
+        finally:
+            self.facade.state = states
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a standard state dict (from plain training or from us) into the inner optimizers."""
