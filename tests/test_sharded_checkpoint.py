@@ -176,3 +176,32 @@ def test_bad_state_dict_types_and_paths_are_refused(tmp_path):
     write_sharded({"state_dict": {"w": torch.ones(1)}}, tmp_path / "d.ckpt")
     with pytest.raises(IsADirectoryError, match="tools/consolidate.py"):
         AtomicCheckpointIO().load_checkpoint(tmp_path / "d.ckpt")
+
+
+def test_bf16_true_masters_on_nvme_resume_exactly_from_a_sharded_checkpoint(tmp_path, never_gathered):
+    """fp32 masters of NVMe units live with their states between updates: written from there."""
+    full_losses, full_weights, _ = train(sharded(tmp_path / "full"), tmp_path / "full", precision="bf16-true")
+    train(sharded(tmp_path / "a"), tmp_path / "a", stop_after_epochs=1, save_every_epoch=True, precision="bf16-true")
+    checkpoint = tmp_path / "a" / "ckpt" / "epoch=0.ckpt"
+    masters = [state["master"] for state in consolidate(checkpoint)["optimizer_states"][0]["state"].values()]
+    assert masters and all(m.dtype == torch.float32 and torch.isfinite(m).all() for m in masters)
+    losses, weights, _ = train(sharded(tmp_path / "b"), tmp_path / "b", resume=checkpoint, precision="bf16-true")
+    assert losses == full_losses[len(full_losses) - len(losses) :]
+    assert_same_weights(full_weights, weights)
+
+
+def test_two_optimizers_resume_exactly_from_a_sharded_checkpoint(tmp_path, never_gathered):
+    from tests.test_recipes import TwoOptimizers as Manual
+
+    class TwoOptimizers(Manual):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            return {"loss": self.last_loss.detach()}  # for the helper's loss recorder
+
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", make_model=TwoOptimizers)
+    train(sharded(tmp_path / "a"), tmp_path / "a", stop_after_epochs=1, save_every_epoch=True, make_model=TwoOptimizers)
+    checkpoint = tmp_path / "a" / "ckpt" / "epoch=0.ckpt"
+    assert ShardedCheckpoint(checkpoint).optimizer_count() == 2
+    losses, weights, _ = train(sharded(tmp_path / "b"), tmp_path / "b", resume=checkpoint, make_model=TwoOptimizers)
+    assert losses == plain_losses[len(plain_losses) - len(losses) :]
+    assert_same_weights(plain_weights, weights)

@@ -10,7 +10,9 @@ the host budget is what the gradients and staging buffers need. The table gives 
 the training state (fp32 parameters, gradients and AdamW's two states), the peak resident set of
 each phase (the kernel's high-water mark, reset between phases through ``/proc/self/clear_refs``),
 seconds per step, the NVMe bytes read and written per step, and the step time the raw disk
-bandwidth (measured here as ``tools/probe.py`` does) allows for that traffic.
+bandwidth (measured here as ``tools/probe.py`` does) allows for that traffic. With
+``--checkpoint`` a sharded checkpoint of the trained state is written after the last step (its
+own phase, its seconds and bytes), from the tiers, without gathering the model.
 """
 
 from __future__ import annotations
@@ -64,10 +66,17 @@ class Phases:
         reset_peak()
 
 
-def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float, float]]) -> Any:
+def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float, float]], checkpoint: Optional[Path], saves: list[float]) -> Any:
     import lightning as L
 
     class Watch(L.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if checkpoint is not None:  # a sharded checkpoint of the trained state, written from the tiers
+                start = time.perf_counter()
+                trainer.save_checkpoint(checkpoint)
+                saves.append(time.perf_counter() - start)
+                phases.end("sharded checkpoint save")
+
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             phases.end("construction and placement")
 
@@ -129,20 +138,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     module = Model(family="gpt2", config=config, lr=1e-4)
     strategy = TieredStrategy(
         policy={"placement": "nvme", "activations": "keep"}, gpu_memory=args.gpu_memory, host_memory=args.host_memory,
-        nvme_path=str(args.nvme_path), hardware="auto",
+        nvme_path=str(args.nvme_path), hardware="auto", state_dict_type="sharded",
     )
+    checkpoint = args.nvme_path / "largest.ckpt" if args.checkpoint else None
+    saves: list[float] = []
     data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
     steps: list[float] = []
     traffic: list[tuple[float, float]] = []
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[make_callback(phases, steps, traffic)], default_root_dir=str(args.nvme_path),
+        callbacks=[make_callback(phases, steps, traffic, checkpoint, saves)], default_root_dir=str(args.nvme_path),
     )
     trainer.fit(module, datamodule=data)
     phases.end("teardown")
     parameters = sum(p.numel() for p in module.parameters())
-    return {"parameters": parameters, "phases": phases.peaks, "steps": steps, "traffic": traffic, "budgets": strategy.budgets}
+    written = sum(f.stat().st_size for f in checkpoint.iterdir()) if checkpoint is not None and checkpoint.is_dir() else 0
+    return {"parameters": parameters, "phases": phases.peaks, "steps": steps, "traffic": traffic, "budgets": strategy.budgets, "saves": saves, "written": written}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -156,6 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--host-memory", default=None, help="host budget (default: all that is free)")
     parser.add_argument("--nvme-path", type=Path, default=None, help="directory for the NVMe tier (default: a temporary one)")
     parser.add_argument("--weights", type=Path, default=None, help="a local Hugging Face directory or weights file to start from")
+    parser.add_argument("--checkpoint", action="store_true", help="write a sharded checkpoint after the last step and report its phase")
     parser.add_argument("--probe-bytes", type=int, default=GiB, help="bytes written and read to measure the raw disk")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="offload-largest-") as scratch:
@@ -184,6 +197,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"| NVMe read / written per step | {format_bytes(read)} / {format_bytes(written)} |")
     print(f"| raw disk read / write (GB/s) | {read_gbps:.2f} / {write_gbps:.2f} |")
     print(f"| NVMe-bound step time from raw bandwidth | {bound:.2f} s ({seconds / bound:.2f}x of it measured) |" if bound else "| NVMe-bound step | - |")
+    if result["saves"]:
+        save = result["saves"][0]
+        print(f"| sharded checkpoint save | {save:.1f} s, {format_bytes(result['written'])} written "
+              f"({result['written'] / save / 1e9:.2f} GB/s; raw disk write {write_gbps:.2f} GB/s) |")
     return 0
 
 
