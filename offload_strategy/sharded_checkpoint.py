@@ -115,19 +115,29 @@ def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers
         os.umask(umask)
         os.chmod(temporary, 0o777 & ~umask)  # what a plain mkdir gives, not mkdtemp's private mode
         with locked(temporary):
-            # one thread, no read-ahead: tensors are resolved in the state dict's order, unit by unit
-            writer = dcp.FileSystemWriter(temporary, single_file_per_rank=False, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+            # One thread, no read-ahead: tensors are resolved in the state dict's order, unit by
+            # unit. A file per tensor: DCP's writer keeps each tensor of a file until the file
+            # closes. Flushed together at the end rather than each as it closes (1.5x faster here).
+            writer = dcp.FileSystemWriter(temporary, single_file_per_rank=False, sync_files=False, thread_count=1, per_thread_copy_ahead=0)
             with _single_process():
                 dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
             with open(temporary / META_FILE, "wb") as handle:
                 torch.save(rest, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
+            _sync_files(temporary)
             sync_directory(temporary)
             replace_atomically(temporary, path)
     except BaseException:
         _remove(temporary)
         raise
+
+
+def _sync_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
