@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # What the process may grow by beyond its budgets while it trains: measured at 130-145 MiB on the
 # development machine for this model and for one twice as large (so not the model's): the autograd
 # engine and update worker's allocator arenas, the NVMe store's bounce buffers, the first step's
-# lazily made state, glibc's retention. Gathering the model for a checkpoint (its parameters and
-# AdamW's states, 145 MiB here) or holding every gradient would exceed it.
-FIXED_GROWTH = 160 * 2**20
+# lazily made state, glibc's retention; 192 MiB leaves room for another machine's allocator.
+# Gathering the model for a checkpoint (its parameters and AdamW's states, 145 MiB here) still
+# exceeds it, as did the two lendings this test was written against (~465 MiB).
+FIXED_GROWTH = 192 * 2**20
 
 
 def job(*args: str) -> dict:
