@@ -57,14 +57,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Union[str, Path], map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if Path(path).is_dir():
             raise IsADirectoryError(
-                f"{path} is a sharded checkpoint directory: load it with the tiered strategy, or convert it to one file with "
-                f"`python tools/consolidate.py {path} OUT.ckpt`."
+                f"{path} is a directory, not a checkpoint file. A sharded checkpoint (a directory holding .metadata and meta.pt) "
+                f"loads with strategy='tiered', or converts to one file with `python tools/consolidate.py {path} OUT.ckpt`."
             )
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
-def sync_directory(path: Path) -> None:
-    """Entries just created or renamed in ``path`` survive a power loss."""
+def fsync_path(path: Path) -> None:
+    """A file's bytes, or a directory's entries just created or renamed, survive a power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -109,21 +109,23 @@ def replace_atomically(new: Path, target: Path) -> None:
     if not os.path.lexists(target) or (new.is_file() and not target.is_dir()):
         os.replace(new, target)
     elif _exchange(new, target):
-        _remove_tree(new)  # the old one, now under the partial name
+        remove_path(new)  # the old one, now under the partial name
     else:  # a filesystem without exchange: a short moment with nothing at ``target``
         aside = new.with_name(new.name + ".old")
         os.rename(target, aside)
         os.rename(new, target)
-        _remove_tree(aside)
-    sync_directory(target.parent)
+        remove_path(aside)
+    fsync_path(target.parent)
 
 
-def _remove_tree(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file or a directory tree; nothing if it is gone."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
 
 PARTIAL_SUFFIX = ".partial"
 FRESH_SECONDS = 10.0  # a partial file younger than this may not be locked by its writer yet
@@ -152,7 +154,7 @@ def remove_abandoned_partials(directory: Path) -> list[Path]:
         except OSError:
             continue  # a save in progress
         else:
-            _remove_tree(candidate)
+            remove_path(candidate)
             removed.append(candidate)
         finally:
             os.close(fd)

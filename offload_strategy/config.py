@@ -150,6 +150,21 @@ class Tier(_Name):
     NVME = "nvme"
 
 
+class StateDictType(_Name):
+    """How checkpoints are written (the words of Lightning's FSDP strategy)."""
+
+    FULL = "full"  # one file, as plain Lightning writes
+    SHARDED = "sharded"  # a directory, tensor by tensor
+    AUTO = "auto"  # sharded when what lives on NVMe would not fit in half the host memory
+
+    @classmethod
+    def coerce(cls, value: Union[str, "StateDictType"]) -> "StateDictType":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"state_dict_type={value!r}: choose one of {', '.join(repr(k.value) for k in cls)}.") from None
+
+
 class BlockPolicy(_Name):
     """What a repeated block does with its activations."""
 

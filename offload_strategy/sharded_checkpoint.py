@@ -27,7 +27,6 @@ import os
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
-from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -38,7 +37,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .checkpoint_io import PARTIAL_SUFFIX, locked, remove_abandoned_partials, replace_atomically, sync_directory
+from .checkpoint_io import PARTIAL_SUFFIX, fsync_path, locked, remove_abandoned_partials, remove_path, replace_atomically
+from .runtime.lending import storage_address
+from .weights import WeightsMismatchError
 
 META_FILE = "meta.pt"  # Lightning's FSDP strategy names its non-tensor part so
 MODEL = "model"
@@ -47,28 +48,9 @@ _DCP_METADATA = ".metadata"
 Readers = dict[int, Callable[[], torch.Tensor]]  # a stand-in's storage address -> its true value
 
 
-class StateDictType(str, Enum):
-    """How checkpoints are written (the words of Lightning's FSDP strategy)."""
-
-    FULL = "full"  # one file, as plain Lightning writes
-    SHARDED = "sharded"  # a directory, tensor by tensor
-    AUTO = "auto"  # sharded when what lives on NVMe would not fit in half the host memory
-
-    @classmethod
-    def coerce(cls, value: Union[str, StateDictType]) -> StateDictType:
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"state_dict_type={value!r}: choose one of {', '.join(repr(k.value) for k in cls)}.") from None
-
-
 def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
     path = Path(path)
     return path.is_dir() and (path / META_FILE).is_file() and (path / _DCP_METADATA).is_file()
-
-
-def storage_address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def optimizer_key(index: int) -> str:
@@ -123,21 +105,14 @@ def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers
                 dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
             with open(temporary / META_FILE, "wb") as handle:
                 torch.save(rest, handle)
-            _sync_files(temporary)
-            sync_directory(temporary)
+            for written in temporary.iterdir():
+                fsync_path(written)
+            fsync_path(temporary)
             replace_atomically(temporary, path)
     except BaseException:
-        _remove(temporary)
+        with contextlib.suppress(OSError):  # the error that stopped the save is the one to see
+            remove_path(temporary)
         raise
-
-
-def _sync_files(directory: Path) -> None:
-    for path in directory.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -153,16 +128,6 @@ def _single_process() -> Iterator[None]:
             if failures and isinstance(failures[0], Exception):
                 raise failures[0] from None
             raise
-
-
-def _remove(path: Path) -> None:
-    import shutil
-
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 class _CachedReader(dcp.FileSystemReader):
@@ -302,8 +267,6 @@ class ShardedCheckpoint:
 
 
 def _check_names(state: Mapping[str, Any], stored: Mapping[str, tuple[str, ...]], entries: Mapping[tuple[str, ...], Any], strict: bool, where: Path) -> None:
-    from .weights import WeightsMismatchError
-
     missing = [name for name in state if name not in stored]
     unexpected = [name for name in stored if name not in state]
     wrong = [

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
-from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, format_bytes
+from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
 from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
@@ -47,7 +47,7 @@ from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact
 from .runtime.units import build_units, master_dtype, merge_into_chunks
-from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, StateDictType, is_sharded_checkpoint, write_sharded
+from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
 from .strategy_activations import ActivationControl
 
 if TYPE_CHECKING:
@@ -622,7 +622,7 @@ class TieredMixin(ActivationControl):
     def _writes_sharded(self) -> bool:
         """The next checkpoint is a directory written tensor by tensor (README, "Checkpoints")."""
         if self.state_dict_type is StateDictType.AUTO:
-            return self.engine is not None and _nvme_state_bytes(self.engine) > host_available() // 2
+            return self.engine is not None and _nvme_state_bytes(self.engine) > _half_host_available()
         return self.state_dict_type is StateDictType.SHARDED
 
     @override
@@ -637,7 +637,7 @@ class TieredMixin(ActivationControl):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if not is_sharded_checkpoint(checkpoint_path) or "://" in str(checkpoint_path):
+        if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # the model's and optimizers' tensors are read when loaded into their places, the rest now
         source = ShardedCheckpoint(checkpoint_path)
@@ -702,7 +702,7 @@ class TieredMixin(ActivationControl):
         host memory available: after training it stays there, each parameter read when used."""
         on_nvme = [s for s in engine.states if s.home == NVME]
         nbytes = _nvme_state_bytes(engine)
-        if not on_nvme or nbytes <= host_available() // 2:
+        if not on_nvme or nbytes <= _half_host_available():
             return False
         rank_zero_warn(
             f"tiered: after training, the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of parameters and "
@@ -839,6 +839,12 @@ def _nvme_state_bytes(engine: TieredEngine) -> int:
     """Parameters and optimizer states at home on NVMe."""
     on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
     return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+
+
+def _half_host_available() -> int:
+    """What NVMe-resident state may take in host memory before it stays on NVMe after fit and
+    checkpoints of it are sharded (``state_dict_type="auto"``)."""
+    return host_available() // 2
 
 
 def _refuse_lazy_parameters(model: torch.nn.Module) -> None:

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, load_weights  # noqa: E402
 from tests.helpers import LossRecorder, StopAfterEpochs, tiny_data  # noqa: E402
+from tools.largest import peak_rss, proc_status, reset_peak  # noqa: E402
 
 CONFIG = {"n_layer": 16, "n_embd": 256, "n_head": 4, "n_positions": 64, "vocab_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 GPU_MEMORY = 4 * 2**20
@@ -40,24 +41,17 @@ class Pretrained(CausalLM):
             load_weights(self.model, self.weights)
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class PeakGrowth(L.Callback):
     """The resident set's high-water mark from just before the model is built to the end of
     training (its last checkpoint written; not the teardown, which brings the model back into
     host memory when it fits there, as plain training leaves it)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        Path("/proc/self/clear_refs").write_text("5")  # the mark restarts from the current resident set
-        self.before = _status("VmRSS")
+        reset_peak()
+        self.before = proc_status("VmRSS")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.growth = _status("VmHWM") - self.before
+        self.growth = peak_rss() - self.before
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 GiB = 1024**3
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; 0 where there is none."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):
@@ -42,7 +43,7 @@ def _status(field: str) -> int:
 
 
 def peak_rss() -> int:
-    return _status("VmHWM")
+    return proc_status("VmHWM")
 
 
 def reset_peak() -> None:
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     load_weights(self.model, args.weights)
 
     phases = Phases()
-    phases.peaks["before fit (imports, interpreter)"] = _status("VmRSS")
+    phases.peaks["before fit (imports, interpreter)"] = proc_status("VmRSS")
     reset_peak()
     L.seed_everything(0, verbose=False)
     module = Model(family="gpt2", config=config, lr=1e-4)

@@ -106,8 +106,8 @@ class Lending:
                 readers[storage_address(placeholder)] = functools.partial(held.parameter, self.ctx, s, position)
             states = self.nvme_states
             if states is not None and states.known(s.unit.index):
-                for entry, current in zip(states.layouts[s.unit.index], states.current_values(s.unit.index)):
-                    readers[storage_address(current)] = functools.partial(held.state, states, s.unit.index, entry.offset)
+                for position, current in enumerate(states.current_values(s.unit.index)):
+                    readers[storage_address(current)] = functools.partial(held.state, states, s.unit.index, position)
         return readers
 
     @contextlib.contextmanager
@@ -141,28 +141,25 @@ def storage_address(t: torch.Tensor) -> int:
 
 
 class _OneUnit:
-    """The last NVMe unit read for a checkpoint: its parameters' buffer or its states' buffer."""
+    """The last NVMe unit read for a checkpoint: the views of its parameters or of its states."""
 
     def __init__(self) -> None:
         self.key: Optional[tuple[str, int]] = None
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.views: list[torch.Tensor] = []
 
-    def _load(self, key: tuple[str, int], read: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _load(self, key: tuple[str, int], read: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         if self.key != key:
-            self.key, self.buffer = None, torch.empty(0, dtype=torch.uint8)  # the last one goes first
-            self.buffer, self.key = read(), key
-        return self.buffer
+            self.key, self.views = None, []  # the last one goes before the next is read
+            self.views, self.key = read(), key
+        return self.views
 
     def parameter(self, ctx: EngineContext, s: UnitState, position: int) -> torch.Tensor:
-        buffer = self._load(("parameters", s.unit.index), lambda: ctx.read_home(s))
-        return compact(s.unit.views(buffer)[position])
+        return compact(self._load(("parameters", s.unit.index), lambda: s.unit.views(ctx.read_home(s)))[position])
 
-    def state(self, states: NvmeOptimizerStates, unit: int, offset: int) -> torch.Tensor:
-        def read() -> torch.Tensor:
+    def state(self, states: NvmeOptimizerStates, unit: int, position: int) -> torch.Tensor:
+        def read() -> list[torch.Tensor]:
             buffer = torch.empty(states.sizes[unit], dtype=torch.uint8)
             states.read(unit, buffer).result()
-            return buffer
+            return states.views(unit, buffer)
 
-        buffer = self._load(("states", unit), read)
-        (view,) = [v for e, v in zip(states.layouts[unit], states.views(unit, buffer)) if e.offset == offset]
-        return compact(view)
+        return compact(self._load(("states", unit), read)[position])
