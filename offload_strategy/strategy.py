@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import call
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
@@ -249,7 +249,8 @@ class TieredMixin(ActivationControl):
             sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
             block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
             state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0), owned=self._units_with_states_here(sizes),
-            gradients_until_update=trainer.training and self._every_step_updates_in_backward(trainer),
+            gradients_until_update=trainer.training and (self._every_step_updates_in_backward(trainer) or self._gradients_wait_on_nvme(trainer)),
+            spill_gradients=trainer.training and self._gradients_wait_on_nvme(trainer),
         )
         policies = self._activations.policies if self._activations is not None else []
         together = planner.working_groups(policies) if trainer.training else list(planner.model.co_resident)  # no recompute without gradients
@@ -470,7 +471,7 @@ class TieredMixin(ActivationControl):
         by_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" and not _gradient_hooks(trainer) else None
         self.engine.begin_step(
             profile=not self._profiled, update_in_backward=self._updates_can_start_in_backward(trainer), clip_value=by_value,
-            reduce=self._gradient_reduction(trainer),
+            reduce=self._gradient_reduction(trainer), norms_wanted=self._clips_norm_first(trainer),
         )
         self._profiled = True
         with self.engine.saved_tensor_hooks():
@@ -494,6 +495,31 @@ class TieredMixin(ActivationControl):
         return single and self.policy.update_during_backward and not is_overridden("optimizer_step", trainer.lightning_module) and (
             trainer.lightning_module.automatic_optimization and not self._needs_all_gradients(trainer)
         )
+
+    def _gradients_wait_on_nvme(self, trainer: "pl.Trainer") -> bool:
+        """Known at set-up: what keeps units from updating as their gradients complete is only
+        accumulation over micro-batches or Lightning's own clipping by norm (one process, one
+        optimizer, nothing else that looks at every gradient). Then NVMe units' gradients pass
+        through a few host buffers on to NVMe and wait there, their norms taken on the way,
+        instead of a host gradient home each."""
+        module = trainer.lightning_module
+        single = self.world_size == 1 and len(self.optimizers) == 1 and module.automatic_optimization
+        if not single or is_overridden("optimizer_step", module) or getattr(self.precision_plugin, "scaler", None) is not None:
+            return False
+        if _gradient_hooks(trainer) or (trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value" and not self._clips_by_norm(trainer)):
+            return False
+        return self._clips_by_norm(trainer) or trainer.accumulate_grad_batches > 1 or _accumulation_scheduled(trainer)
+
+    def _clips_by_norm(self, trainer: "pl.Trainer") -> bool:
+        """Lightning's own clipping by norm (``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters)."""
+        plugin = type(self.precision_plugin)
+        standard = plugin.clip_grad_by_norm is Precision.clip_grad_by_norm and plugin.main_params is Precision.main_params
+        by_norm = trainer.gradient_clip_algorithm in (None, "norm")  # Lightning's default is the norm
+        return standard and by_norm and bool(trainer.gradient_clip_val) and trainer.gradient_clip_val > 0
+
+    def _clips_norm_first(self, trainer: "pl.Trainer") -> bool:
+        """This step's clipping by norm is the engine's (gradients may wait on NVMe)."""
+        return self.engine is not None and self.engine.placement.gradients_spilled and self._clips_by_norm(trainer)
 
     def _needs_all_gradients(self, trainer: "pl.Trainer") -> bool:
         """Loss scaling, clipping by norm, and user code that looks at the gradients before the
@@ -555,6 +581,10 @@ class TieredMixin(ActivationControl):
         trainer = model.trainer
         closure_result = closure()
         try:
+            if self._clips_norm_first(trainer):
+                self._before_optimizer_step(trainer, optimizer)
+                self.engine.clip_norm_and_step(optimizer, float(trainer.gradient_clip_val), closure_result, **kwargs)
+                return closure_result
             if not self._needs_all_gradients(trainer):
                 self._before_optimizer_step(trainer, optimizer)
                 if model.automatic_optimization:
@@ -887,6 +917,10 @@ def _refuse_weight_averaging_on_nvme(trainer: "pl.Trainer", engine: Optional[Tie
             f"every unit (or no nvme_path), or average the weights in your own callback inside "
             f"`with trainer.strategy.gathered_parameters(writeback=True):`."
         )
+
+
+def _accumulation_scheduled(trainer: "pl.Trainer") -> bool:
+    return any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)
 
 
 def _gradient_hooks(trainer: "pl.Trainer") -> bool:

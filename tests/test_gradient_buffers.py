@@ -100,9 +100,58 @@ def test_nvme_units_train_like_plain_with_their_gradients_only_in_flight(tmp_pat
     assert extra == 0 and 1 <= most <= GRADIENT_BUFFERS
 
 
-def test_clipping_by_norm_keeps_every_gradient_at_home(tmp_path):
+class WatchSpills(Watch):
+    """Also the gradients written to NVMe to wait for their update, after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spilled_bytes: list[int] = []
+
+    def __call__(self):
+        (callback,) = super().__call__()
+        watch, end = self, callback.on_train_batch_end
+
+        def on_train_batch_end(trainer, *args) -> None:
+            end(trainer, *args)
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is None:
+                return
+            store = engine.store
+            keys = [engine.ctx.gradient_key(s) for s in engine.states]
+            watch.spilled_bytes.append(sum(store._entries[k].length for k in keys if k in store._entries))
+
+        callback.on_train_batch_end = on_train_batch_end
+        return (callback,)
+
+
+@pytest.mark.parametrize("recipe", [{"gradient_clip_val": 0.5}, {"accumulate_grad_batches": 2}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 3}])
+def test_gradients_that_must_wait_for_the_step_wait_on_nvme_not_in_host_memory(tmp_path, recipe):
+    """Clipping by norm needs every gradient before any update, accumulation more micro-batches:
+    NVMe units' gradients pass through the four buffers on to NVMe, where they wait (and come
+    back to be added to, or for the update); the norm is taken on the way. Bit for bit as plain."""
+    watch = WatchSpills()
+    assert_like_plain(tmp_path, "nvme", Net, callbacks=watch, **recipe)
+    slots, extra, most, transient = watch.seen[-1]
+    assert slots == GRADIENT_BUFFERS and transient == 7 and extra == 0 and most <= GRADIENT_BUFFERS
+    assert max(watch.spilled_bytes) > 0  # every trainable unit's gradients went to NVMe at some step
+
+
+def test_clipping_by_norm_that_clips_matches_plain_on_host_and_nvme(tmp_path):
+    """A threshold far below the gradients' norm: every step multiplies every gradient, in
+    memory or waiting on NVMe, by the same coefficient as torch's clip_grad_norm_."""
+    for placement in ("host", "nvme"):
+        assert_like_plain(tmp_path / placement, placement, Net, gradient_clip_val=1e-3)
+
+
+def test_a_hook_before_the_step_keeps_every_gradient_at_home(tmp_path):
+    """User code that reads the gradients before the step needs all of them in memory."""
+
+    class Hooked(Net):
+        def on_before_optimizer_step(self, optimizer) -> None:
+            self.seen_norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+
     watch = Watch()
-    assert_like_plain(tmp_path, "nvme", Net, callbacks=watch, gradient_clip_val=0.5)
+    assert_like_plain(tmp_path, "nvme", Hooked, callbacks=watch, gradient_clip_val=0.5)
     slots, extra, _, transient = watch.seen[-1]
     assert slots == 0 and transient == 0 and extra == 0
 

@@ -73,6 +73,9 @@ class Placement:
     # host buffers for the gradients of NVMe units, each held from a unit's first gradient to its
     # update (slot bytes -> count); empty when every offloaded unit keeps a gradient home
     gradient_slots: dict[int, int] = field(default_factory=dict)
+    # NVMe units' gradients are written to NVMe between backward and the update (clipping by norm
+    # needs every gradient first): their NVMe bytes are counted in ``nvme_bytes``
+    gradients_spilled: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -126,6 +129,7 @@ def place_units(
     owned: Optional[Collection[int]] = None,
     prefetch: bool = True,
     gradients_until_update: bool = False,
+    spill_gradients: bool = False,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -139,9 +143,11 @@ def place_units(
     states this rank keeps (the others need room for their parameters and gradients only).
     ``gradients_until_update``: every unit is updated as soon as its gradients are complete, so
     the gradients of NVMe units need host memory only while in flight (``GRADIENT_BUFFERS`` of the
-    largest), not a home each.
+    largest), not a home each. ``spill_gradients`` (with ``gradients_until_update``): the update
+    waits for something that needs every gradient (the norm for clipping), so NVMe units'
+    gradients pass through those buffers to NVMe and wait there: NVMe holds them too.
     """
-    costs = _Costs(state_factor, owned, gradients_until_update)
+    costs = _Costs(state_factor, owned, gradients_until_update, gradients_until_update and spill_gradients)
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
     if everything is not None:
         return everything
@@ -152,7 +158,7 @@ def place_units(
     staging, host_used = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
     on_nvme = [u for u in streaming if home[u.index] == NVME]
     gradient_slots = {costs.gradient_slot(on_nvme): GRADIENT_BUFFERS} if costs.transient_gradients and costs.gradient_slot(on_nvme) else {}
-    nvme_used = sum(costs.at_home(u) for u in streaming if home[u.index] == NVME)
+    nvme_used = sum(costs.at_home(u) + costs.spilled(u) for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
         raise PlacementError(
@@ -160,22 +166,28 @@ def place_units(
             f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
             nvme_needed=nvme_used,
         )
-    return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots)
+    return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients)
 
 
 @dataclass(frozen=True)
 class _Costs:
     """What a unit costs where it lives, for an optimizer keeping ``state_factor`` state bytes per
     trainable byte (``owned``: the units whose states this rank keeps under sharded states;
-    ``transient_gradients``: NVMe units' gradients pass through ``GRADIENT_BUFFERS`` buffers)."""
+    ``transient_gradients``: NVMe units' gradients pass through ``GRADIENT_BUFFERS`` buffers;
+    ``spill_gradients``: and on to NVMe, where they wait for their update)."""
 
     state_factor: float
     owned: Optional[Collection[int]]
     transient_gradients: bool = False
+    spill_gradients: bool = False
 
     def gradient(self, u: UnitSize) -> int:
         """An offloaded unit's gradient home in host memory."""
         return align(u.trainable_bytes, HOST_SLOT_ALIGNMENT)
+
+    def spilled(self, u: UnitSize) -> int:
+        """An NVMe unit's gradients written to NVMe until its update."""
+        return self.gradient(u) if self.spill_gradients and u.trainable_bytes else 0
 
     def gradient_slot(self, units: Sequence[UnitSize]) -> int:
         """A gradient buffer that holds any of ``units``' gradients (0: none is trainable)."""

@@ -70,6 +70,8 @@ class ModelUnits:
     owned: Optional[set[int]] = None  # under sharded states: the units whose states this rank keeps
     # every step updates each unit as its gradients complete: NVMe units' gradients are transient
     gradients_until_update: bool = False
+    # ... and wait on NVMe for the update after something that needs them all (clipping by norm)
+    spill_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class Planner:
             return place_units(
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
                 homes=homes, owned=model.owned, prefetch=self.policy.prefetch, persistent=persistent,
-                gradients_until_update=model.gradients_until_update,
+                gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
             )
 
         resident = self.resident.units if self.resident is not None and homes is None else None

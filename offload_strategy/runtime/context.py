@@ -37,6 +37,8 @@ class StepState:
     phase: Phase = Phase.FORWARD
     update_in_backward: bool = False  # this backward ends a step: units update as their gradients complete
     clip_value: Optional[float] = None  # gradient clipping by value, applied per unit
+    norms_wanted: bool = False  # clipping by norm follows backward: gradients' norms are taken as they leave for NVMe
+    gradient_scale: Optional[torch.Tensor] = None  # clipping's coefficient, for gradients multiplied where their update reads them
     stalled_seconds: float = 0.0  # the training thread's waits for units, cumulative over the run
 
 
@@ -60,6 +62,11 @@ class EngineContext:
     def key(s: UnitState) -> str:
         """The NVMe file of a unit's parameters."""
         return f"unit{s.unit.index}"
+
+    @staticmethod
+    def gradient_key(s: UnitState) -> str:
+        """The NVMe file where a unit's gradients wait for its update."""
+        return f"unit{s.unit.index}.grad"
 
     def bind(self, s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
         """Point the unit's parameters at ``tensors`` (its placeholders: marked offloaded)."""

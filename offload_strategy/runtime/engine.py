@@ -43,6 +43,7 @@ from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, Placement
 from ..profiling import StepProfile
 from .cache import UnitCache
 from .context import EngineContext, Phase
+from .clipping import clip_coefficient, total_norm
 from .data_parallel import DataParallel, GradientExchange, Reduction
 from .gradient_buffers import GradientBuffers
 from .gradients import GradientPath
@@ -417,6 +418,10 @@ class TieredEngine:
             for unit in ready:
                 if unit.home != GPU:
                     self.updater.submit(unit)
+        elif self.placement.gradients_spilled:
+            for unit in ready:
+                if unit.transient_gradients and self.gradients.buffers.holds(unit):
+                    self.updater.spill(unit)
 
     # -- saved tensors ------------------------------------------------------------------------------
 
@@ -456,7 +461,7 @@ class TieredEngine:
     @torch.inference_mode(False)
     def begin_step(
         self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None,
-        reduce: Optional[Reduction] = None, train: bool = True,
+        reduce: Optional[Reduction] = None, train: bool = True, norms_wanted: bool = False,
     ) -> None:
         """A training (or, with ``train=False``, evaluation) step starts. ``update_in_backward``:
         its backward ends an optimizer step (no accumulation left, nothing that needs every
@@ -471,6 +476,7 @@ class TieredEngine:
         self.activation_bytes = 0
         step.update_in_backward = update_in_backward and len(self.updater.optimizers) == 1
         step.clip_value = clip_value
+        step.norms_wanted = norms_wanted
         self.updater.log, self.backward_log = [], []
         if self.exchange is not None:
             self.exchange.reset(reduce)
@@ -560,6 +566,7 @@ class TieredEngine:
         afresh (every gradient without ``optimizer``); another optimizer's wait for its own step."""
         self.ctx.step.active = False
         self.ctx.step.update_in_backward = False
+        self.ctx.step.gradient_scale = None
         try:
             self.updater.drain()
         finally:
@@ -573,6 +580,23 @@ class TieredEngine:
             self.gradients.forget(self._ensure_unit_optimizers(optimizer))
         else:
             self.gradients.forget_all()
+
+    @torch.no_grad()
+    def clip_norm_and_step(self, optimizer: torch.optim.Optimizer, max_norm: float, closure_result: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients by their 2-norm as Lightning's ``clip_gradients`` does
+        (``torch.nn.utils.clip_grad_norm_``), bit for bit, without every gradient in memory: the
+        norms of gradients waiting on NVMe were taken on their way there, and they are multiplied
+        when read back for their update. Then the step. Returns the total norm."""
+        unit_optimizers = self._ensure_unit_optimizers(optimizer)
+        self.updater.drain()  # every gradient written out, with its norm
+        norms, in_memory = self.gradients.norm_inputs(unit_optimizers)
+        total = total_norm(norms)
+        coefficient = clip_coefficient(max_norm, total)
+        for grad in in_memory:
+            grad.mul_(coefficient.to(grad.device))
+        self.ctx.step.gradient_scale = coefficient
+        self.step(optimizer, closure_result, **kwargs)
+        return total
 
     @contextlib.contextmanager
     def gradient_view(self, optimizer: torch.optim.Optimizer, closure_result: Any = None, **kwargs: Any) -> Iterator[GradientView]:
@@ -608,6 +632,11 @@ class TieredEngine:
         s = self.states[slot.unit_index]
         s.wait_reductions()
         master = slot.masters[position]
+        if s.home != GPU and s.grads[self.ctx.param_slot[id(p)][1]].spilled:
+            raise RuntimeError(
+                f"the gradient of {s.unit.param_names[self.ctx.param_slot[id(p)][1]]!r} waits on NVMe, but this step needs every "
+                f"gradient in memory at once (loss scaling, or a hook before the optimizer step); set-up planned otherwise."
+            )
         if s.home == GPU:
             if id(p) not in self.gradients.persistent:
                 holders.append(p)

@@ -6,6 +6,10 @@ first gradient arrives and gives it back once updated. With every buffer taken, 
 the worker to finish an update; if nothing submitted holds one (a step that does not update in
 backward), or the worker failed (and skips the updates that would give buffers back), a buffer of
 its own is made and freed after the update, so the step is never stuck.
+
+When the update must wait for every gradient (clipping by norm) or for more micro-batches
+(accumulation), a unit's complete gradients go on from their buffer to NVMe, and come back into a
+buffer for the next micro-batch to add to, or for the update (``GradientPath.spill``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,15 @@ class GradientBuffers:
 
     def holds(self, s: UnitState) -> bool:
         return s.unit.index in self.held
+
+    def buffer_of(self, s: UnitState) -> torch.Tensor:
+        return self.held[s.unit.index]
+
+    def wait_settled(self, s: UnitState) -> None:
+        """The unit's buffer is no longer on the worker (its gradients written to NVMe, or updated)."""
+        with self.changed:
+            while s.unit.index in self.submitted and not self.worker_failed():
+                self.changed.wait(timeout=0.05)
 
     def submitted_for_update(self, s: UnitState) -> None:
         with self.changed:

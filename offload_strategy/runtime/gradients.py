@@ -13,8 +13,9 @@ import torch
 
 from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from .context import EngineContext
+from .clipping import tensor_norms
 from .gradient_buffers import GradientBuffers
-from .optimizer import UnitOptimizers
+from .optimizer import LOOSE, UnitOptimizers
 from .state import Landing, UnitState
 from .units import PARAM_ALIGNMENT, master_dtype
 
@@ -55,8 +56,8 @@ class GradientPath:
         this completes its gradients for the backward."""
         s, i = self.ctx.param_slot[id(p)]
         record = s.grads[i]
-        if s.transient_gradients and p.grad is not None and not self.buffers.holds(s):
-            self.buffers.acquire(s)
+        if s.transient_gradients and p.grad is not None:
+            self.take_buffer(s)
         grad, home = p.grad, record.home
         if grad is None or home is None:
             return None
@@ -80,6 +81,84 @@ class GradientPath:
             return None
         s.recompute_pinned = False
         return s
+
+    def take_buffer(self, s: UnitState) -> None:
+        """A buffer for a unit whose gradients pass through one, holding what it accumulated so far
+        (gradients of earlier micro-batches waiting on NVMe are read back to be added to)."""
+        self.buffers.wait_settled(s)  # not while its gradients are being written out
+        if self.buffers.holds(s):
+            return
+        self.buffers.acquire(s)
+        self._read_spilled(s)
+
+    def _read_spilled(self, s: UnitState) -> None:
+        if not any(r.spilled for r in s.grads):
+            return
+        size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+        self.ctx.store.read(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
+        for record in s.grads:
+            if record.spilled:
+                record.fresh, record.spilled, record.norm = True, False, None
+
+    def spill(self, s: UnitState) -> None:
+        """Worker: the unit's complete gradients leave their buffer for NVMe, where they wait for
+        the next micro-batch or the update; their norms are taken on the way when clipping by norm
+        follows (as ``clip_grad_norm_`` takes them, runtime/clipping.py)."""
+        fresh = [record.value() for record in s.grads]
+        if self.ctx.step.norms_wanted:
+            present = [g for g in fresh if g is not None]
+            norms = iter(tensor_norms(present))
+            for record, g in zip(s.grads, fresh):
+                record.norm = next(norms) if g is not None else None
+        size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+        self.ctx.store.write(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
+        for record, g in zip(s.grads, fresh):
+            record.spilled = g is not None
+        self.buffers.release(s)
+
+    def restore(self, s: UnitState) -> None:
+        """Before its update: a unit's gradients waiting on NVMe back in a buffer, multiplied by
+        clipping's coefficient where clipping by norm set one."""
+        if not any(r.spilled for r in s.grads):
+            return
+        self.take_buffer(s)
+        scale = self.ctx.step.gradient_scale
+        if scale is not None:
+            for record in s.grads:
+                if record.fresh:
+                    record.home.mul_(scale.to(record.home.device))
+
+    def norm_inputs(self, unit_optimizers: UnitOptimizers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """For clipping by norm: each gradient's norm in the facade's order (the order a gradient
+        view holds them), and the gradients in memory, to be multiplied in place; gradients
+        waiting on NVMe are multiplied when read back for their update."""
+        norms: list[Optional[torch.Tensor]] = []
+        in_memory: list[torch.Tensor] = []
+        for p in unit_optimizers.order:
+            found = unit_optimizers.slot_of.get(id(p))
+            if found is None:
+                continue
+            grad, norm = self._gradient_or_norm(found[0].unit_index, p)
+            if grad is not None:
+                in_memory.append(grad)
+                norms.append(None)
+            elif norm is not None:
+                norms.append(norm)
+        computed = iter(tensor_norms(in_memory))
+        return [norm if norm is not None else next(computed) for norm in norms], in_memory
+
+    def _gradient_or_norm(self, unit_index: int, p: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        if unit_index == LOOSE:
+            return p.grad, None
+        s, i = self.ctx.param_slot[id(p)]
+        if s.home == GPU:
+            return self.persistent.get(id(p), p.grad), None
+        record = s.grads[i]
+        if record.spilled:
+            if record.norm is None:
+                raise RuntimeError(f"the gradient of {s.unit.param_names[i]!r} is on NVMe without its norm; clipping by norm cannot go on.")
+            return None, record.norm
+        return record.value(), None
 
     def receive_persistent(self, p: torch.Tensor) -> Optional[UnitState]:
         """A persistent parameter's gradient: a 16-bit one widened and accumulated in fp32 in the
@@ -171,7 +250,7 @@ class GradientPath:
                 continue
             s, i = found
             s.grads[i].wait()
-            s.grads[i].fresh = False
+            s.grads[i].fresh, s.grads[i].spilled, s.grads[i].norm = False, False, None
             self.done_with(s)
 
     def forget_all(self) -> None:
@@ -179,7 +258,7 @@ class GradientPath:
         for s in self.ctx.states:
             for record in s.grads:
                 record.wait()
-                record.fresh = False
+                record.fresh, record.spilled, record.norm = False, False, None
             self.done_with(s)
 
     def done_with(self, s: UnitState) -> None:

@@ -40,6 +40,10 @@ class GradientRecord:
     fresh: bool = False  # ``home`` holds this accumulation's gradient
     event: Optional[Event] = None  # the copy from the GPU tier in flight
     pending: Optional[Landing] = None
+    # this accumulation's gradient waits on NVMe for its update (gradients.py, ``spill``), and its
+    # norm, taken on the way for clipping by norm
+    spilled: bool = False
+    norm: Optional[torch.Tensor] = None
 
     def wait(self) -> None:
         """The copy in flight has landed and, for an fp32 master, has been widened into ``home``."""

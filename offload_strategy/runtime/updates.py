@@ -135,6 +135,12 @@ class UnitUpdater:
 
         self.worker.submit(update)
 
+    def spill(self, s: UnitState) -> None:
+        """The unit's complete gradients wait for the update on NVMe (written on the worker while
+        backward goes on), not in one of the few gradient buffers."""
+        self.gradients.buffers.submitted_for_update(s)
+        self.worker.submit(lambda: self.gradients.spill(s))
+
     def drain(self) -> None:
         """Every update submitted has run; every NVMe write is done, every unused read released."""
         try:
@@ -181,6 +187,7 @@ class UnitUpdater:
         """Update one offloaded unit at home: stage it, step it, write it back."""
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self.ctx.param_slot[id(p)][1] for p in slot.params]
+        self.gradients.restore(s)
         grads = self.gradients.for_update(s, positions)
         if s.home == NVME:
             staged = self.pipeline.take_reads(s.unit.index) if on_worker else None
