@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,39 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
                   "trainer.limit_val_batches=0"], cwd=tmp_path)
     metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
     assert metrics["steps"] == 4
+
+
+@pytest.mark.slow
+def test_a_plan_from_shapes_runs_in_the_job_it_was_made_for(tmp_path):
+    """Planned from the model's shapes and the hardware spec, running nothing: the job accepts the
+    plan (every unit's name and bytes, the block count) and trains with it."""
+    plan = tmp_path / "plan.json"
+    job = ["data=synthetic", "data.batch_size=4", "data.seq_len=64", "strategy.gpu_memory=16MiB"]
+    result = run([str(ROOT / "tools/plan.py"), "--from-shapes", "--out", str(plan), *job, "hardware=rtx4090"], cwd=tmp_path)
+    assert "built on the meta device" in result.stdout and "| unit | name | bytes | home |" in result.stdout
+    written = json.loads(plan.read_text())
+    assert {u["home"] for u in written["units"]} >= {"host"} and len(written["activations"]) == 4
+    assert written["budgets"]["gpu"] == 16 * 2**20 and written["prediction"]["step_seconds"] > 0
+    run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'job'}", "logger=none", *job, f"strategy.plan_file={plan}",
+         "trainer.max_steps=3", "trainer.limit_val_batches=0"], cwd=tmp_path)
+    assert json.loads((tmp_path / "job" / "metrics.json").read_text())["steps"] == 3
+
+
+def test_a_7b_plan_from_shapes_takes_seconds_and_no_memory_for_parameters(tmp_path):
+    """Llama-2-7B (27 GB of fp32 parameters) on an RTX 4090 spec, planned on this machine: the
+    process's peak resident set stays far below one copy of the parameters."""
+    plan = tmp_path / "plan.json"
+    wrapper = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+               "except SystemExit as e:\n    assert not e.code, e.code\nprint('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    started = time.perf_counter()
+    result = run(["-c", wrapper, str(ROOT / "tools/plan.py"), "--from-shapes", "--out", str(plan), "model=llama_7b", "hardware=rtx4090",
+                  "trainer=gpu"], cwd=tmp_path)
+    elapsed = time.perf_counter() - started
+    peak = int(result.stdout.split("peak ")[-1])
+    written = json.loads(plan.read_text())
+    assert sum(u["bytes"] for u in written["units"]) > 25 * 2**30  # fp32 parameters under bf16-mixed
+    assert peak < 3 * 2**30, f"peak resident set {peak / 2**30:.2f} GiB"
+    assert elapsed < 120 and len(written["activations"]) == 32
 
 
 @pytest.mark.slow

@@ -132,6 +132,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.weights:
                     load_weights(self.model, args.weights)
 
+    if args.gradients_at_home:
+        class Model(Model):  # type: ignore[no-redef]
+            def on_before_optimizer_step(self, optimizer: Any) -> None:
+                pass  # a hook that may read every gradient: each offloaded unit keeps a gradient home in host memory
+
     phases = Phases()
     phases.peaks["before fit (imports, interpreter)"] = proc_status("VmRSS")
     reset_peak()
@@ -150,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[make_callback(phases, steps, traffic, checkpoint, saves)], default_root_dir=str(args.nvme_path),
+        gradient_clip_val=args.gradient_clip_val,
     )
     trainer.fit(module, datamodule=data)
     phases.end("teardown")
@@ -170,6 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--nvme-path", type=Path, default=None, help="directory for the NVMe tier (default: a temporary one)")
     parser.add_argument("--weights", type=Path, default=None, help="a local Hugging Face directory or weights file to start from")
     parser.add_argument("--checkpoint", action="store_true", help="write a sharded checkpoint after the last step and report its phase")
+    parser.add_argument("--gradient-clip-val", type=float, default=None, help="clip gradients by norm (Lightning's gradient_clip_val)")
+    parser.add_argument("--gradients-at-home", action="store_true", help="a hook before the step: every offloaded unit keeps a host gradient home")
     parser.add_argument("--probe-bytes", type=int, default=GiB, help="bytes written and read to measure the raw disk")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="offload-largest-") as scratch:

@@ -2,6 +2,7 @@
 
     python tools/plan.py --out plan.json                                  # the default job's plan
     python tools/plan.py --out plan.json model=gpt2_small strategy.gpu_memory=64MiB policy.activations=auto
+    python tools/plan.py --from-shapes --out plan.json model=llama_7b hardware=rtx4090 trainer=gpu
     python tools/plan.py --show plan.json
 
 Making a plan runs the job's first ``--steps`` training steps (the planner decides from what it
@@ -10,6 +11,14 @@ every unit's home and every block's activation policy, with what they imply (eac
 mode, where its gradient is produced, where its optimizer states live) and the step model's
 predicted breakdown. ``strategy.plan_file=plan.json`` runs the
 plan again without planning; edit the file to try another placement.
+
+``--from-shapes`` plans without running anything, for a model or a machine that is not at hand:
+the model is built on the meta device (no memory for its parameters, as ``tools/simulate.py``
+builds it), its units and blocks are costed from their shapes and the ``hardware`` spec, and the
+default policy's joint search (resident units, streaming buffers, block activation policies)
+runs within the job's budgets: ``strategy.gpu_memory`` (default: the spec's GPU memory),
+``strategy.host_memory`` (default: 80% of the spec's host memory) and ``strategy.nvme_memory``
+(default: none). The budgets and every assumption are printed.
 """
 
 from __future__ import annotations
@@ -17,9 +26,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,7 +55,7 @@ def show(path: Path) -> None:
         print(f"activations per block: {' '.join(plan.activations)} ({', '.join(f'{n} {p}' for p, n in sorted(counts.items()))})")
     p = plan.prediction
     if p:
-        print(f"predicted step (the step model on the last timed step's compute): {p['step_seconds'] * 1e3:.1f} ms = forward "
+        print(f"predicted step (the step model): {p['step_seconds'] * 1e3:.1f} ms = forward "
               f"{p['forward_seconds'] * 1e3:.1f} + backward {p['backward_seconds'] * 1e3:.1f} + updates after backward "
               f"{p['update_tail_seconds'] * 1e3:.1f}; {p['exposed_seconds'] * 1e3:.1f} ms of it transfers and updates not hidden "
               f"behind compute; {format_bytes(p['h2d_bytes'])} copied into the GPU tier")
@@ -76,16 +86,83 @@ def make(out: Path, steps: int, overrides: list[str]) -> None:
     trainer.fit(module, datamodule=datamodule)
 
 
+def shapes_budgets(cfg: Any, hardware: Any) -> tuple[int, int, int]:
+    """The job's budgets against the hardware spec's sizes (see the module docstring)."""
+    from offload_strategy.config import Budget
+
+    strategy = cfg.strategy
+    gpu = Budget.parse(strategy.gpu_memory, "strategy.gpu_memory").resolve(hardware.gpu_memory)
+    host = Budget.parse(strategy.host_memory, "strategy.host_memory").resolve(int(0.8 * hardware.host_memory))
+    nvme = Budget.parse(strategy.get("nvme_memory"), "strategy.nvme_memory").resolve(0)
+    return gpu, host, nvme
+
+
+def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from offload_strategy import format_bytes
+    from offload_strategy.planning.auto import plan_auto
+    from offload_strategy.planning.placement import GPU
+    from offload_strategy.planning.plan_file import PlanFile, PlannedUnit, save_plan
+    from tools.simulate import build, machine_of, parameter_links, unit_costs
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[*overrides, "logger=none"])
+    if cfg.policy.get("chunk_size"):
+        raise SystemExit("--from-shapes plans transfer units as the model defines them; leave policy.chunk_size unset.")
+    hardware = instantiate(cfg.hardware)
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    started = time.perf_counter()
+    try:
+        model = build(cfg, hardware, precision in ("bf16-true", "16-true"), efficiency)
+    except ValueError as error:  # a machine probed without a GPU has no peak to price compute at
+        raise SystemExit(f"{error} --from-shapes prices compute from the spec: name a known machine (hardware=rtx4090, ...) "
+                         f"or give its peak (+hardware.gpu_bf16_tflops=... +hardware.gpu_fp16_tflops=...).") from None
+    gpu, host, nvme = shapes_budgets(cfg, hardware)
+    machine = machine_of(hardware, nvme)
+    owners = [0] * len(model.units)
+    links = parameter_links(machine, sum(s.nbytes for s in model.sizes))
+    plan = plan_auto(
+        model.sizes, model.co_resident, [u.index for u in model.units], unit_costs(model, owners), machine, gpu_bytes=gpu, host_bytes=host,
+        nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=host // 2,
+        block_units=model.block_units,
+    )
+    chosen, prediction = plan.parameters.placement, plan.parameters.prediction
+    units = []
+    for unit in model.units:
+        home = chosen.home[unit.index]
+        trainable = any(p.requires_grad for p in unit.params)
+        gradient = ("gpu" if home == GPU else "copied") if trainable else None
+        units.append(PlannedUnit(unit.name, unit.nbytes, str(home), "resident" if home == GPU else "streamed", gradient, str(home) if trainable else None))
+    layout = plan.activations.layout if plan.activations is not None else None
+    save_plan(PlanFile(
+        units=tuple(units), activations=tuple(str(p) for p in layout) if layout else None, budgets={"gpu": gpu, "host": host, "nvme": nvme},
+        prediction={
+            "step_seconds": plan.seconds, "forward_seconds": prediction.forward_seconds, "backward_seconds": prediction.backward_seconds,
+            "update_tail_seconds": prediction.update_tail_seconds, "exposed_seconds": prediction.exposed_seconds, "h2d_bytes": float(prediction.h2d_bytes),
+        },
+    ), out)
+    print(f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {precision}, "
+          f"{model.tokens:,} tokens per step, built on the meta device and planned in {time.perf_counter() - started:.1f} s")
+    print(f"hardware {hardware.name} ({hardware.gpu}); budgets: GPU {format_bytes(gpu)}, host {format_bytes(host)}, NVMe {format_bytes(nvme)}; "
+          f"compute priced at {efficiency:.0%} of the GPU's dense peak; the plan's step: {plan.seconds:.2f} s (step model, from shapes)\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the plan")
     parser.add_argument("--show", type=Path, help="a plan file to print")
     parser.add_argument("--steps", type=int, default=2, help="training steps to run before writing the plan")
+    parser.add_argument("--from-shapes", action="store_true", help="plan from the model's shapes and the hardware spec, running nothing")
+    parser.add_argument("--efficiency", type=float, default=0.5, help="--from-shapes: model FLOPs utilisation of the GPU's dense peak")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job, as for experiments/train.py")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # Hydra overrides may come before or after the options
     if args.show is None and args.out is None:
         parser.error("give --out PLAN.json to make a plan, or --show PLAN.json to print one")
-    if args.out is not None:
+    if args.out is not None and args.from_shapes:
+        make_from_shapes(args.out, args.overrides, args.efficiency)
+    elif args.out is not None:
         make(args.out, args.steps, args.overrides)
     show(args.show or args.out)
     return 0

@@ -114,6 +114,21 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     )
 
 
+def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: float = 0.0, shard_states: bool = True) -> Any:
+    """The step model's machine for a hardware spec (an NVMe tier without known bandwidths is
+    priced at a typical drive's, and says so)."""
+    from offload_strategy.planning.cost_model import UNKNOWN_DISK, Machine
+
+    gbps = lambda v: (v or 0.0) * 1e9  # noqa: E731
+    nvme_read, nvme_write = gbps(hardware.nvme_read_gbps), gbps(hardware.nvme_write_gbps)
+    if nvme and not (nvme_read and nvme_write):
+        print(f"hardware {hardware.name!r} gives no NVMe bandwidth: NVMe priced at {UNKNOWN_DISK / 1e9:g} GB/s each way "
+              f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
+        nvme_read, nvme_write = nvme_read or UNKNOWN_DISK, nvme_write or UNKNOWN_DISK
+    return Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=nvme_read, nvme_write=nvme_write,
+                   world_size=ranks, network=network or gbps(hardware.h2d_gbps), shard_states=shard_states)
+
+
 def unit_costs(model: Model, owners: list[int]) -> dict:
     from offload_strategy.planning.cost_model import UnitCost
 
@@ -374,7 +389,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     from hydra.utils import instantiate
 
     from offload_strategy import parse_size
-    from offload_strategy.planning.cost_model import UNKNOWN_DISK, Machine
     from offload_strategy.planning.sharding import assign_owners
 
     if args.ranks < 1:
@@ -387,15 +401,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
     host = parse_size(args.host_memory) if args.host_memory else int(0.8 * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
-    gbps = lambda v: (v or 0.0) * 1e9  # noqa: E731
-    network = gbps(args.network_gbps if args.network_gbps is not None else hardware.h2d_gbps)
-    nvme_read, nvme_write = gbps(hardware.nvme_read_gbps), gbps(hardware.nvme_write_gbps)
-    if nvme and not (nvme_read and nvme_write):
-        print(f"hardware {hardware.name!r} gives no NVMe bandwidth: NVMe priced at {UNKNOWN_DISK / 1e9:g} GB/s each way "
-              f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
-        nvme_read, nvme_write = nvme_read or UNKNOWN_DISK, nvme_write or UNKNOWN_DISK
-    machine = Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=nvme_read, nvme_write=nvme_write,
-                      world_size=args.ranks, network=network, shard_states=not args.replicate_states)
+    network = (args.network_gbps if args.network_gbps is not None else hardware.h2d_gbps or 0.0) * 1e9
+    machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states)
     owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
     # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated)
     owned = {i for i, o in enumerate(owners) if o == 0} if args.ranks > 1 and not args.replicate_states else None
