@@ -115,6 +115,33 @@ def raw_disk_gbps(path: Path, size: int) -> tuple[float, float]:
     return size / write / 1e9, size / read / 1e9
 
 
+def compute_alone(args: argparse.Namespace, repeats: int = 3) -> tuple[float, float]:
+    """Seconds of one step's compute with everything in memory, no NVMe: forward and backward of
+    one block of the model's width at the run's batch, and the optimizer's step over its
+    parameters (AdamW, as the model's), each the median of ``repeats``, times the blocks."""
+    import torch
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from tools.common import gpt2_config
+
+    block = GPT2Block(GPT2Config(**gpt2_config(1, args.width, positions=args.seq_len)))
+    optimizer = torch.optim.AdamW(block.parameters(), lr=1e-4)
+    x = torch.randn(args.batch_size, args.seq_len, args.width, requires_grad=True)
+    passes, steps = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = block(x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        middle = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        passes.append(middle - start)
+        steps.append(time.perf_counter() - middle)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    return median(passes) * args.layers, median(steps) * args.layers
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
 
@@ -185,6 +212,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.nvme_path.mkdir(parents=True, exist_ok=True)
         result = run(args)
         write_gbps, read_gbps = raw_disk_gbps(args.nvme_path, args.probe_bytes)
+    passes, updates = compute_alone(args)
     from offload_strategy import format_bytes
 
     n = result["parameters"]
@@ -206,6 +234,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"| NVMe read / written per step | {format_bytes(read)} / {format_bytes(written)} |")
     print(f"| raw disk read / write (GB/s) | {read_gbps:.2f} / {write_gbps:.2f} |")
     print(f"| NVMe-bound step time from raw bandwidth | {bound:.2f} s ({seconds / bound:.2f}x of it measured) |" if bound else "| NVMe-bound step | - |")
+    compute = passes + updates
+    print(f"| compute alone, in memory (one block measured, times {args.layers}) | {compute:.2f} s: forward + backward {passes:.2f}, "
+          f"AdamW {updates:.2f} |")
+    print(f"| measured step / max(NVMe-bound, compute) | {seconds / max(bound, compute):.2f}x (both serial: {bound + compute:.2f} s, "
+          f"{seconds / (bound + compute):.2f}x) |")
     if result["saves"]:
         save = result["saves"][0]
         print(f"| sharded checkpoint save | {save:.1f} s, {format_bytes(result['written'])} written "

@@ -541,17 +541,27 @@ class TieredEngine:
         self.step_stats["steps"] += 1
 
     def _update_the_rest(self, unit_optimizers: UnitOptimizers) -> None:
-        """Every unit the worker did not update during backward, in unit order, then loose tensors."""
+        """Every unit the worker did not update during backward, in unit order, then loose tensors.
+        NVMe units go to the worker's pipeline (reads ahead, writes behind) while the training
+        thread updates the others."""
         updater = self.updater
-        for s in self.states:
-            if s.unit.index not in unit_optimizers.slots or s.updated:
-                continue
-            start = time.perf_counter()
-            if s.home == GPU:
-                updater.update_persistent(unit_optimizers, s)
-            else:
-                updater.update_offloaded(unit_optimizers, s)
-            updater.log.append((s.unit.index, start, time.perf_counter()))
+        pending = [s for s in self.states if s.unit.index in unit_optimizers.slots and not s.updated]
+        piped = [s for s in pending if s.home == NVME] if updater.pipeline is not None and self.exchange is None else []
+        updater.submit_in_order(unit_optimizers, piped)
+        try:
+            for s in pending:
+                if s.home == NVME and piped:
+                    continue
+                start = time.perf_counter()
+                if s.home == GPU:
+                    updater.update_persistent(unit_optimizers, s)
+                else:
+                    updater.update_offloaded(unit_optimizers, s)
+                updater.log.append((s.unit.index, start, time.perf_counter()))
+        finally:
+            updater.drain()
+        for s in piped:
+            self.cache.drop_host_copy(s)  # updated from its file: a copy kept in a staging buffer is stale
         updater.update_loose(unit_optimizers)
 
     def end_eval_step(self) -> None:

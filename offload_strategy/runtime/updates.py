@@ -135,6 +135,23 @@ class UnitUpdater:
 
         self.worker.submit(update)
 
+    def submit_in_order(self, unit_optimizers: UnitOptimizers, units: list[UnitState]) -> None:
+        """After backward: NVMe units updated on the worker in this order, each update starting
+        the next unit's reads once it has taken its own (LoHan Fig. 3b: read i+1, update i,
+        write i-1 behind)."""
+        if not units:
+            return
+        self.pipeline.start_reads(units[0])
+        for s, following in zip(units, [*units[1:], None]):
+            s.updated = True
+
+            def update(s: UnitState = s, following: Optional[UnitState] = following) -> None:
+                start = time.perf_counter()
+                self.update_offloaded(unit_optimizers, s, on_worker=True, read_next=following)
+                self.log.append((s.unit.index, start, time.perf_counter()))
+
+            self.worker.submit(update)
+
     def spill(self, s: UnitState) -> None:
         """The unit's complete gradients wait for the update on NVMe (written on the worker while
         backward goes on), not in one of the few gradient buffers."""
@@ -183,14 +200,20 @@ class UnitUpdater:
             _step_masters(unit_optimizers, slot, grads, [p.data for p in slot.params])
         self._remember_state_bytes(s, slot)
 
-    def update_offloaded(self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False) -> None:
-        """Update one offloaded unit at home: stage it, step it, write it back."""
+    def update_offloaded(
+        self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False, read_next: Optional[UnitState] = None,
+    ) -> None:
+        """Update one offloaded unit at home: stage it, step it, write it back (``read_next``: an
+        NVMe unit whose reads start once this one's are taken)."""
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self.ctx.param_slot[id(p)][1] for p in slot.params]
+        if s.home == NVME:
+            staged = self.pipeline.take_reads(s.unit.index) if on_worker else None
+            if read_next is not None:
+                self.pipeline.start_reads(read_next)
         self.gradients.restore(s)
         grads = self.gradients.for_update(s, positions)
         if s.home == NVME:
-            staged = self.pipeline.take_reads(s.unit.index) if on_worker else None
             known = self.nvme_states.known(s.unit.index)
             params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
