@@ -128,6 +128,7 @@ class TieredMixin(ActivationControl):
         self._plan: Optional[PlanFile] = None
         self._saved_bytes = 0
         self._optimizer_stepped = False
+        self._said_updates_wait = False  # the run has been told once that updates wait for backward's end
         self._swap_device: Optional[Device] = None
         self._profiled = False
         # parameters of models built under this strategy, recorded instead of held (deferred.py)
@@ -280,9 +281,21 @@ class TieredMixin(ActivationControl):
             raise
         self._profiled = False
         self._share_optimizer_attributes()
+        self._say_when_updates_wait(self.lightning_module.trainer)
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    def _say_when_updates_wait(self, trainer: "pl.Trainer") -> None:
+        """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""
+        if self._said_updates_wait or not trainer.training or not self._needs_all_gradients(trainer):
+            return
+        self._said_updates_wait = True
+        why = "clipping by norm needs every gradient" if self._clips_by_norm(trainer) else "loss scaling or a hook before the step reads every gradient"
+        where = ("offloaded units are updated after backward, the NVMe ones on the update worker's pipeline while the training thread "
+                 "updates the others, their gradients waiting on NVMe meanwhile") if self._gradients_wait_on_nvme(trainer) else (
+                 "offloaded units are updated after backward, their gradients kept in host memory")
+        rank_zero_info(f"tiered: {why} before any update, so updates cannot overlap backward: {where}.")
 
     def _share_optimizer_attributes(self) -> None:
         """Lightning's wrappers find the optimizer's methods on its class before the instance:

@@ -164,3 +164,12 @@ def test_a_failed_worker_never_leaves_backward_waiting_for_a_buffer():
     buffers.worker_failed = lambda: True
     buffers.acquire(states[1])  # returns, with a buffer of its own (the step then reports the failure)
     assert buffers.extra == 1 and states[1].grads[0].home is not None
+
+
+def test_the_run_says_once_why_updates_wait_for_the_end_of_backward(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        assert_like_plain(tmp_path, "nvme", Net, gradient_clip_val=0.5)
+    said = [r.getMessage() for r in caplog.records if "updates cannot overlap backward" in r.getMessage()]
+    assert len(said) == 1 and "clipping by norm" in said[0] and "waiting on NVMe" in said[0]

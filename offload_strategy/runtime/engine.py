@@ -542,15 +542,17 @@ class TieredEngine:
 
     def _update_the_rest(self, unit_optimizers: UnitOptimizers) -> None:
         """Every unit the worker did not update during backward, in unit order, then loose tensors.
-        NVMe units go to the worker's pipeline (reads ahead, writes behind) while the training
-        thread updates the others."""
+        NVMe units that must be read from their files go to the worker's pipeline (reads ahead,
+        writes behind) while the training thread updates the others, NVMe units whose parameters
+        a staging buffer still holds updated there in place."""
         updater = self.updater
         pending = [s for s in self.states if s.unit.index in unit_optimizers.slots and not s.updated]
-        piped = [s for s in pending if s.home == NVME] if updater.pipeline is not None and self.exchange is None else []
+        pipelined = updater.pipeline is not None and self.exchange is None
+        piped = [s for s in pending if s.home == NVME and s.host_copy is None] if pipelined else []
         updater.submit_in_order(unit_optimizers, piped)
         try:
             for s in pending:
-                if s.home == NVME and piped:
+                if s in piped:
                     continue
                 start = time.perf_counter()
                 if s.home == GPU:
