@@ -82,7 +82,7 @@ def run(cfg: DictConfig) -> float:
 
     datamodule = instantiate(cfg.data)
     check_shapes(cfg, datamodule.vocab_size, datamodule.seq_len)
-    module = instantiate(cfg.model)
+    module = instantiate(cfg.model, _convert_="all")  # plain containers in the checkpoint's hyperparameters
     hardware: HardwareSpec = instantiate(cfg.hardware)
     strategy = build_strategy(cfg, hardware)
 

@@ -125,6 +125,13 @@ def test_logger_configs(name, tmp_path):
         assert logger is not None and Path(logger.save_dir) == tmp_path
 
 
+@pytest.mark.parametrize("name", [n for n in options("logger") if n.startswith("wandb")])
+def test_wandb_runs_of_a_policy_sweep_are_told_apart_and_grouped(name, tmp_path):
+    names = {compose_as_hydra([f"logger={name}", f"policy={policy}"], tmp_path).logger.name for policy in ("auto", "lohan", "zero_offload")}
+    assert names == {"gpt2-tiny-auto-tiered", "gpt2-tiny-lohan-tiered", "gpt2-tiny-zero_offload-tiered"}
+    assert compose_as_hydra([f"logger={name}"], tmp_path).logger.group
+
+
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_presets_compose(name, tmp_path):
     cfg = compose_as_hydra([f"experiment={name}"], tmp_path)

@@ -104,6 +104,19 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_from_a_checkpoint_the_job_wrote(tmp_path):
+    """Lightning names checkpoints ``epoch=0-step=4.ckpt``: quoted, Hydra takes the path, and the
+    checkpoint loads with torch's weights-only reader (plain containers in the hyperparameters)."""
+    job = ["logger=none", "data=synthetic", "data.batch_size=4", "data.seq_len=32", "trainer.limit_val_batches=0", "strategy.gpu_memory=16MiB"]
+    run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'first'}", *job, "trainer.max_steps=4"], cwd=tmp_path)
+    (checkpoint,) = (tmp_path / "first").rglob("epoch=*-step=4.ckpt")
+    run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'second'}", *job, "trainer.max_steps=6", "trainer.log_every_n_steps=1",
+         f'resume="{checkpoint}"'], cwd=tmp_path)
+    metrics = json.loads((tmp_path / "second" / "metrics.json").read_text())
+    assert metrics["steps"] == 6 and len(metrics["loss_curve"]) == 2  # two more steps after the four resumed
+
+
+@pytest.mark.slow
 def test_a_plan_from_shapes_runs_in_the_job_it_was_made_for(tmp_path):
     """Planned from the model's shapes and the hardware spec, running nothing: the job accepts the
     plan (every unit's name and bytes, the block count) and trains with it."""

@@ -72,7 +72,7 @@ def make(out: Path, steps: int, overrides: list[str]) -> None:
         cfg = compose(config_name="config", overrides=[*overrides, "logger=none", f"trainer.max_steps={steps}"])
     L.seed_everything(cfg.seed)
     datamodule = instantiate(cfg.data)
-    module = instantiate(cfg.model)
+    module = instantiate(cfg.model, _convert_="all")  # plain containers in the checkpoint's hyperparameters
     strategy = build_strategy(cfg, instantiate(cfg.hardware))
     if isinstance(strategy, str):
         raise SystemExit(f"strategy.name={strategy!r}: only the tiered strategy makes plans.")
