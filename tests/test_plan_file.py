@@ -55,7 +55,7 @@ def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):
     show(plan)
     shown = capsys.readouterr().out
     assert "| unit | name | bytes | home | mode | gradient | optimizer states |" in shown
-    assert f"predicted step (the step model on the last timed step's compute): {predicted['step_seconds'] * 1e3:.1f} ms" in shown
+    assert f"predicted step (the step model): {predicted['step_seconds'] * 1e3:.1f} ms" in shown
 
     # Edit the plan: every unit on host. The edited plan is what runs, whatever the budget would choose.
     written["units"] = [{**u, "home": "host"} for u in written["units"]]

@@ -30,12 +30,17 @@ class Seen(L.Callback):
         self.metrics: dict[str, float] = {}
         self.engine = None
         self.persistent: set[int] = set()
+        self.updates_in_backward = self.updates = 0
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.metrics = trainer.strategy.metrics()
         self.engine = trainer.strategy.engine
         if self.engine is not None:
             self.persistent = {s.unit.index for s in self.engine.states if s.home == "gpu"}
+            # how many of this step's updates started before its backward's last use of a unit
+            backward_end = max(self.engine.backward_log, default=0.0)
+            self.updates_in_backward = sum(start < backward_end for _, start, _ in self.engine.update_log)
+            self.updates = len(self.engine.update_log)
 
 
 def test_every_paper_and_baseline_has_a_preset():
@@ -84,8 +89,8 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
     if name == "zero_infinity":
         assert m["units/nvme"] == units and m["optimizer/nvme_state_bytes"] > 0, m
     if name in ("zero_offload", "zero_infinity", "l2l"):
-        # every update after backward: the step waited for all of them
-        assert m["optimizer/exposed_ms"] >= m["optimizer/update_ms"], m
+        # every update after backward (on two threads there: their times may add up to more than the step waited)
+        assert seen.updates_in_backward == 0 and seen.updates > 0, m
     else:
         assert m["optimizer/exposed_ms"] < m["optimizer/update_ms"], m  # some hidden behind backward
     if name == "l2l":
