@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
-from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
+from .config import BlockPolicy, Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
 from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, known_hardware, process_peak_rss, resolve_hardware
 from .hardware.device import Device, make_device
@@ -281,10 +281,31 @@ class TieredMixin(ActivationControl):
             raise
         self._profiled = False
         self._share_optimizer_attributes()
+        rank_zero_info(self._describe_placement(engine))
         self._say_when_updates_wait(self.lightning_module.trainer)
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    def _describe_placement(self, engine: TieredEngine) -> str:
+        """One line: units and bytes per tier, where gradients and optimizer states live, the blocks' activations."""
+        tiers: dict[str, list[int]] = {}
+        for state in engine.states:
+            count = tiers.setdefault(str(state.home), [0, 0])
+            count[0] += 1
+            count[1] += state.unit.nbytes
+        units = ", ".join(f"{tier} {n} ({format_bytes(nbytes)})" for tier, (n, nbytes) in tiers.items())
+        placement = engine.placement
+        if placement.gradient_slots:
+            gradients = f"NVMe units' through {sum(placement.gradient_slots.values())} host buffers" + (
+                ", waiting on NVMe for the step when they must" if placement.gradients_spilled else "")
+            gradients += ", the others' at home" if any(t != NVME for t in tiers if t != GPU) else ""
+        else:
+            gradients = "at each offloaded unit's home in host memory" if placement.offloaded else "in the GPU tier"
+        policies = self._activations.policies if self._activations is not None and self._activations.blocks else []
+        layout = " ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks"
+        return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
+                f"activations per block: {layout}")
 
     def _say_when_updates_wait(self, trainer: "pl.Trainer") -> None:
         """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""

@@ -173,3 +173,29 @@ def test_the_run_says_once_why_updates_wait_for_the_end_of_backward(tmp_path, ca
         assert_like_plain(tmp_path, "nvme", Net, gradient_clip_val=0.5)
     said = [r.getMessage() for r in caplog.records if "updates cannot overlap backward" in r.getMessage()]
     assert len(said) == 1 and "clipping by norm" in said[0] and "waiting on NVMe" in said[0]
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme", "fill"])
+def test_each_placement_is_described_in_one_line(tmp_path, caplog, placement):
+    """Units and bytes per tier, where gradients and optimizer states live, the blocks' activations."""
+    import logging
+
+    from offload_strategy import TieredStrategy
+    from tests.test_recipes import fit, tiered
+
+    total = sum(p.numel() * p.element_size() for p in Net().parameters())
+    if placement == "fill":  # the first units in the GPU tier, the rest in host memory
+        strategy = TieredStrategy(policy={"placement": "fill", "activations": "keep"}, gpu_memory=3 * total, host_memory="1GiB")
+    else:
+        strategy = tiered(placement, tmp_path)
+    with caplog.at_level(logging.INFO):
+        fit(strategy, tmp_path / "run", Net)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered: units (parameters) per tier:")]
+    if placement == "fill":
+        assert "gpu " in line and "host " in line and "at each offloaded unit's home in host memory" in line
+    else:
+        from offload_strategy import format_bytes
+
+        assert f"{placement} 7 ({format_bytes(total)})" in line
+        assert ("through 4 host buffers" in line) == (placement == "nvme")
+    assert "optimizer states with their unit's parameters" in line and "activations per block:" in line

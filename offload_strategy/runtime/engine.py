@@ -550,9 +550,10 @@ class TieredEngine:
         pipelined = updater.pipeline is not None and self.exchange is None
         piped = [s for s in pending if s.home == NVME and s.host_copy is None] if pipelined else []
         updater.submit_in_order(unit_optimizers, piped)
+        on_worker = {s.unit.index for s in piped}
         try:
             for s in pending:
-                if s in piped:
+                if s.unit.index in on_worker:
                     continue
                 start = time.perf_counter()
                 if s.home == GPU:
