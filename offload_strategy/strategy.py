@@ -313,9 +313,10 @@ class TieredMixin(ActivationControl):
             return
         self._said_updates_wait = True
         why = "clipping by norm needs every gradient" if self._clips_by_norm(trainer) else "loss scaling or a hook before the step reads every gradient"
-        where = ("offloaded units are updated after backward, the NVMe ones on the update worker's pipeline while the training thread "
-                 "updates the others, their gradients waiting on NVMe meanwhile") if self._gradients_wait_on_nvme(trainer) else (
-                 "offloaded units are updated after backward, their gradients kept in host memory")
+        on_nvme = ("offloaded units are updated after backward, NVMe units' gradients waiting on NVMe meanwhile; the units read from "
+                   "disk are updated on the update worker's pipeline while the training thread updates the others")
+        where = on_nvme if self._gradients_wait_on_nvme(trainer) else "offloaded units are updated after backward, their gradients kept in host memory"
+
         rank_zero_info(f"tiered: {why} before any update, so updates cannot overlap backward: {where}.")
 
     def _share_optimizer_attributes(self) -> None:
