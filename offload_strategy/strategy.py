@@ -40,7 +40,7 @@ from .planning.cost_model import StepPrediction, costs_from_timing, machine_from
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, NVME, Placement, PlacementError, UnitSize
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
-from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, save_plan
+from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .profiling import StepProfile
 from .runtime.activations import ActivationPolicies, find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
@@ -246,12 +246,13 @@ class TieredMixin(ActivationControl):
         blocks = self._activations.blocks if self._activations is not None else []
         inside = [{id(m) for m in block.modules()} for block in blocks]
         planner = self.planner
+        wait_on_nvme = self._gradients_wait_on_nvme(trainer)
         planner.model = ModelUnits(
             sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
             block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
             state_factor=optimizer_state_factor(self.optimizers) + (1.5 if fp32_masters else 0.0), owned=self._units_with_states_here(sizes),
-            gradients_until_update=trainer.training and (self._every_step_updates_in_backward(trainer) or self._gradients_wait_on_nvme(trainer)),
-            spill_gradients=trainer.training and self._gradients_wait_on_nvme(trainer),
+            gradients_until_update=trainer.training and (self._every_step_updates_in_backward(trainer) or wait_on_nvme),
+            spill_gradients=trainer.training and wait_on_nvme,
         )
         policies = self._activations.policies if self._activations is not None else []
         together = planner.working_groups(policies) if trainer.training else list(planner.model.co_resident)  # no recompute without gradients
@@ -422,11 +423,7 @@ class TieredMixin(ActivationControl):
             units=tuple(PlannedUnit(n, b, h, *self._explain_unit(i, h)) for i, (n, b, h) in enumerate(zip(names, nbytes, homes))),
             activations=tuple(self._activations.policies) if blocks else None,
             budgets={"gpu": self.budgets.gpu, "host": self.budgets.host, "nvme": self.budgets.nvme},
-            prediction=None if prediction is None else {
-                "step_seconds": prediction.seconds, "forward_seconds": prediction.forward_seconds,
-                "backward_seconds": prediction.backward_seconds, "update_tail_seconds": prediction.update_tail_seconds,
-                "exposed_seconds": prediction.exposed_seconds, "h2d_bytes": float(prediction.h2d_bytes),
-            },
+            prediction=None if prediction is None else prediction_record(prediction),
         )
         return save_plan(plan, path)
 
@@ -526,10 +523,14 @@ class TieredMixin(ActivationControl):
         """Known at set-up: every step's backward updates each unit as its gradients complete, so
         a gradient lives only until its unit's update (one process, one optimizer, no
         accumulation, nothing that needs every gradient first)."""
-        single = self.world_size == 1 and len(self.optimizers) == 1 and trainer.accumulate_grad_batches == 1
-        return single and self.policy.update_during_backward and not is_overridden("optimizer_step", trainer.lightning_module) and (
-            trainer.lightning_module.automatic_optimization and not self._needs_all_gradients(trainer)
-        )
+        single = self._one_automatic_step(trainer) and trainer.accumulate_grad_batches == 1
+        return single and self.policy.update_during_backward and not self._needs_all_gradients(trainer)
+
+    def _one_automatic_step(self, trainer: "pl.Trainer") -> bool:
+        """One process, one optimizer, stepped by Lightning's automatic optimization and its own ``optimizer_step``."""
+        module = trainer.lightning_module
+        single = self.world_size == 1 and len(self.optimizers) == 1 and module.automatic_optimization
+        return single and not is_overridden("optimizer_step", module)
 
     def _gradients_wait_on_nvme(self, trainer: "pl.Trainer") -> bool:
         """Known at set-up: what keeps units from updating as their gradients complete is only
@@ -537,11 +538,10 @@ class TieredMixin(ActivationControl):
         optimizer, nothing else that looks at every gradient). Then NVMe units' gradients pass
         through a few host buffers on to NVMe and wait there, their norms taken on the way,
         instead of a host gradient home each."""
-        module = trainer.lightning_module
-        single = self.world_size == 1 and len(self.optimizers) == 1 and module.automatic_optimization
-        if not single or is_overridden("optimizer_step", module) or getattr(self.precision_plugin, "scaler", None) is not None:
+        if not self._one_automatic_step(trainer) or getattr(self.precision_plugin, "scaler", None) is not None or _gradient_hooks(trainer):
             return False
-        if _gradient_hooks(trainer) or (trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value" and not self._clips_by_norm(trainer)):
+        clips_otherwise = trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value" and not self._clips_by_norm(trainer)
+        if clips_otherwise:  # a precision plugin of its own clips by norm over every gradient
             return False
         return self._clips_by_norm(trainer) or trainer.accumulate_grad_batches > 1 or _accumulation_scheduled(trainer)
 

@@ -127,6 +127,9 @@ def test_a_plan_from_shapes_runs_in_the_job_it_was_made_for(tmp_path):
     written = json.loads(plan.read_text())
     assert {u["home"] for u in written["units"]} >= {"host"} and len(written["activations"]) == 4
     assert written["budgets"]["gpu"] == 16 * 2**20 and written["prediction"]["step_seconds"] > 0
+    p = written["prediction"]  # the parts add up to the step, the activation layout's share included
+    parts = p["forward_seconds"] + p["backward_seconds"] + p["update_tail_seconds"] + p.get("layout_seconds", 0.0)
+    assert parts == pytest.approx(p["step_seconds"])
     run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'job'}", "logger=none", *job, f"strategy.plan_file={plan}",
          "trainer.max_steps=3", "trainer.limit_val_batches=0"], cwd=tmp_path)
     assert json.loads((tmp_path / "job" / "metrics.json").read_text())["steps"] == 3

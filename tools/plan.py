@@ -57,7 +57,8 @@ def show(path: Path) -> None:
     if p:
         print(f"predicted step (the step model): {p['step_seconds'] * 1e3:.1f} ms = forward "
               f"{p['forward_seconds'] * 1e3:.1f} + backward {p['backward_seconds'] * 1e3:.1f} + updates after backward "
-              f"{p['update_tail_seconds'] * 1e3:.1f}; {p['exposed_seconds'] * 1e3:.1f} ms of it transfers and updates not hidden "
+              f"{p['update_tail_seconds'] * 1e3:.1f}" + (f" + activation recomputes and swaps {p['layout_seconds'] * 1e3:.1f}" if p.get("layout_seconds") else "")
+              + f"; {p['exposed_seconds'] * 1e3:.1f} ms of it transfers and updates not hidden "
               f"behind compute; {format_bytes(p['h2d_bytes'])} copied into the GPU tier")
 
 
@@ -72,7 +73,7 @@ def make(out: Path, steps: int, overrides: list[str]) -> None:
         cfg = compose(config_name="config", overrides=[*overrides, "logger=none", f"trainer.max_steps={steps}"])
     L.seed_everything(cfg.seed)
     datamodule = instantiate(cfg.data)
-    module = instantiate(cfg.model, _convert_="all")  # plain containers in the checkpoint's hyperparameters
+    module = instantiate(cfg.model)
     strategy = build_strategy(cfg, instantiate(cfg.hardware))
     if isinstance(strategy, str):
         raise SystemExit(f"strategy.name={strategy!r}: only the tiered strategy makes plans.")
@@ -104,7 +105,7 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     from offload_strategy import format_bytes
     from offload_strategy.planning.auto import plan_auto
     from offload_strategy.planning.placement import GPU
-    from offload_strategy.planning.plan_file import PlanFile, PlannedUnit, save_plan
+    from offload_strategy.planning.plan_file import PlanFile, PlannedUnit, prediction_record, save_plan
     from tools.simulate import build, machine_of, parameter_links, unit_costs
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -138,10 +139,7 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     layout = plan.activations.layout if plan.activations is not None else None
     save_plan(PlanFile(
         units=tuple(units), activations=tuple(str(p) for p in layout) if layout else None, budgets={"gpu": gpu, "host": host, "nvme": nvme},
-        prediction={
-            "step_seconds": plan.seconds, "forward_seconds": prediction.forward_seconds, "backward_seconds": prediction.backward_seconds,
-            "update_tail_seconds": prediction.update_tail_seconds, "exposed_seconds": prediction.exposed_seconds, "h2d_bytes": float(prediction.h2d_bytes),
-        },
+        prediction=prediction_record(prediction, layout_seconds=plan.seconds - prediction.seconds),
     ), out)
     print(f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {precision}, "
           f"{model.tokens:,} tokens per step, built on the meta device and planned in {time.perf_counter() - started:.1f} s")

@@ -114,7 +114,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     )
 
 
-def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: float = 0.0, shard_states: bool = True) -> Any:
+def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True) -> Any:
     """The step model's machine for a hardware spec (an NVMe tier without known bandwidths is
     priced at a typical drive's, and says so)."""
     from offload_strategy.planning.cost_model import UNKNOWN_DISK, Machine
@@ -126,7 +126,7 @@ def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: float = 0.0, s
               f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
         nvme_read, nvme_write = nvme_read or UNKNOWN_DISK, nvme_write or UNKNOWN_DISK
     return Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=nvme_read, nvme_write=nvme_write,
-                   world_size=ranks, network=network or gbps(hardware.h2d_gbps), shard_states=shard_states)
+                   world_size=ranks, network=gbps(hardware.h2d_gbps) if network is None else network, shard_states=shard_states)
 
 
 def unit_costs(model: Model, owners: list[int]) -> dict:
@@ -401,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
     host = parse_size(args.host_memory) if args.host_memory else int(0.8 * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
-    network = (args.network_gbps if args.network_gbps is not None else hardware.h2d_gbps or 0.0) * 1e9
+    network = None if args.network_gbps is None else args.network_gbps * 1e9  # None: the host link's
     machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states)
     owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
     # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated)
@@ -413,7 +413,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations); compute alone {compute:.2f} s per step at {args.efficiency:.0%} of peak")
     print(f"\n{title}\n")
     if args.ranks > 1:
-        print(f"tiered_ddp on {args.ranks} ranks, collectives at {network / 1e9:.0f} GB/s per rank, optimizer states "
+        print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank, optimizer states "
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x)\n")
     print(f"host {fmt(host)}, NVMe {fmt(nvme)}\n")

@@ -91,6 +91,19 @@ class PlanFile:
         return cls(units, tuple(activations) if activations is not None else None, data.get("budgets"), data.get("prediction"))
 
 
+def prediction_record(prediction: Any, layout_seconds: float = 0.0) -> dict[str, float]:
+    """A plan file's ``prediction`` from the step model's ``StepPrediction`` (``layout_seconds``:
+    what the blocks' activation layout adds to the parameters' step)."""
+    record = {
+        "step_seconds": prediction.seconds + layout_seconds, "forward_seconds": prediction.forward_seconds,
+        "backward_seconds": prediction.backward_seconds, "update_tail_seconds": prediction.update_tail_seconds,
+        "exposed_seconds": prediction.exposed_seconds, "h2d_bytes": float(prediction.h2d_bytes),
+    }
+    if layout_seconds:
+        record["layout_seconds"] = layout_seconds
+    return record
+
+
 def save_plan(plan: PlanFile, path: Union[str, Path]) -> Path:
     """Write ``plan`` as JSON, atomically (a temporary file renamed into place)."""
     path = Path(path)

@@ -74,6 +74,8 @@ class GradientBuffers:
 
     def wait_settled(self, s: UnitState) -> None:
         """The unit's buffer is no longer on the worker (its gradients written to NVMe, or updated)."""
+        if s.unit.index not in self.submitted:  # the common case, on every gradient's arrival: no lock
+            return
         with self.changed:
             while s.unit.index in self.submitted and not self.worker_failed():
                 self.changed.wait(timeout=0.05)
