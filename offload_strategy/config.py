@@ -263,15 +263,7 @@ class PolicyConfig:
             object.__setattr__(self, "placement", "search" if self.name == "auto" else "fill")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"policy.placement={self.placement!r} is not known; choose one of {', '.join(PLACEMENTS)}.")
-        for flag in ("prefetch", "update_during_backward", "throttle", "checksums"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"policy.{flag}={getattr(self, flag)!r} must be true or false.")
-        if self.gradient_reserve is not None and not (
-            isinstance(self.gradient_reserve, (int, float)) and not isinstance(self.gradient_reserve, bool) and 0.0 <= self.gradient_reserve <= 1.0
-        ):
-            raise ValueError(
-                f"policy.gradient_reserve={self.gradient_reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None."
-            )
+        self._check_flags()
         self._check_activations()
         if self.block_class is not None and not isinstance(self.block_class, str):
             raise ValueError(f"policy.block_class={self.block_class!r} must be the name of the blocks' class, or None.")
@@ -280,6 +272,16 @@ class PolicyConfig:
             if size == 0:
                 raise ValueError("policy.chunk_size=0: give a positive size such as '32MiB', or None for one unit per module.")
             object.__setattr__(self, "chunk_size", size)
+
+    def _check_flags(self) -> None:
+        for flag in ("prefetch", "update_during_backward", "throttle", "checksums"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"policy.{flag}={getattr(self, flag)!r} must be true or false.")
+        reserve = self.gradient_reserve
+        if reserve is not None and not (isinstance(reserve, (int, float)) and not isinstance(reserve, bool) and 0.0 <= reserve <= 1.0):
+            raise ValueError(
+                f"policy.gradient_reserve={reserve!r} must lie in [0, 1] (the share of gradient bytes kept in the GPU tier), or be None."
+            )
 
     def _check_activations(self) -> None:
         names = f"a block policy ({', '.join(BLOCK_POLICIES)}) or a planner ({', '.join(ACTIVATION_PLANNERS)})"

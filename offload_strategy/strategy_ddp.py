@@ -11,6 +11,8 @@ Lightning checkpoint a single-device run writes, and either loads into the other
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -28,18 +30,21 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
-from .config import BudgetLike, HardwareSpec, PolicyConfig, format_bytes
+from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
 from .planning.placement import UnitSize
+from .planning.planner import TierBudgets
 from .planning.sharding import assign_owners
 from .runtime.data_parallel import DataParallel, Reduction
-from .strategy import TierBudgets, TieredMixin
+from .strategy_context import TieredOptions
+from .strategy_core import TieredCore, check_precision, exposes_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
 
 
-class TieredDDPStrategy(TieredMixin, DDPStrategy):
+@exposes_core
+class TieredDDPStrategy(DDPStrategy):
     """:class:`~offload_strategy.TieredStrategy` on every rank of a data-parallel run.
 
     Takes TieredStrategy's arguments; the budgets are per rank (``None`` shares what is free on
@@ -75,9 +80,11 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self._init_tiered(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
         self.shard_states = bool(shard_states)
-        self._groups: Optional[tuple[Any, Any, Any]] = None
+        self._ranks = DataParallelRanks(self, options, self.shard_states)
+        self.tiered = TieredCore(options, self, self._ranks)
+        self.tiered.state_dict_type = StateDictType.FULL  # consolidated on rank 0
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -93,81 +100,88 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.policy.name == "none":  # nothing is tiered: plain DDP
+        if self.tiered.policy.name == "none":  # nothing is tiered: plain DDP
             return super().configure_ddp()
+        assert self.model is not None
         _sync_module_states(self.model)  # every rank starts from rank 0's parameters, as DDP does
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = check_precision(plugin)
+
+    # -- Lightning's hooks, delegated to the core (as TieredStrategy's) --------------------------------
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        with self.tiered.tensor_init_context(lambda: super(TieredDDPStrategy, self).tensor_init_context(empty_init), empty_init):
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        self.tiered.model_to_device(super().model_to_device)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        super().setup(trainer)
+        self.tiered.setup(trainer, super().setup)
         rank_zero_info(self.describe())
 
     @override
-    def _engine_when_all_fits(self) -> bool:
-        return True  # the engine also reduces the gradients
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tiered.training_step(lambda: super(TieredDDPStrategy, self).training_step(*args, **kwargs))
 
     @override
-    def _data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
-        host, device, control = self._process_groups()
-        return DataParallel(
-            rank=self.global_rank,
-            world_size=self.world_size,
-            owners=self._owners(sizes),
-            host_group=host,
-            device_group=device,
-            control_group=control,
-            shard_states=self.shard_states,
-        )
-
-    def _owners(self, sizes: list[UnitSize]) -> tuple[int, ...]:
-        return tuple(assign_owners([u.trainable_bytes for u in sizes], self.world_size))
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tiered.eval_step(lambda: super(TieredDDPStrategy, self).validation_step(*args, **kwargs))
 
     @override
-    def _units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
-        if not self.shard_states or self.policy.name == "none" or self.root_device.type == "cuda":
-            # every unit's states reserved: on CUDA every rank must place each unit in the same tier,
-            # since a unit in the GPU tier reduces on the NCCL group and one in host memory on gloo
-            return None
-        return {u.index for u, owner in zip(sizes, self._owners(sizes)) if owner == self.global_rank}
-
-    def _process_groups(self) -> tuple[Any, Any, Any]:
-        """(host, device, control) groups, created once and in the same order on every rank: gloo
-        for tensors in host memory (CPU tensors work under NCCL too), the default group for the GPU tier."""
-        if self._groups is None:
-            host = dist.new_group(backend="gloo")
-            control = dist.new_group(backend="gloo")
-            device = dist.group.WORLD if self.root_device.type == "cuda" else host
-            self._groups = (host, device, control)
-        return self._groups
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tiered.eval_step(lambda: super(TieredDDPStrategy, self).test_step(*args, **kwargs))
 
     @override
-    def _same_on_every_rank(self, choice: Any) -> Any:
-        return self.broadcast(choice, src=0)
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tiered.eval_step(lambda: super(TieredDDPStrategy, self).predict_step(*args, **kwargs))
 
     @override
-    def _gradient_reduction(self, trainer: "pl.Trainer") -> Optional[Reduction]:
-        if trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
-            return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
-        return Reduction.ALL if self._needs_all_gradients(trainer) else Reduction.OWNER
-
-    # -- budgets: per rank, the same on every rank ---------------------------------------------------
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        self.tiered.pre_backward()
 
     @override
-    def resolve_budgets(self) -> TierBudgets:
-        granted = super().resolve_budgets()
-        # What a rank sees free on its node is free for all the node's ranks: a tier given as
-        # "all that is free" or a fraction of it is split among them (each rank has its own GPU).
-        local = max(self.num_processes, 1)
-        shared = [self.root_device.type != "cuda", True, True]
-        values = [
-            b // local if split and budget.bytes is None else b
-            for b, budget, split in zip((granted.gpu, granted.host, granted.nvme), (self.gpu_memory, self.host_memory, self.nvme_memory), shared)
-        ]
-        if dist.is_available() and dist.is_initialized():
-            smallest = torch.tensor(values, dtype=torch.int64)
-            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self._process_groups()[2])
-            values = [int(v) for v in smallest.tolist()]
-        return TierBudgets(gpu=values[0], host=values[1], nvme=values[2])
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        self.tiered.post_backward()
+        super().post_backward(closure_loss)
+
+    @override
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return self.tiered.optimizer_step(optimizer, closure, model, super().optimizer_step, **kwargs)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.tiered.lightning_module_state_dict(super().lightning_module_state_dict)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self.tiered.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.tiered.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint, self.checkpoint_io.load_checkpoint)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self.tiered.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
+
+    @override
+    def teardown(self) -> None:
+        self.tiered.teardown()
+        super().teardown()
 
     # -- checkpoints: one consolidated, standard checkpoint ------------------------------------------
 
@@ -179,21 +193,90 @@ class TieredDDPStrategy(TieredMixin, DDPStrategy):
             optimizer = optimizer._optimizer
         state = optimizer.state_dict()
         # after fit too: the engine is gone, but each facade holds only its own units' states
-        if not self.shard_states or self.world_size == 1 or self.policy.name == "none" or not dist.is_initialized():
+        if not self.shard_states or self.world_size == 1 or self.tiered.policy.name == "none" or not dist.is_initialized():
             return state
         gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(state["state"], gathered, dst=0, group=self._process_groups()[2])
+        dist.gather_object(state["state"], gathered, dst=0, group=self._ranks.process_groups()[2])
         if not self.is_global_zero:
             return {}
         merged: dict[int, Any] = {}
-        for part in gathered:
+        for part in gathered or []:
             merged.update(part)
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
     def describe(self) -> str:
         """One line for logs: ranks, sharding and each rank's budgets."""
-        budgets = self.budgets
+        budgets = self.tiered.budgets
         where = "" if budgets is None else (
             f", per rank: GPU tier {format_bytes(budgets.gpu)}, host {format_bytes(budgets.host)}, NVMe {format_bytes(budgets.nvme)}"
         )
         return f"tiered_ddp: {self.world_size} ranks, optimizer states {'sharded' if self.shard_states else 'replicated'}{where}"
+
+
+class DataParallelRanks:
+    """What data parallelism changes in the tiered core (``strategy_core.Ranks``): the engine
+    runs even when everything fits (it reduces the gradients), each rank keeps the optimizer
+    states of the units it owns, decisions taken from measurements are rank 0's, and budgets are
+    per rank and the same on every rank. Reads the ranks from Lightning's DDP strategy."""
+
+    engine_when_all_fits = True
+
+    def __init__(self, strategy: DDPStrategy, options: TieredOptions, shard_states: bool) -> None:
+        self.strategy, self.options, self.shard_states = strategy, options, shard_states
+        self._groups: Optional[tuple[Any, Any, Any]] = None
+
+    def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        host, device, control = self.process_groups()
+        return DataParallel(
+            rank=self.strategy.global_rank,
+            world_size=self.strategy.world_size,
+            owners=self._owners(sizes),
+            host_group=host,
+            device_group=device,
+            control_group=control,
+            shard_states=self.shard_states,
+        )
+
+    def _owners(self, sizes: list[UnitSize]) -> tuple[int, ...]:
+        return tuple(assign_owners([u.trainable_bytes for u in sizes], self.strategy.world_size))
+
+    def units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
+        if not self.shard_states or self.options.policy.name == "none" or self.strategy.root_device.type == "cuda":
+            # every unit's states reserved: on CUDA every rank must place each unit in the same tier,
+            # since a unit in the GPU tier reduces on the NCCL group and one in host memory on gloo
+            return None
+        return {u.index for u, owner in zip(sizes, self._owners(sizes)) if owner == self.strategy.global_rank}
+
+    def process_groups(self) -> tuple[Any, Any, Any]:
+        """(host, device, control) groups, created once and in the same order on every rank: gloo
+        for tensors in host memory (CPU tensors work under NCCL too), the default group for the GPU tier."""
+        if self._groups is None:
+            host = dist.new_group(backend="gloo")
+            control = dist.new_group(backend="gloo")
+            device = dist.group.WORLD if self.strategy.root_device.type == "cuda" else host
+            self._groups = (host, device, control)
+        return self._groups
+
+    def same_on_every_rank(self, choice: Any) -> Any:
+        return self.strategy.broadcast(choice, src=0)
+
+    def gradient_reduction(self, trainer: "pl.Trainer", needs_all_gradients: bool) -> Optional[Reduction]:
+        if trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
+            return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
+        return Reduction.ALL if needs_all_gradients else Reduction.OWNER
+
+    def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
+        """Per rank, the same on every rank: what a rank sees free on its node is free for all the
+        node's ranks, so a tier given as "all that is free" or a fraction of it is split among
+        them (each rank has its own GPU); then every rank takes the smallest any rank got."""
+        local = max(self.strategy.num_processes, 1)
+        shared = [self.strategy.root_device.type != "cuda", True, True]
+        values = [
+            b // local if split and budget.bytes is None else b
+            for b, budget, split in zip((granted.gpu, granted.host, granted.nvme), requested, shared)
+        ]
+        if dist.is_available() and dist.is_initialized():
+            smallest = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.process_groups()[2])
+            values = [int(v) for v in smallest.tolist()]
+        return TierBudgets(gpu=values[0], host=values[1], nvme=values[2])

@@ -212,7 +212,7 @@ def test_the_default_policy_searches_placement_and_activations_together(tmp_path
     searched, plan = strategy.placement_search, strategy.activation_plan
     assert searched is not None and searched.activations is not None
     assert plan is not None and set(plan.layout) != {"keep"}, plan
-    assert strategy._gpu_parameter_bytes() + plan.peak_bytes <= budget
+    assert strategy.tiered.activations.gpu_parameter_bytes() + plan.peak_bytes <= budget
 
 
 def test_a_gpu_tier_smaller_than_a_checkpointed_block_is_refused_with_the_numbers(tmp_path):

@@ -208,7 +208,7 @@ def test_everything_fitting_computes_the_parameters_where_they_are(tmp_path):
 
 
 def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exactly(tmp_path, monkeypatch):
-    import offload_strategy.strategy as strategy_module
+    import offload_strategy.strategy_core as strategy_module
 
     class HostFills(L.Callback):
         """Host memory looks nearly full when training ends."""

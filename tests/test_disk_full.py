@@ -99,7 +99,7 @@ def test_a_checkpoint_that_meets_a_full_disk_keeps_the_previous_one(tmp_path):
 def _free_space_of(monkeypatch, path: Path, size: int) -> None:
     """Where no file system can be mounted: ``path`` reports ``size`` less what lies under it."""
     import offload_strategy.memory.nvme as nvme
-    import offload_strategy.strategy as strategy
+    import offload_strategy.strategy_core as strategy
 
     def free(_: object) -> int:
         used = sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())

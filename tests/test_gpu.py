@@ -41,7 +41,7 @@ def test_the_default_policy_on_a_gpu_searches_a_plan_and_matches_plain(tmp_path)
     strategy = TieredStrategy(gpu_memory=2 * total, host_memory="1GiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     assert strategy.activation_plan is not None
-    assert strategy._gpu_parameter_bytes() + strategy.activation_plan.peak_bytes <= 2 * total
+    assert strategy.tiered.activations.gpu_parameter_bytes() + strategy.activation_plan.peak_bytes <= 2 * total
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for name in plain_weights:
         torch.testing.assert_close(weights[name].cpu(), plain_weights[name].cpu(), rtol=1e-4, atol=1e-5)

@@ -29,7 +29,7 @@ class Dump(L.Callback):
 class Homes(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self.homes = [trainer.strategy.engine.placement.home[i] for i in range(len(trainer.strategy.engine.states))]
-        self.activations = list(trainer.strategy._activations.policies)
+        self.activations = list(trainer.strategy.tiered.activations.policies)
 
 
 def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):

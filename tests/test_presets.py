@@ -84,6 +84,12 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
         assert strategy.engine is None and "units/gpu" not in m
         return
     assert units > 0
+    _check_placement(name, m, seen, strategy, units)
+    _check_activation_plan(name, seen, strategy)
+
+
+def _check_placement(name, m, seen, strategy, units):
+    """Where each preset puts the units and when it updates them."""
     if name in ("lohan", "zero_offload", "l2l"):
         assert m["units/gpu"] == 0 and m["units/host"] == units, m  # every unit streamed from host memory
     if name == "zero_infinity":
@@ -104,9 +110,13 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
         assert m["units/direct_gradients"] == m["units/host"] + m["units/nvme"], m  # every offloaded gradient written at home
     if name in ("tencache", "zero_offload"):
         assert m["units/direct_gradients"] == 0, m
+
+
+def _check_activation_plan(name, seen, strategy):
+    """The activation layout each paper's preset chooses."""
     if name == "teraio":
         plan = strategy.activation_plan  # TeraIO's selection: offloads only, never recompute
-        assert plan is not None and "checkpoint" not in plan.layout and plan.peak_bytes <= strategy.budgets.gpu - strategy._gpu_parameter_bytes()
+        assert plan is not None and "checkpoint" not in plan.layout and plan.peak_bytes <= strategy.budgets.gpu - strategy.tiered.activations.gpu_parameter_bytes()
     if name == "lohan":
         # LoHan's Algorithm 1: each block swapped or recomputed, never kept (the budget is too
         # small to keep them all), and the swapped ones the highest in offloading benefit
@@ -114,7 +124,7 @@ def test_preset_trains_exactly_as_plain_training(name, plain, tmp_path):
         assert plan is not None and "keep" not in plan.layout, plan
         swapped = {j for j, p in enumerate(plan.layout) if p.startswith("swap")}
         assert swapped == set(offloading_order(strategy.activation_costs)[: len(swapped)])
-        assert plan.peak_bytes <= strategy.budgets.gpu - strategy._gpu_parameter_bytes()
+        assert plan.peak_bytes <= strategy.budgets.gpu - strategy.tiered.activations.gpu_parameter_bytes()
     if name == "protrain":
         plan = strategy.placement_search
         assert plan is not None and plan.activations is not None  # searched together with the activation layout

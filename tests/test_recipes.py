@@ -448,7 +448,7 @@ def test_a_read_failure_at_the_end_of_fit_is_raised(tmp_path):
 
 class CorruptSwapBeforeBackward(L.Callback):
     def on_before_backward(self, trainer, pl_module, loss):
-        store = trainer.strategy._swap_store
+        store = trainer.strategy.tiered.activations.swap_store
         damaged = 0
         for path in Path(store.path).glob("*.bin"):
             if path.stat().st_size:

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-import offload_strategy.strategy as strategy_module
+import offload_strategy.strategy_core as strategy_module
 from offload_strategy import TieredStrategy
 from offload_strategy.runtime.lending import Lending
 from offload_strategy.runtime.nvme_states import NvmeOptimizerStates

@@ -117,16 +117,15 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
 def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True) -> Any:
     """The step model's machine for a hardware spec (an NVMe tier without known bandwidths is
     priced at a typical drive's, and says so)."""
-    from offload_strategy.planning.cost_model import UNKNOWN_DISK, Machine
+    from dataclasses import replace
 
-    gbps = lambda v: (v or 0.0) * 1e9  # noqa: E731
-    nvme_read, nvme_write = gbps(hardware.nvme_read_gbps), gbps(hardware.nvme_write_gbps)
-    if nvme and not (nvme_read and nvme_write):
+    from offload_strategy.planning.cost_model import UNKNOWN_DISK, machine_from_spec
+
+    if nvme and not (hardware.nvme_read_gbps and hardware.nvme_write_gbps):
         print(f"hardware {hardware.name!r} gives no NVMe bandwidth: NVMe priced at {UNKNOWN_DISK / 1e9:g} GB/s each way "
               f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
-        nvme_read, nvme_write = nvme_read or UNKNOWN_DISK, nvme_write or UNKNOWN_DISK
-    return Machine(h2d=gbps(hardware.h2d_gbps), d2h=gbps(hardware.d2h_gbps), nvme_read=nvme_read, nvme_write=nvme_write,
-                   world_size=ranks, network=gbps(hardware.h2d_gbps) if network is None else network, shard_states=shard_states)
+    machine = machine_from_spec(hardware, nvme=bool(nvme))
+    return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states)
 
 
 def unit_costs(model: Model, owners: list[int]) -> dict:
@@ -196,9 +195,7 @@ def parameter_links(machine: Any, streamed: int) -> Any:
     """The links activation swaps use, with ``streamed`` parameter bytes crossing host -> GPU in each pass."""
     from offload_strategy.planning.activations import Links
 
-    seconds = streamed / machine.h2d
-    return Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read,
-                 parameter_forward_seconds=seconds, parameter_backward_seconds=seconds)
+    return Links.beside(machine, streamed)
 
 
 def homes_of(placement: Any) -> str:
@@ -370,6 +367,24 @@ def plot(path: Path, title: str, budgets: list[int], rows: list[list[Row]], toke
     tmp.replace(path)  # never a half-written figure
 
 
+def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme: int, owned: Any, owners: list[int]) -> list[list[Any]]:
+    """Every policy at every GPU budget, printed as a table; the rows, one list per budget."""
+    print("| gpu_memory | policy | units gpu/host/nvme | blocks keep/ckpt/swap | GPU tier: parameters + activations | host | NVMe | streaming buffers | step (s) | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    all_rows = []
+    for gpu in budgets:
+        rows = compare_policies(model, machine, gpu, host, nvme, owned, owners)
+        all_rows.append(rows)
+        for r in rows:
+            if r.homes == "-":
+                print(f"| {fmt(gpu)} | {r.policy} | {r.note} ||||||||")
+                continue
+            tokens = f"{model.tokens / r.seconds:,.0f}" if r.fits else f"- ({r.note})"
+            print(f"| {fmt(gpu)} | {r.policy} | {r.homes} | {r.layout} | {fmt(r.gpu_parameters)} + {fmt(r.gpu_activations)} | {fmt(r.host)} | "
+                  f"{fmt(r.nvme)} | {r.buffers} | {r.seconds:.2f} | {tokens} |")
+    return all_rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-memory", nargs="*", default=None, help="GPU-tier budgets to compare (default: 25%%, 50%% and 90%% of the GPU)")
@@ -417,19 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x)\n")
     print(f"host {fmt(host)}, NVMe {fmt(nvme)}\n")
-    print("| gpu_memory | policy | units gpu/host/nvme | blocks keep/ckpt/swap | GPU tier: parameters + activations | host | NVMe | streaming buffers | step (s) | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    all_rows = []
-    for gpu in budgets:
-        rows = compare_policies(model, machine, gpu, host, nvme, owned, owners)
-        all_rows.append(rows)
-        for r in rows:
-            if r.homes == "-":
-                print(f"| {fmt(gpu)} | {r.policy} | {r.note} ||||||||")
-                continue
-            tokens = f"{model.tokens / r.seconds:,.0f}" if r.fits else f"- ({r.note})"
-            print(f"| {fmt(gpu)} | {r.policy} | {r.homes} | {r.layout} | {fmt(r.gpu_parameters)} + {fmt(r.gpu_activations)} | {fmt(r.host)} | "
-                  f"{fmt(r.nvme)} | {r.buffers} | {r.seconds:.2f} | {tokens} |")
+    all_rows = policy_table(model, machine, budgets, host, nvme, owned, owners)
     depth, parameters = largest_depth(model, max(budgets), host, nvme)
     if depth:
         print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import BlockPolicy
-from .cost_model import move_seconds
+from .cost_model import Bandwidth, move_seconds
 
 KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT, BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
 
@@ -37,15 +37,20 @@ class BlockCost:
 
 
 @dataclass(frozen=True)
-class Links:
-    """Bandwidths in bytes/s (0: that path does not exist) and the parameter traffic already planned."""
+class Links(Bandwidth):
+    """The links activation swaps use, and the parameter traffic already planned on them."""
 
-    d2h: float
-    h2d: float
-    nvme_write: float = 0.0
-    nvme_read: float = 0.0
     parameter_forward_seconds: float = 0.0  # host -> GPU tier parameter copies in forward
     parameter_backward_seconds: float = 0.0
+
+    @classmethod
+    def beside(cls, links: Bandwidth, streamed_bytes: int = 0) -> "Links":
+        """``links`` with ``streamed_bytes`` of parameters crossing host -> GPU tier in forward and again in backward."""
+        seconds = streamed_bytes / links.h2d if streamed_bytes else 0.0
+        return cls(
+            h2d=links.h2d, d2h=links.d2h, nvme_read=links.nvme_read, nvme_write=links.nvme_write,
+            parameter_forward_seconds=seconds, parameter_backward_seconds=seconds,
+        )
 
 
 @dataclass(frozen=True)

@@ -69,20 +69,14 @@ def plan_auto(
     checkpointed block's recompute needs resident together; ``owned``: with sharded states, the
     units whose states this rank keeps.
     """
-    stride = max(1, len(order) // SEARCH_POINTS)
-
-    def parameters(budget: int, recompute: bool = False) -> PlacementCandidate:
-        together = [*co_resident, *block_units] if recompute else co_resident
-        return search_persistent(
-            sizes, together, order, unit_costs, machine, gpu_bytes=budget, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
-            state_factor=state_factor, stride=stride if blocks else 1, owned=owned,
-        )[0]
+    stride = max(1, len(order) // SEARCH_POINTS) if blocks else 1
+    parameters = _ParameterSearch(sizes, co_resident, block_units, order, unit_costs, machine, host_bytes, nvme_bytes, state_factor, stride, owned)
 
     if not blocks:
         only = parameters(gpu_bytes)
         return AutoPlan(only, None, only.prediction.seconds)
     if links is None:
-        links = Links(d2h=machine.d2h, h2d=machine.h2d, nvme_write=machine.nvme_write, nvme_read=machine.nvme_read)
+        links = Links.beside(machine)
     keep_seconds = step_seconds(blocks, [KEEP] * len(blocks), links)
     front = layout_frontier(blocks, links, activation_host_bytes)
     smallest_parameters = minimum_gpu_bytes(sizes, co_resident)
@@ -107,14 +101,44 @@ def plan_auto(
         if best is None or total < best.seconds - 1e-12:
             best = AutoPlan(candidate, layout, total)
     if best is None:
-        # each layout with the parameters' smallest working set beside it (a whole block's units when it recomputes)
-        need = min((layout.peak_bytes + (smallest_with_blocks if CHECKPOINT in layout.layout else smallest_parameters), layout) for layout in front)
-        raise PlacementError(
-            f"gpu_memory={gpu_bytes:,} bytes cannot hold the activations of any layout beside the parameters' smallest working set: "
-            f"the least is {need[0]:,} bytes ({need[1].peak_bytes:,} for the activations laid out {describe_layout(need[1].layout)}, "
-            f"the rest for the parameters); raise gpu_memory to at least that, or lower the batch size or sequence length."
-        )
+        raise _no_layout_fits(front, gpu_bytes, smallest_parameters, smallest_with_blocks)
     return best
+
+
+def _no_layout_fits(front: Sequence[ActivationPlan], gpu_bytes: int, smallest_parameters: int, smallest_with_blocks: int) -> PlacementError:
+    """Each layout with the parameters' smallest working set beside it (a whole block's units when
+    it recomputes): the least of them is the GPU tier to ask for."""
+    need = min((layout.peak_bytes + (smallest_with_blocks if CHECKPOINT in layout.layout else smallest_parameters), layout) for layout in front)
+    return PlacementError(
+        f"gpu_memory={gpu_bytes:,} bytes cannot hold the activations of any layout beside the parameters' smallest working set: "
+        f"the least is {need[0]:,} bytes ({need[1].peak_bytes:,} for the activations laid out {describe_layout(need[1].layout)}, "
+        f"the rest for the parameters); raise gpu_memory to at least that, or lower the batch size or sequence length."
+    )
+
+
+@dataclass(frozen=True)
+class _ParameterSearch:
+    """ProTrain's search of the parameters' placement within ``budget`` bytes of the GPU tier;
+    with ``recompute``, a checkpointed block's units must also fit resident together."""
+
+    sizes: Sequence[UnitSize]
+    co_resident: Sequence[Sequence[int]]
+    block_units: Sequence[Sequence[int]]
+    order: Sequence[int]
+    unit_costs: Mapping[int, UnitCost]
+    machine: Machine
+    host_bytes: int
+    nvme_bytes: int
+    state_factor: float
+    stride: int
+    owned: Optional[Collection[int]]
+
+    def __call__(self, budget: int, recompute: bool = False) -> PlacementCandidate:
+        together = [*self.co_resident, *self.block_units] if recompute else self.co_resident
+        return search_persistent(
+            self.sizes, together, self.order, self.unit_costs, self.machine, gpu_bytes=budget, host_bytes=self.host_bytes,
+            nvme_bytes=self.nvme_bytes, state_factor=self.state_factor, stride=self.stride, owned=self.owned,
+        )[0]
 
 
 def describe_layout(layout: Sequence[str]) -> str:

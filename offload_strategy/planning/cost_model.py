@@ -52,13 +52,22 @@ class UnitCost:
 
 
 @dataclass(frozen=True)
-class Machine:
-    """Bandwidths in bytes/s."""
+class Bandwidth:
+    """The links a step moves bytes over, in bytes/s (0: that path does not exist). The one
+    bandwidth type the planning models price with, made from a hardware spec by
+    :func:`machine_from_spec`; each model extends it with what it adds (``Machine``: the ranks;
+    ``activations.Links``: the parameter traffic already planned)."""
 
     h2d: float
     d2h: float
     nvme_read: float = 0.0
     nvme_write: float = 0.0
+
+
+@dataclass(frozen=True)
+class Machine(Bandwidth):
+    """The links, and the data-parallel ranks sharing the step."""
+
     world_size: int = 1  # data-parallel ranks
     network: float = 0.0  # bytes/s each rank moves in collectives
     shard_states: bool = True  # each unit updated by its owner only
@@ -158,78 +167,107 @@ def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, in
     """Predict one training step. ``buffers``: the streaming buffers in the GPU tier, a count (any
     unit fits any buffer) or the placement's size classes (slot bytes -> count), where a unit
     streams through the smallest class that holds it, as the runtime's prefetches do."""
-    offloaded = [i for i, u in enumerate(units) if u.home != GPU]
-    classes, class_of = _buffer_classes(units, offloaded, buffers)
-    compute = h2d = d2h = nvme = worker = net = gpu_ready = 0.0
-    ranks = machine.world_size
-    sharded = ranks > 1 and machine.shard_states
-    reduce_share = (ranks - 1) / ranks * (1 if sharded else 2)  # reduce to the owner / all-reduce
-    moved = 0
-    free = {size: [0.0] * n for size, n in classes.items()}  # when each buffer of each class frees
+    step = _Step(units, buffers, machine)
+    forward_end = step.forward()
+    backward_end = step.backward()
+    end = step.finish(backward_end)
+    compute_alone = sum(u.forward_seconds + u.backward_seconds for u in units)
+    return StepPrediction(end, forward_end, backward_end - forward_end, compute_alone, end - backward_end, step.moved)
 
-    def fetch(i: int) -> float:
+
+class _Step:
+    """The clocks of one simulated step: when each stream (compute, host -> GPU, GPU -> host, NVMe,
+    the update worker, the network) is next free, and when each streaming buffer frees."""
+
+    def __init__(self, units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine) -> None:
+        self.units, self.machine = units, machine
+        self.offloaded = [i for i, u in enumerate(units) if u.home != GPU]
+        self.classes, self.class_of = _buffer_classes(units, self.offloaded, buffers)
+        self.compute = self.h2d = self.d2h = self.nvme = self.worker = self.net = 0.0
+        ranks = machine.world_size
+        self.sharded = ranks > 1 and machine.shard_states
+        self.reduce_share = (ranks - 1) / ranks * (1 if self.sharded else 2)  # reduce to the owner / all-reduce
+        self.moved = 0
+        self.free = {size: [0.0] * n for size, n in self.classes.items()}  # when each buffer of each class frees
+
+    def fetch(self, i: int) -> float:
         """Issue the copy of unit ``i`` into the next free buffer of its class; when it is in."""
-        nonlocal h2d, nvme, moved
-        u = units[i]
-        slot = heapq.heappop(free[class_of[i]])
+        u = self.units[i]
+        slot = heapq.heappop(self.free[self.class_of[i]])
         start = slot
         if u.home == NVME:
-            nvme = max(nvme, slot) + move_seconds(u.nbytes, machine.nvme_read)
-            start = nvme
-        h2d = max(h2d, start) + move_seconds(u.nbytes, machine.h2d)
-        moved += u.nbytes
-        return h2d
+            self.nvme = max(self.nvme, slot) + move_seconds(u.nbytes, self.machine.nvme_read)
+            start = self.nvme
+        self.h2d = max(self.h2d, start) + move_seconds(u.nbytes, self.machine.h2d)
+        self.moved += u.nbytes
+        return self.h2d
 
-    # forward
-    for i, u in enumerate(units):
-        ready = fetch(i) if u.home != GPU else 0.0
-        compute = max(compute, ready) + u.forward_seconds
-        if u.home != GPU:
-            heapq.heappush(free[class_of[i]], compute)
-    forward_end = compute
+    def forward(self) -> float:
+        for i, u in enumerate(self.units):
+            ready = self.fetch(i) if u.home != GPU else 0.0
+            self.compute = max(self.compute, ready) + u.forward_seconds
+            if u.home != GPU:
+                heapq.heappush(self.free[self.class_of[i]], self.compute)
+        return self.compute
 
-    # backward: the last offloaded units of each class, as many as it has buffers, are still
-    # resident; their buffers stay taken until their backward
-    resident: set[int] = set()
-    for size, n in classes.items():
-        mine = [i for i in offloaded if class_of[i] == size]
-        resident.update(mine[len(mine) - n :] if n else ())
-        free[size] = sorted(free[size])[min(n, len(mine)) :]
-        heapq.heapify(free[size])
-    gpu_updates = 0.0
-    for i in reversed(range(len(units))):
-        u = units[i]
-        ready = 0.0
-        if u.home != GPU and i not in resident:
-            ready = fetch(i)
-        compute = max(compute, ready) + u.backward_seconds
-        reduced = compute
-        if ranks > 1 and u.gradient_bytes:
-            net = max(net, compute) + move_seconds(u.gradient_bytes * reduce_share, machine.network)
-            reduced = net
-        owned = u.owned or not sharded
-        if u.home == GPU:
-            gpu_ready = max(gpu_ready, reduced)
-            gpu_updates += u.update_seconds if owned else 0.0
-            continue
-        heapq.heappush(free[class_of[i]], compute)
-        d2h = max(d2h, reduced) + (0.0 if u.direct_gradient else move_seconds(u.gradient_bytes, machine.d2h))
-        if not owned:
-            continue
-        start = max(worker, d2h)
-        if u.home == NVME:  # read as the gradient lands, while the worker finishes the unit before
-            nvme = max(nvme, d2h) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_read)
-            start = max(worker, nvme)
-        worker = start + u.update_seconds
-        if u.home == NVME:  # written behind: the worker goes on
-            nvme = max(nvme, worker) + move_seconds(u.state_bytes + u.nbytes, machine.nvme_write)
-    backward_end = max(compute, gpu_ready)
-    end = max(backward_end + gpu_updates, worker, nvme)
-    if sharded:  # the owners' updated parameters to every rank, then the others' NVMe units written
+    def _still_resident(self) -> set[int]:
+        """The last offloaded units of each class, as many as it has buffers, are still resident
+        after forward; their buffers stay taken until their backward."""
+        resident: set[int] = set()
+        for size, n in self.classes.items():
+            mine = [i for i in self.offloaded if self.class_of[i] == size]
+            resident.update(mine[len(mine) - n :] if n else ())
+            self.free[size] = sorted(self.free[size])[min(n, len(mine)) :]
+            heapq.heapify(self.free[size])
+        return resident
+
+    def backward(self) -> float:
+        resident = self._still_resident()
+        gpu_ready = gpu_updates = 0.0
+        for i in reversed(range(len(self.units))):
+            u = self.units[i]
+            ready = self.fetch(i) if u.home != GPU and i not in resident else 0.0
+            self.compute = max(self.compute, ready) + u.backward_seconds
+            reduced = self._reduce(u)
+            owned = u.owned or not self.sharded
+            if u.home == GPU:
+                gpu_ready = max(gpu_ready, reduced)
+                gpu_updates += u.update_seconds if owned else 0.0
+                continue
+            heapq.heappush(self.free[self.class_of[i]], self.compute)
+            self.d2h = max(self.d2h, reduced) + (0.0 if u.direct_gradient else move_seconds(u.gradient_bytes, self.machine.d2h))
+            if owned:
+                self._update_offloaded(u)
+        self.gpu_updates = gpu_updates
+        return max(self.compute, gpu_ready)
+
+    def _reduce(self, u: UnitCost) -> float:
+        """When the unit's gradients are reduced across ranks (at once on one rank)."""
+        if self.machine.world_size > 1 and u.gradient_bytes:
+            self.net = max(self.net, self.compute) + move_seconds(u.gradient_bytes * self.reduce_share, self.machine.network)
+            return self.net
+        return self.compute
+
+    def _update_offloaded(self, u: UnitCost) -> None:
+        """The worker's update once the gradient is home; an NVMe unit's states read as the
+        gradient lands, while the worker finishes the unit before, and written behind."""
+        start = max(self.worker, self.d2h)
+        if u.home == NVME:
+            self.nvme = max(self.nvme, self.d2h) + move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_read)
+            start = max(self.worker, self.nvme)
+        self.worker = start + u.update_seconds
+        if u.home == NVME:
+            self.nvme = max(self.nvme, self.worker) + move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_write)
+
+    def finish(self, backward_end: float) -> float:
+        """The step's end: updates in the GPU tier after backward, the worker, NVMe; under sharded
+        data parallelism the owners' updated parameters to every rank, then the others' NVMe units written."""
+        end = max(backward_end + self.gpu_updates, self.worker, self.nvme)
+        if not self.sharded:
+            return end
+        units, ranks = self.units, self.machine.world_size
         trainable = sum(u.nbytes for u in units if u.gradient_bytes)
-        net = max(net, end) + move_seconds(trainable * (ranks - 1) / ranks, machine.network)
+        self.net = max(self.net, end) + move_seconds(trainable * (ranks - 1) / ranks, self.machine.network)
         others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
-        nvme = max(nvme, net) + move_seconds(others_on_nvme, machine.nvme_write)
-        end = max(end, net, nvme)
-    compute_alone = sum(u.forward_seconds + u.backward_seconds for u in units)
-    return StepPrediction(end, forward_end, backward_end - forward_end, compute_alone, end - backward_end, moved)
+        self.nvme = max(self.nvme, self.net) + move_seconds(others_on_nvme, self.machine.nvme_write)
+        return max(end, self.net, self.nvme)

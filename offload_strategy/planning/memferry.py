@@ -74,19 +74,29 @@ def forward_modes(
             base = t_all + trans[k] + fp[k] - t_res  # wait for what the reserve does not hide
             reserve = t_res
             if tag != -1:
-                for i in range(tag, k):
-                    if modes[i] != GFGB:
-                        continue
-                    gain = trans[i] + dha[i] - fp[i]
-                    candidate = max(trans[k] - reserve - gain, 0.0) + t_all + (dha[i] - fp[i] + fp[k])
-                    if candidate < base:
-                        modes[i], tag = DHA, i + 1
-                        base, reserve = candidate, reserve + gain
-                        if reserve >= trans[k]:
-                            break
+                base, reserve, tag = _backtrack(modes, tag, k, trans, fp, dha, t_all, base, reserve)
             t_all, t_res = base, max(reserve - trans[k], 0.0) + fp[k]
         t_all, t_res = t_all + between[k], t_res + between[k]
     return modes, t_all
+
+
+def _backtrack(
+    modes: list[str], tag: int, k: int, trans: list[float], fp: list[float], dha: list[float], t_all: float, base: float, reserve: float
+) -> tuple[float, float, int]:
+    """Alg. 1's backtracking for unit ``k``, whose copy the reserve cannot hide: earlier GFGB units
+    (from ``tag``) turned DHA while that shortens the forward, their copies' time added to the
+    reserve; the new (forward time, reserve, tag)."""
+    for i in range(tag, k):
+        if modes[i] != GFGB:
+            continue
+        gain = trans[i] + dha[i] - fp[i]
+        candidate = max(trans[k] - reserve - gain, 0.0) + t_all + (dha[i] - fp[i] + fp[k])
+        if candidate < base:
+            modes[i], tag = DHA, i + 1
+            base, reserve = candidate, reserve + gain
+            if reserve >= trans[k]:
+                break
+    return base, reserve, tag
 
 
 DFGB = "dfgb"

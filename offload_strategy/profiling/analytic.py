@@ -144,56 +144,65 @@ def analytic_blocks(
         raise ValueError(f"hardware {hardware.name!r} gives no {dtype} peak FLOP/s; set gpu_{dtype}_tflops to model it.")
     if not blocks:
         return []
-    parameters = {id(p) for p in model.parameters()}
-    saved = [0] * len(blocks)
-    inputs = [0] * len(blocks)
-    flops = [0] * len(blocks)
-    current: list[int] = []  # the block running now (innermost last)
-    counter = FlopCounterMode(display=False)
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        is_parameter = id(t) in parameters or (t._base is not None and id(t._base) in parameters)
-        if current and not is_parameter:
-            saved[current[-1]] += nbytes(t)
-        return t
-
-    def pre(index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            inputs[index] = nbytes(first) if first is not None else 0
-            flops[index] -= counter.get_total_flops()
-            current.append(index)
-        return hook
-
-    def post(index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            flops[index] += counter.get_total_flops()
-            current.pop()
-        return hook
-
-    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if current:
-            # QK^T and PV: 2 FLOPs per multiply-add, over every query row and key
-            flops[current[-1]] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
-        return _FusedAttention.apply(query, key, value)
-
+    meter = _BlockMeter(model, len(blocks))
     handles = []
     for index, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(pre(index), with_kwargs=True))
-        handles.append(block.register_forward_hook(post(index), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(meter.pre(index), with_kwargs=True))
+        handles.append(block.register_forward_hook(meter.post(index), with_kwargs=True))
     reference = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = attention
+    torch.nn.functional.scaled_dot_product_attention = meter.attention
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), meter.counter:
             forward()
     finally:
         torch.nn.functional.scaled_dot_product_attention = reference
         for handle in handles:
             handle.remove()
-    return [BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=f / (peak * efficiency)) for s, i, f in zip(saved, inputs, flops)]
+    return [
+        BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=f / (peak * efficiency))
+        for s, i, f in zip(meter.saved, meter.inputs, meter.flops)
+    ]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _BlockMeter:
+    """What each block saves for backward (parameters aside), its input's bytes and its FLOPs,
+    from hooks around the blocks and saved-tensor hooks over the forward."""
+
+    def __init__(self, model: nn.Module, count: int) -> None:
+        self.parameters = {id(p) for p in model.parameters()}
+        self.saved, self.inputs, self.flops = [0] * count, [0] * count, [0] * count
+        self.current: list[int] = []  # the block running now (innermost last)
+        self.counter = FlopCounterMode(display=False)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        is_parameter = id(t) in self.parameters or (t._base is not None and id(t._base) in self.parameters)
+        if self.current and not is_parameter:
+            self.saved[self.current[-1]] += _nbytes(t)
+        return t
+
+    def pre(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            self.inputs[index] = _nbytes(first) if first is not None else 0
+            self.flops[index] -= self.counter.get_total_flops()
+            self.current.append(index)
+        return hook
+
+    def post(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.flops[index] += self.counter.get_total_flops()
+            self.current.pop()
+        return hook
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.current:
+            # QK^T and PV: 2 FLOPs per multiply-add, over every query row and key
+            self.flops[self.current[-1]] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+        return _FusedAttention.apply(query, key, value)
 
 
 class _FusedAttention(torch.autograd.Function):

@@ -89,7 +89,7 @@ class ActivationPolicies:
             where = f"of class {block_class!r}" if block_class else "(no ModuleList or Sequential of modules of one class)"
             raise ValueError(f"policy.activations={policy!r} needs repeated blocks, but the model has none {where}; name them with policy.block_class.")
         self.auto = isinstance(policy, str) and policy in PLANNERS and bool(self.blocks)
-        self.planner = policy if self.auto else None  # which search lays the blocks out
+        self.planner: Optional[str] = policy if self.auto and isinstance(policy, str) else None  # which search lays the blocks out
         self.swap: Optional[ActivationSwap] = None  # attached by the strategy when some block swaps
         self.param_storages: set[int] = set()  # storages parameters live in this step: never swapped, never counted
         # the saved-tensor hooks that block hooks stand in for (the engine's), or None

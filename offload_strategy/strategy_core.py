@@ -1,0 +1,889 @@
+"""``TieredCore``: what every tiered strategy does, as one object the Lightning strategy holds
+(``TieredStrategy``, ``TieredDDPStrategy``) and delegates its hooks to, instead of a mixin.
+
+It validates what the user asked for, resolves the memory budgets of each tier against what is
+free, asks the planner for each plan and hands it to the engine, runs the training step's protocol
+around the engine, writes checkpoints with true values and exposes the metrics the engine reports.
+What data parallelism changes is a :class:`Ranks` collaborator (``OneProcess`` here,
+``strategy_ddp.DataParallelRanks`` there). The core holds no placement logic: the planner decides,
+the runtime engine carries it out. Until the engine is attached every tensor stays on the root
+device, which trains exactly as Lightning's single-device strategy does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+
+import torch
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
+from .deferred import DeferredParameters
+from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
+from .hardware.device import make_device
+from .planning.auto import AutoPlan
+from .planning.cost_model import StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
+from .planning.memferry import gradient_offload_plan
+from .planning.placement import GPU, NVME, Placement, PlacementError, UnitSize
+from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
+from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
+from .profiling import StepProfile
+from .runtime.activations import find_blocks
+from .runtime.data_parallel import DataParallel, Reduction
+from .runtime.engine import TieredEngine
+from .runtime.optimizer import compact
+from .runtime.units import build_units, master_dtype, merge_into_chunks
+from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
+from .strategy_activations import ActivationControl
+from .strategy_context import LightningState, TieredContext, TieredOptions
+from .strategy_recipe import Recipe
+from .strategy_step import tiered_optimizer_step
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Precision plugins whose semantics the tiered runtime reproduces: 32-true, 64-true,
+# 16/bf16-mixed and 16/bf16-true. Others (bitsandbytes, Transformer Engine, ...) change the module
+# or the step in ways the runtime would silently undo.
+_SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+
+# Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
+_STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
+
+
+class MemoryBudgetError(ValueError):
+    """A tier budget asks for more than the tier has free."""
+
+
+def check_precision(plugin: Optional[Precision]) -> Optional[Precision]:
+    """The precision plugin, if the tiered runtime reproduces its semantics."""
+    if plugin is not None and type(plugin) not in _SUPPORTED_PRECISION:
+        raise ValueError(
+            f"strategy='tiered' does not support the precision plugin {type(plugin).__name__}; "
+            f"use precision='32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
+        )
+    return plugin
+
+
+def nvme_reserve(free: int) -> int:
+    """Disk space an NVMe budget of "all that is free" (or a fraction of it) leaves unused."""
+    # a file system spends a few blocks per file beyond its bytes: 1 MiB, or 0.1% of a large disk,
+    # never more than an eighth of a small one
+    return min(free // 8, max(1024**2, free // 1000))
+
+
+def master_dtype_size(p: torch.Tensor, fp32_masters: bool) -> int:
+    """Bytes per element of a parameter's gradient, master and states."""
+    return torch.empty((), dtype=master_dtype(p, fp32_masters)).element_size()
+
+
+def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
+    """Bytes of optimizer state per trainable parameter byte (2 for Adam, unknown ones count 2)."""
+    return max((_STATE_FACTORS.get(type(o).__name__, 2.0) for o in optimizers), default=0.0)
+
+
+class Ranks(Protocol):
+    """What data parallelism changes in the core (``OneProcess``: nothing)."""
+
+    engine_when_all_fits: bool  # the engine runs even when every unit fits in the GPU tier
+
+    def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        """The ranks the engine reduces gradients across; None on one device."""
+
+    def units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
+        """The units whose optimizer states this process keeps; None: all of them."""
+
+    def same_on_every_rank(self, choice: Any) -> Any:
+        """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
+
+    def gradient_reduction(self, trainer: "pl.Trainer", needs_all_gradients: bool) -> Optional[Reduction]:
+        """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
+
+    def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
+        """Each process's budgets from what the tiers have free."""
+
+
+class OneProcess:
+    """One device, one process: nothing is reduced or shared."""
+
+    engine_when_all_fits = False
+
+    def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        return None
+
+    def units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
+        return None
+
+    def same_on_every_rank(self, choice: Any) -> Any:
+        return choice
+
+    def gradient_reduction(self, trainer: "pl.Trainer", needs_all_gradients: bool) -> Optional[Reduction]:
+        return None
+
+    def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
+        return granted
+
+
+class TieredCore:
+    """The tiered logic a Lightning strategy delegates to: budgets, planning, the engine's
+    lifecycle, the training step, the optimizer step and checkpoints gathered from every tier."""
+
+    def __init__(self, options: TieredOptions, lightning: LightningState, ranks: Ranks) -> None:
+        self.options = options
+        self.ranks = ranks
+        self.context = TieredContext(options, lightning, hardware=options.hardware if isinstance(options.hardware, HardwareSpec) else None)
+        self.activations = ActivationControl(self.context)
+        self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
+        self._plan: Optional[PlanFile] = None
+        self._optimizer_stepped = False
+        self._said_updates_wait = False  # the run has been told once that updates wait for backward's end
+        self._profiled = False
+        self._final_engine_metrics: Optional[dict[str, float]] = None
+        self._created_directories: list[Path] = []
+        # parameters of models built under this strategy, recorded instead of held (deferred.py)
+        self.deferred = DeferredParameters()
+        self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
+        self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
+
+    # -- what the strategy exposes ------------------------------------------------------------------
+
+    @property
+    def lightning(self) -> LightningState:
+        return self.context.lightning
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return self.options.policy
+
+    @property
+    def hardware(self) -> Optional[HardwareSpec]:
+        return self.context.hardware
+
+    @property
+    def budgets(self) -> Optional[TierBudgets]:
+        return self.context.budgets
+
+    @property
+    def planner(self) -> Optional[Planner]:
+        return self.context.planner
+
+    @property
+    def engine(self) -> Optional[TieredEngine]:
+        return self.context.engine
+
+    @property
+    def placement_search(self) -> Optional[AutoPlan]:
+        """What ``placement="search"`` chose, with its prediction (None before or without it)."""
+        return self.planner.search_result if self.planner is not None else None
+
+    def _recipe(self, trainer: "pl.Trainer") -> Recipe:
+        lightning = self.lightning
+        return Recipe(trainer, lightning.precision_plugin, self.policy, lightning.world_size, len(lightning.optimizers))
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def places_parameters_itself(self) -> bool:
+        """On a GPU, parameters are created in host memory and placed by the engine, so that a model
+        larger than the GPU never has to fit there whole."""
+        return self.policy.name != "none" and self.lightning.root_device.type == "cuda"
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, plain: Callable[[], contextlib.AbstractContextManager[None]], empty_init: Optional[bool]) -> Iterator[None]:
+        """Models built here (``configure_model``, ``trainer.init_module()``) take no memory for
+        their parameters: each is computed in its home once placed, to the bit what plain
+        construction gives (deferred.py)."""
+        building = self.deferred.recording() if self.policy.name != "none" else contextlib.nullcontext()
+        if not self.places_parameters_itself():
+            with building, plain():
+                yield
+            return
+        with building, _EmptyInit(enabled=bool(empty_init)), self.lightning.precision_plugin.tensor_init_context():
+            yield
+
+    def model_to_device(self, plain: Callable[[], None]) -> None:
+        model = self.lightning.model
+        assert model is not None
+        if not self.places_parameters_itself() and not len(self.deferred):
+            return plain()
+        # buffers now; parameters once the engine has placed them (or computed where they run: on a
+        # host root, the others are there already)
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(self.lightning.root_device)
+
+    def setup(self, trainer: "pl.Trainer", plain: Callable[["pl.Trainer"], None]) -> None:
+        context = self.context
+        if context.hardware is None:
+            context.hardware = resolve_hardware(self.options.hardware)
+        context.budgets = self.resolve_budgets()
+        root = self.lightning.root_device
+        if root.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(root)
+        if self.lightning.lightning_module is not None:
+            self.deferred.adopt(self.lightning.lightning_module)
+        plain(trainer)
+        module = self.context.module
+        plan_file = self.options.plan_file
+        self._plan = load_plan(plan_file) if plan_file is not None else None
+        activations = self.policy.activations
+        if self._plan is not None and self._plan.activations is not None:
+            blocks = len(find_blocks(module, self.policy.block_class))
+            check_plan(self._plan, [u.name for u in self._plan.units], [u.nbytes for u in self._plan.units], blocks)  # blocks only, here
+            activations = self._plan.activations
+        self.activations.start(module, activations if activations is not None else "keep")
+        context.planner = Planner(self.policy, context.budgets, self.options.nvme_path is not None, self._plan, self._refuse_a_full_disk)
+        if self.policy.name != "none":
+            _refuse_lazy_parameters(module)
+            # every loop offloads: fit, and validate / test / predict on their own (forward only)
+            context.engine = self._build_engine(trainer)
+            _refuse_weight_averaging_on_nvme(trainer, context.engine)
+        self.deferred.materialize_all(root)  # nothing placed them (it all fits): computed where they run
+        if context.engine is None and self.places_parameters_itself():
+            module.to(root)
+        self.activations.use_saved_tensor_hooks()
+        self.activations.attach_swap_if_needed()
+
+    def _replace_engine(self, trainer: "pl.Trainer", gpu_bytes: int) -> None:
+        """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps."""
+        optimizers = self.lightning.optimizers
+        states = [optimizer.state_dict() for optimizer in optimizers]  # standard, exact: they move through these
+        self._close_engine()
+        self.context.engine = self._build_engine(trainer, gpu_bytes=gpu_bytes)
+        if self.context.engine is None:
+            raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+        self.activations.use_saved_tensor_hooks()
+        self.activations.reattach_swap()  # it copied through the old engine's device, now closed
+
+    def _model_units(self, trainer: "pl.Trainer", units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
+        """What the planner knows of the model's units: sizes (no gradients or states without
+        training), the units used together, the blocks' units, and the recipe's gradient rules."""
+        # Under *-true precisions gradients and states are in fp32 beside an fp32 master of each
+        # parameter, and each 16-bit gradient lands in a buffer of half a master's size before widening.
+        sizes = [
+            UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if trainer.training else 0)
+            for u in units
+        ]
+        inside = [{id(m) for m in block.modules()} for block in self.activations.blocks]
+        recipe = self._recipe(trainer)
+        wait_on_nvme = recipe.gradients_wait_on_nvme()
+        return ModelUnits(
+            sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
+            block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
+            state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.5 if fp32_masters else 0.0),
+            owned=self.ranks.units_with_states_here(sizes),
+            gradients_until_update=trainer.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
+            spill_gradients=trainer.training and wait_on_nvme,
+        )
+
+    def _build_engine(self, trainer: "pl.Trainer", gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
+        """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
+        may use, all of it by default); None when everything fits in the GPU tier."""
+        budgets, planner, model = self.context.budgets, self.context.planner, self.context.module
+        assert budgets is not None and planner is not None
+        units, users = build_units(model)
+        if self.policy.chunk_size:
+            units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
+        fp32_masters = isinstance(self.lightning.precision_plugin, HalfPrecision)
+        planner.model = self._model_units(trainer, units, users, fp32_masters)
+        policies = self.activations.policies
+        together = planner.working_groups(policies) if trainer.training else list(planner.model.co_resident)  # no recompute without gradients
+        gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
+        placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
+        if not placement.offloaded and not self.ranks.engine_when_all_fits:
+            rank_zero_info(
+                f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
+                f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device."
+            )
+            return None
+        _refuse_compiled_modules(model)
+        return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters)
+
+    def _start_engine(self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool) -> TieredEngine:
+        budgets, planner, lightning = self.context.budgets, self.context.planner, self.lightning
+        assert budgets is not None and planner is not None and planner.model is not None
+        device = make_device(lightning.root_device, capacity=budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
+        nvme_path = self.options.nvme_path
+        try:
+            engine = TieredEngine(
+                self.context.module, units, users, placement, device, nvme_path=str(nvme_path) if nvme_path else None,
+                optimizers=lightning.optimizers, direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
+                checksums=self.policy.checksums, fp32_masters=fp32_masters, data_parallel=self.ranks.data_parallel(sizes),
+                prefetch=self.policy.prefetch, state_factor=planner.model.state_factor, initial_value=self.deferred.fill,
+            )
+        except BaseException:
+            device.close()
+            raise
+        self._profiled = False
+        self._share_optimizer_attributes()
+        rank_zero_info(self._describe_placement(engine))
+        self._say_when_updates_wait(self.context.module.trainer)
+        if engine.store is not None:
+            self.removed_stale_nvme = list(engine.store.removed_stale)
+        return engine
+
+    def _describe_placement(self, engine: TieredEngine) -> str:
+        """One line: units and bytes per tier, where gradients and optimizer states live, the blocks' activations."""
+        tiers: dict[str, list[int]] = {}
+        for state in engine.states:
+            count = tiers.setdefault(str(state.home), [0, 0])
+            count[0] += 1
+            count[1] += state.unit.nbytes
+        units = ", ".join(f"{tier} {n} ({format_bytes(nbytes)})" for tier, (n, nbytes) in tiers.items())
+        placement = engine.placement
+        if placement.gradient_slots:
+            gradients = f"NVMe units' through {sum(placement.gradient_slots.values())} host buffers" + (
+                ", waiting on NVMe for the step when they must" if placement.gradients_spilled else "")
+            gradients += ", the others' at home" if any(t != NVME for t in tiers if t != GPU) else ""
+        else:
+            gradients = "at each offloaded unit's home in host memory" if placement.offloaded else "in the GPU tier"
+        policies = self.activations.policies if self.activations.blocks else []
+        layout = " ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks"
+        return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
+                f"activations per block: {layout}")
+
+    def _say_when_updates_wait(self, trainer: "pl.Trainer") -> None:
+        """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""
+        recipe = self._recipe(trainer)
+        if self._said_updates_wait or not trainer.training or not recipe.needs_all_gradients():
+            return
+        self._said_updates_wait = True
+        why = "clipping by norm needs every gradient" if recipe.clips_by_norm() else "loss scaling or a hook before the step reads every gradient"
+        on_nvme = ("offloaded units are updated after backward, NVMe units' gradients waiting on NVMe meanwhile; the units read from "
+                   "disk are updated on the update worker's pipeline while the training thread updates the others")
+        where = on_nvme if recipe.gradients_wait_on_nvme() else "offloaded units are updated after backward, their gradients kept in host memory"
+        rank_zero_info(f"tiered: {why} before any update, so updates cannot overlap backward: {where}.")
+
+    def _share_optimizer_attributes(self) -> None:
+        """Lightning's wrappers find the optimizer's methods on its class before the instance:
+        the ``zero_grad`` the engine put in place (or took back) must reach ``self.optimizers()[k]``
+        too (``state`` and other instance attributes are looked up on the optimizer itself)."""
+        for wrapper in self.lightning._lightning_optimizers:
+            if "zero_grad" in wrapper.optimizer.__dict__:
+                wrapper.__dict__["zero_grad"] = wrapper.optimizer.zero_grad
+            else:
+                wrapper.__dict__.pop("zero_grad", None)
+
+    def _refuse_a_full_disk(self, error: PlacementError) -> None:
+        """NVMe fell short where its budget is what the disk has free: say the disk is full."""
+        nvme_path, nvme_memory = self.options.nvme_path, self.options.nvme_memory
+        if not error.nvme_needed or nvme_path is None or nvme_memory.bytes is not None:
+            return
+        if self.budgets is not None and self.budgets.nvme >= error.nvme_needed:
+            return
+        free = disk_free(str(nvme_path))
+        raise PlacementError(
+            f"{format_bytes(error.nvme_needed)} of parameters and optimizer states must go to NVMe, but the file system "
+            f"under nvme_path={str(nvme_path)!r} has only {format_bytes(free)} free (nvme_memory="
+            f"{'None' if nvme_memory.fraction is None else nvme_memory.fraction} grants what is free, less a reserve "
+            f"of {format_bytes(nvme_reserve(free))}): free space there, point nvme_path at a larger disk, or raise host_memory.",
+            nvme_needed=error.nvme_needed,
+        ) from None
+
+    def _search_placement(self, trainer: "pl.Trainer") -> None:
+        """``placement="search"``, after the profiled first step: the planner's search (jointly with
+        the activation layout under ``activations="auto"``); the fastest is put in place between
+        two steps (the optimizer states move through their state dicts, exactly)."""
+        engine, planner = self.engine, self.planner
+        assert engine is not None and planner is not None
+        timing = engine.last_timing or engine.profile
+        if not timing.order:  # first use in forward of every unit, resident ones included
+            timing = replace(timing, order=list(engine.profile.order))
+        activations = self.activations
+        joint = activations.joint_search
+        try:
+            plan, order = planner.search(
+                timing, [bool(s.unit.trainable) for s in engine.states], machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None),
+                # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
+                direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
+                blocks=activations.block_costs() if joint else (), links=activations.links() if joint else None,
+                activation_host_bytes=activations.host_left(),
+            )
+        except PlacementError as error:
+            # the search's smallest split is conservative; the first-use placement (and the
+            # activation planner's own fallback) may still fit
+            rank_zero_info(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
+            return
+        count = self.ranks.same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
+        rank_zero_info(
+            f"tiered: placement search keeps the first {count} units resident with {plan.parameters.buffers} streaming buffers, "
+            f"predicted {plan.seconds * 1e3:.1f} ms per step"
+        )
+        resident = planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
+        if resident is not None:
+            self._replace_engine(trainer, gpu_bytes=resident.gpu_bytes)
+
+    def _plan_activations(self, trainer: "pl.Trainer") -> None:
+        """``activations="auto"``, after the profiling step: the planner chooses every block's
+        policy and it is put in place. When no layout fits beside the parameters' share of the GPU
+        tier, the parameters are placed again in the share the planner names (the optimizer states
+        move through their standard state dicts, exactly) and the layout is chosen for what remains."""
+        activations = self.activations
+        costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
+        parameter_bytes = activations.choose_layout(costs)
+        if parameter_bytes is not None:
+            self._replace_engine(trainer, gpu_bytes=parameter_bytes)
+            activations.choose_layout_beside(costs)
+        activations.apply_layout()
+
+    # -- plans --------------------------------------------------------------------------------------
+
+    def dump_plan(self, path: Union[str, Path]) -> Path:
+        """Write what this run decided (every unit's home, every block's activation policy) as a
+        plan file that ``plan_file=`` runs again without planning. Call it after setup."""
+        module = self.lightning.lightning_module
+        if self.budgets is None or module is None:
+            raise RuntimeError("dump_plan needs a strategy that has been set up; call it from a callback (on_train_start or later).")
+        model = self.planner.model if self.planner is not None else None
+        if model is None:  # nothing was placed (policy 'none'): every unit in the GPU tier
+            units, _ = build_units(module)
+            names, nbytes, homes = [u.name for u in units], [u.nbytes for u in units], [GPU] * len(units)
+        else:
+            names, nbytes = model.names, [u.nbytes for u in model.sizes]
+            homes = [Tier(self.engine.placement.home[u.index]) if self.engine is not None else GPU for u in model.sizes]
+        prediction = self.predicted_step()
+        plan = PlanFile(
+            units=tuple(PlannedUnit(n, b, h, *self._explain_unit(i, h)) for i, (n, b, h) in enumerate(zip(names, nbytes, homes))),
+            activations=tuple(self.activations.policies) if self.activations.blocks else None,
+            budgets={"gpu": self.budgets.gpu, "host": self.budgets.host, "nvme": self.budgets.nvme},
+            prediction=None if prediction is None else prediction_record(prediction),
+        )
+        return save_plan(plan, path)
+
+    def _explain_unit(self, index: int, home: str) -> tuple[str, Optional[str], Optional[str]]:
+        """A unit's compute mode, where its gradient is produced and where its optimizer states live."""
+        engine = self.engine
+        if engine is not None:
+            trainable = bool(engine.states[index].unit.trainable)
+        else:
+            trainable = any(p.requires_grad for p in self.context.module.parameters())
+        if home == GPU:
+            mode, gradient = "resident", "gpu"
+        else:
+            assert engine is not None
+            mode = "in_place" if index in engine.placement.dha else "streamed"
+            gradient = "direct" if index in engine.direct_gradients else "copied"
+        return mode, gradient if trainable else None, home if trainable else None
+
+    def predicted_step(self, timing: Optional[StepProfile] = None) -> Optional[StepPrediction]:
+        """The step model's prediction (planning/cost_model.py) for the placement in use, from the
+        compute times of ``timing`` (default: the engine's last timed training step); None before
+        a step has been timed or without an engine (nothing offloaded)."""
+        engine = self.engine
+        timing = timing if timing is not None else engine.last_timing if engine is not None else None
+        if engine is None or timing is None or self.planner is None or self.planner.model is None:
+            return None
+        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
+        sizes = {u.index: u for u in self.planner.model.sizes}
+        state_factor = self.planner.model.state_factor
+        order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
+        units = [
+            replace(
+                costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients,
+                state_bytes=int(sizes[i].trainable_bytes * state_factor) if engine.states[i].home == NVME and i in sizes else 0,
+            )
+            for i in order
+        ]
+        machine = machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None)
+        return simulate_step([*units, outside_units(timing)], engine.placement.device_slots, machine)
+
+    def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
+        """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
+        if not emulated:
+            return frozenset()  # direct writes from a CUDA device need host views it does not map yet
+        reserve = self.policy.gradient_reserve or 0.0
+        offloaded = [u for u in sizes if placement.home[u.index] != GPU and u.trainable_bytes]
+        bandwidth = machine_from_spec(self.hardware, nvme=False).d2h
+        kept = gradient_offload_plan(
+            [u.trainable_bytes for u in offloaded], [u.trainable_bytes / bandwidth for u in offloaded], [0.0] * len(offloaded), reserve
+        )
+        return frozenset(u.index for k, u in enumerate(offloaded) if k not in kept)
+
+    # -- the training step --------------------------------------------------------------------------
+
+    def _plan_between_steps(self, trainer: "pl.Trainer") -> None:
+        """Between two optimizer steps' worth of batches no gradient is waiting at home, so the
+        parameters may be placed again: the placement search, the activation layout, and a new
+        placement when a finetuning callback unfroze parameters."""
+        planner, stepped = self.planner, self._optimizer_stepped
+        assert planner is not None
+        if planner.searching and planner.phase is PlanPhase.INITIAL and stepped and self.engine is not None:
+            self._search_placement(trainer)
+        if self.activations.profiled and stepped:
+            self._plan_activations(trainer)
+        engine = self.engine
+        if engine is not None and engine.trainable_grew() and (stepped or not self._profiled):
+            rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
+            assert planner.gpu_given is not None  # the engine's placement gave it
+            self._replace_engine(trainer, gpu_bytes=planner.gpu_given)
+
+    def training_step(self, run: Callable[[], Any]) -> Any:
+        trainer = self.context.module.trainer
+        self._plan_between_steps(trainer)
+        self._optimizer_stepped = False
+        self.activations.begin_block_forward()
+        engine = self.engine
+        if engine is None:
+            with self.activations.counting_saved():
+                return run()
+        recipe = self._recipe(trainer)
+        engine.begin_step(
+            profile=not self._profiled, update_in_backward=recipe.updates_can_start_in_backward(), clip_value=recipe.clip_value(),
+            reduce=self.ranks.gradient_reduction(trainer, recipe.needs_all_gradients()), norms_wanted=self._clips_norm_first(trainer),
+        )
+        self._profiled = True
+        with engine.saved_tensor_hooks():
+            return run()
+
+    def _clips_norm_first(self, trainer: "pl.Trainer") -> bool:
+        """This step's clipping by norm is the engine's (gradients may wait on NVMe)."""
+        return self.engine is not None and self.engine.placement.gradients_spilled and self._recipe(trainer).clips_by_norm()
+
+    def eval_step(self, run: Callable[[], Any]) -> Any:
+        engine = self.engine
+        if engine is not None:
+            # Evaluation runs the forward part of the profiled order: prefetch along it too.
+            engine.begin_step(profile=False, train=False)
+        try:
+            return run()
+        finally:
+            if engine is not None:
+                engine.end_eval_step()
+
+    def pre_backward(self) -> None:
+        self.activations.refuse_unfitting()
+        if self.engine is not None:
+            self.engine.attach_direct_gradients()
+            self.engine.begin_backward()
+
+    def post_backward(self) -> None:
+        if self.engine is not None:
+            self.engine.end_backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
+        if self.engine is None:
+            result = plain(optimizer, closure, model, **kwargs)
+        else:
+            module = model or self.context.module
+            closure_result = closure()  # forward and backward: the training step may have placed the model again
+            engine, trainer = self.engine, module.trainer
+            assert engine is not None
+            result = tiered_optimizer_step(engine, self._recipe(trainer), self._clips_norm_first(trainer), optimizer, closure_result, module, **kwargs)
+        self._optimizer_stepped = True  # no gradient is pending until the next forward
+        return result
+
+    # -- checkpoints: the true state from every tier -----------------------------------------------
+
+    def lightning_module_state_dict(self, plain: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        engine = self.engine
+        # the checkpoint being built is sharded: values on NVMe stay there until written
+        self._stand_ins = (engine.stand_in_readers() if engine is not None else {}) if self._writes_sharded() else None
+        if engine is None:
+            return plain()
+        module = self.context.module
+        if self._stand_ins is not None:
+            # plain detached aliases of the placeholders: detaching an offloaded parameter the
+            # usual way would lend (read) its unit, gathering the model after all
+            with torch._C.DisableTorchFunctionSubclass():
+                state = module.state_dict()
+            return type(state)((k, compact(v)) for k, v in state.items())
+        # Views of where each value lives, as plain training returns views of its parameters: no
+        # second copy of the model, except for units on NVMe, which are read into fresh buffers.
+        # Each over only its own bytes, so that a checkpoint does not carry whole slabs.
+        with engine.materialized():
+            state = module.state_dict()
+        return type(state)((k, compact(v)) for k, v in state.items())
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, plain: Callable[[torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.unit_optimizers:
+            return self.engine.unit_optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
+        return plain(optimizer)
+
+    def _writes_sharded(self) -> bool:
+        """The next checkpoint is a directory written tensor by tensor (README, "Checkpoints")."""
+        if self.state_dict_type is StateDictType.AUTO:
+            return self.engine is not None and _nvme_state_bytes(self.engine) > _half_host_available()
+        return self.state_dict_type is StateDictType.SHARDED
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], plain: Callable[..., None]) -> None:
+        readers, self._stand_ins = self._stand_ins, None
+        if readers is None:
+            return plain(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("a sharded checkpoint takes no storage_options: it is written by torch.distributed.checkpoint, not by the CheckpointIO plugin.")
+        if self.lightning.is_global_zero:
+            write_sharded(checkpoint, filepath, readers)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: Optional[bool], plain: Callable[..., dict[str, Any]], read: Callable[..., Any]
+    ) -> dict[str, Any]:
+        """``read``: the checkpoint IO's reader of the sharded checkpoint's metadata file."""
+        if not is_sharded_checkpoint(checkpoint_path):
+            return plain(checkpoint_path, weights_only=weights_only)
+        # the model's and optimizers' tensors are read when loaded into their places, the rest now
+        source = ShardedCheckpoint(checkpoint_path)
+        checkpoint = source.meta(lambda path: read(path, weights_only=weights_only))
+        checkpoint["state_dict"] = source.model_state()
+        if source.optimizer_count():
+            checkpoint["optimizer_states"] = [source.optimizer_state(i) for i in range(source.optimizer_count())]
+        return checkpoint
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, writeback: bool = False) -> Iterator[None]:
+        """Every parameter holds its true value in a real tensor for the duration, as DeepSpeed's
+        ``GatheredParameters`` and FSDP's ``summon_full_params`` give them: for callbacks that
+        read weights between steps (a weight-norm logger, an EMA), where units at home on NVMe
+        otherwise show placeholders. With ``writeback=True`` what the block writes into the
+        parameters is kept (an averaging callback copying weights in, a manual load); the
+        optimizer's fp32 masters then start from the written values."""
+        if self.engine is None:
+            yield
+            return
+        with self.engine.materialized(writeback=writeback):
+            yield
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool, plain: Callable[..., None]) -> None:
+        state = checkpoint["state_dict"]
+        engine = self.engine
+        with engine.materialized(writeback=True) if engine is not None else contextlib.nullcontext():
+            if not isinstance(state, LazyState):
+                return plain(checkpoint, strict=strict)
+            # parameters built without memory are read when placed, the others in place now
+            state.checkpoint.load_model(
+                self.context.module, strict, defer=lambda p: engine is None and p in self.deferred, set_source=self.deferred.set_source
+            )
+
+    def teardown(self) -> None:
+        self.activations.close()
+        try:
+            self._close_engine()
+        finally:
+            _remove_if_empty(self._created_directories)
+
+    def _close_engine(self) -> None:
+        """Parameters back to plain tensors with their true values, every tier freed."""
+        engine = self.context.engine
+        if engine is None:
+            return
+        self.context.engine = None
+        self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
+        leave = self._too_large_to_bring_back(engine)
+        try:
+            # while training's own failure propagates (teardown inside Lightning's handler),
+            # that failure is the one to see; otherwise a failure to read back is raised
+            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if leave else None)
+        finally:
+            engine.device.close()
+            self._share_optimizer_attributes()
+        if leave and engine.store is not None:
+            weakref.finalize(self, engine.store.close)  # the parameters left there read from it
+
+    def _too_large_to_bring_back(self, engine: TieredEngine) -> bool:
+        """What lives on NVMe (parameters and optimizer states) would take more than half of the
+        host memory available: after training it stays there, each parameter read when used."""
+        on_nvme = [s for s in engine.states if s.home == NVME]
+        nbytes = _nvme_state_bytes(engine)
+        if not on_nvme or nbytes <= _half_host_available():
+            return False
+        rank_zero_warn(
+            f"tiered: after training, the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of parameters and "
+            f"optimizer states, more than half of the {format_bytes(host_available())} of host memory available): each parameter is "
+            f"read from its file when used, and their optimizer states are not brought back into the optimizer. Save checkpoints "
+            f"during training to keep the optimizer's states."
+        )
+        return True
+
+    def resolve_budgets(self) -> TierBudgets:
+        """Grant each tier its budget, refusing up front any that asks for more than is free."""
+        options, root = self.options, self.lightning.root_device
+        if options.nvme_path is not None:
+            self._created_directories = _check_writable_directory(options.nvme_path) or self._created_directories
+        requested = {"gpu_memory": options.gpu_memory, "host_memory": options.host_memory, "nvme_memory": options.nvme_memory}
+        free = {
+            "gpu_memory": gpu_free(root),
+            "host_memory": host_available(),
+            "nvme_memory": disk_free(str(options.nvme_path)) if options.nvme_path else 0,
+        }
+        where = {
+            "gpu_memory": str(root) if root.type == "cuda" else "the emulated GPU tier (host memory)",
+            "host_memory": "host memory",
+            "nvme_memory": str(options.nvme_path),
+        }
+        granted = {}
+        for name, budget in requested.items():
+            granted[name] = budget.resolve(free[name])
+            if name == "nvme_memory" and budget.bytes is None:
+                # measured once here for every NVMe store of the run; the reserve covers what the
+                # file system spends beyond the bytes written (blocks, metadata, lock files)
+                granted[name] = max(budget.resolve(free[name] - nvme_reserve(free[name])), 0)
+            if budget.bytes is not None and budget.bytes > free[name]:
+                raise MemoryBudgetError(
+                    f"{name}={format_bytes(budget.bytes)} asks for more than is free in {where[name]}: "
+                    f"{format_bytes(free[name])} free. Lower {name}, give a fraction such as 0.9, "
+                    f"or leave it None to use all that is free."
+                )
+        budgets = TierBudgets(gpu=granted["gpu_memory"], host=granted["host_memory"], nvme=granted["nvme_memory"])
+        return self.ranks.share_budgets(budgets, (options.gpu_memory, options.host_memory, options.nvme_memory))
+
+    # -- metrics ------------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers the strategy reports, read by :class:`~offload_strategy.OffloadMonitor`; after
+        ``fit`` the engine's figures are those of the run's last step."""
+        out: dict[str, float] = {}
+        if self.budgets is not None:
+            out["budget/gpu_bytes"] = float(self.budgets.gpu)
+            out["budget/host_bytes"] = float(self.budgets.host)
+            out["budget/nvme_bytes"] = float(self.budgets.nvme)
+        root = self.lightning.root_device
+        if root.type == "cuda":
+            out["memory/gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated(root))
+        out["memory/host_peak_bytes"] = float(process_peak_rss())
+        engine_metrics = self.engine.metrics() if self.engine is not None else self._final_engine_metrics
+        if engine_metrics is not None:  # after fit: the run's last figures
+            out.update(engine_metrics)
+            out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
+        else:
+            out["memory/nvme_bytes"] = 0.0
+        out.update(self.activations.metrics())
+        return out
+
+
+def _nvme_state_bytes(engine: TieredEngine) -> int:
+    """Parameters and optimizer states at home on NVMe."""
+    on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
+    return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+
+
+def _half_host_available() -> int:
+    """What NVMe-resident state may take in host memory before it stays on NVMe after fit and
+    checkpoints of it are sharded (``state_dict_type="auto"``)."""
+    return host_available() // 2
+
+
+def _refuse_lazy_parameters(model: torch.nn.Module) -> None:
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"{len(lazy)} parameters are not materialized yet ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: lazily "
+            f"initialized modules such as nn.LazyLinear), and strategy='tiered' places parameters by their sizes before the first "
+            f"step. Run one forward on an example batch before fit (in __init__ or configure_model), or give the modules their "
+            f"input sizes (nn.Linear(in_features, out_features))."
+        )
+
+
+def _refuse_compiled_modules(model: torch.nn.Module) -> None:
+    """torch.compile guards on the parameters' storages, which offloading swaps at every fetch:
+    a compiled module would recompile at each one or fail inside the compiler."""
+    compiled = [
+        name or "the LightningModule"
+        for name, module in model.named_modules()
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+    ]
+    if compiled or getattr(model, "_compiler_ctx", None):
+        where = ", ".join(compiled[:3]) if compiled else "the LightningModule"
+        raise ValueError(
+            f"torch.compile was applied to {where}, whose parameters are offloaded: compiled code guards on the parameters' "
+            f"storages, which the strategy swaps between tiers at every fetch, so it would recompile at each one or fail. "
+            f"Compile only code that owns no parameters (attention or activation functions), raise gpu_memory so that nothing "
+            f"is offloaded, or leave the model uncompiled."
+        )
+
+
+def _refuse_weight_averaging_on_nvme(trainer: "pl.Trainer", engine: Optional[TieredEngine]) -> None:
+    """Lightning's weight-averaging callbacks read and write every parameter between steps, where
+    units at home on NVMe hold placeholders."""
+    averaging = [type(c).__name__ for c in getattr(trainer, "callbacks", []) if isinstance(c, StochasticWeightAveraging)]
+    if averaging and engine is not None and any(s.home == NVME for s in engine.states):
+        raise ValueError(
+            f"{averaging[0]} reads and writes every parameter between steps, but {sum(s.home == NVME for s in engine.states)} "
+            f"units live on NVMe, where between steps their parameters are placeholders. Give host_memory enough room for "
+            f"every unit (or no nvme_path), or average the weights in your own callback inside "
+            f"`with trainer.strategy.gathered_parameters(writeback=True):`."
+        )
+
+
+def _check_writable_directory(path: Path) -> list[Path]:
+    """Create ``path`` if needed and make sure files can be written there, before training starts;
+    the directories it created, deepest first (removed again at teardown if left empty)."""
+    created = []
+    missing = path
+    while not missing.exists() and missing != missing.parent:
+        created.append(missing)
+        missing = missing.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"nvme_path={str(path)!r} cannot hold the NVMe tier's files: {error.strerror or error}. "
+            f"Give a directory this process can create files in, or nvme_path=None for no NVMe tier."
+        ) from None
+    return created
+
+
+def _remove_if_empty(directories: list[Path]) -> None:
+    """Directories the strategy created, deepest first: each goes if nothing else was put there."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
+class Delegated:
+    """An attribute of a tiered strategy that lives on its core: ``strategy.engine`` is
+    ``strategy.tiered.engine``, ``strategy.activation_plan`` is ``strategy.tiered.activations.plan``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path.split(".")
+        owner: Any = TieredCore
+        for part in self.path:  # the core's documentation, where it has one
+            owner = getattr(owner, part, None)
+        self.__doc__ = getattr(owner, "__doc__", None) if callable(owner) or isinstance(owner, property) else None
+
+    def _holder(self, strategy: Any) -> Any:
+        holder = strategy.tiered
+        for part in self.path[:-1]:
+            holder = getattr(holder, part)
+        return holder
+
+    def __get__(self, strategy: Any, owner: Optional[type] = None) -> Any:
+        if strategy is None:
+            return self
+        return getattr(self._holder(strategy), self.path[-1])
+
+    def __set__(self, strategy: Any, value: Any) -> None:
+        setattr(self._holder(strategy), self.path[-1], value)
+
+
+# What a tiered strategy exposes of its core: its name on the strategy, its path on the core.
+PUBLIC = {
+    "policy": "policy", "hardware": "hardware", "budgets": "budgets", "planner": "planner", "engine": "engine",
+    "deferred": "deferred", "state_dict_type": "state_dict_type", "removed_stale_nvme": "removed_stale_nvme",
+    "gpu_memory": "options.gpu_memory", "host_memory": "options.host_memory", "nvme_memory": "options.nvme_memory",
+    "nvme_path": "options.nvme_path", "plan_file": "options.plan_file", "placement_search": "placement_search",
+    "activation_plan": "activations.plan", "activation_costs": "activations.costs", "activation_links": "activations.plan_links",
+    "metrics": "metrics", "dump_plan": "dump_plan", "predicted_step": "predicted_step", "gathered_parameters": "gathered_parameters",
+    "resolve_budgets": "resolve_budgets",
+}
+
+
+def exposes_core(cls: type) -> type:
+    """Class decorator: the strategy's public tiered attributes, each read from ``self.tiered``."""
+    for name, path in PUBLIC.items():
+        setattr(cls, name, Delegated(path))
+    return cls
