@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning.pytorch.callbacks import Callback
@@ -22,13 +23,21 @@ class OffloadMonitor(Callback):
     Args:
         prefix: prepended to every metric name.
         every_n_steps: overrides the trainer's ``log_every_n_steps``.
+        prog_bar: also show, after every step, the share of unit requests that found the unit in
+            the GPU tier (``offload_hit``), the GPU tier's bytes in use in MiB (``gpu_tier_MiB``)
+            and the optimizer time the step waited for after backward (``update_exposed_ms``) in
+            the progress bar. Reading them does not start a new logging interval.
     """
 
-    def __init__(self, prefix: str = "offload/", every_n_steps: Optional[int] = None) -> None:
+    # progress-bar name: (metric, scale)
+    PROGRESS_BAR = {"offload_hit": ("cache/hit_rate", 1.0), "gpu_tier_MiB": ("tier/gpu_bytes", 2.0**-20), "update_exposed_ms": ("optimizer/exposed_ms", 1.0)}
+
+    def __init__(self, prefix: str = "offload/", every_n_steps: Optional[int] = None, prog_bar: bool = False) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be a positive integer or None.")
         self.prefix = prefix
         self.every_n_steps = every_n_steps
+        self.prog_bar = bool(prog_bar)
         self.last: dict[str, float] = {}
 
     def _source(self, trainer: "pl.Trainer") -> Optional[Callable[[], dict[str, Any]]]:
@@ -46,11 +55,25 @@ class OffloadMonitor(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    def _show_in_progress_bar(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        source = self._source(trainer)
+        if source is None:
+            return
+        try:
+            peek = "reset" in inspect.signature(source).parameters
+        except (TypeError, ValueError):
+            peek = False
+        metrics = source(reset=False) if peek else source()
+        for name, (key, scale) in self.PROGRESS_BAR.items():
+            if key in metrics:
+                pl_module.log(name, float(metrics[key]) * scale, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
     @override
-    @rank_zero_only
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.prog_bar:  # every rank its own figures; the bar shows rank 0's
+            self._show_in_progress_bar(trainer, pl_module)
         interval = self.every_n_steps or trainer.log_every_n_steps
-        if interval and trainer.global_step % interval == 0:
+        if trainer.is_global_zero and interval and trainer.global_step % interval == 0:
             metrics = self._collect(trainer)
             if metrics:
                 self._publish(trainer, metrics)

@@ -195,6 +195,7 @@ class PlacementMode(_Name):
     HOST = "host"
     NVME = "nvme"
     LAYERWISE = "layerwise"
+    OFFLOAD_STATES = "offload_states"  # parameters in the GPU tier through the step; gradients, states and masters at home in host memory
 
 
 POLICY_NAMES = ("auto", "none")
@@ -326,8 +327,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "teraio": {"placement": "fill", "activations": "teraio"},
     "protrain": {"placement": "search", "activations": "auto"},
     "lohan": {"placement": "host", "activations": "lohan", "update_during_backward": True},
-    "zero_offload": {"placement": "host", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},
-    "zero_infinity": {"placement": "nvme", "activations": "keep", "prefetch": False, "update_during_backward": False},
+    # DeepSpeed's configurations (README, "Presets"): stage 2 with offload_optimizer to the CPU;
+    # stage 3 with offload_param and offload_optimizer to the CPU; stage 3 with both to NVMe
+    "zero_offload": {"placement": "offload_states", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},
+    "zero3_offload": {"placement": "host", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},
+    "zero_infinity": {"placement": "nvme", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},
     "l2l": {"placement": "layerwise", "activations": "keep", "prefetch": False, "update_during_backward": False},
 }
 

@@ -739,9 +739,11 @@ class TieredCore:
 
     # -- metrics ------------------------------------------------------------------------------------
 
-    def metrics(self) -> dict[str, float]:
-        """Numbers the strategy reports, read by :class:`~offload_strategy.OffloadMonitor`; after
-        ``fit`` the engine's figures are those of the run's last step."""
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Numbers the strategy reports (README, the metric table), read by
+        :class:`~offload_strategy.OffloadMonitor`; after ``fit`` the engine's figures are those
+        of the run's last step. ``reset=False`` reads the per-interval figures without starting
+        a new interval (the progress bar does)."""
         out: dict[str, float] = {}
         if self.budgets is not None:
             out["budget/gpu_bytes"] = float(self.budgets.gpu)
@@ -750,8 +752,8 @@ class TieredCore:
         root = self.lightning.root_device
         if root.type == "cuda":
             out["memory/gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated(root))
-        out["memory/host_peak_bytes"] = float(process_peak_rss())
-        engine_metrics = self.engine.metrics() if self.engine is not None else self._final_engine_metrics
+        out["memory/process_peak_rss_bytes"] = float(process_peak_rss())
+        engine_metrics = self.engine.metrics(reset) if self.engine is not None else self._final_engine_metrics
         if engine_metrics is not None:  # after fit: the run's last figures
             out.update(engine_metrics)
             out["memory/nvme_bytes"] = out["tier/nvme_bytes"]

@@ -86,7 +86,7 @@ def test_setup_resolves_budgets(tmp_path):
     assert strategy.hardware is not None and strategy.hardware.name == "auto"
     metrics = strategy.metrics()
     assert metrics["budget/gpu_bytes"] == 64 * 2**20
-    assert metrics["memory/host_peak_bytes"] > 10 * 2**20
+    assert metrics["memory/process_peak_rss_bytes"] > 10 * 2**20
 
 
 def test_known_hardware_and_overrides():

@@ -14,7 +14,7 @@ def test_rates_thresholds_and_quantiles():
     stats.add(MISS, 1e-3)
     report = stats.report()
     assert report["requests"] == 10 and report["hit_rate"] == 0.6 and report["late_hit_rate"] == 0.2 and report["miss_rate"] == 0.2
-    assert report["wait_under_0.01ms"] == 0.6 and report["wait_under_0.03ms"] == 0.7 and report["wait_under_0.1ms"] == 0.8
+    assert report["wait_under_0.01ms_fraction"] == 0.6 and report["wait_under_0.03ms_fraction"] == 0.7 and report["wait_under_0.1ms_fraction"] == 0.8
     assert report["wait_p50_ms"] == 0.0 and report["wait_p99_ms"] == pytest.approx(1.0)
     assert report["wait_total_ms"] == pytest.approx(2.07)
     stats.reset()

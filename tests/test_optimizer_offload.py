@@ -179,7 +179,7 @@ def test_gradients_written_straight_home_or_copied(tmp_path, reserve):
             metrics = trainer.strategy.metrics()
             seen["direct"] = metrics["units/direct_gradients"]
             seen["offloaded"] = metrics["units/host"] + metrics["units/nvme"]
-            seen["d2h"] = metrics["link/d2h_bytes"]
+            seen["d2h"] = metrics["link/d2h_bytes_total"]
 
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, accumulate_grad_batches=2)
     strategy = offloading(policy={**PARAMETERS_ONLY, "gradient_reserve": reserve})

@@ -78,3 +78,16 @@ def test_phases_follow_the_work_done():
     plan, extra = planner.layout(costs, links, "auto", parameter_bytes=99_500, host_bytes=0, block_policies=["keep", "keep"])
     assert list(plan.layout) == ["keep", "keep"] and extra == 100_000 - plan.peak_bytes >= 1024
     assert not Planner(PolicyConfig(placement="search"), TierBudgets(1, 1, 0), False, plan=object()).searching  # a plan file fixes homes
+
+
+def test_offload_states_gives_every_unit_a_gpu_buffer_of_its_own_or_refuses_with_the_shortfall():
+    """DeepSpeed's ZeRO-Offload keeps every parameter in the GPU tier: units of 1000, 2000 and 100
+    bytes take buffers of 1024, 2048 and 512 (512-byte aligned), 3584 bytes in all, homes in host."""
+    budgets = TierBudgets(gpu=10_000, host=100_000, nvme=0)
+    planner = Planner(PolicyConfig(placement="offload_states"), budgets, has_nvme=False)
+    placement = planner.place(model((1000, 2000, 100)), 10_000, [[0], [1], [2]], False)
+    assert set(placement.home.values()) == {"host"}
+    assert placement.device_slots == {1024: 1, 2048: 1, 512: 1} and placement.gpu_bytes == 3584
+    short = Planner(PolicyConfig(placement="offload_states"), TierBudgets(gpu=3583, host=100_000, nvme=0), has_nvme=False)
+    with pytest.raises(PlacementError, match=r"whole step.*need 3\.50 KiB.*by at least 1 B.*zero3_offload"):
+        short.place(model((1000, 2000, 100)), 3583, [[0], [1], [2]], False)

@@ -35,7 +35,7 @@ def test_single_job_trains_and_reports(tmp_path):
     assert metrics["train_loss_last"] < metrics["train_loss_first"] - 0.3, "the loss did not fall"
     assert metrics["tokens_per_sec"] > 0 and metrics["step_time_ms"] > 0
     assert metrics["val_loss"] is not None
-    assert metrics["offload/memory/host_peak_bytes"] > 0
+    assert metrics["offload/memory/process_peak_rss_bytes"] > 0
     # OffloadMonitor's metrics reach the chosen logger
     logged = next(tmp_path.rglob("metrics.csv"))
     header = next(csv.reader(logged.open()))
@@ -78,8 +78,8 @@ def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
         cwd=tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
-    assert metrics["offload/tier/gpu_capacity_bytes"] <= 3_300_000
-    assert metrics["offload/link/nvme_read_bytes"] > 0
+    assert metrics["offload/tier/gpu_reserved_bytes"] <= 3_300_000
+    assert metrics["offload/link/nvme_read_bytes_total"] > 0
     assert 0.0 <= metrics["offload/cache/hit_rate"] <= 1.0 and "offload/cache/wait_p99_ms" in metrics
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir()), "NVMe files were left behind"

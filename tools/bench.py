@@ -65,7 +65,7 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
         mode.late += m.get("cache/late_hit_rate", 0.0) * n
         mode.misses += m.get("cache/miss_rate", 0.0) * n
         mode.wait_ms += m.get("cache/wait_total_ms", 0.0)
-    moved = [m.get("link/h2d_bytes", 0.0) for m in timer.metrics[args.warmup :]]
+    moved = [m.get("link/h2d_bytes_total", 0.0) for m in timer.metrics[args.warmup :]]
     mode.link_bytes += [b - a for a, b in zip(moved, moved[1:])]
     if timer.metrics and "units/gpu" in timer.metrics[-1]:
         last = timer.metrics[-1]

@@ -49,9 +49,9 @@ class Sampler(L.Callback):
             metrics = trainer.strategy.metrics()
             self.homes = "/".join(str(int(metrics.get(f"units/{h}", 0))) for h in ("gpu", "host", "nvme"))
             self.rows.append((step, self.process.memory_info().rss, len(os.listdir("/proc/self/fd")), self.process.num_threads(),
-                              metrics.get("link/nvme_read_bytes", 0.0), metrics.get("cache/hit_rate", float("nan")),
+                              metrics.get("link/nvme_read_bytes_total", 0.0), metrics.get("cache/hit_rate", float("nan")),
                               directory_bytes(self.nvme), directory_bytes(self.checkpoints),
-                              metrics.get("tier/gpu_capacity_bytes", 0.0), metrics.get("tier/host_bytes", 0.0)))
+                              metrics.get("tier/gpu_reserved_bytes", 0.0), metrics.get("tier/host_bytes", 0.0)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -130,6 +130,7 @@ def place_units(
     prefetch: bool = True,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
+    buffer_per_unit: bool = False,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -146,14 +147,17 @@ def place_units(
     largest), not a home each. ``spill_gradients`` (with ``gradients_until_update``): the update
     waits for something that needs every gradient (the norm for clipping), so NVMe units'
     gradients pass through those buffers to NVMe and wait there: NVMe holds them too.
+    ``buffer_per_unit``: every streamed unit gets a GPU-tier buffer of its own, so its parameters
+    stay there through the whole step, fetched once per step (DeepSpeed's ZeRO-Offload).
     """
     costs = _Costs(state_factor, owned, gradients_until_update, gradients_until_update and spill_gradients)
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
     if everything is not None:
         return everything
-    home, used = _persistent_homes(units, co_resident, costs, gpu_bytes, homes, persistent, prefetch)
+    # with a buffer per unit, no module waits for a buffer: the working set is every unit
+    home, used = _persistent_homes(units, co_resident, costs, gpu_bytes, homes, persistent, prefetch, check_working_set=not buffer_per_unit)
     streaming = [u for u in units if u.index not in home]
-    slots = _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
+    slots = _buffer_per_unit(streaming, gpu_bytes - used) if buffer_per_unit else _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
     staging, host_used = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
     on_nvme = [u for u in streaming if home[u.index] == NVME]
@@ -229,12 +233,12 @@ def _everything_on_gpu(
 
 def _persistent_homes(
     units: Sequence[UnitSize], co_resident: Sequence[Sequence[int]], costs: _Costs, gpu_bytes: int,
-    homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]], prefetch: bool,
+    homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]], prefetch: bool, check_working_set: bool = True,
 ) -> tuple[dict[int, str], int]:
     """Units kept in the GPU tier, by first use, while twice the streaming working set stays free
     (or as ``homes``/``persistent`` fix them); the bytes they use."""
     working_set = sum(s * c for s, c in _slot_minimums(units, co_resident, {u.index for u in units}, prefetch).items())
-    if working_set > gpu_bytes:
+    if check_working_set and working_set > gpu_bytes:
         spare = " plus one prefetch buffer" if prefetch else " (prefetch off: no buffer for the next unit)"
         raise PlacementError(
             f"gpu_memory={_fmt(gpu_bytes)} cannot hold the largest set of parameters one module needs at once{spare} "
@@ -254,7 +258,7 @@ def _persistent_homes(
             home[u.index] = GPU
             used += costs.gpu(u)
     streaming = {u.index for u in units if u.index not in home}
-    if used + sum(s * c for s, c in _slot_minimums(units, co_resident, streaming, prefetch).items()) > gpu_bytes:
+    if check_working_set and used + sum(s * c for s, c in _slot_minimums(units, co_resident, streaming, prefetch).items()) > gpu_bytes:
         raise PlacementError(
             f"the plan keeps {_fmt(used)} of units in the GPU tier, which leaves too little of gpu_memory={_fmt(gpu_bytes)} "
             f"for the streaming buffers; raise gpu_memory or dump a new plan for this budget."
@@ -283,6 +287,20 @@ def _streaming_buffers(
             slots[s] = slots.get(s, 0) + 1
             spare -= s
     return {s: c for s, c in slots.items() if c}
+
+
+def _buffer_per_unit(streaming: Sequence[UnitSize], left: int) -> dict[int, int]:
+    """A GPU-tier buffer (size -> count) for every streamed unit: parameters stay in the GPU tier
+    through the whole step, only gradients and optimizer states live elsewhere."""
+    slots = Counter(align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in streaming)
+    need = sum(size * count for size, count in slots.items())
+    if need > left:
+        raise PlacementError(
+            f"policy.placement='offload_states' keeps every parameter in the GPU tier for the whole step, as DeepSpeed's ZeRO-Offload "
+            f"does: the parameters need {_fmt(need)} there and {_fmt(left)} is left for them; raise gpu_memory by at least "
+            f"{_fmt(need - left)}, or stream the parameters from host memory (policy='zero3_offload', or the default policy)."
+        )
+    return dict(slots)
 
 
 def _host_and_nvme_homes(

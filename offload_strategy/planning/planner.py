@@ -137,7 +137,7 @@ class Planner:
         if self.plan is not None:
             check_plan(self.plan, model.names, [u.nbytes for u in model.sizes], len(model.block_units))
             return {u.index: planned.home for u, planned in zip(model.sizes, self.plan.units)}, gpu_bytes
-        if mode in (PlacementMode.HOST, PlacementMode.LAYERWISE):
+        if mode in (PlacementMode.HOST, PlacementMode.LAYERWISE, PlacementMode.OFFLOAD_STATES):
             if mode == PlacementMode.LAYERWISE:  # one layer's working set at a time, however large the budget
                 gpu_bytes = min(gpu_bytes, minimum_gpu_bytes(model.sizes, together, self.policy.prefetch))
             return {u.index: Tier.HOST for u in model.sizes}, gpu_bytes
@@ -156,6 +156,7 @@ class Planner:
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
                 homes=homes, owned=model.owned, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
+                buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None,
             )
 
         resident = self.resident.units if self.resident is not None and homes is None else None
@@ -171,6 +172,8 @@ class Planner:
 
     def _refusal(self, error: PlacementError, together: list[list[int]], gpu_bytes: int, homes: Optional[dict], activations_auto: bool) -> PlacementError:
         model, mode = self.units, self.policy.placement
+        if mode == PlacementMode.OFFLOAD_STATES and self.plan is None:
+            return error  # it says what the mode needs
         if homes is not None and self.plan is None:  # the policy fixed every home
             return PlacementError(
                 f"policy.placement={str(mode)!r} puts every unit's parameters in {'NVMe' if mode == PlacementMode.NVME else 'host memory'}, "

@@ -748,9 +748,11 @@ class TieredEngine:
 
     # -- metrics ------------------------------------------------------------------------------------
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """The figures of README's metric table: ``cache/*`` and ``optimizer/*_ms`` over the steps
+        since the last call with ``reset`` (a logging interval), ``link/*_total`` since the start,
+        the rest as they are now."""
         out = {f"cache/{k}": v for k, v in self.ctx.requests.report().items()}
-        self.ctx.requests.reset()
         out.update(self._tier_metrics())
         out["activations/saved_bytes"] = float(self.activation_bytes)
         steps = self.step_stats["steps"]
@@ -758,21 +760,23 @@ class TieredEngine:
             # update: all unit updates of a step; exposed: what the step waited after backward
             out["optimizer/update_ms"] = 1e3 * self.step_stats["update_seconds"] / steps
             out["optimizer/exposed_ms"] = 1e3 * self.step_stats["exposed_seconds"] / steps
-        self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
+        if reset:
+            self.ctx.requests.reset()
+            self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         return out
 
     def _tier_metrics(self) -> dict[str, float]:
         memory, store, states = self.memory, self.store, self.states
         out = {
-            "link/h2d_bytes": float(self.device.bytes_to_device),
-            "link/d2h_bytes": float(self.device.bytes_to_host),
-            "link/nvme_read_bytes": float(store.bytes_read if store else 0),
-            "link/nvme_write_bytes": float(store.bytes_written if store else 0),
+            "link/h2d_bytes_total": float(self.device.bytes_to_device),
+            "link/d2h_bytes_total": float(self.device.bytes_to_host),
+            "link/nvme_read_bytes_total": float(store.bytes_read if store else 0),
+            "link/nvme_write_bytes_total": float(store.bytes_written if store else 0),
         }
         persistent = sum(s.device_slot.slot_bytes for s in states if s.home == GPU)
         out["tier/gpu_bytes"] = float(persistent + memory.device_pool.used_bytes)
         out["tier/gpu_peak_bytes"] = float(persistent + memory.device_pool.peak_used_bytes)
-        out["tier/gpu_capacity_bytes"] = float(memory.arena.numel())
+        out["tier/gpu_reserved_bytes"] = float(memory.arena.numel())
         # optimizer states (and fp32 masters kept with them) by tier: under sharded data
         # parallelism, this rank's share
         state_bytes = {home: float(sum(b for i, b in self.updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}

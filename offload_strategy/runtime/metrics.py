@@ -43,7 +43,7 @@ class RequestStats:
         out["late_hit_rate"] = self.counts[LATE_HIT] / total
         out["miss_rate"] = self.counts[MISS] / total
         for threshold in WAIT_THRESHOLDS_MS:
-            out[f"wait_under_{threshold}ms"] = self.under[threshold] / total
+            out[f"wait_under_{threshold}ms_fraction"] = self.under[threshold] / total
         recent_ms = torch.tensor(list(self.recent), dtype=torch.float64) * 1e3
         out["wait_p50_ms"] = float(recent_ms.quantile(0.5))
         out["wait_p99_ms"] = float(recent_ms.quantile(0.99))
