@@ -69,8 +69,10 @@ def build_summary(
     wall_seconds: float,
     peak_flops: Optional[float],
     peak_gpu_bytes: Optional[int],
+    offload: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
-    """Flat, JSON-serialisable run summary from what was logged.
+    """Flat, JSON-serialisable run summary from what was logged; ``offload``: the tiered
+    strategy's figures after ``fit``, for what no logger recorded (``fast_dev_run`` logs nothing).
 
     Peak memory is measured the same way whatever the strategy, so that baselines compare.
     """
@@ -96,6 +98,8 @@ def build_summary(
         "peak_gpu_bytes": peak_gpu_bytes,
         "peak_host_bytes": process_peak_rss(),
     }
+    for key, value in sorted((offload or {}).items()):
+        summary[f"offload/{key}"] = value
     for key in sorted(recorder.history):
         if key.startswith("offload/"):
             summary[key] = recorder.last(key)

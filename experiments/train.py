@@ -34,7 +34,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.summary import MetricsRecorder, build_summary, format_summary, write_json_atomic
@@ -69,6 +69,36 @@ def check_shapes(cfg: DictConfig, vocab_size: int, seq_len: int) -> None:
         raise ValueError(f"the data has {vocab_size} token ids but {cfg.model.name} a vocabulary of {vocab}; raise model.config.vocab_size.")
 
 
+def hyperparameters(cfg: DictConfig, hardware: HardwareSpec) -> dict[str, Any]:
+    """What the logger records of the job: its configuration as plain values (the model's config a
+    nested dict, without Hydra's ``_target_`` class paths), the overrides that made it, and the
+    hardware's values as probed or named."""
+    # Hydra's own settings are there only where the config was composed with them (tests, tools)
+    values = {key: OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node for key, node in cfg.items() if key != "hydra"}
+    config: dict[str, Any] = _without_targets(values)
+    config["hardware"] = hardware.to_dict()
+    config["overrides"] = list(HydraConfig.get().overrides.task)
+    return config
+
+
+def _without_targets(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_targets(v) for k, v in value.items() if k != "_target_"}
+    if isinstance(value, list):
+        return [_without_targets(v) for v in value]
+    return value
+
+
+def report_summary(logger: Logger, summary: dict[str, Any], step: int) -> None:
+    """The run's summary figures: W&B keeps them as the run's summary, apart from its history;
+    other loggers get them as one last row."""
+    numbers = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if isinstance(logger, WandbLogger):
+        logger.experiment.summary.update(numbers)
+    else:
+        logger.log_metrics(numbers, step=step)
+
+
 def finish_wandb() -> None:
     # Between multirun jobs the W&B run must be closed, or the next job logs into it.
     wandb = sys.modules.get("wandb")
@@ -95,7 +125,7 @@ def run(cfg: DictConfig) -> float:
     ]
     trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=loggers, callbacks=callbacks)
     if logger is not None:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+        logger.log_hyperparams(hyperparameters(cfg, hardware))
 
     device = trainer.strategy.root_device
     if device.type == "cuda":
@@ -114,10 +144,10 @@ def run(cfg: DictConfig) -> float:
             wall_seconds=wall,
             peak_flops=hardware.peak_flops("bf16" if "bf16" in precision else "fp16") if device.type == "cuda" else None,
             peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            offload=trainer.strategy.metrics(reset=False) if isinstance(trainer.strategy, (TieredStrategy, TieredDDPStrategy)) else None,
         )
         if logger is not None:
-            numbers = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
-            logger.log_metrics(numbers, step=trainer.global_step)
+            report_summary(logger, summary, trainer.global_step)
     finally:
         finish_wandb()
     if not trainer.is_global_zero:  # under data parallelism rank 0 reports for the run

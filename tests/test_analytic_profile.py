@@ -129,6 +129,11 @@ def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "6.74 B parameters" in out
+    # every figure the predictions rest on is printed, with the machine's own (LoHan's RTX 4090 testbed, 768 GB)
+    assumptions = out.split("Assumptions:")[1].split("\n\n")[0]
+    for what in ("GPU compute: 50%", "host memory: 572.20 GiB, 80% of the machine's 715.26 GiB", "NVMe: 931.32 GiB", "host <-> GPU",
+                 "CPU optimizer: Adam", "bytes per parameter (bf16-true", "batch: 16 sequences x 128 tokens"):
+        assert what in assumptions, (what, assumptions)
     rows = table(out, "| gpu_memory | policy")
     assert [(r[0], r[1]) for r in rows] == [("4.00 GiB", "fill"), ("4.00 GiB", "auto"), ("16.00 GiB", "fill"), ("16.00 GiB", "auto")]
     auto = [r for r in rows if r[1] == "auto"]
@@ -150,6 +155,8 @@ def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     assert len(study) >= 4
     # LoHan: PCIe-bound at the smallest batch, the curve turns once compute grows
     assert study[0][6].startswith("1") and study[-1][6].startswith("3")
+    prose = " ".join(out.split())  # explained before each table, in words that need no paper
+    assert "direct host access, DHA" in prose and "case 1, the link is the bottleneck" in prose
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.part"))
 

@@ -13,8 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.models import CausalLM
-from experiments.train import build_logger, build_strategy, check_shapes
-from offload_strategy import HardwareSpec, PolicyConfig, TieredStrategy
+from experiments.train import build_logger, build_strategy, check_shapes, hyperparameters, report_summary
+from offload_strategy import HardwareSpec, PolicyConfig, TieredStrategy, known_hardware
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -130,6 +130,50 @@ def test_wandb_runs_of_a_policy_sweep_are_told_apart_and_grouped(name, tmp_path)
     names = {compose_as_hydra([f"logger={name}", f"policy={policy}"], tmp_path).logger.name for policy in ("auto", "lohan", "zero_offload")}
     assert names == {"gpt2-tiny-auto-tiered", "gpt2-tiny-lohan-tiered", "gpt2-tiny-zero_offload-tiered"}
     assert compose_as_hydra([f"logger={name}"], tmp_path).logger.group
+
+
+def test_the_logged_hyperparameters_are_plain_values_with_overrides_and_hardware(tmp_path):
+    cfg = compose_as_hydra(["logger=wandb_offline", "policy=lohan", "hardware=rtx4090"], tmp_path)
+    logged = hyperparameters(cfg, instantiate(cfg.hardware))
+
+    def targets(value):
+        if isinstance(value, dict):
+            return sum(("_target_" in value, *(targets(v) for v in value.values())))
+        return sum(targets(v) for v in value) if isinstance(value, list) else 0
+
+    assert targets(logged) == 0 and "hydra" not in logged
+    assert logged["overrides"] == ["logger=wandb_offline", "policy=lohan", "hardware=rtx4090"]
+    assert logged["hardware"]["gpu"] == "NVIDIA GeForce RTX 4090" and logged["hardware"]["gpu_memory"] == known_hardware("rtx4090").gpu_memory
+    assert isinstance(logged["model"]["config"], dict) and logged["model"]["config"]["n_layer"] == 4
+    assert logged["policy"]["activations"] == "lohan"
+
+
+def test_the_run_summary_goes_to_the_wandb_summary_not_its_history():
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    class Recorded(WandbLogger):
+        def __init__(self) -> None:
+            self.rows: list = []
+            self.run = type("Run", (), {"summary": {}})()
+
+        @property
+        def experiment(self):
+            return self.run
+
+        def log_metrics(self, metrics, step=None):
+            self.rows.append(metrics)
+
+    wandb = Recorded()
+    report_summary(wandb, {"steps": 3, "model": "gpt2-tiny", "tokens_per_sec": 10.0, "val_loss": None}, step=3)
+    assert wandb.rows == [] and wandb.run.summary == {"summary/steps": 3.0, "summary/tokens_per_sec": 10.0}
+
+    class Rows(CSVLogger):
+        def log_metrics(self, metrics, step=None):
+            self.last = (metrics, step)
+
+    rows = Rows(save_dir="unused")
+    report_summary(rows, {"steps": 3, "model": "gpt2-tiny"}, step=3)
+    assert rows.last == ({"summary/steps": 3.0}, 3)
 
 
 @pytest.mark.parametrize("name", options("experiment"))

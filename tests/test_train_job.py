@@ -47,7 +47,8 @@ def test_multirun_writes_separate_jobs_and_wandb_runs(tmp_path):
     sweep = tmp_path / "sweep"
     run(
         [str(ROOT / "experiments/train.py"), "-m", "logger=wandb_offline", "data=synthetic", "data.num_tokens=20000",
-         "+trainer.fast_dev_run=true", "policy=auto,none", f"hydra.sweep.dir={sweep}"],
+         "+trainer.fast_dev_run=true", "policy=auto,none", "strategy.gpu_memory=16MiB", "data.batch_size=2", "data.seq_len=64",
+         f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path,
     )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
@@ -65,6 +66,12 @@ def test_multirun_writes_separate_jobs_and_wandb_runs(tmp_path):
     # tools/compare.py turns the sweep into one table, a CSV and a chart
     result = run([str(ROOT / "tools/compare.py"), str(sweep), "--metric", "steps"], cwd=tmp_path)
     assert "policy=auto" in result.stdout and "policy=none" in result.stdout
+    assert "data.num_tokens=20000" not in result.stdout  # every job's: it tells none apart
+    assert "offload/units/host" in result.stdout.splitlines()[0]  # the tiered runtime's columns
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), str(sweep), "--columns", "tokens_per_secs"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "no job reports 'tokens_per_secs'" in refused.stderr and "tokens_per_sec," in refused.stderr
     rows = list(csv.DictReader((sweep / "comparison.csv").open()))
     assert [r["job"] for r in rows] == ["0", "1"]
     png = sweep / "comparison_steps.png"
@@ -101,6 +108,17 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
                   "trainer.limit_val_batches=0"], cwd=tmp_path)
     metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
     assert metrics["steps"] == 4
+
+
+@pytest.mark.slow
+def test_plan_tool_resolves_the_paths_a_job_writes_under_its_output_directory(tmp_path):
+    """experiment=offload_cpu puts the NVMe tier at ${hydra:runtime.output_dir}/nvme: outside a
+    Hydra job the plan tool resolves it under the plan's directory."""
+    plan = tmp_path / "plans" / "plan.json"
+    plan.parent.mkdir()
+    run([str(ROOT / "tools/plan.py"), "--out", str(plan), "--steps", "1", "experiment=offload_cpu", "data=synthetic", "data.batch_size=2",
+         "data.seq_len=32", "data.num_tokens=20000"], cwd=tmp_path)
+    assert {u["home"] for u in json.loads(plan.read_text())["units"]} >= {"nvme"}
 
 
 @pytest.mark.slow
@@ -166,11 +184,12 @@ def test_ddp_preset_trains_two_ranks_and_reports_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_sweep_over_every_policy_preset_runs(tmp_path):
+    """The README's sweep: every preset, at the budgets it names, trains."""
     presets = sorted(p.stem for p in (ROOT / "conf" / "policy").glob("*.yaml"))
     sweep = tmp_path / "sweep"
-    run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", f"policy={','.join(presets)}", "logger=csv", "data=synthetic",
+    run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", "policy=glob(*)", "logger=csv", "data=synthetic",
          "data.num_tokens=40000", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=12MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=16MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     jobs = sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     assert len(jobs) == len(presets)
     for job, name in zip(jobs, presets):

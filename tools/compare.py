@@ -20,7 +20,11 @@ from typing import Any, Optional
 
 from offload_strategy.config import format_bytes
 
-DEFAULT_COLUMNS = ("model", "strategy", "steps", "tokens_per_sec", "step_time_ms", "mfu", "val_loss", "peak_gpu_bytes", "peak_host_bytes")
+DEFAULT_COLUMNS = (
+    "model", "strategy", "steps", "tokens_per_sec", "step_time_ms", "mfu", "val_loss", "peak_gpu_bytes", "peak_host_bytes",
+    # what the tiered runtime did: where the units lived, how often they were in place, what the updates cost the step
+    "offload/units/gpu", "offload/units/host", "offload/units/nvme", "offload/cache/hit_rate", "offload/optimizer/exposed_ms",
+)
 
 
 def load_jobs(root: Path) -> list[dict[str, Any]]:
@@ -65,8 +69,10 @@ def _cell(key: str, value: Any) -> str:
 
 
 def format_table(jobs: list[dict[str, Any]], columns: list[str]) -> str:
+    """One row per job, labelled by the overrides that tell it from the others."""
     header = ["job", "overrides"] + columns
-    rows = [[_cell(c, job.get(c)) for c in header] for job in jobs]
+    labelled = [{**job, "overrides": label} for job, label in zip(jobs, distinguishing_labels(jobs))]
+    rows = [[_cell(c, job.get(c)) for c in header] for job in labelled]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -124,7 +130,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     jobs = load_jobs(args.multirun_dir)
     if not jobs:
         parser.error(f"no metrics.json under {args.multirun_dir}; run `python experiments/train.py -m ...` first")
-    columns = args.columns or [c for c in DEFAULT_COLUMNS if any(c in j for j in jobs)]
+    known = {key for job in jobs for key in job}
+    unknown = [c for c in [*(args.columns or []), args.metric] if c not in known]
+    if unknown:
+        parser.error(f"no job reports {', '.join(map(repr, unknown))}; the jobs report: {', '.join(sorted(known - {'job', 'overrides'}))}")
+    columns = args.columns or [c for c in DEFAULT_COLUMNS if c in known]
     if args.metric not in columns:
         columns.append(args.metric)
     print(format_table(jobs, columns))
@@ -136,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if plot(jobs, args.metric, png_path):
         print(f"chart: {png_path}")
     else:
-        print(f"no job reports {args.metric!r}: no chart written", file=sys.stderr)
+        print(f"no job reports a number for {args.metric!r}: no chart written", file=sys.stderr)
     return 0
 
 

@@ -62,15 +62,28 @@ def show(path: Path) -> None:
               f"behind compute; {format_bytes(p['h2d_bytes'])} copied into the GPU tier")
 
 
+def compose_job(overrides: list[str], output_dir: Path) -> Any:
+    """The job's configuration as ``experiments/train.py`` would run it in ``output_dir``: paths
+    written ``${hydra:runtime.output_dir}/...`` (an experiment's ``strategy.nvme_path``) resolve there."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[*overrides, "logger=none"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir.resolve())
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
 def make(out: Path, steps: int, overrides: list[str]) -> None:
     import lightning as L
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
     from experiments.train import build_strategy
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[*overrides, "logger=none", f"trainer.max_steps={steps}"])
+    cfg = compose_job([*overrides, f"trainer.max_steps={steps}"], out.parent)
     L.seed_everything(cfg.seed)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model)
@@ -99,7 +112,6 @@ def shapes_budgets(cfg: Any, hardware: Any) -> tuple[int, int, int]:
 
 
 def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None:
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
     from offload_strategy import format_bytes
@@ -108,8 +120,7 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     from offload_strategy.planning.plan_file import PlanFile, PlannedUnit, prediction_record, save_plan
     from tools.simulate import build, machine_of, parameter_links, unit_costs
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[*overrides, "logger=none"])
+    cfg = compose_job(overrides, out.parent)
     if cfg.policy.get("chunk_size"):
         raise SystemExit("--from-shapes plans transfer units as the model defines them; leave policy.chunk_size unset.")
     hardware = instantiate(cfg.hardware)

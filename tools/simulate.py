@@ -332,6 +332,8 @@ def plot(path: Path, title: str, budgets: list[int], rows: list[list[Row]], toke
         points = [(b / 2**30, tokens / r.seconds) for b, per in zip(budgets, rows) for r in per if r.policy == policy and r.fits and r.seconds == r.seconds]
         if points:
             ax.plot(*zip(*points), marker=marker, label=policy)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("GPU tier (GiB)")
     ax.set_ylabel("predicted tokens/s")
     ax.set_title("step by GPU budget (fitting plans)")
@@ -343,6 +345,8 @@ def plot(path: Path, title: str, budgets: list[int], rows: list[list[Row]], toke
         for row in study:
             curve = row["curve"]
             ax.plot([b / 2**30 for b, _ in curve], [t / row["all_recomputed"] for _, t in curve], label=f"batch {row['batch']}: case {row['case'].split()[0]}")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("activations swapped (GiB)")
         ax.set_ylabel("step / step with all recomputed")
         ax.set_title("LoHan: step time vs swapped activations")
@@ -354,7 +358,7 @@ def plot(path: Path, title: str, budgets: list[int], rows: list[list[Row]], toke
         ax.bar([i - 0.2 for i in x], [g * 1e3 for _, _, g, _, _ in memferry], width=0.4, label="on-GPU (copy + compute)")
         ax.bar([i + 0.2 for i in x], [d * 1e3 for _, _, _, d, _ in memferry], width=0.4, label="DHA (in place)")
         ax.set_xticks(list(x), kinds)
-        ax.set_yscale("log")
+        ax.set_ylim(bottom=0)
         ax.set_ylabel("forward ms (all units of the kind)")
         ax.set_title("MemFerry Fig. 3: where direct host access wins")
         ax.legend(fontsize=8)
@@ -365,6 +369,38 @@ def plot(path: Path, title: str, budgets: list[int], rows: list[list[Row]], toke
     fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     tmp.replace(path)  # never a half-written figure
+
+
+def explain(text: str) -> None:
+    print(textwrap.fill(text, 110) + "\n")
+
+
+def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int], host: int, nvme: int, machine: Any) -> None:
+    """Every figure the predictions rest on, with where it comes from and how to change it."""
+    from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE
+
+    peak = hardware.peak_flops("bf16" if args.precision == "bf16-true" else "fp16")
+    per_param = "2 (bf16) in the GPU tier, 16 at home: an fp32 master, fp32 gradient and two fp32 Adam states" if args.precision == "bf16-true" \
+        else "4 (fp32) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states"
+    source = f" ({hardware.source})" if hardware.source else ""
+    nvme_line = (f"{fmt(nvme)}, read {machine.nvme_read / 1e9:.1f} GB/s, write {machine.nvme_write / 1e9:.1f} GB/s (--nvme-memory; "
+                 f"+hardware.nvme_read_gbps=, +hardware.nvme_write_gbps=)") if nvme else "none (--nvme-memory 2TB adds one)"
+    lines = [
+        f"machine: {hardware.name}{source}; every figure below can be replaced, e.g. +hardware.host_memory=512GiB",
+        f"GPU compute: {args.efficiency:.0%} of the {hardware.gpu}'s dense peak, {peak / 1e12:.0f} TFLOP/s (--efficiency)",
+        f"GPU tier budgets: {', '.join(fmt(b) for b in budgets)} of its {fmt(hardware.gpu_memory)} (--gpu-memory)",
+        f"host memory: {fmt(host)}, 80% of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
+        f"NVMe: {nvme_line}",
+        f"host <-> GPU: {machine.h2d / 1e9:.1f} GB/s each way, the link's datasheet rate (+hardware.h2d_gbps=, +hardware.d2h_gbps=)",
+        f"CPU optimizer: Adam at {CPU_PARAMS_PER_S_PER_CORE / 1e9:.2f} G parameters/s per core on {hardware.cpu_cores} cores (+hardware.cpu_cores=)",
+        f"bytes per parameter ({args.precision}, --precision): {per_param}",
+        f"batch: {model.batch_size} sequences x {model.tokens // model.batch_size} tokens (data.batch_size=, data.seq_len=)",
+        "activations: every tensor autograd saves in one forward of the model on the meta device (eager kernels; fused ones save less)",
+    ]
+    print("Assumptions:")
+    for line in lines:
+        print(f"- {line}")
+    print()
 
 
 def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme: int, owned: Any, owners: list[int]) -> list[list[Any]]:
@@ -427,11 +463,11 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"{hardware.name} ({hardware.gpu}, {fmt(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
              f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations); compute alone {compute:.2f} s per step at {args.efficiency:.0%} of peak")
     print(f"\n{title}\n")
+    print_assumptions(hardware, args, model, budgets, host, nvme, machine)
     if args.ranks > 1:
         print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank, optimizer states "
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x)\n")
-    print(f"host {fmt(host)}, NVMe {fmt(nvme)}\n")
     all_rows = policy_table(model, machine, budgets, host, nvme, owned, owners)
     depth, parameters = largest_depth(model, max(budgets), host, nvme)
     if depth:
@@ -444,6 +480,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.findings:
         memferry = memferry_findings(model)
         print("\nMemFerry Fig. 3: forward of each layer kind with its parameters in host memory (all units of the kind)\n")
+        explain(
+            "A layer whose weights live in host memory can run two ways: copy the weights into GPU memory first, then compute "
+            "(on-GPU), or let the GPU kernel read them in place over the PCIe link as it computes (direct host access, DHA). "
+            "Reading in place saves the copy when each weight is read once (an embedding looks up a few rows; a norm reads a "
+            "vector), but a matrix multiply reads each weight many times, and over PCIe that is far slower than one copy. "
+            "MemFerry measured that DHA wins for embeddings and norms and loses for large matrix multiplies; the table prices "
+            "both for every layer kind of this model, and its last column is how many units MemFerry's Algorithm 1 would run in place."
+        )
         print("| layer kind | units | on-GPU: copy + compute (ms) | direct host access (ms) | faster | Alg. 1 runs in place |")
         print("|---|---|---|---|---|---|")
         for kind, n, on_gpu, dha, in_place in memferry:
@@ -453,6 +497,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme)
         print(f"\nProTrain Table 4 and LoHan §IV-D across batch sizes, GPU tier {fmt(gpu)} (the auto plan; "
               "LoHan's curve with every parameter streamed from host memory, its setting)\n")
+        explain(
+            "A larger batch needs more memory for activations (what forward keeps for backward), so fewer parameters can stay "
+            "in the GPU tier ('persistent units') and more blocks' activations are recomputed in backward ('ckpt') or copied "
+            "out to host memory and back ('swap'); ProTrain's Table 4 shows that trend, and each row here is the planner's "
+            "choice at that batch. Swapping costs link time, recomputing costs GPU time, and LoHan showed the step time is "
+            "convex in how much is swapped, in one of three shapes: case 1, the link is the bottleneck even with everything "
+            "recomputed, so swap as little as fits; case 2, compute is the bottleneck even with everything swapped, so swap "
+            "everything; case 3, the time falls then rises, and the turn is the best amount. The last columns are the best "
+            "amount to swap and the step there relative to recomputing every block."
+        )
         print("| batch | tokens | persistent units | buffers | blocks keep/ckpt/swap | step (s) | LoHan case | fastest swap (GiB of all) | step there / all recomputed |")
         print("|---|---|---|---|---|---|---|---|---|")
         for row in study:
