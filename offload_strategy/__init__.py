@@ -1,10 +1,12 @@
 """offload_strategy: train models larger than GPU memory with ``Trainer(strategy="tiered")``.
 
-Importing the package registers the strategy names ``"tiered"`` and ``"tiered_ddp"`` with Lightning.
+Importing the package registers the strategy names ``"tiered"`` and ``"tiered_ddp"`` with Lightning,
+and ``"tiered"`` with Lightning Fabric (``L.Fabric(strategy="tiered")``).
 """
 
 from __future__ import annotations
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .callbacks import OffloadMonitor
@@ -13,6 +15,7 @@ from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
 from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
 from .strategy_ddp import TieredDDPStrategy
+from .strategy_fabric import TieredFabricStrategy
 from .weights import WeightsMismatchError, load_weights
 
 __version__ = "0.1.0"
@@ -30,6 +33,11 @@ def _register_strategies() -> None:
             TieredStrategy,
             description="Tiers parameters, gradients, optimizer states and activations across GPU, host memory and NVMe.",
         )
+    for preset in PRESETS:  # the same names under Lightning Fabric
+        name = TieredFabricStrategy.strategy_name if preset == "auto" else f"{TieredFabricStrategy.strategy_name}_{preset}"
+        if preset != "none" and name not in FABRIC_STRATEGIES:
+            description = f"The tiered strategy under Fabric with the {preset!r} policy preset."
+            FABRIC_STRATEGIES.register(name, TieredFabricStrategy, description=description, policy=preset)
     if TieredDDPStrategy.strategy_name not in StrategyRegistry:
         StrategyRegistry.register(
             TieredDDPStrategy.strategy_name,
@@ -51,6 +59,7 @@ __all__ = [
     "PolicyConfig",
     "TierBudgets",
     "TieredDDPStrategy",
+    "TieredFabricStrategy",
     "TieredStrategy",
     "WeightsMismatchError",
     "format_bytes",

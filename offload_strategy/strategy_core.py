@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -46,7 +47,7 @@ from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
 from .strategy_activations import ActivationControl
 from .strategy_context import LightningState, TieredContext, TieredOptions
-from .strategy_recipe import Recipe
+from .strategy_recipe import Recipe, Rules
 from .strategy_step import tiered_optimizer_step
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class Ranks(Protocol):
     def same_on_every_rank(self, choice: Any) -> Any:
         """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
 
-    def gradient_reduction(self, trainer: "pl.Trainer", needs_all_gradients: bool) -> Optional[Reduction]:
+    def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
 
     def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
@@ -127,7 +128,7 @@ class OneProcess:
     def same_on_every_rank(self, choice: Any) -> Any:
         return choice
 
-    def gradient_reduction(self, trainer: "pl.Trainer", needs_all_gradients: bool) -> Optional[Reduction]:
+    def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         return None
 
     def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
@@ -186,7 +187,8 @@ class TieredCore:
         """What ``placement="search"`` chose, with its prediction (None before or without it)."""
         return self.planner.search_result if self.planner is not None else None
 
-    def _recipe(self, trainer: "pl.Trainer") -> Recipe:
+    def recipe(self, trainer: "pl.Trainer") -> Recipe:
+        """What the trainer's recipe allows (``Rules``; Fabric's strategy has rules of its own)."""
         lightning = self.lightning
         return Recipe(trainer, lightning.precision_plugin, self.policy, lightning.world_size, len(lightning.optimizers))
 
@@ -222,6 +224,15 @@ class TieredCore:
                 module._buffers[name] = buffer.to(self.lightning.root_device)
 
     def setup(self, trainer: "pl.Trainer", plain: Callable[["pl.Trainer"], None]) -> None:
+        self.resolve()
+        if self.lightning.lightning_module is not None:
+            self.deferred.adopt(self.lightning.lightning_module)
+        plain(trainer)
+        self.place_module(self.recipe(trainer))
+        _refuse_weight_averaging_on_nvme(trainer, self.engine)
+
+    def resolve(self) -> None:
+        """The hardware (probed when "auto") and each tier's budget, before anything is placed."""
         context = self.context
         if context.hardware is None:
             context.hardware = resolve_hardware(self.options.hardware)
@@ -229,10 +240,12 @@ class TieredCore:
         root = self.lightning.root_device
         if root.type == "cuda":
             torch.cuda.reset_peak_memory_stats(root)
-        if self.lightning.lightning_module is not None:
-            self.deferred.adopt(self.lightning.lightning_module)
-        plain(trainer)
-        module = self.context.module
+
+    def place_module(self, recipe: Rules) -> None:
+        """The module's blocks, the planner and, unless the policy is ``none``, the engine with the
+        first placement: every loop offloads (fit, and evaluation on its own, forward only)."""
+        context, module, root = self.context, self.context.module, self.lightning.root_device
+        assert context.budgets is not None
         plan_file = self.options.plan_file
         self._plan = load_plan(plan_file) if plan_file is not None else None
         activations = self.policy.activations
@@ -244,21 +257,19 @@ class TieredCore:
         context.planner = Planner(self.policy, context.budgets, self.options.nvme_path is not None, self._plan, self._refuse_a_full_disk)
         if self.policy.name != "none":
             _refuse_lazy_parameters(module)
-            # every loop offloads: fit, and validate / test / predict on their own (forward only)
-            context.engine = self._build_engine(trainer)
-            _refuse_weight_averaging_on_nvme(trainer, context.engine)
+            context.engine = self._build_engine(recipe)
         self.deferred.materialize_all(root)  # nothing placed them (it all fits): computed where they run
         if context.engine is None and self.places_parameters_itself():
             module.to(root)
         self.activations.use_saved_tensor_hooks()
         self.activations.attach_swap_if_needed()
 
-    def _replace_engine(self, trainer: "pl.Trainer", gpu_bytes: int) -> None:
+    def _replace_engine(self, recipe: Rules, gpu_bytes: int) -> None:
         """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps."""
         optimizers = self.lightning.optimizers
         states = [optimizer.state_dict() for optimizer in optimizers]  # standard, exact: they move through these
         self._close_engine()
-        self.context.engine = self._build_engine(trainer, gpu_bytes=gpu_bytes)
+        self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes)
         if self.context.engine is None:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
         for optimizer, state in zip(optimizers, states):
@@ -266,28 +277,27 @@ class TieredCore:
         self.activations.use_saved_tensor_hooks()
         self.activations.reattach_swap()  # it copied through the old engine's device, now closed
 
-    def _model_units(self, trainer: "pl.Trainer", units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
+    def _model_units(self, recipe: Rules, units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
         """What the planner knows of the model's units: sizes (no gradients or states without
         training), the units used together, the blocks' units, and the recipe's gradient rules."""
         # Under *-true precisions gradients and states are in fp32 beside an fp32 master of each
         # parameter, and each 16-bit gradient lands in a buffer of half a master's size before widening.
         sizes = [
-            UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if trainer.training else 0)
+            UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if recipe.training else 0)
             for u in units
         ]
         inside = [{id(m) for m in block.modules()} for block in self.activations.blocks]
-        recipe = self._recipe(trainer)
         wait_on_nvme = recipe.gradients_wait_on_nvme()
         return ModelUnits(
             sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
             block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.5 if fp32_masters else 0.0),
             owned=self.ranks.units_with_states_here(sizes),
-            gradients_until_update=trainer.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
-            spill_gradients=trainer.training and wait_on_nvme,
+            gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
+            spill_gradients=recipe.training and wait_on_nvme,
         )
 
-    def _build_engine(self, trainer: "pl.Trainer", gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
+    def _build_engine(self, recipe: Rules, gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
         """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
         may use, all of it by default); None when everything fits in the GPU tier."""
         budgets, planner, model = self.context.budgets, self.context.planner, self.context.module
@@ -295,10 +305,10 @@ class TieredCore:
         units, users = build_units(model)
         if self.policy.chunk_size:
             units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
-        fp32_masters = isinstance(self.lightning.precision_plugin, HalfPrecision)
-        planner.model = self._model_units(trainer, units, users, fp32_masters)
+        fp32_masters = isinstance(self.lightning.precision_plugin, (HalfPrecision, FabricHalfPrecision))
+        planner.model = self._model_units(recipe, units, users, fp32_masters)
         policies = self.activations.policies
-        together = planner.working_groups(policies) if trainer.training else list(planner.model.co_resident)  # no recompute without gradients
+        together = planner.working_groups(policies) if recipe.training else list(planner.model.co_resident)  # no recompute without gradients
         gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
         placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
         if not placement.offloaded and not self.ranks.engine_when_all_fits:
@@ -308,9 +318,11 @@ class TieredCore:
             )
             return None
         _refuse_compiled_modules(model)
-        return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters)
+        return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters, recipe)
 
-    def _start_engine(self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool) -> TieredEngine:
+    def _start_engine(
+        self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool, recipe: Rules
+    ) -> TieredEngine:
         budgets, planner, lightning = self.context.budgets, self.context.planner, self.lightning
         assert budgets is not None and planner is not None and planner.model is not None
         device = make_device(lightning.root_device, capacity=budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
@@ -328,7 +340,7 @@ class TieredCore:
         self._profiled = False
         self._share_optimizer_attributes()
         rank_zero_info(self._describe_placement(engine))
-        self._say_when_updates_wait(self.context.module.trainer)
+        self._say_when_updates_wait(recipe)
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
@@ -353,13 +365,12 @@ class TieredCore:
         return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
                 f"activations per block: {layout}")
 
-    def _say_when_updates_wait(self, trainer: "pl.Trainer") -> None:
+    def _say_when_updates_wait(self, recipe: Rules) -> None:
         """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""
-        recipe = self._recipe(trainer)
-        if self._said_updates_wait or not trainer.training or not recipe.needs_all_gradients():
+        if self._said_updates_wait or not recipe.training or not recipe.needs_all_gradients():
             return
         self._said_updates_wait = True
-        why = "clipping by norm needs every gradient" if recipe.clips_by_norm() else "loss scaling or a hook before the step reads every gradient"
+        why = recipe.why_updates_wait()
         on_nvme = ("offloaded units are updated after backward, NVMe units' gradients waiting on NVMe meanwhile; the units read from "
                    "disk are updated on the update worker's pipeline while the training thread updates the others")
         where = on_nvme if recipe.gradients_wait_on_nvme() else "offloaded units are updated after backward, their gradients kept in host memory"
@@ -391,7 +402,7 @@ class TieredCore:
             nvme_needed=error.nvme_needed,
         ) from None
 
-    def _search_placement(self, trainer: "pl.Trainer") -> None:
+    def _search_placement(self, recipe: Rules) -> None:
         """``placement="search"``, after the profiled first step: the planner's search (jointly with
         the activation layout under ``activations="auto"``); the fastest is put in place between
         two steps (the optimizer states move through their state dicts, exactly)."""
@@ -422,9 +433,9 @@ class TieredCore:
         )
         resident = planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
         if resident is not None:
-            self._replace_engine(trainer, gpu_bytes=resident.gpu_bytes)
+            self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes)
 
-    def _plan_activations(self, trainer: "pl.Trainer") -> None:
+    def _plan_activations(self, recipe: Rules) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
         policy and it is put in place. When no layout fits beside the parameters' share of the GPU
         tier, the parameters are placed again in the share the planner names (the optimizer states
@@ -433,7 +444,7 @@ class TieredCore:
         costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
         parameter_bytes = activations.choose_layout(costs)
         if parameter_bytes is not None:
-            self._replace_engine(trainer, gpu_bytes=parameter_bytes)
+            self._replace_engine(recipe, gpu_bytes=parameter_bytes)
             activations.choose_layout_beside(costs)
         activations.apply_layout()
 
@@ -512,43 +523,44 @@ class TieredCore:
 
     # -- the training step --------------------------------------------------------------------------
 
-    def _plan_between_steps(self, trainer: "pl.Trainer") -> None:
+    def _plan_between_steps(self, recipe: Rules) -> None:
         """Between two optimizer steps' worth of batches no gradient is waiting at home, so the
         parameters may be placed again: the placement search, the activation layout, and a new
         placement when a finetuning callback unfroze parameters."""
         planner, stepped = self.planner, self._optimizer_stepped
         assert planner is not None
         if planner.searching and planner.phase is PlanPhase.INITIAL and stepped and self.engine is not None:
-            self._search_placement(trainer)
+            self._search_placement(recipe)
         if self.activations.profiled and stepped:
-            self._plan_activations(trainer)
+            self._plan_activations(recipe)
         engine = self.engine
         if engine is not None and engine.trainable_grew() and (stepped or not self._profiled):
             rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
             assert planner.gpu_given is not None  # the engine's placement gave it
-            self._replace_engine(trainer, gpu_bytes=planner.gpu_given)
+            self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
 
-    def training_step(self, run: Callable[[], Any]) -> Any:
-        trainer = self.context.module.trainer
-        self._plan_between_steps(trainer)
+    def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None) -> Any:
+        """A training step's forward (``run``), between the planner's decisions and the engine's
+        step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
+        rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
+        self._plan_between_steps(rules)
         self._optimizer_stepped = False
         self.activations.begin_block_forward()
         engine = self.engine
         if engine is None:
             with self.activations.counting_saved():
                 return run()
-        recipe = self._recipe(trainer)
         engine.begin_step(
-            profile=not self._profiled, update_in_backward=recipe.updates_can_start_in_backward(), clip_value=recipe.clip_value(),
-            reduce=self.ranks.gradient_reduction(trainer, recipe.needs_all_gradients()), norms_wanted=self._clips_norm_first(trainer),
+            profile=not self._profiled, update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
+            reduce=self.ranks.gradient_reduction(rules.accumulating(), rules.needs_all_gradients()), norms_wanted=self._clips_norm_first(rules),
         )
         self._profiled = True
         with engine.saved_tensor_hooks():
             return run()
 
-    def _clips_norm_first(self, trainer: "pl.Trainer") -> bool:
+    def _clips_norm_first(self, recipe: Rules) -> bool:
         """This step's clipping by norm is the engine's (gradients may wait on NVMe)."""
-        return self.engine is not None and self.engine.placement.gradients_spilled and self._recipe(trainer).clips_by_norm()
+        return self.engine is not None and self.engine.placement.gradients_spilled and recipe.clips_by_norm()
 
     def eval_step(self, run: Callable[[], Any]) -> Any:
         engine = self.engine
@@ -577,10 +589,24 @@ class TieredCore:
         else:
             module = model or self.context.module
             closure_result = closure()  # forward and backward: the training step may have placed the model again
-            engine, trainer = self.engine, module.trainer
+            engine, recipe = self.engine, self.recipe(module.trainer)
             assert engine is not None
-            result = tiered_optimizer_step(engine, self._recipe(trainer), self._clips_norm_first(trainer), optimizer, closure_result, module, **kwargs)
+            result = tiered_optimizer_step(engine, recipe, self._clips_norm_first(recipe), optimizer, closure_result, module, **kwargs)
         self._optimizer_stepped = True  # no gradient is pending until the next forward
+        return result
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, plain: Callable[[], Any], **kwargs: Any) -> Any:
+        """``optimizer``'s step over every unit where it lives, for a loop that ran forward and
+        backward itself (Fabric's): nothing runs between backward and the step here."""
+        engine = self.engine
+        if engine is None:
+            result = plain()
+        else:
+            try:
+                result = engine.step(optimizer, **kwargs)
+            finally:
+                engine.end_step(optimizer)
+        self._optimizer_stepped = True
         return result
 
     # -- checkpoints: the true state from every tier -----------------------------------------------

@@ -260,8 +260,8 @@ class DataParallelRanks:
     def same_on_every_rank(self, choice: Any) -> Any:
         return self.strategy.broadcast(choice, src=0)
 
-    def gradient_reduction(self, trainer: "pl.Trainer", needs_all_gradients: bool) -> Optional[Reduction]:
-        if trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
+    def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
+        if accumulating:
             return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
         return Reduction.ALL if needs_all_gradients else Reduction.OWNER
 

@@ -9,7 +9,7 @@ Pure functions of Lightning's objects; the strategy's core asks them at set-up a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
@@ -21,6 +21,24 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+class Rules(Protocol):
+    """What the core asks of a recipe: ``Recipe`` reads a Lightning Trainer's, Fabric's strategy
+    answers for loops it cannot see (``strategy_fabric.FabricRules``)."""
+
+    @property
+    def training(self) -> bool:
+        """Gradients and optimizer states are to be planned (a fit, not evaluation alone)."""
+
+    def needs_all_gradients(self) -> bool: ...
+    def clips_by_norm(self) -> bool: ...
+    def clip_value(self) -> Optional[float]: ...
+    def every_step_updates_in_backward(self) -> bool: ...
+    def updates_can_start_in_backward(self) -> bool: ...
+    def gradients_wait_on_nvme(self) -> bool: ...
+    def accumulating(self) -> bool: ...
+    def why_updates_wait(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The trainer's recipe as the tiered runtime needs to know it."""
@@ -30,6 +48,10 @@ class Recipe:
     policy: PolicyConfig
     world_size: int
     optimizer_count: int
+
+    @property
+    def training(self) -> bool:
+        return bool(self.trainer.training)
 
     @property
     def scales_loss(self) -> bool:
@@ -50,7 +72,7 @@ class Recipe:
         value = self.trainer.gradient_clip_val
         return standard and by_norm and value is not None and value > 0
 
-    def clip_value(self) -> float | None:
+    def clip_value(self) -> Optional[float]:
         """The threshold of clipping by value, when the engine clips each unit as it completes."""
         trainer = self.trainer
         return trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" and not gradient_hooks(trainer) else None
@@ -78,6 +100,13 @@ class Recipe:
         if not module.automatic_optimization or self.needs_all_gradients():
             return False
         return not self.trainer.fit_loop._should_accumulate()
+
+    def accumulating(self) -> bool:
+        """This backward is not the last before the optimizer step (as DDP's no_sync)."""
+        return bool(self.trainer.lightning_module.automatic_optimization and self.trainer.fit_loop._should_accumulate())
+
+    def why_updates_wait(self) -> str:
+        return "clipping by norm needs every gradient" if self.clips_by_norm() else "loss scaling or a hook before the step reads every gradient"
 
     def gradients_wait_on_nvme(self) -> bool:
         """Known at set-up: what keeps units from updating as their gradients complete is only

@@ -37,6 +37,7 @@ LAYERS = {
     "strategy_recipe": 6,
     "strategy_step": 6,
     "strategy_ddp": 6,
+    "strategy_fabric": 6,
     "callbacks": 6,
     "checkpoint_io": 6,
     "sharded_checkpoint": 6,

@@ -1,0 +1,194 @@
+"""The tiered strategy under Lightning Fabric: the user's own loop (forward, ``fabric.backward``,
+clipping, accumulation, ``optimizer.step``) trains to the bit what plain Fabric trains, with the
+parameters at home in host memory or on NVMe, and ``fabric.save`` / ``fabric.load`` resume exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning.fabric.plugins.precision import MixedPrecision
+
+import offload_strategy
+from experiments.models import build_causal_lm
+from offload_strategy import TieredFabricStrategy
+from tests.helpers import TINY_GPT2
+
+SEQ, BATCH = 16, 4
+
+
+def _batches(count: int, seed: int = 3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (BATCH, SEQ), generator=generator) for _ in range(count)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return build_causal_lm("gpt2", TINY_GPT2)  # tied input and output embeddings
+
+
+def fabric_train(
+    strategy: Union[str, L.fabric.strategies.Strategy], steps: int = 5, *, accumulate: int = 1, max_norm: Optional[float] = None,
+    clip_val: Optional[float] = None, precision: str = "32-true", save: Optional[Path] = None, load: Optional[Path] = None,
+) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    """The loop a Fabric user writes; returns the losses, the final weights and the Fabric object."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if load is not None:
+        fabric.load(load, state)
+    batches = _batches(steps * accumulate)
+    losses = []
+    for step in range(state["step"], steps):
+        for micro in range(accumulate):
+            batch = batches[step * accumulate + micro]
+            loss = model(input_ids=batch, labels=batch).loss / accumulate
+            fabric.backward(loss)
+            losses.append(loss.item())
+        if max_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=max_norm)
+        if clip_val is not None:
+            fabric.clip_gradients(model, optimizer, clip_val=clip_val)
+        optimizer.step()
+        optimizer.zero_grad()
+        if save is not None and step == 1:
+            state["step"] = step + 1
+            fabric.save(save, state)
+    fabric.strategy.teardown()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, fabric
+
+
+def assert_same(plain: tuple, tiered: tuple) -> None:
+    assert tiered[0] == plain[0], "losses differ from plain Fabric's"
+    assert plain[1].keys() == tiered[1].keys()
+    for name, value in plain[1].items():
+        assert torch.equal(value, tiered[1][name]), name
+
+
+@pytest.mark.parametrize(
+    "recipe", [dict(), dict(max_norm=0.05), dict(clip_val=0.01), dict(accumulate=2, max_norm=0.05)], ids=["plain", "norm", "value", "accumulate"]
+)
+def test_same_losses_and_weights_as_plain_fabric_from_host_memory(recipe):
+    strategy = TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB")
+    tiered = fabric_train(strategy, **recipe)
+    assert strategy.metrics()["link/h2d_bytes_total"] > 0, "nothing was streamed"
+    assert_same(fabric_train("auto", **recipe), tiered)
+
+
+def test_same_losses_and_weights_as_plain_fabric_from_nvme(tmp_path):
+    strategy = TieredFabricStrategy(policy="zero_infinity", gpu_memory="160KiB", nvme_path=tmp_path / "nvme")
+    tiered = fabric_train(strategy, max_norm=0.05)
+    assert strategy.metrics()["link/nvme_read_bytes_total"] > 0, "nothing was read from NVMe"
+    assert_same(fabric_train("auto", max_norm=0.05), tiered)
+
+
+def test_the_default_policy_plans_placement_and_activations_and_stays_exact():
+    """``policy="auto"`` profiles the first step, then places the parameters and chooses every
+    block's activation policy between steps, as under the Trainer."""
+    strategy = TieredFabricStrategy(gpu_memory="400KiB")
+    tiered = fabric_train(strategy, steps=4, max_norm=0.05)
+    assert strategy.placement_search is not None, "the placement search did not run"
+    plan = strategy.activation_plan
+    assert plan is not None and len(plan.layout) == TINY_GPT2["n_layer"] and "checkpoint" in plan.layout, plan
+    assert_same(fabric_train("auto", steps=4, max_norm=0.05), tiered)
+
+
+def test_clip_gradients_by_norm_returns_plain_fabrics_total_norm():
+    norms = {}
+    for name, strategy in [("plain", "auto"), ("tiered", TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"))]:
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        model, optimizer = fabric.setup(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+        batch = _batches(1)[0]
+        fabric.backward(model(input_ids=batch, labels=batch).loss)
+        norms[name] = fabric.clip_gradients(model, optimizer, max_norm=1e-3)
+        fabric.strategy.teardown()
+    assert torch.equal(norms["plain"], norms["tiered"])
+
+
+def test_save_and_load_resume_exactly(tmp_path):
+    straight = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=4)
+    fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=2, save=tmp_path / "ckpt.pt")
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert checkpoint["step"] == 2 and "transformer.h.0.attn.c_attn.weight" in checkpoint["model"]
+    resumed = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=4, load=tmp_path / "ckpt.pt")
+    assert resumed[0] == straight[0][2:]
+    for name, value in straight[1].items():
+        assert torch.equal(value, resumed[1][name]), name
+    # and plain Fabric resumes from the tiered checkpoint to the same weights
+    plain = fabric_train("auto", steps=4, load=tmp_path / "ckpt.pt")
+    assert_same(plain, resumed)
+
+
+def test_evaluation_without_gradients_reads_the_trained_weights():
+    strategy = TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    plain_model = _model()
+    model, _ = fabric.setup(_model(), torch.optim.SGD(plain_model.parameters(), lr=0.0))
+    batch = _batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        tiered = model(input_ids=batch).logits
+        expected = plain_model.eval()(input_ids=batch).logits
+    assert torch.equal(tiered, expected)
+    assert strategy.metrics()["link/h2d_bytes_total"] > 0
+    fabric.strategy.teardown()
+
+
+def test_the_strategy_is_known_to_fabric_by_name_with_every_preset():
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="tiered")
+    assert isinstance(fabric.strategy, TieredFabricStrategy) and fabric.strategy.policy.name == "auto"
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="tiered_zero_offload")
+    assert fabric.strategy.policy.placement == "offload_states"
+    names = {f"tiered_{p}" for p in offload_strategy.PRESETS if p not in ("auto", "none")}
+    assert names <= set(L.fabric.strategies.STRATEGY_REGISTRY)
+
+
+def test_refusals_say_what_to_do():
+    scaled = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))  # what '16-mixed' is on a GPU
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        TieredFabricStrategy(precision=scaled)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="tiered")
+    model = fabric.setup_module(_model())
+    with pytest.raises(RuntimeError, match=r"fabric\.setup\(model, optimizer\)"):
+        fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.strategy.teardown()
+    with pytest.raises(ValueError, match="devices=1"):
+        L.Fabric(accelerator="cpu", devices=2, strategy=TieredFabricStrategy())
+
+
+def test_bf16_mixed_matches_plain_fabric():
+    tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=3, max_norm=0.05, precision="bf16-mixed")
+    assert_same(fabric_train("auto", steps=3, max_norm=0.05, precision="bf16-mixed"), tiered)
+
+
+def test_bf16_true_updates_fp32_masters_as_a_hand_written_loop_does():
+    """Under bf16-true the tiered runtime updates an fp32 master of each parameter (as the Trainer's
+    strategy does); the reference is plain Fabric with the masters kept by hand."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="auto", precision="bf16-true")
+    model = fabric.setup(_model())
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    losses = []
+    for batch in _batches(3):
+        loss = model(input_ids=batch, labels=batch).loss
+        fabric.backward(loss)
+        losses.append(loss.item())
+        for p, master in zip(params, masters):
+            master.grad = p.grad.float()
+            p.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+    reference = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="80KiB"), steps=3, precision="bf16-true")
+    assert all(v.dtype == torch.bfloat16 for v in tiered[1].values())
+    assert_same(reference, tiered)
