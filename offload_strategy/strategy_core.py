@@ -47,6 +47,7 @@ from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
 from .strategy_activations import ActivationControl
 from .strategy_context import LightningState, TieredContext, TieredOptions
+from .strategy_prediction import PredictionCheck
 from .strategy_recipe import Recipe, Rules
 from .strategy_step import tiered_optimizer_step
 
@@ -155,6 +156,7 @@ class TieredCore:
         self.deferred = DeferredParameters()
         self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
         self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
+        self.prediction = PredictionCheck()
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -294,7 +296,7 @@ class TieredCore:
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.5 if fp32_masters else 0.0),
             owned=self.ranks.units_with_states_here(sizes),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
-            spill_gradients=recipe.training and wait_on_nvme,
+            spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units],
         )
 
     def _build_engine(self, recipe: Rules, gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
@@ -431,6 +433,7 @@ class TieredCore:
             f"tiered: placement search keeps the first {count} units resident with {plan.parameters.buffers} streaming buffers, "
             f"predicted {plan.seconds * 1e3:.1f} ms per step"
         )
+        self.prediction.planned(plan.seconds, "placement search")
         resident = planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
         if resident is not None:
             self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes)
@@ -447,6 +450,8 @@ class TieredCore:
             self._replace_engine(recipe, gpu_bytes=parameter_bytes)
             activations.choose_layout_beside(costs)
         activations.apply_layout()
+        assert activations.plan is not None
+        self.prediction.planned(activations.plan.seconds, "activation layout")
 
     # -- plans --------------------------------------------------------------------------------------
 
@@ -538,6 +543,15 @@ class TieredCore:
             rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
             assert planner.gpu_given is not None  # the engine's placement gave it
             self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
+        if stepped and self.prediction.predicted_seconds is None:
+            self._predict_fixed_placement()
+
+    def _predict_fixed_placement(self) -> None:
+        """A placement nothing searched is predicted once, by the step model on the first step's
+        compute times, so that its error is reported as a search's is."""
+        predicted = self.predicted_step() if self.engine is not None else None
+        if predicted is not None:
+            self.prediction.planned(predicted.seconds, "step model")
 
     def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None) -> Any:
         """A training step's forward (``run``), between the planner's decisions and the engine's
@@ -545,6 +559,7 @@ class TieredCore:
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self._plan_between_steps(rules)
         self._optimizer_stepped = False
+        self.prediction.step_begins()
         self.activations.begin_block_forward()
         engine = self.engine
         if engine is None:
@@ -592,8 +607,14 @@ class TieredCore:
             engine, recipe = self.engine, self.recipe(module.trainer)
             assert engine is not None
             result = tiered_optimizer_step(engine, recipe, self._clips_norm_first(recipe), optimizer, closure_result, module, **kwargs)
-        self._optimizer_stepped = True  # no gradient is pending until the next forward
+        self._stepped()
         return result
+
+    def _stepped(self) -> None:
+        self._optimizer_stepped = True  # no gradient is pending until the next forward
+        report = self.prediction.step_ends()
+        if report is not None:
+            rank_zero_info(report)
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, plain: Callable[[], Any], **kwargs: Any) -> Any:
         """``optimizer``'s step over every unit where it lives, for a loop that ran forward and
@@ -606,7 +627,7 @@ class TieredCore:
                 result = engine.step(optimizer, **kwargs)
             finally:
                 engine.end_step(optimizer)
-        self._optimizer_stepped = True
+        self._stepped()
         return result
 
     # -- checkpoints: the true state from every tier -----------------------------------------------
@@ -786,7 +807,13 @@ class TieredCore:
         else:
             out["memory/nvme_bytes"] = 0.0
         out.update(self.activations.metrics())
+        out.update(self.prediction.metrics())
         return out
+
+
+def _work(unit: Any) -> tuple:
+    """What makes two units do the same work in a step (``ModelUnits.work``)."""
+    return tuple((tuple(p.shape), str(p.dtype), p.requires_grad) for p in unit.params)
 
 
 def _nvme_state_bytes(engine: TieredEngine) -> int:

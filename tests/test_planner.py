@@ -5,7 +5,9 @@ import pytest
 from offload_strategy.config import PolicyConfig
 from offload_strategy.planning.activations import BlockCost, Links
 from offload_strategy.planning.placement import PlacementError, UnitSize
+from offload_strategy.planning.cost_model import Machine
 from offload_strategy.planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
+from offload_strategy.profiling import StepProfile, hold_spikes
 
 
 def model(sizes=(100, 100, 100), blocks=()) -> ModelUnits:
@@ -91,3 +93,32 @@ def test_offload_states_gives_every_unit_a_gpu_buffer_of_its_own_or_refuses_with
     short = Planner(PolicyConfig(placement="offload_states"), TierBudgets(gpu=3583, host=100_000, nvme=0), has_nvme=False)
     with pytest.raises(PlacementError, match=r"whole step.*need 3\.50 KiB.*by at least 1 B.*zero3_offload"):
         short.place(model((1000, 2000, 100)), 3583, [[0], [1], [2]], False)
+
+
+def test_a_stall_of_a_few_units_in_the_profiled_step_is_held_to_their_groups_median():
+    # hand-worked: units 0-3 do the same work; 2 stalled (9.0 > 2 x the median 1.05); 4 is alone, 5-6 a pair
+    seconds = {0: 1.0, 1: 1.1, 2: 9.0, 3: 0.9, 4: 5.0, 5: 1.0, 6: 7.0}
+    groups = {0: "a", 1: "a", 2: "a", 3: "a", 4: "b", 5: "c", 6: "c"}
+    assert hold_spikes(seconds, groups) == {0: 1.0, 1: 1.1, 2: 1.05, 3: 0.9, 4: 5.0, 5: 1.0, 6: 7.0}
+    assert hold_spikes({0: 1.0, 1: 2.0, 2: 3.0}, dict.fromkeys(range(3), "a")) == {0: 1.0, 1: 2.0, 2: 3.0}  # 3.0 is not over 2 x 2.0
+
+
+def _searched(work, forward):
+    """The search over six equal units of 1000 bytes, each 1 ms of backward, with ``forward`` ms."""
+    sizes = model(sizes=(1000,) * 6)
+    units = ModelUnits(**{**sizes.__dict__, "work": work})
+    planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=3500, host=100_000, nvme=0), has_nvme=False)
+    planner.place(units, 3500, [[i] for i in range(6)], False)
+    timing = StepProfile(unit_names=units.names, unit_bytes=[1000] * 6, order=list(range(6)),
+                         forward_seconds={i: f / 1e3 for i, f in enumerate(forward)}, backward_seconds={i: 1e-3 for i in range(6)})
+    plan, _ = planner.search(timing, [True] * 6, Machine(h2d=1e6, d2h=1e6), direct_gradients=False)
+    return plan
+
+
+def test_the_plan_does_not_change_because_a_neighbour_stalled_the_profiled_step():
+    clean = _searched(("layer",) * 6, [1.0] * 6)
+    stalled = [1.0, 1.0, 40.0, 1.0, 1.0, 1.0]  # a neighbour process took the CPU while unit 2 ran
+    held = _searched(("layer",) * 6, stalled)
+    assert (held.parameters.persistent, held.parameters.buffers, held.seconds) == (clean.parameters.persistent, clean.parameters.buffers, clean.seconds)
+    unguarded = _searched((), stalled)  # without knowing the units do equal work, the stall counts as compute
+    assert unguarded.seconds > clean.seconds + 0.03

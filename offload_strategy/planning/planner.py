@@ -18,12 +18,12 @@ Pure: no torch state. Errors say what does not fit, the numbers, and what to do.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..config import ActivationPlanner, BlockPolicy, PlacementMode, PolicyConfig, Tier, format_bytes
-from ..profiling.profile import StepProfile
+from ..profiling.profile import StepProfile, steady_timing
 from .activations import ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
 from .auto import AutoPlan, plan_auto
 from .cost_model import Machine, costs_from_timing
@@ -72,6 +72,9 @@ class ModelUnits:
     gradients_until_update: bool = False
     # ... and wait on NVMe for the update after something that needs them all (clipping by norm)
     spill_gradients: bool = False
+    # per unit, what decides its work (its parameters' shapes): equal keys, equal compute, so a
+    # stall of a few of them in the profiled step is held to their group's median
+    work: Sequence[Hashable] = ()
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,7 @@ class Planner:
         model, budgets = self.units, self.budgets
         used = list(dict.fromkeys(timing.order))
         order = used + [i for i in range(len(model.sizes)) if i not in used]
+        timing = steady_timing(timing, dict(enumerate(model.work)))
         costs = costs_from_timing(timing, list(trainable))
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}

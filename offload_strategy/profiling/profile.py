@@ -9,7 +9,9 @@ training step the same way (``TieredEngine.last_timing``, without the order).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import statistics
+from collections.abc import Hashable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -50,4 +52,31 @@ def mean_timing(timings: list[StepProfile]) -> StepProfile:
         forward_seconds=mean("forward_seconds"), backward_seconds=mean("backward_seconds"), update_seconds=mean("update_seconds"),
         outside_forward_seconds=sum(t.outside_forward_seconds for t in timings) / n,
         outside_backward_seconds=sum(t.outside_backward_seconds for t in timings) / n,
+    )
+
+
+SPIKE_FACTOR = 2.0  # a time over twice its group's median is a stall, not the work
+
+
+def hold_spikes(seconds: Mapping[int, float], groups: Mapping[int, Hashable], factor: float = SPIKE_FACTOR) -> dict[int, float]:
+    """Each time held to ``factor`` times the median of its group's (``groups``: index -> key;
+    units whose parameters have the same shapes do the same work), so that a stall of a few units
+    in one profiled step (a neighbour process, a page fault on first touch) does not decide the
+    plan. A group of fewer than three has no majority to compare with and is kept as measured."""
+    members: dict[Hashable, list[float]] = {}
+    for index, value in seconds.items():
+        members.setdefault(groups.get(index, ("alone", index)), []).append(value)
+    medians = {key: statistics.median(values) for key, values in members.items() if len(values) >= 3}
+    out = {}
+    for index, value in seconds.items():
+        median = medians.get(groups.get(index, ("alone", index)))
+        out[index] = median if median is not None and value > factor * median else value
+    return out
+
+
+def steady_timing(timing: StepProfile, groups: Mapping[int, Hashable], factor: float = SPIKE_FACTOR) -> StepProfile:
+    """``timing`` with every unit's forward and backward time held by :func:`hold_spikes`."""
+    return replace(
+        timing, order=list(timing.order),
+        forward_seconds=hold_spikes(timing.forward_seconds, groups, factor), backward_seconds=hold_spikes(timing.backward_seconds, groups, factor),
     )

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES, ActivationPlanner, BlockPolicy
 from ..planning.activations import BlockCost
+from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 
 KEEP, CHECKPOINT = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT
@@ -213,6 +214,8 @@ class ActivationPolicies:
         if len(seconds) > 1:  # the first block ran once, cold; its recomputed likes ran warm
             others = sorted(seconds[1:])
             seconds[0] = min(seconds[0], others[len(others) // 2])
+        held = hold_spikes(dict(enumerate(seconds)), dict.fromkeys(range(len(seconds)), "block"))  # a stall of one block is not its work
+        seconds = [held[i] for i in range(len(seconds))]
         return [
             BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f)
             for i, f in zip(self.profile.input_bytes, seconds)

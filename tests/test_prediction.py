@@ -1,0 +1,54 @@
+"""Every plan's prediction comes with the step model's measured error on the run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from offload_strategy import TieredStrategy
+from offload_strategy.strategy_prediction import PredictionCheck
+from tests.helpers import train
+
+
+def test_the_error_is_the_median_of_the_steps_under_the_plan_against_its_prediction(monkeypatch):
+    durations = [0.5, 0.10, 0.12, 0.08, 0.11, 0.09, 0.10, 0.13, 0.10, 0.10, 0.12]  # the first, after placing, is left out
+    clock = iter([t for d in durations for t in (0.0, d)])
+    monkeypatch.setattr("offload_strategy.strategy_prediction.time.perf_counter", lambda: next(clock))
+    check = PredictionCheck()
+    check.planned(0.08, "placement search")
+    reports = []
+    for _ in durations:
+        check.step_begins()
+        reports.append(check.step_ends())
+    # hand-worked: sorted .08 .09 .10 .10 .10 .10 .11 .12 .12 .13, median 0.10; 0.10 / 0.08 - 1 = +25%
+    assert check.measured_seconds() == pytest.approx(0.10) and check.error() == pytest.approx(0.25)
+    assert reports[:-1] == [None] * 10
+    assert reports[-1] == "tiered: the placement search predicted 80.0 ms per step; the median of 10 steps under it is 100.0 ms (+25%)."
+    assert check.metrics() == pytest.approx({"plan/predicted_step_ms": 80.0, "plan/measured_step_ms": 100.0, "plan/prediction_error": 0.25})
+
+
+def test_accumulated_micro_batches_are_one_step_and_a_new_plan_starts_afresh(monkeypatch):
+    clock = iter([0.0, 9.0, 1.0, 2.5])
+    monkeypatch.setattr("offload_strategy.strategy_prediction.time.perf_counter", lambda: next(clock))
+    check = PredictionCheck()
+    check.planned(1.0, "step model")
+    check.step_begins()
+    check.step_ends()  # left out: the first under the plan
+    check.step_begins()
+    check.step_begins()  # a second micro-batch of the same step
+    check.step_ends()
+    assert check.measured == [1.5]
+    check.planned(2.0, "activation layout")
+    assert check.measured == [] and check.metrics() == {"plan/predicted_step_ms": 2000.0}
+
+
+def test_a_run_reports_its_prediction_and_the_measured_step(tmp_path, caplog):
+    strategy = TieredStrategy(gpu_memory="400KiB")
+    with caplog.at_level(logging.INFO):
+        train(strategy, tmp_path, epochs=2)
+    said = [r.getMessage() for r in caplog.records if "ms per step; the median of" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("tiered: the activation layout predicted"), said
+    metrics = strategy.metrics()
+    assert metrics["plan/measured_step_ms"] > 0 and metrics["plan/predicted_step_ms"] > 0
+    assert metrics["plan/prediction_error"] == pytest.approx(metrics["plan/measured_step_ms"] / metrics["plan/predicted_step_ms"] - 1)
