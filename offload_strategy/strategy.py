@@ -20,7 +20,7 @@ from typing_extensions import override
 from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig, StateDictType
 from .planning.planner import TierBudgets
-from .strategy_context import TieredOptions
+from .strategy_context import TieredOptions, one_device
 from .strategy_core import MemoryBudgetError, OneProcess, TieredCore, check_precision, exposes_core
 
 if TYPE_CHECKING:
@@ -91,12 +91,7 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
-        if devices is not None and len(devices) > 1:
-            raise ValueError(
-                f"strategy='tiered' trains on one device, but {len(devices)} were given ({devices}); "
-                f"set devices=1 on the Trainer."
-            )
-        self._parallel_devices = [torch.device(d) for d in devices] if devices is not None else None
+        self._parallel_devices = one_device(devices, "the Trainer")
 
     @property
     @override

@@ -115,6 +115,14 @@ class TieredContext:
         return module
 
 
+def one_device(devices: Optional[list[Any]], loop: str) -> Optional[list[torch.device]]:
+    """The devices Lightning's connector gives a one-device tiered strategy (``loop``: "Trainer"
+    or "Fabric", where ``devices=1`` is set)."""
+    if devices is not None and len(devices) > 1:
+        raise ValueError(f"strategy='tiered' trains on one device, but {len(devices)} were given ({devices}); set devices=1 on {loop}.")
+    return [torch.device(d) for d in devices] if devices is not None else None
+
+
 def _validate_nvme_path(path: Optional[Union[str, Path]]) -> Optional[Path]:
     if path is None:
         return None

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig
-from .strategy_context import TieredOptions
+from .strategy_context import TieredOptions, one_device
 from .strategy_core import OneProcess, TieredCore, exposes_core
 
 if TYPE_CHECKING:
@@ -152,6 +152,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         self._state = _FabricState(self)
         self.tiered = TieredCore(options, self._state, OneProcess())
         self._rules = FabricRules(training=False)
+        self._placed: Optional[nn.Module] = None
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision=precision)
         if parallel_devices is not None:
@@ -165,9 +166,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
-        if devices is not None and len(devices) > 1:
-            raise ValueError(f"strategy='tiered' trains on one device, but {len(devices)} were given ({devices}); set devices=1 on Fabric.")
-        self._parallel_devices = [torch.device(d) for d in devices] if devices is not None else None
+        self._parallel_devices = one_device(devices, "Fabric")
 
     @property
     @override
@@ -192,6 +191,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
+        self._refuse_a_second_model(module)
         self._state.module = module
         self.tiered.model_to_device(lambda: super(TieredFabricStrategy, self).module_to_device(module))
 
@@ -213,9 +213,16 @@ class TieredFabricStrategy(SingleDeviceStrategy):
             "together: `model, optimizer = fabric.setup(model, optimizer)` instead of fabric.setup_module and fabric.setup_optimizers."
         )
 
+    def _refuse_a_second_model(self, module: nn.Module) -> None:
+        if self._placed is not None and self._placed is not module:
+            raise RuntimeError(
+                "strategy='tiered' under Fabric tiers one model, and one was set up already; set both up as one module "
+                "(an nn.ModuleDict of them) with all their optimizers in one fabric.setup call, or use one Fabric per model."
+            )
+
     def _place(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
-        if self._state.module is not None and self._state.module is not module and self.tiered.engine is not None:
-            raise RuntimeError("strategy='tiered' under Fabric tiers one model; set up one model per Fabric strategy.")
+        self._refuse_a_second_model(module)
+        self._placed = module
         self._state.module, self._state.optimizers = module, list(optimizers)
         self._rules = FabricRules(training=bool(optimizers))
         self.tiered.resolve()

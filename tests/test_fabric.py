@@ -4,6 +4,8 @@ parameters at home in host memory or on NVMe, and ``fabric.save`` / ``fabric.loa
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -192,3 +194,54 @@ def test_bf16_true_updates_fp32_masters_as_a_hand_written_loop_does():
     tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="80KiB"), steps=3, precision="bf16-true")
     assert all(v.dtype == torch.bfloat16 for v in tiered[1].values())
     assert_same(reference, tiered)
+
+
+def test_a_script_that_never_tears_the_strategy_down_still_exits_and_cleans_up(tmp_path):
+    """Fabric has no end of training: a loop that ends without ``fabric.strategy.teardown()`` must
+    neither hang at exit (the runtime's threads are daemons) nor leave its NVMe files behind."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import torch, lightning as L\n"
+        "from offload_strategy import TieredFabricStrategy\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])\n"
+        f"s = TieredFabricStrategy(policy='zero_infinity', gpu_memory='40KiB', nvme_path={str(tmp_path / 'nvme')!r})\n"
+        "fabric = L.Fabric(accelerator='cpu', devices=1, strategy=s)\n"
+        "model, opt = fabric.setup(m, torch.optim.AdamW(m.parameters(), lr=1e-2))\n"
+        "for _ in range(3):\n"
+        "    fabric.backward(model(torch.randn(8, 64)).pow(2).mean()); opt.step(); opt.zero_grad()\n"
+        "print('trained', s.metrics()['link/nvme_read_bytes_total'] > 0)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "trained True" in result.stdout, result.stderr[-2000:]
+    assert not [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()], "NVMe files left behind"
+
+
+def _two_forwards(strategy) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    generator, losses = torch.Generator().manual_seed(1), []
+    for _ in range(4):
+        a, b = torch.randn(8, 64, generator=generator), torch.randn(8, 64, generator=generator)
+        loss = model(a).pow(2).mean() + model(b).pow(2).mean()  # two forwards, one backward (a contrastive pair)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    fabric.strategy.teardown()
+    return losses, [p.detach().clone() for p in module.parameters()]
+
+
+def test_two_forwards_before_one_backward_train_as_plain_fabric_does():
+    plain, tiered = _two_forwards("auto"), _two_forwards(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
+    assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))
+
+
+def test_a_second_model_is_refused_with_how_to_tier_both():
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
+    first, second = nn.Linear(64, 64), nn.Linear(64, 64)
+    fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="one model.*nn.ModuleDict"):
+        fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    fabric.strategy.teardown()

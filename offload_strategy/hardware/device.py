@@ -187,7 +187,8 @@ class _Link:
     """One direction of the emulated link: a FIFO served by one thread, so copies finish in issue order.
 
     It holds no reference to its device, so a device dropped without ``close()`` can still be
-    collected and stop its threads (they are not daemons: a copy is never cut off mid-way).
+    collected and stop its threads. They are daemons: a script that ends without tearing the
+    strategy down (a Fabric loop) must not wait on them at exit, and no copy outlives the process.
     """
 
     def __init__(self, name: str, gbps: Optional[float]) -> None:
@@ -195,7 +196,7 @@ class _Link:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._last: Optional[Event] = None
         self.failure: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._serve, name=f"offload-{name}")
+        self.thread = threading.Thread(target=self._serve, name=f"offload-{name}", daemon=True)
         self.thread.start()
 
     def put(self, event: Event, dst: torch.Tensor, src: torch.Tensor) -> None:

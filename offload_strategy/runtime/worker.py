@@ -14,7 +14,7 @@ class UpdateWorker:
     def __init__(self, name: str = "offload-update") -> None:
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=name)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)  # never keeps a script from exiting
         self._thread.start()
 
     def _run(self) -> None:
