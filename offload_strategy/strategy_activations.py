@@ -140,6 +140,13 @@ class ActivationControl:
         assert planner is not None and activations.planner is not None
         planner.refuse_unfitting_activations(activations.block_costs(), activations.planner, activations.policies)
 
+    def measure_blocks_again(self) -> None:
+        """The blocks are timed again in the next training step (the first ran cold)."""
+        activations = self.policies_in_use
+        if activations is not None and activations.profile is not None:
+            activations.end_profile()
+            activations.start_profile()
+
     # -- the step ---------------------------------------------------------------------------------------
 
     def begin_block_forward(self) -> None:

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 # or the step in ways the runtime would silently undo.
 _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
+# Steps before the one the planner prices: the first use of every buffer and kernel makes the
+# first step slower than the rest by an amount that varies from run to run (docs/benchmarks.md).
+WARM_UP_STEPS = 1
+
 # Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
 _STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
 
@@ -157,6 +161,7 @@ class TieredCore:
         self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
         self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
         self.prediction = PredictionCheck()
+        self._steps_done = 0  # optimizer steps taken under this strategy
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -534,16 +539,19 @@ class TieredCore:
         placement when a finetuning callback unfroze parameters."""
         planner, stepped = self.planner, self._optimizer_stepped
         assert planner is not None
-        if planner.searching and planner.phase is PlanPhase.INITIAL and stepped and self.engine is not None:
+        if stepped and self._steps_done == WARM_UP_STEPS:
+            self.activations.measure_blocks_again()  # the blocks' times of the warm step, not the first's
+        warm = stepped and self._steps_done > WARM_UP_STEPS
+        if planner.searching and planner.phase is PlanPhase.INITIAL and warm and self.engine is not None:
             self._search_placement(recipe)
-        if self.activations.profiled and stepped:
+        if self.activations.profiled and warm:
             self._plan_activations(recipe)
         engine = self.engine
         if engine is not None and engine.trainable_grew() and (stepped or not self._profiled):
             rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
             assert planner.gpu_given is not None  # the engine's placement gave it
             self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
-        if stepped and self.prediction.predicted_seconds is None:
+        if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
 
     def _predict_fixed_placement(self) -> None:
@@ -612,6 +620,7 @@ class TieredCore:
 
     def _stepped(self) -> None:
         self._optimizer_stepped = True  # no gradient is pending until the next forward
+        self._steps_done += 1
         report = self.prediction.step_ends()
         if report is not None:
             rank_zero_info(report)

@@ -46,9 +46,33 @@ def test_accumulated_micro_batches_are_one_step_and_a_new_plan_starts_afresh(mon
 def test_a_run_reports_its_prediction_and_the_measured_step(tmp_path, caplog):
     strategy = TieredStrategy(gpu_memory="400KiB")
     with caplog.at_level(logging.INFO):
-        train(strategy, tmp_path, epochs=2)
+        train(strategy, tmp_path, epochs=3)  # planned from the second step, reported ten steps after
     said = [r.getMessage() for r in caplog.records if "ms per step; the median of" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("tiered: the activation layout predicted"), said
     metrics = strategy.metrics()
     assert metrics["plan/measured_step_ms"] > 0 and metrics["plan/predicted_step_ms"] > 0
     assert metrics["plan/prediction_error"] == pytest.approx(metrics["plan/measured_step_ms"] / metrics["plan/predicted_step_ms"] - 1)
+
+
+def test_the_plan_is_priced_from_the_second_step_not_the_cold_first(tmp_path, monkeypatch):
+    """The first step's first use of every buffer and kernel makes it slower by an amount that
+    varies between runs; the search and the layout price the second step's measured times."""
+    from offload_strategy.planning.planner import Planner
+    from offload_strategy.strategy_activations import ActivationControl
+
+    strategy = TieredStrategy(gpu_memory="400KiB")
+    seen = {}
+    search, choose = Planner.search, ActivationControl.choose_layout
+
+    def searched(planner, timing, *args, **kwargs):
+        seen["search"] = (strategy.tiered._steps_done, timing is strategy.engine.profile)
+        return search(planner, timing, *args, **kwargs)
+
+    def chosen(control, costs):
+        seen["layout"] = strategy.tiered._steps_done
+        return choose(control, costs)
+
+    monkeypatch.setattr(Planner, "search", searched)
+    monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
+    train(strategy, tmp_path, epochs=1)
+    assert seen == {"search": (2, False), "layout": 2}

@@ -101,7 +101,7 @@ class ActivationPolicies:
         self._profile_hooks: list[Any] = []
         if self.auto:
             self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
-            self._start_profile()
+            self.start_profile()
         else:
             self.policies = [KEEP] * len(self.blocks) if policy in PLANNERS else resolve_policies(self.blocks, policy)
         self.apply(self.policies)
@@ -156,7 +156,7 @@ class ActivationPolicies:
 
     # -- profiling (policy "auto") ------------------------------------------------------------------
 
-    def _start_profile(self) -> None:
+    def start_profile(self) -> None:
         self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks))
         started: dict[int, float] = {}
         done: set[int] = set()
