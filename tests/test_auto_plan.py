@@ -110,3 +110,35 @@ def test_a_checkpointed_block_needs_its_units_resident_together():
     best = plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 1100, host_bytes=10**6, nvme_bytes=0, state_factor=2.0,
                      blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6, block_units=[[0, 1], [2, 3]])
     assert best.activations.layout == ("checkpoint", "keep") and best.parameters.persistent == 0 and best.seconds == pytest.approx(14)
+
+
+def test_host_swaps_and_streamed_units_share_host_memory_within_its_budget():
+    """A layout priced with host room for its swaps is not paired with a placement whose streamed
+    units take that room. Hand-worked: three frozen units of 512 bytes (1 s forward, 2 s backward
+    each), three blocks saving 2000 bytes, swaps nearly free, a 5100-byte GPU tier. Swapping two
+    blocks (S S K, peak 4000) leaves 1100 bytes: every unit streamed through two buffers, their
+    page-aligned homes 3 x 4096 = 12288 bytes of host memory, 10 s. With host memory 13312 the
+    4000 swapped bytes do not fit beside those homes, so the search takes C C K (peak 2200, every
+    unit resident, nothing in host memory, 11 s)."""
+    sizes, costs = [UnitSize(i, 512, 0) for i in range(3)], {i: UnitCost(512, 1.0, 2.0) for i in range(3)}
+    blocks, fast = [BlockCost(2000, 100, 1.0)] * 3, Links(d2h=1e6, h2d=1e6)
+
+    def best(host: int):
+        return plan_auto(sizes, [[0], [1], [2]], [0, 1, 2], costs, MACHINE, gpu_bytes=5100, host_bytes=host, nvme_bytes=0, state_factor=2.0,
+                         blocks=blocks, links=fast, activation_host_bytes=10**6)
+
+    roomy = best(10**6)
+    assert roomy.activations.layout == ("swap_host", "swap_host", "keep") and roomy.parameters.placement.host_bytes == 12288
+    assert roomy.seconds == pytest.approx(10.0)
+    tight = best(12288 + 1024)
+    assert tight.activations.layout == ("checkpoint", "checkpoint", "keep") and tight.parameters.persistent == 3
+    assert tight.parameters.placement.host_bytes == 0 and tight.seconds == pytest.approx(11.0)
+
+
+def test_a_search_short_of_host_memory_says_so_instead_of_asking_for_more_gpu_memory():
+    # four frozen units of 512 bytes streamed need 16 KiB of page-aligned host homes; 3 KiB is short,
+    # and no GPU budget would help
+    with pytest.raises(PlacementError, match=r"^host_memory=2.98 KiB cannot hold the offloaded units' parameters") as refused:
+        plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 2000, host_bytes=3048, nvme_bytes=0, state_factor=2.0,
+                  blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6)
+    assert refused.value.tier == "host"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import SingleDeviceStrategy
 
 import offload_strategy
 from experiments.models import build_causal_lm
@@ -245,3 +246,28 @@ def test_a_second_model_is_refused_with_how_to_tier_both():
     with pytest.raises(RuntimeError, match="one model.*nn.ModuleDict"):
         fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
     fabric.strategy.teardown()
+
+
+def _built_under_init_module(strategy) -> tuple[list[float], list[torch.Tensor], int]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    torch.manual_seed(0)
+    with fabric.init_module():  # under the tiered strategy: no memory until each parameter is placed
+        module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    deferred = len(strategy.tiered.deferred) if isinstance(strategy, TieredFabricStrategy) else 0
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    generator, losses = torch.Generator().manual_seed(1), []
+    for _ in range(3):
+        loss = model(torch.randn(8, 64, generator=generator)).pow(2).mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    fabric.strategy.teardown()
+    return losses, [p.detach().clone() for p in module.parameters()], deferred
+
+
+def test_a_model_built_under_fabric_init_module_is_computed_in_its_homes_to_the_bit():
+    plain = _built_under_init_module(SingleDeviceStrategy(device="cpu"))
+    tiered = _built_under_init_module(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
+    assert tiered[2] == 12, "the parameters were allocated when built"
+    assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))

@@ -28,7 +28,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from .activations import CHECKPOINT, KEEP, ActivationPlan, BlockCost, Links, layout_frontier, step_seconds
+from ..config import Tier
+from .activations import CHECKPOINT, KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, layout_frontier, step_seconds
 from .cost_model import Machine, UnitCost
 from .placement import PlacementError, UnitSize, minimum_gpu_bytes
 from .protrain import PlacementCandidate, search_persistent
@@ -83,26 +84,44 @@ def plan_auto(
     smallest_with_blocks = minimum_gpu_bytes(sizes, [*co_resident, *block_units])
     fastest_parameters: Optional[float] = None  # with the whole GPU tier: a bound for every split
     best: Optional[AutoPlan] = None
+    elsewhere: Optional[PlacementError] = None  # a split refused for host memory or NVMe, not the GPU tier
     for layout in reversed(front):  # fastest layout (largest peak) first
         extra = max(layout.seconds - keep_seconds, 0.0)
         if best is not None and fastest_parameters is not None and fastest_parameters + extra >= best.seconds:
             break
-        budget = gpu_bytes - layout.peak_bytes
-        recompute = CHECKPOINT in layout.layout
-        if budget < (smallest_with_blocks if recompute else smallest_parameters):
-            continue
-        try:
-            candidate = parameters(budget, recompute)
-        except PlacementError:
+        candidate, refused = _parameters_beside(parameters, layout, blocks, gpu_bytes, host_bytes, (smallest_parameters, smallest_with_blocks))
+        elsewhere = elsewhere or refused
+        if candidate is None:
             continue
         if fastest_parameters is None:
             fastest_parameters = parameters(gpu_bytes).prediction.seconds
         total = candidate.prediction.seconds + extra
         if best is None or total < best.seconds - 1e-12:
             best = AutoPlan(candidate, layout, total)
-    if best is None:
-        raise _no_layout_fits(front, gpu_bytes, smallest_parameters, smallest_with_blocks)
+    if best is None:  # more of the GPU tier would not help where host memory or NVMe was short
+        raise elsewhere or _no_layout_fits(front, gpu_bytes, smallest_parameters, smallest_with_blocks)
     return best
+
+
+def _parameters_beside(
+    parameters: "_ParameterSearch", layout: ActivationPlan, blocks: Sequence[BlockCost], gpu_bytes: int, host_bytes: int, smallest: tuple[int, int],
+) -> tuple[Optional[PlacementCandidate], Optional[PlacementError]]:
+    """The parameters' best placement in what ``layout`` leaves of the GPU tier, when every budget
+    holds both (the layout's host swaps beside the units streamed from host memory); otherwise the
+    refusal, when it was host memory or NVMe that fell short. ``smallest``: the parameters' least
+    GPU tier without and with a recomputed block's units together."""
+    recompute = CHECKPOINT in layout.layout
+    budget = gpu_bytes - layout.peak_bytes
+    if budget < smallest[recompute]:
+        return None, None
+    try:
+        candidate = parameters(budget, recompute)
+    except PlacementError as error:
+        return None, (error if error.tier is not Tier.GPU else None)
+    swapped = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_HOST)
+    if swapped > host_bytes - candidate.placement.host_bytes:
+        return None, None  # the layout was priced with host room this placement's streamed units take
+    return candidate, None
 
 
 def _no_layout_fits(front: Sequence[ActivationPlan], gpu_bytes: int, smallest_parameters: int, smallest_with_blocks: int) -> PlacementError:

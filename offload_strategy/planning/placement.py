@@ -45,11 +45,13 @@ def align(n: int, alignment: int) -> int:
 
 class PlacementError(ValueError):
     """The budgets cannot hold the model; the message gives the numbers and the fix.
-    ``nvme_needed``: bytes that must go to NVMe, where the NVMe budget was the shortfall."""
+    ``nvme_needed``: bytes that must go to NVMe, where the NVMe budget was the shortfall;
+    ``tier``: the tier whose budget fell short (more of another would not help)."""
 
-    def __init__(self, message: str, nvme_needed: int = 0) -> None:
+    def __init__(self, message: str, nvme_needed: int = 0, tier: Tier = Tier.GPU) -> None:
         super().__init__(message)
         self.nvme_needed = nvme_needed
+        self.tier = NVME if nvme_needed and tier is GPU else tier
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,7 @@ def _host_and_nvme_homes(
             f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
             f"({_fmt(all_at_home)}) and there is no NVMe tier; raise host_memory to at least {_fmt(all_at_home)}, or give nvme_path "
             f"for an NVMe tier.",
+            tier=HOST,
             nvme_needed=all_at_home,
         )
     else:
@@ -329,7 +332,8 @@ def _host_and_nvme_homes(
     if homes is not None and host_used > host_bytes:
         raise PlacementError(
             f"the plan keeps {_fmt(host_used)} in host memory (gradients, staging buffers, and the units it homes there) but "
-            f"host_memory grants {_fmt(host_bytes)}; raise host_memory or dump a new plan for this budget."
+            f"host_memory grants {_fmt(host_bytes)}; raise host_memory or dump a new plan for this budget.",
+            tier=HOST,
         )
     return staging, host_used
 
@@ -348,7 +352,8 @@ def _split_host_and_nvme(
         what = f"{GRADIENT_BUFFERS} gradient buffers" if costs.transient_gradients else "the gradients of the offloaded units"
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold {what} plus {NVME_STAGING_BUFFERS} NVMe "
-            f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}."
+            f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}.",
+            tier=HOST,
         )
     for u in streaming:
         cost = costs.at_home(u) + (costs.gradient(u) if costs.transient_gradients else 0)
