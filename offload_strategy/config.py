@@ -355,6 +355,7 @@ class HardwareSpec:
     nvme_count: int = 0
     nvme_read_gbps: Optional[float] = None
     nvme_write_gbps: Optional[float] = None
+    host_memory_gbps: Optional[float] = None  # what the CPU's memory channels move, both directions together
     source: str = ""
 
     _SIZE_FIELDS = ("gpu_memory", "host_memory")
@@ -364,7 +365,7 @@ class HardwareSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
                 object.__setattr__(self, field, parse_size(value, f"hardware.{field}"))
-        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
+        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "host_memory_gbps"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"hardware.{field}={value!r} must be a non-negative number or None.")

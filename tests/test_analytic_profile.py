@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from torch import nn
 
 from offload_strategy import HardwareSpec
 from offload_strategy.config import parse_size
-from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_blocks, analytic_units
+from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_blocks, analytic_units, cpu_update_rate
 from offload_strategy.runtime.units import build_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,22 @@ def test_flops_and_times_by_hand():
     assert "head" not in by_name  # its only parameter belongs to the embedding's unit
     with pytest.raises(ValueError, match=r"efficiency=0 must lie in \(0, 1\]"):
         analytic_units(units, users, tokens=5, hardware=TOY, efficiency=0)
+
+
+def test_the_cpu_optimizer_is_bounded_by_the_memory_channels_by_hand():
+    """Two cores at 0.8 G parameters/s are 1.6 G/s; memory channels of 28 GB/s move 28 bytes per fp32
+    parameter (master, gradient, two states read; master, two states written) for 1 G/s, and
+    30 bytes for a bf16 parameter (its copy written back too): 0.933 G/s."""
+    bounded = dataclasses.replace(TOY, host_memory_gbps=28.0)
+    units, users = build_units(Tied())
+    fp32 = {c.name: c for c in analytic_units(units, users, tokens=5, hardware=bounded)}
+    assert fp32["body"].update_seconds == pytest.approx(20 / 1e9)  # the channels bind, not the cores
+    assert cpu_update_rate(bounded) == pytest.approx(1e9) and cpu_update_rate(bounded, copy_bytes=2) == pytest.approx(28e9 / 30)
+    half = Tied().to(torch.bfloat16)
+    units, users = build_units(half)
+    bf16 = {c.name: c for c in analytic_units(units, users, tokens=5, hardware=bounded)}
+    assert bf16["body"].update_seconds == pytest.approx(20 * 30 / 28e9)
+    assert cpu_update_rate(dataclasses.replace(TOY, host_memory_gbps=1000.0)) == pytest.approx(2 * CPU_PARAMS_PER_S_PER_CORE)  # the cores bind
 
 
 def test_direct_host_access_reads_by_hand():

@@ -377,7 +377,11 @@ def explain(text: str) -> None:
 
 def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int], host: int, nvme: int, machine: Any) -> None:
     """Every figure the predictions rest on, with where it comes from and how to change it."""
-    from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE
+    from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, CPU_PARAMS_PER_S_PER_CORE, cpu_update_rate
+
+    copy = 2 if args.precision == "bf16-true" else 0
+    memory = (f"{hardware.host_memory_gbps:g} GB/s of memory channels at {ADAM_BYTES_PER_PARAMETER + copy} bytes per parameter"
+              if hardware.host_memory_gbps else "nothing (the memory bandwidth is not known)")
 
     peak = hardware.peak_flops("bf16" if args.precision == "bf16-true" else "fp16")
     per_param = "2 (bf16) in the GPU tier, 16 at home: an fp32 master, fp32 gradient and two fp32 Adam states" if args.precision == "bf16-true" \
@@ -392,7 +396,8 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
         f"host memory: {fmt(host)}, 80% of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
         f"NVMe: {nvme_line}",
         f"host <-> GPU: {machine.h2d / 1e9:.1f} GB/s each way, the link's datasheet rate (+hardware.h2d_gbps=, +hardware.d2h_gbps=)",
-        f"CPU optimizer: Adam at {CPU_PARAMS_PER_S_PER_CORE / 1e9:.2f} G parameters/s per core on {hardware.cpu_cores} cores (+hardware.cpu_cores=)",
+        f"CPU optimizer: Adam at {cpu_update_rate(hardware, copy) / 1e9:.1f} G parameters/s: {CPU_PARAMS_PER_S_PER_CORE / 1e9:.2f} G/s per core on "
+        f"{hardware.cpu_cores} cores, bounded by {memory} (+hardware.cpu_cores=, +hardware.host_memory_gbps=)",
         f"bytes per parameter ({args.precision}, --precision): {per_param}",
         f"batch: {model.batch_size} sequences x {model.tokens // model.batch_size} tokens (data.batch_size=, data.seq_len=)",
         "activations: every tensor autograd saves in one forward of the model on the meta device (eager kernels; fused ones save less)",

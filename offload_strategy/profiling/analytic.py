@@ -5,8 +5,11 @@ Each unit's forward costs 2 FLOPs per parameter per token for every module that 
 (a linear layer, or an output head tied to an embedding); an embedding lookup costs none. Backward
 costs twice forward. Time is FLOPs over the GPU's dense peak at ``efficiency`` (model FLOPs
 utilisation). Attention's sequence-squared work is not attached to parameters and is left out of
-the units' times (the blocks' costs below include it). The CPU optimizer updates ``cpu_params_per_s``
-parameters per second per core (fused AdamW measured 0.8 G/s per core on the development machine).
+the units' times (the blocks' costs below include it). The CPU optimizer updates 0.8 G parameters
+per second per core (fused AdamW measured so on the development machine), at most what the memory
+channels move (``HardwareSpec.host_memory_gbps``): Adam reads the master, its gradient and two
+states and writes back the master and the states, 28 bytes per fp32 parameter, and writes the
+16-bit copy of a 16-bit one (:func:`cpu_update_rate`).
 
 Direct host access (MemFerry §III-B, Fig. 3): a unit computed in place on pinned host memory reads
 its parameters over the host -> GPU link while it computes. An embedding reads only the rows it
@@ -42,6 +45,7 @@ from ..planning.cost_model import UNKNOWN_LINK
 from ..runtime.units import TransferUnit
 
 CPU_PARAMS_PER_S_PER_CORE = 0.8e9
+ADAM_BYTES_PER_PARAMETER = 28  # fp32: master, gradient, two states read; master and states written
 DHA_TILE_TOKENS = 128  # rows of a GEMM's output tile: each such tile reads the whole weight once
 
 
@@ -80,7 +84,6 @@ def analytic_units(
             continue
         for u in used:
             multiplies[u.index] += 1
-    cpu_rate = CPU_PARAMS_PER_S_PER_CORE * max(hardware.cpu_cores, 1)
     link = hardware.h2d_gbps * 1e9 if hardware.h2d_gbps else UNKNOWN_LINK
     reads = dha_read_bytes(units, users, tokens)
     out = []
@@ -99,13 +102,29 @@ def analytic_units(
                 forward_flops=flops,
                 forward_seconds=forward,
                 backward_seconds=2 * forward,
-                update_seconds=trainable / cpu_rate,
+                update_seconds=trainable / cpu_update_rate(hardware, _low_precision_bytes(u)),
                 transfer_seconds=u.nbytes / link,
                 dha_read_bytes=read,
                 dha_forward_seconds=max(forward, read / link),
             )
         )
     return out
+
+
+def cpu_update_rate(hardware: HardwareSpec, copy_bytes: int = 0) -> float:
+    """Parameters per second the CPU optimizer updates: every core's rate, bounded by what the
+    memory channels move at ``ADAM_BYTES_PER_PARAMETER`` (plus ``copy_bytes`` for the 16-bit copy
+    written back) per parameter. Without a known memory bandwidth, the cores' rate alone."""
+    rate = CPU_PARAMS_PER_S_PER_CORE * max(hardware.cpu_cores, 1)
+    if hardware.host_memory_gbps:
+        rate = min(rate, hardware.host_memory_gbps * 1e9 / (ADAM_BYTES_PER_PARAMETER + copy_bytes))
+    return rate
+
+
+def _low_precision_bytes(unit: TransferUnit) -> int:
+    """Bytes of the 16-bit copy written back per parameter (0 when the parameters are the masters)."""
+    sizes = {p.element_size() for p in unit.trainable}
+    return min(sizes) if sizes and min(sizes) < 4 else 0
 
 
 def dha_read_bytes(units: list[TransferUnit], users: dict[nn.Module, list[TransferUnit]], tokens: int) -> dict[int, int]:
