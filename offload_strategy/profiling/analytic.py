@@ -20,7 +20,8 @@ cache it across tiles), and vectors (norms, biases) are read once. So DHA takes
 cross once; the copy's launch is not priced), a large GEMM far more in place.
 
 Block activations (:func:`analytic_blocks`) come from one forward of the model on the meta device:
-what autograd saves inside each block (parameters excluded, as the runtime's accounting does), the
+what autograd saves inside each block (parameters excluded, as the runtime's accounting does; each
+storage once, however many operations save it or views of it), the
 block's input (what a checkpoint keeps), and the FLOPs the block runs (attention included), all
 from shapes without allocating anything. Attention through ``scaled_dot_product_attention`` is
 counted as the fused kernels a GPU runs it with (FlashAttention): they save the query, key, value,
@@ -194,13 +195,19 @@ class _BlockMeter:
     def __init__(self, model: nn.Module, count: int) -> None:
         self.parameters = {id(p) for p in model.parameters()}
         self.saved, self.inputs, self.flops = [0] * count, [0] * count, [0] * count
+        # each block's saved storages: a tensor saved by several operations, or views of one
+        # output (a fused projection split into query, key and value), hold its memory once
+        self.held: list[dict[int, Any]] = [{} for _ in range(count)]
         self.current: list[int] = []  # the block running now (innermost last)
         self.counter = FlopCounterMode(display=False)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         is_parameter = id(t) in self.parameters or (t._base is not None and id(t._base) in self.parameters)
         if self.current and not is_parameter:
-            self.saved[self.current[-1]] += _nbytes(t)
+            block, storage = self.current[-1], t.untyped_storage()
+            if storage._cdata not in self.held[block]:
+                self.held[block][storage._cdata] = storage  # held, so that its address is not reused meanwhile
+                self.saved[block] += storage.nbytes()
         return t
 
     def pre(self, index: int) -> Callable[..., None]:

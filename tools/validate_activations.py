@@ -1,0 +1,111 @@
+"""The analytic activation estimate beside what a real forward saves, on this machine's CPU.
+
+    python tools/validate_activations.py
+    python tools/validate_activations.py --families gpt2 llama --batch 4 --seq 256
+
+For each model family, a small model of the family's shape is built twice from one config: on the
+meta device, where ``profiling/analytic.py`` counts what each block saves for backward from shapes
+alone (attention as the fused kernels a GPU runs), and on the CPU with real tensors, where the same
+forward is run and every storage a block saves is counted once (parameters excluded, as the
+runtime does). The table gives the first block's bytes both ways, per token and hidden unit, and
+the estimate's error; the model's step planning prices activations with the estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+
+from experiments.models import build_causal_lm  # noqa: E402
+from offload_strategy.hardware import known_hardware  # noqa: E402
+from offload_strategy.profiling.analytic import analytic_blocks  # noqa: E402
+from offload_strategy.runtime.activations import find_blocks  # noqa: E402
+
+WIDTH, HEADS, LAYERS = 256, 4, 2
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(vocab_size=1024, n_positions=1024, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS),
+    "opt": dict(vocab_size=1024, hidden_size=WIDTH, ffn_dim=4 * WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                max_position_embeddings=1024, word_embed_proj_dim=WIDTH),
+    "llama": dict(vocab_size=1024, hidden_size=WIDTH, intermediate_size=688, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=HEADS, max_position_embeddings=1024),
+    "mistral": dict(vocab_size=1024, hidden_size=WIDTH, intermediate_size=688, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, max_position_embeddings=1024, sliding_window=None),
+}
+
+
+def estimated(family: str, batch: int, seq: int) -> int:
+    """The first block's saved bytes, from shapes on the meta device."""
+    with torch.device("meta"):
+        model = build_causal_lm(family, CONFIGS[family])
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    costs = analytic_blocks(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"))
+    return costs[0].activation_bytes
+
+
+def measured(family: str, batch: int, seq: int) -> int:
+    """The first block's saved bytes in a real forward on the CPU, each storage once."""
+    torch.manual_seed(0)
+    model = build_causal_lm(family, CONFIGS[family])
+    block = find_blocks(model)[0]
+    parameters = {id(p) for p in model.parameters()}
+    inside: list[bool] = [False]
+    held: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        is_parameter = id(t) in parameters or (t._base is not None and id(t._base) in parameters)
+        if inside[0] and not is_parameter:
+            storage = t.untyped_storage()
+            held.setdefault(storage.data_ptr(), storage)
+        return t
+
+    handles = [
+        block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+        block.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+    ]
+    ids = torch.randint(0, CONFIGS[family]["vocab_size"], (batch, seq))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids).loss
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(s.nbytes() for s in held.values())
+
+
+def compare(families: list[str], batch: int, seq: int) -> list[dict[str, Any]]:
+    rows = []
+    for family in families:
+        estimate, real = estimated(family, batch, seq), measured(family, batch, seq)
+        rows.append({"family": family, "estimated": estimate, "measured": real, "error": estimate / real - 1.0, "per_sbh": batch * seq * WIDTH})
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    args = parser.parse_args(argv)
+    print(f"first block of each family, width {WIDTH}, {HEADS} heads, batch {args.batch} x {args.seq} tokens, fp32, torch {torch.__version__}\n")
+    print("| family | estimated (bytes) | measured on CPU (bytes) | estimated / (s·b·h) | measured / (s·b·h) | error |")
+    print("|---|---|---|---|---|---|")
+    for r in compare(args.families, args.batch, args.seq):
+        print(f"| {r['family']} | {r['estimated']:,} | {r['measured']:,} | {r['estimated'] / r['per_sbh']:.1f} | "
+              f"{r['measured'] / r['per_sbh']:.1f} | {r['error']:+.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
