@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: env train test lint sweep clean
+.PHONY: env train test lint sweep clean device-wheels gpu-check
 
 env: $(VENV)/.installed
 
@@ -30,6 +30,24 @@ test: env
 lint: env
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+
+# The wheels a GPU machine's image lacks (it has torch, lightning, transformers and psutil), for
+# CPython 3.12 on x86-64 Linux, into .whl/ (ignored by git, carried with the checkout); the one
+# published only as source is built into a wheel here.
+WHEELS   ?= .whl
+DEVICE_PY ?= 3.12
+device-wheels: env
+	mkdir -p $(WHEELS)
+	$(PY) -m pip wheel --quiet --no-deps -w $(WHEELS) "antlr4-python3-runtime==4.9.3"
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(DEVICE_PY) --implementation cp \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+	  --find-links $(WHEELS) -d $(WHEELS) "hydra-core==1.3.8" "omegaconf==2.3.1" "wandb==0.31.0" "antlr4-python3-runtime==4.9.3"
+
+# On a GPU machine, with the system's Python (no virtual environment is made there): README, "Running on a GPU".
+OUT  ?= gpu-check
+PART ?= all
+gpu-check:
+	bash tools/gpu_check.sh $(OUT) $(PART)
 
 clean:
 	rm -rf $(VENV) outputs multirun

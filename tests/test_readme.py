@@ -48,3 +48,17 @@ def test_the_fabric_example_trains_offloaded_and_saves_a_checkpoint_plain_torch_
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["step"] == 9 and checkpoint["model"]["0.weight"].shape == (256, 256)
     assert len(checkpoint["optimizer"]["state"]) == 16, "the optimizer's states are not all in the checkpoint"
+
+
+def test_the_gpu_check_says_when_there_is_no_gpu_and_writes_its_folder(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a GPU is here: make gpu-check runs the checks themselves")
+    out = tmp_path / "gpu-check"
+    env = {**__import__("os").environ, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "no CUDA GPU on this machine" in result.stdout, result.stdout + result.stderr
+    assert "available False" in (out / "environment.txt").read_text() and "make test" in (out / "summary.txt").read_text()

@@ -131,6 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-fraction", type=float, default=0.25, help="gpu_memory as a fraction of the parameter bytes")
     parser.add_argument("--link", default="a100_80g", help="known machine whose PCIe figures throttle the copies (a100_80g: PCIe 4.0 x16)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="gpu: every mode on a CUDA GPU, copies over its real link (the --link throttle applies to the emulated GPU tier only)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision flag for every mode (32-true, bf16-mixed, bf16-true, ...)")
     parser.add_argument("--nvme-path", default=None, help="directory for the NVMe mode (default: a temporary directory under the working directory)")
     parser.add_argument("--processes", type=int, nargs="*", default=None, help="data-parallel mode: DDP and tiered_ddp on each count of CPU processes")

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything the project checks on a CUDA GPU, in one command, without network access: the wheels
+# the machine's image lacks come with the checkout (`make device-wheels`, folder .whl/), and every
+# result lands in one folder. README, "Running on a GPU".
+#
+#   tools/gpu_check.sh OUT [all|tests|probe|bench]     (make gpu-check OUT=... PART=...)
+#
+# Parts, each under its own time limit so that `all` stays inside nine minutes on an H100:
+#   tests  pytest -m gpu (JUnit XML) and the Fabric and equivalence tests with a GPU present
+#   probe  tools/probe.py: pinned host <-> GPU copies and the disk under OUT
+#   bench  tools/bench.py --accelerator gpu: plain Lightning beside the tiered modes on the GPU
+set -uo pipefail
+
+OUT=${1:?"usage: tools/gpu_check.sh OUT [all|tests|probe|bench]"}
+PART=${2:-all}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error WANDB_MODE=offline WANDB_SILENT=true
+status=0
+
+run() {  # name, seconds, command...: the command's output in OUT/name.log, its exit status remembered
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit}s)"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 3 "$OUT/$name.log"
+    [ $rc -eq 0 ] || { echo "$name: exit $rc (log: $OUT/$name.log)"; status=1; }
+}
+
+"$PY" - >"$OUT/environment.txt" 2>&1 <<'PYEOF'
+import platform, torch, lightning
+print("python", platform.python_version(), "torch", torch.__version__, "lightning", lightning.__version__)
+print("cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"gpu {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB")
+PYEOF
+cat "$OUT/environment.txt"
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA GPU on this machine: nothing to check here (the CPU suite is 'make test')." | tee "$OUT/summary.txt"
+    exit 2
+fi
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    run install 120 "$PY" -m pip install --no-index --find-links .whl hydra-core omegaconf antlr4-python3-runtime wandb
+fi
+
+case $PART in all|tests)
+    run gpu-tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml"
+    run fabric-and-equivalence 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/cpu-tests-beside-gpu.xml" \
+        tests/test_fabric.py tests/test_equivalence.py ;;
+esac
+case $PART in all|probe)
+    run probe 60 "$PY" tools/probe.py --path "$OUT/probe-disk" --size 512MiB
+    rm -rf "$OUT/probe-disk" ;;
+esac
+case $PART in all|bench)
+    run bench 240 "$PY" tools/bench.py --accelerator gpu --steps 20 --repeats 2 --precision bf16-mixed ;;
+esac
+
+{ echo "part: $PART"; for f in "$OUT"/*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done; } >"$OUT/summary.txt"
+cat "$OUT/summary.txt"
+exit $status
