@@ -99,7 +99,8 @@ def test_the_default_policy_plans_placement_and_activations_and_stays_exact():
     tiered = fabric_train(strategy, steps=4, max_norm=0.05)
     assert strategy.placement_search is not None, "the placement search did not run"
     plan = strategy.activation_plan
-    assert plan is not None and len(plan.layout) == TINY_GPT2["n_layer"] and "checkpoint" in plan.layout, plan
+    # both blocks' activations do not fit beside the parameters: one at least is recomputed or swapped
+    assert plan is not None and len(plan.layout) == TINY_GPT2["n_layer"] and set(plan.layout) != {"keep"}, plan
     assert_same(fabric_train("auto", steps=4, max_norm=0.05), tiered)
 
 
