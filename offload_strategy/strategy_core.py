@@ -161,7 +161,7 @@ class TieredCore:
         self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
         self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
         self.prediction = PredictionCheck()
-        self._steps_done = 0  # optimizer steps taken under this strategy
+        self._steps_done = 0  # training steps whose optimizers stepped, counted as the next begins
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -539,6 +539,7 @@ class TieredCore:
         placement when a finetuning callback unfroze parameters."""
         planner, stepped = self.planner, self._optimizer_stepped
         assert planner is not None
+        self._steps_done += stepped  # batches whose optimizers stepped, however many optimizers
         if stepped and self._steps_done == WARM_UP_STEPS:
             self.activations.measure_blocks_again()  # the blocks' times of the warm step, not the first's
         warm = stepped and self._steps_done > WARM_UP_STEPS
@@ -620,7 +621,6 @@ class TieredCore:
 
     def _stepped(self) -> None:
         self._optimizer_stepped = True  # no gradient is pending until the next forward
-        self._steps_done += 1
         report = self.prediction.step_ends()
         if report is not None:
             rank_zero_info(report)

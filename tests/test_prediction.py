@@ -76,3 +76,28 @@ def test_the_plan_is_priced_from_the_second_step_not_the_cold_first(tmp_path, mo
     monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
     train(strategy, tmp_path, epochs=1)
     assert seen == {"search": (2, False), "layout": 2}
+
+
+def test_with_two_optimizers_the_plan_also_waits_for_the_second_batch(tmp_path, monkeypatch):
+    """Steps are counted by batch, not by optimizer: manual optimization stepping two optimizers
+    per batch still plans from the second batch (before, from the cold first)."""
+    from offload_strategy.planning.planner import Planner
+    from tests.test_recipes import TwoOptimizers, fit
+
+    batches = []
+
+    class Count(__import__("lightning").Callback):
+        def on_train_batch_end(self, *args):
+            batches.append(1)
+
+    seen = []
+    search = Planner.search
+
+    def searched(planner, timing, *args, **kwargs):
+        seen.append(len(batches))
+        return search(planner, timing, *args, **kwargs)
+
+    monkeypatch.setattr(Planner, "search", searched)
+    strategy = TieredStrategy(policy={"placement": "search", "activations": "keep"}, gpu_memory="70KiB", host_memory="1GiB")
+    fit(strategy, tmp_path, TwoOptimizers, steps=8, callbacks=(Count(),))
+    assert seen == [2]
