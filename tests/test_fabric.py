@@ -272,3 +272,29 @@ def test_a_model_built_under_fabric_init_module_is_computed_in_its_homes_to_the_
     tiered = _built_under_init_module(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
     assert tiered[2] == 12, "the parameters were allocated when built"
     assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))
+
+
+def _skipping_batches(strategy) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    generator, losses = torch.Generator().manual_seed(1), []
+    for step in range(5):
+        loss = model(torch.randn(8, 64, generator=generator)).pow(2).mean()
+        fabric.backward(loss)
+        if step % 2:  # a batch the loop skips (a non-finite loss, say): its gradients are discarded
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    fabric.strategy.teardown()
+    return losses, [p.detach().clone() for p in module.parameters()]
+
+
+def test_zero_grad_between_backward_and_step_discards_gradients_at_home_too():
+    """Fabric's optimizer wrapper calls the class's zero_grad: it reaches the engine's, which drops
+    the gradients waiting in host memory (before, they were added to the next batch's)."""
+    plain, tiered = _skipping_batches("auto"), _skipping_batches(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
+    assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))
