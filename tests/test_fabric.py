@@ -4,10 +4,11 @@ parameters at home in host memory or on NVMe, and ``fabric.save`` / ``fabric.loa
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import pytest
@@ -218,26 +219,61 @@ def test_a_script_that_never_tears_the_strategy_down_still_exits_and_cleans_up(t
     assert not [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()], "NVMe files left behind"
 
 
-def _two_forwards(strategy) -> tuple[list[float], list[torch.Tensor]]:
-    torch.manual_seed(0)
-    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+def _linear_stack(strategy, step: Callable[..., Optional[float]], steps: int, init_module: bool = False) -> tuple[list[float], list[torch.Tensor], int]:
+    """Six linear layers and AdamW set up under ``strategy`` and trained by the loop's body
+    ``step(fabric, model, optimizer, batch, index)`` (``batch()`` draws the next one; it returns
+    the loss, or None for a skipped batch): the losses, the final weights, and how many parameters
+    were built without memory (under ``fabric.init_module()`` with ``init_module``)."""
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    torch.manual_seed(0)
+    with fabric.init_module() if init_module else contextlib.nullcontext():
+        module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    deferred = len(strategy.tiered.deferred) if isinstance(strategy, TieredFabricStrategy) else 0
     model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
-    generator, losses = torch.Generator().manual_seed(1), []
-    for _ in range(4):
-        a, b = torch.randn(8, 64, generator=generator), torch.randn(8, 64, generator=generator)
-        loss = model(a).pow(2).mean() + model(b).pow(2).mean()  # two forwards, one backward (a contrastive pair)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    generator = torch.Generator().manual_seed(1)
+    losses = [step(fabric, model, optimizer, lambda: torch.randn(8, 64, generator=generator), i) for i in range(steps)]
     fabric.strategy.teardown()
-    return losses, [p.detach().clone() for p in module.parameters()]
+    return [loss for loss in losses if loss is not None], [p.detach().clone() for p in module.parameters()], deferred
+
+
+def _plain_step(fabric, model, optimizer, batch, index: int) -> float:
+    loss = model(batch()).pow(2).mean()
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _two_forwards(fabric, model, optimizer, batch, index: int) -> float:
+    loss = model(batch()).pow(2).mean() + model(batch()).pow(2).mean()  # two forwards, one backward (a contrastive pair)
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _skipping_odd_batches(fabric, model, optimizer, batch, index: int) -> Optional[float]:
+    loss = model(batch()).pow(2).mean()
+    fabric.backward(loss)
+    if index % 2:  # a batch the loop skips (a non-finite loss, say): its gradients are discarded
+        optimizer.zero_grad()
+        return None
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _tiered() -> TieredFabricStrategy:
+    return TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB")
+
+
+def assert_same_run(plain: tuple, tiered: tuple) -> None:
+    assert tiered[0] == plain[0], "losses differ from plain Fabric's"
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1], strict=True))
 
 
 def test_two_forwards_before_one_backward_train_as_plain_fabric_does():
-    plain, tiered = _two_forwards("auto"), _two_forwards(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
-    assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))
+    assert_same_run(_linear_stack("auto", _two_forwards, 4), _linear_stack(_tiered(), _two_forwards, 4))
 
 
 def test_a_second_model_is_refused_with_how_to_tier_both():
@@ -249,52 +285,14 @@ def test_a_second_model_is_refused_with_how_to_tier_both():
     fabric.strategy.teardown()
 
 
-def _built_under_init_module(strategy) -> tuple[list[float], list[torch.Tensor], int]:
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
-    torch.manual_seed(0)
-    with fabric.init_module():  # under the tiered strategy: no memory until each parameter is placed
-        module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
-    deferred = len(strategy.tiered.deferred) if isinstance(strategy, TieredFabricStrategy) else 0
-    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
-    generator, losses = torch.Generator().manual_seed(1), []
-    for _ in range(3):
-        loss = model(torch.randn(8, 64, generator=generator)).pow(2).mean()
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    fabric.strategy.teardown()
-    return losses, [p.detach().clone() for p in module.parameters()], deferred
-
-
 def test_a_model_built_under_fabric_init_module_is_computed_in_its_homes_to_the_bit():
-    plain = _built_under_init_module(SingleDeviceStrategy(device="cpu"))
-    tiered = _built_under_init_module(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
+    plain = _linear_stack(SingleDeviceStrategy(device="cpu"), _plain_step, 3, init_module=True)
+    tiered = _linear_stack(_tiered(), _plain_step, 3, init_module=True)
     assert tiered[2] == 12, "the parameters were allocated when built"
-    assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))
-
-
-def _skipping_batches(strategy) -> tuple[list[float], list[torch.Tensor]]:
-    torch.manual_seed(0)
-    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
-    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
-    generator, losses = torch.Generator().manual_seed(1), []
-    for step in range(5):
-        loss = model(torch.randn(8, 64, generator=generator)).pow(2).mean()
-        fabric.backward(loss)
-        if step % 2:  # a batch the loop skips (a non-finite loss, say): its gradients are discarded
-            optimizer.zero_grad()
-            continue
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    fabric.strategy.teardown()
-    return losses, [p.detach().clone() for p in module.parameters()]
+    assert_same_run(plain, tiered)
 
 
 def test_zero_grad_between_backward_and_step_discards_gradients_at_home_too():
     """Fabric's optimizer wrapper calls the class's zero_grad: it reaches the engine's, which drops
     the gradients waiting in host memory (before, they were added to the next batch's)."""
-    plain, tiered = _skipping_batches("auto"), _skipping_batches(TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
-    assert tiered[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], tiered[1]))
+    assert_same_run(_linear_stack("auto", _skipping_odd_batches, 5), _linear_stack(_tiered(), _skipping_odd_batches, 5))

@@ -17,30 +17,30 @@ def example(name: str) -> str:
     return found.group(1)
 
 
-def test_the_cpu_example_trains_with_offloaded_units(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(example("cpu"))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def run_script(text: str, where: Path) -> subprocess.CompletedProcess:
+    """``text`` run as a user runs an example they pasted into a file, which must succeed."""
+    script = where / "example.py"
+    script.write_text(text)
+    result = subprocess.run([sys.executable, str(script)], cwd=where, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_the_cpu_example_trains_with_offloaded_units(tmp_path):
+    result = run_script(example("cpu"), tmp_path)
     streamed = re.search(r"^([\d.]+) units streamed from host memory$", result.stdout, re.M)
     assert streamed and float(streamed.group(1)) > 0, result.stdout[-2000:]
 
 
 def test_when_nothing_needs_offloading_one_line_says_so(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(example("cpu").replace('gpu_memory="1MiB"', 'gpu_memory="1GiB"'))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(example("cpu").replace('gpu_memory="1MiB"', 'gpu_memory="1GiB"'), tmp_path)
     said = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("tiered: everything fits")]
     assert len(said) == 1 and "nothing is offloaded" in said[0], result.stderr[-2000:]
     assert "0 units streamed" in result.stdout or "units streamed" not in result.stdout
 
 
 def test_the_fabric_example_trains_offloaded_and_saves_a_checkpoint_plain_torch_reads(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(example("fabric"))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(example("fabric"), tmp_path)
     streamed = re.search(r"^(\d+) bytes streamed from host memory$", result.stdout, re.M)
     assert streamed and int(streamed.group(1)) > 0, result.stdout[-2000:]
     import torch
