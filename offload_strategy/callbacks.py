@@ -39,6 +39,7 @@ class OffloadMonitor(Callback):
         self.every_n_steps = every_n_steps
         self.prog_bar = bool(prog_bar)
         self.last: dict[str, float] = {}
+        self._peeks = False  # the strategy's metrics() takes reset (set up in setup)
 
     def _source(self, trainer: "pl.Trainer") -> Optional[Callable[[], dict[str, Any]]]:
         source = getattr(trainer.strategy, "metrics", None)
@@ -59,14 +60,20 @@ class OffloadMonitor(Callback):
         source = self._source(trainer)
         if source is None:
             return
-        try:
-            peek = "reset" in inspect.signature(source).parameters
-        except (TypeError, ValueError):
-            peek = False
-        metrics = source(reset=False) if peek else source()
+        metrics = source(reset=False) if self._peeks else source()
         for name, (key, scale) in self.PROGRESS_BAR.items():
             if key in metrics:
                 pl_module.log(name, float(metrics[key]) * scale, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        # asked once, not every step: whether the strategy's metrics() can be read without
+        # starting a new interval (reset=False)
+        source = self._source(trainer)
+        try:
+            self._peeks = source is not None and "reset" in inspect.signature(source).parameters
+        except (TypeError, ValueError):
+            self._peeks = False
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
