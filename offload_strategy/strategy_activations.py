@@ -40,12 +40,14 @@ class ActivationControl:
         self.swap_store: Optional[NvmeStore] = None
         self._swap_device: Optional[Device] = None
         self.plan: Optional[ActivationPlan] = None  # what activations="auto" chose
+        self.searched: Optional[ActivationPlan] = None  # the layout the joint placement search chose with the parameters
         self.costs: list[BlockCost] = []  # ... from these block costs
         self.plan_links: Optional[Links] = None  # ... and these links
         self.saved_bytes = 0  # kept for backward by the last forward, without an engine
 
     def start(self, module: torch.nn.Module, setting: Union[str, Sequence[str]]) -> None:
         self.policies_in_use = ActivationPolicies(module, setting, self.context.policy.block_class)
+        self.policies_in_use.after_first_block = self.refuse_from_first_block
 
     # -- what the core asks ---------------------------------------------------------------------------
 
@@ -66,6 +68,12 @@ class ActivationControl:
         """The profiled step measured the blocks and the layout has yet to be chosen."""
         activations = self.policies_in_use
         return activations is not None and activations.profile is not None and activations.profiled
+
+    @property
+    def measuring(self) -> bool:
+        """The blocks run the profiling layout: their own is chosen from what it measures."""
+        activations = self.policies_in_use
+        return activations is not None and activations.profile is not None
 
     @property
     def joint_search(self) -> bool:
@@ -106,6 +114,12 @@ class ActivationControl:
         assert activations is not None and planner is not None and activations.planner is not None
         self.costs = costs
         activations.end_profile()
+        budgets = self.context.budgets
+        assert budgets is not None
+        if self.searched is not None and self.searched.peak_bytes <= budgets.gpu - self.gpu_parameter_bytes():
+            # the parameters were placed for this layout's recomputed blocks, not another's
+            self.plan = self.searched
+            return None
         self.plan, parameter_bytes = planner.layout(
             costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), activations.policies,
         )
@@ -130,15 +144,26 @@ class ActivationControl:
             f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
         )
 
+    def refuse_from_first_block(self) -> None:
+        """In the profiled step, as soon as the first block has run forward (every block's memory
+        is known from it): when no layout fits even beside the parameters' smallest share of the
+        GPU tier, stop there, with the minimum, rather than after the whole step."""
+        activations = self.policies_in_use
+        if activations is not None:
+            self._refuse_if_unfitting(activations.first_block_costs(), "measured in the first block's forward of the first training step")
+
     def refuse_unfitting(self) -> None:
-        """In the profiled step, once forward has measured the blocks and before backward updates
-        anything: when no layout fits even beside the parameters' smallest share of the GPU tier,
-        stop now, with the minimum, rather than after the first update."""
+        """Again once forward has measured every block, before backward updates anything."""
+        activations = self.policies_in_use
+        if self.profiled and activations is not None:
+            self._refuse_if_unfitting(activations.block_costs(), "measured in the first training step before any update")
+
+    def _refuse_if_unfitting(self, costs: list[BlockCost], measured: str) -> None:
         activations, planner = self.policies_in_use, self.context.planner
-        if not self.profiled or activations is None or not activations.auto or self.context.policy.name == "none":
+        if activations is None or not activations.auto or self.context.policy.name == "none" or planner is None:
             return
-        assert planner is not None and activations.planner is not None
-        planner.refuse_unfitting_activations(activations.block_costs(), activations.planner, activations.policies)
+        assert activations.planner is not None
+        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured)
 
     def measure_blocks_again(self) -> None:
         """The blocks are timed again in the next training step (the first ran cold)."""

@@ -16,7 +16,7 @@ import contextlib
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
@@ -271,12 +271,13 @@ class TieredCore:
         self.activations.use_saved_tensor_hooks()
         self.activations.attach_swap_if_needed()
 
-    def _replace_engine(self, recipe: Rules, gpu_bytes: int) -> None:
-        """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps."""
+    def _replace_engine(self, recipe: Rules, gpu_bytes: int, block_policies: Optional[Sequence[str]] = None) -> None:
+        """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps
+        (``block_policies``: the layout they will run beside, the one in place by default)."""
         optimizers = self.lightning.optimizers
         states = [optimizer.state_dict() for optimizer in optimizers]  # standard, exact: they move through these
         self._close_engine()
-        self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes)
+        self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
         for optimizer, state in zip(optimizers, states):
@@ -304,9 +305,13 @@ class TieredCore:
             spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units],
         )
 
-    def _build_engine(self, recipe: Rules, gpu_bytes: Optional[int] = None) -> Optional[TieredEngine]:
+    def _build_engine(
+        self, recipe: Rules, gpu_bytes: Optional[int] = None, block_policies: Optional[Sequence[str]] = None,
+    ) -> Optional[TieredEngine]:
         """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
-        may use, all of it by default); None when everything fits in the GPU tier."""
+        may use, all of it by default; ``block_policies``: the activation layout whose recomputed
+        blocks need their units together, the one in place by default); None when everything fits
+        in the GPU tier."""
         budgets, planner, model = self.context.budgets, self.context.planner, self.context.module
         assert budgets is not None and planner is not None
         units, users = build_units(model)
@@ -314,7 +319,7 @@ class TieredCore:
             units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
         fp32_masters = isinstance(self.lightning.precision_plugin, (HalfPrecision, FabricHalfPrecision))
         planner.model = self._model_units(recipe, units, users, fp32_masters)
-        policies = self.activations.policies
+        policies = self.activations.policies if block_policies is None else block_policies
         together = planner.working_groups(policies) if recipe.training else list(planner.model.co_resident)  # no recompute without gradients
         gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
         placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
@@ -369,6 +374,8 @@ class TieredCore:
             gradients = "at each offloaded unit's home in host memory" if placement.offloaded else "in the GPU tier"
         policies = self.activations.policies if self.activations.blocks else []
         layout = " ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks"
+        if self.activations.measuring:
+            layout += f" (the profiling layout; the blocks' own is chosen from what the first {WARM_UP_STEPS + 1} training steps measure)"
         return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
                 f"activations per block: {layout}")
 
@@ -434,14 +441,16 @@ class TieredCore:
             rank_zero_info(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
             return
         count = self.ranks.same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
+        layout = self.ranks.same_on_every_rank(plan.activations)
+        activations.searched = layout
         rank_zero_info(
             f"tiered: placement search keeps the first {count} units resident with {plan.parameters.buffers} streaming buffers, "
             f"predicted {plan.seconds * 1e3:.1f} ms per step"
         )
         self.prediction.planned(plan.seconds, "placement search")
         resident = planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
-        if resident is not None:
-            self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes)
+        if resident is not None:  # beside the layout searched with it, not the profiling step's
+            self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None)
 
     def _plan_activations(self, recipe: Rules) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's

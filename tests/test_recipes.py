@@ -745,7 +745,7 @@ def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activa
     with pytest.raises(PlacementError, match=r"for parameters alone: with policy.activations='auto'") as refused:
         fit(strategy(1024), tmp_path / "small", T5, steps=1)
     batches = Losses()
-    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits .* before any update") as stopped:
+    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits .* in the first block.s forward") as stopped:
         fit(strategy(int(minimum(refused.value, "to at least") * 1.05)), tmp_path / "parameters", T5, steps=3, callbacks=(batches,))
     assert batches.values == [], "the run trained a step before it stopped"
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", T5, steps=4)

@@ -17,6 +17,8 @@ Pure: no torch state. Errors say what does not fit, the numbers, and what to do.
 
 from __future__ import annotations
 
+import math
+
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -255,16 +257,23 @@ class Planner:
             f"{format_bytes(smallest + self.least_activation_peak(costs, planner))} (it is {format_bytes(self.budgets.gpu)})."
         )
 
-    def refuse_unfitting_activations(self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str]) -> None:
-        """When no layout fits even beside the parameters' smallest share of the GPU tier."""
+    def refuse_unfitting_activations(self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], measured: str) -> None:
+        """When no layout fits even beside the parameters' smallest share of the GPU tier: the
+        minimum gpu_memory, and how far the batch must shrink instead (activations, and the
+        blocks' inputs, grow in proportion to batch size times sequence length)."""
         least = self.least_activation_peak(costs, planner)
-        if self.smallest_parameter_share(block_policies) + least > self.budgets.gpu:
-            raise ValueError(
-                f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
-                f"{least:,} bytes, measured in the first training step before any update. "
-                f"{self.activation_minimum_note(costs, planner, block_policies)} "
-                f"Lower the batch size or sequence length, raise gpu_memory, or use policy.activations='swap_host'."
-            )
+        left = self.budgets.gpu - self.smallest_parameter_share(block_policies)
+        if least <= left:
+            return
+        shrink = (
+            f"lower the batch size (or batch size times sequence length) to at most {math.floor(1000 * left / least) / 10:.1f}% of this step's"
+            if left > 0 else "lower the batch size"
+        )
+        raise ValueError(
+            f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
+            f"{least:,} bytes, {measured}. {self.activation_minimum_note(costs, planner, block_policies)} "
+            f"Raise gpu_memory to that, or {shrink}."
+        )
 
     def layout(
         self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int, block_policies: Sequence[str],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -99,6 +99,8 @@ class ActivationPolicies:
         self.block_flops: Optional[int] = None  # one forward of the first block, counted at the first training step
         self._wrapped: list[nn.Module] = []
         self._profile_hooks: list[Any] = []
+        # called once the profiled first block has run forward: every block's costs are known then
+        self.after_first_block: Optional[Callable[[], None]] = None
         if self.auto:
             self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
             self.start_profile()
@@ -180,7 +182,10 @@ class ActivationPolicies:
             # a recomputation runs warm: the lesser time is the block's own
             seconds = self.profile.forward_seconds
             seconds[index] = elapsed if index not in done else min(seconds[index], elapsed)
+            first = index not in done
             done.add(index)
+            if index == 0 and first and self.after_first_block is not None:
+                self.after_first_block()
 
         for index, block in enumerate(self.blocks):
             self._profile_hooks.append(block.register_forward_pre_hook(functools.partial(pre, index), with_kwargs=True))
@@ -206,6 +211,13 @@ class ActivationPolicies:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return forward(*args, **kwargs)
+
+    def first_block_costs(self) -> list[BlockCost]:
+        """Every block's memory as the first one measured it, before the others have run
+        (repeated blocks take inputs of one size and save what the first one did)."""
+        assert self.profile is not None and 0 in self._done
+        first = self.profile.input_bytes[0]
+        return [BlockCost(activation_bytes=max(self.profile.activation_bytes, first), input_bytes=first, forward_seconds=0.0)] * len(self.blocks)
 
     def block_costs(self) -> list[BlockCost]:
         """The profiled blocks as the planner sees them (every block saves what the first one did)."""

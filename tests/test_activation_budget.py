@@ -1,0 +1,105 @@
+"""The default policy's first steps with a GPU tier that activations fill: refused as early as the
+blocks' memory is known, with numbers that work, and the searched plan placed as it was priced."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from offload_strategy import TieredStrategy
+from tests.helpers import assert_same_weights
+
+GPU_TIER = 512 * 1024  # beside 195 KiB of streaming buffers: activations of batches up to 79 fit
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(8))
+        self.head = nn.Linear(64, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        for block in self.blocks:
+            x = block(x)
+        loss = nn.functional.mse_loss(self.head(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit(strategy: Any, root: Path, batch: int, steps: int = 4) -> Stack:
+    L.seed_everything(3, verbose=False)
+    model = Stack()
+    model.losses = []
+    data = DataLoader(TensorDataset(torch.randn(batch * steps, 64), torch.randn(batch * steps, 1)), batch_size=batch)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+    )
+    trainer.fit(model, data)
+    return model
+
+
+def assert_trains_like_plain(tmp_path: Path, gpu_memory: int, batch: int) -> None:
+    plain = fit("auto", tmp_path / "plain", batch)
+    tiered = fit(TieredStrategy(gpu_memory=gpu_memory, host_memory="256MiB"), tmp_path / "tiered", batch)
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+
+
+def test_the_searched_layout_is_placed_beside_parameters_placed_for_it(tmp_path):
+    """At batch 76 the joint search chose every block swapped but the last, beside streaming
+    buffers for one module at a time. The parameters were placed again for the profiling layout
+    (every block but the first recomputed, so a block's two units together): 195 KiB, where the
+    search had left them 170 KiB, and the run stopped between its second and third steps."""
+    assert_trains_like_plain(tmp_path, GPU_TIER, batch=76)
+
+
+def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_batch_that_fits(tmp_path):
+    """Every block saves what the first one did: once it has run forward, no layout of the eight
+    fits 512 KiB beside the parameters' 195 KiB at batch 100. The refusal comes there, before the
+    second block's forward, and the batch share it names trains, as does the gpu_memory it names."""
+    seen: list[Stack] = []
+
+    class Watched(Stack):
+        def __init__(self) -> None:
+            super().__init__()
+            seen.append(self)
+
+    with pytest.raises(ValueError, match=r"no layout .* measured in the first block's forward") as refused:
+        L.seed_everything(3, verbose=False)
+        Watched.losses = []
+        data = DataLoader(TensorDataset(torch.randn(400, 64), torch.randn(400, 1)), batch_size=100)
+        L.Trainer(
+            strategy=TieredStrategy(gpu_memory=GPU_TIER, host_memory="256MiB"), accelerator="cpu", devices=1, max_steps=2,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        ).fit(Watched(), data)
+    assert [block.forwards for block in seen[0].blocks][:2] == [1, 0], "the second block ran before the refusal"
+    message = str(refused.value)
+    share = float(re.search(r"at most ([\d.]+)% of this step's", message).group(1))
+    assert share == 79.2  # 512 KiB less 195 KiB of buffers (324,608 bytes) over the smallest peak, 409,600 bytes
+    assert_trains_like_plain(tmp_path / "batch", GPU_TIER, batch=math.floor(100 * share / 100))
+    number, unit = re.search(r"gpu_memory must be at least ([\d.]+) (KiB|MiB)", message).groups()
+    assert_trains_like_plain(tmp_path / "gpu", int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])), batch=100)
