@@ -138,9 +138,11 @@ class ActivationControl:
         activations.apply(plan.layout)
         self.attach_swap_if_needed()
         counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
+        # the search's prediction covers the parameters' traffic too: one prediction per plan
+        priced = "searched with the placement above" if plan is self.searched else f"predicted {plan.seconds * 1e3:.1f} ms per step"
         rank_zero_info(
             f"tiered: activation layout {' '.join(BlockPolicy(p).letter for p in plan.layout)} "
-            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), predicted {plan.seconds * 1e3:.1f} ms per step, "
+            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced}, "
             f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier."
         )
 

@@ -465,7 +465,8 @@ class TieredCore:
             activations.choose_layout_beside(costs)
         activations.apply_layout()
         assert activations.plan is not None
-        self.prediction.planned(activations.plan.seconds, "activation layout")
+        if activations.plan is not activations.searched:  # the search priced its layout with the parameters' traffic
+            self.prediction.planned(activations.plan.seconds, "activation layout")
 
     # -- plans --------------------------------------------------------------------------------------
 

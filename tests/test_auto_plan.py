@@ -142,3 +142,26 @@ def test_a_search_short_of_host_memory_says_so_instead_of_asking_for_more_gpu_me
         plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 2000, host_bytes=3048, nvme_bytes=0, state_factor=2.0,
                   blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6)
     assert refused.value.tier == "host"
+
+
+def test_a_layout_adds_its_recomputes_and_the_link_time_its_swaps_share_with_the_parameters():
+    """Worked by hand: the parameters' step has forward 1 s, backward 2 s and copies 25 bytes in,
+    10 of them the streamed units' forward copies, so 15 are backward's refetches; links carry 10
+    bytes/s. Three blocks of 5 activation bytes and 0.5 s forward each."""
+    from offload_strategy.planning.activations import CHECKPOINT, KEEP, SWAP_HOST
+    from offload_strategy.planning.auto import layout_added_seconds
+    from offload_strategy.planning.cost_model import StepPrediction
+
+    def parameters(h2d_bytes: int) -> StepPrediction:
+        return StepPrediction(seconds=3.0, forward_seconds=1.0, backward_seconds=2.0, compute_seconds=3.0, update_tail_seconds=0.0, h2d_bytes=h2d_bytes)
+
+    blocks = [BlockCost(activation_bytes=5, input_bytes=1, forward_seconds=0.5)] * 3
+    links = Links(h2d=10, d2h=10)
+    # S C K: forward max(1, 5/10) = 1; backward max(2 + 0.5 recompute, (15 + 5)/10) = 2.5
+    assert layout_added_seconds(parameters(25), 10, blocks, [SWAP_HOST, CHECKPOINT, KEEP], links) == pytest.approx(0.5)
+    # 30 bytes refetched: backward is the link's, (30 + 5)/10 = 3.5, not the 2.5 of compute
+    assert layout_added_seconds(parameters(40), 10, blocks, [SWAP_HOST, CHECKPOINT, KEEP], links) == pytest.approx(1.5)
+    # S S K over a 2 bytes/s link out: forward max(1, 10/2) = 5; backward max(2, (15 + 10)/10) = 2.5
+    assert layout_added_seconds(parameters(25), 10, blocks, [SWAP_HOST, SWAP_HOST, KEEP], Links(h2d=10, d2h=2)) == pytest.approx(4.0 + 0.5)
+    # keeping every block adds nothing, whatever the parameters copy
+    assert layout_added_seconds(parameters(40), 10, blocks, [KEEP] * 3, links) == 0.0

@@ -48,7 +48,13 @@ def test_a_run_reports_its_prediction_and_the_measured_step(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         train(strategy, tmp_path, epochs=3)  # planned from the second step, reported ten steps after
     said = [r.getMessage() for r in caplog.records if "ms per step; the median of" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("tiered: the activation layout predicted"), said
+    assert len(said) == 1 and said[0].startswith("tiered: the placement search predicted"), said
+    # the layout was searched with the placement: one prediction for both, no second, other figure
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered:")]
+    search = next(line for line in lines if line.startswith("tiered: placement search keeps"))
+    layout = next(line for line in lines if line.startswith("tiered: activation layout"))
+    assert "searched with the placement above" in layout and "ms per step" not in layout, layout
+    assert f"predicted {strategy.metrics()['plan/predicted_step_ms']:.1f} ms per step" in search
     metrics = strategy.metrics()
     assert metrics["plan/measured_step_ms"] > 0 and metrics["plan/predicted_step_ms"] > 0
     assert metrics["plan/prediction_error"] == pytest.approx(metrics["plan/measured_step_ms"] / metrics["plan/predicted_step_ms"] - 1)

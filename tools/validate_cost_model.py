@@ -2,6 +2,7 @@
 
     python tools/validate_cost_model.py
     python tools/validate_cost_model.py --models tiny small --fractions 0.25 0.45 0.65 0.85
+    python tools/validate_cost_model.py --default-policy --fractions 2 3 4 6
 
 Trains GPT-2s with the tiered strategy at several GPU-tier budgets (each a different placement:
 units kept in the GPU tier, streaming buffers), with the emulated GPU tier's copies throttled to
@@ -10,6 +11,13 @@ the first (compute per unit with waits left out, the compute outside units, the 
 unit; ``TieredEngine.last_timing``), averaged, and the run's placement go into
 ``planning/cost_model.py``; the table lists the predicted and the measured median of the steps
 after it, the step and its phases, side by side, and the peak of the GPU tier's parameter memory.
+
+``--default-policy`` runs the default policy instead (``--fractions`` then count the parameter
+bytes the GPU tier holds for parameters and activations together): the placement search and the
+activation layout price their plan from the measured second step, as in a user's run; the table
+lists the prediction the run reports (``plan/predicted_step_ms``: the joint search's, or the
+layout's where the search did not run) beside the median of the steps under the plan
+(``plan/measured_step_ms``), with the plan.
 """
 
 from __future__ import annotations
@@ -73,6 +81,63 @@ class Probe(StepTimer):
         self.homes = "/".join(str(sum(s.home == h for s in engine.states)) for h in ("gpu", "host", "nvme"))
 
 
+def default_policy_row(name: str, fraction: float, args: argparse.Namespace, root: str) -> tuple:
+    """One run of the default policy at ``fraction`` of the parameter bytes: its plan, both
+    predictions and the median step under the plan, or the refusal."""
+    layers, width, seq_len, batch, link = MODELS[name]
+    link = args.link_gbps or link
+    config = gpt2_config(layers, width, positions=seq_len)
+    budget = int(fraction * parameter_bytes(config))
+    strategy = TieredStrategy(gpu_memory=budget, host_memory="4GiB", hardware=throttled(link), policy={"throttle": True})
+    timer = Probe(args.steps + 1)  # its phases; no prediction of its own
+    label = f"{name} {layers}x{width}"
+    try:
+        fit(strategy, config, argparse.Namespace(seq_len=seq_len, batch_size=batch), root, timer, args.steps)
+    except ValueError as error:  # the GPU tier holds no plan: the refusal is the row
+        return (label, link, budget, f"refused: {str(error)[:120]}...", "-", None, None, None, None)
+    core = strategy.tiered
+    last = timer.metrics[-1] if timer.metrics else {}
+    homes = "/".join(str(int(last.get(f"units/{h}", 0))) for h in ("gpu", "host", "nvme")) if "units/host" in last else "all in the GPU tier"
+    plan = core.activations.plan
+    layout = " ".join(p.letter for p in plan.layout) if plan is not None else "-"
+    check = core.prediction  # what the run itself reports: the last plan's prediction, the steps under it
+    under = timer.phases[-len(check.measured):] if check.measured else []
+    measured_phases = [statistics.median(p[k] for p in under) for k in range(3)] if under else None
+    searched = core.planner.search_result if check.source == "placement search" else None
+    predicted_phases = None
+    if searched is not None:
+        p = searched.parameters.prediction
+        predicted_phases = (p.forward_seconds, p.backward_seconds + searched.seconds - p.seconds, p.update_tail_seconds)
+    return (label, link, budget, f"{homes}, {layout}", check.source, check.predicted_seconds, check.measured_seconds(), predicted_phases, measured_phases)
+
+
+def throttled(link: float) -> dict[str, Any]:
+    return {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
+            "h2d_gbps": link, "d2h_gbps": link, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
+
+
+def print_default_policy(rows: list[tuple], steps: int) -> None:
+    print(f"\nThe default policy: the plan's prediction beside the median of the steps run under it ({steps} steps per run)\n")
+    print("| model | link GB/s | gpu_memory | units gpu/host/nvme, blocks | predicted by | predicted (ms) | measured (ms) | measured / predicted - 1 "
+          "| forward pred / meas | backward pred / meas | after backward pred / meas |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for label, link, budget, plan, source, predicted, measured, predicted_phases, measured_phases in rows:
+        error = "-"
+        if predicted and measured:
+            errors.append(measured / predicted - 1.0)
+            error = f"{errors[-1]:+.1%}"
+        shown = [f"{x * 1e3:.1f}" if x else "-" for x in (predicted, measured)]
+        phases = [
+            f"{a * 1e3:.1f} / {b * 1e3:.1f}" if predicted_phases else (f"- / {b * 1e3:.1f}" if measured_phases else "-")
+            for a, b in zip(predicted_phases or (0, 0, 0), measured_phases or (0, 0, 0))
+        ]
+        print(f"| {label} | {link} | {format_bytes(budget)} | {plan} | {source} | {' | '.join(shown)} | {error} | {' | '.join(phases)} |")
+    if errors:
+        print(f"\nmedian |measured / predicted - 1| {statistics.median(abs(e) for e in errors):.1%} over {len(errors)} runs "
+              f"(largest {max(errors, key=abs):+.1%})")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["tiny"], choices=sorted(MODELS))
@@ -80,8 +145,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before the one whose timing is the model's input")
     parser.add_argument("--link-gbps", type=float, default=None, help="throttle of the emulated PCIe link, GB/s each way (default: per model)")
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.45, 0.65, 0.85], help="gpu_memory as fractions of the parameter bytes")
+    parser.add_argument("--default-policy", action="store_true", help="the default policy's plans and predictions, activations included")
     args = parser.parse_args(argv)
 
+    if args.default_policy:
+        with tempfile.TemporaryDirectory() as root:
+            rows = []
+            for name in args.models:
+                for fraction in args.fractions:
+                    print(f"{name}: the default policy, gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
+                    rows.append(default_policy_row(name, fraction, args, root))
+        print_default_policy(rows, args.steps)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
@@ -90,8 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             config = gpt2_config(layers, width, positions=seq_len)
             param_bytes = parameter_bytes(config)
             run = argparse.Namespace(seq_len=seq_len, batch_size=batch)
-            hardware = {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
-                        "h2d_gbps": link, "d2h_gbps": link, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
+            hardware = throttled(link)
             for fraction in args.fractions:
                 print(f"{name}: gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
                 probe = Probe(args.warmup)

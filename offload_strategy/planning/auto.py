@@ -10,12 +10,16 @@ GPU tier is split between the two:
 - for a layout's peak, the parameters get the rest of the GPU tier, and
   :func:`~.protrain.search_persistent` finds how many leading units stay resident and how many
   streaming buffers the rest makes, pricing each with the discrete-event model (:mod:`.cost_model`);
-- a split's step is the parameters' step plus what its layout adds over keeping every block.
+- a split's step is the parameters' predicted step with its layout's work and traffic added
+  (:func:`layout_added_seconds`): recomputes lengthen backward, and swaps share the links with
+  the parameters' own copies (their forward copies host -> GPU, their backward refetches), so a
+  pass lasts at least as long as its busiest link.
 
 Front layouts are visited fastest first (largest peak first), and the visit stops once the
-parameters' best step with the whole GPU tier plus the layout's cost cannot beat the best split
-found: parameters are never faster with less of the GPU tier, and layouts further along the front
-only cost more. With many units the resident count is tried in steps (ProTrain's chunks group
+layout beside the parameters' best placement with the whole GPU tier cannot beat the best split
+found: parameters are never faster with less of the GPU tier (each pass, and the bytes they copy
+in, only grow, and a pass with the layout is the longer of its own and the layout's), and layouts
+further along the front only cost more. With many units the resident count is tried in steps (ProTrain's chunks group
 modules the same way), which keeps a 48-block model well under a second.
 
 Pure: profiles and budgets in, a plan out, or a :class:`~.placement.PlacementError` that says what
@@ -29,8 +33,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Tier
-from .activations import CHECKPOINT, KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, layout_frontier, step_seconds
-from .cost_model import Machine, UnitCost
+from .activations import CHECKPOINT, KEEP, SWAP_HOST, SWAP_NVME, ActivationPlan, BlockCost, Links, layout_frontier, move_seconds
+from .cost_model import Machine, StepPrediction, UnitCost
 from .placement import PlacementError, UnitSize, minimum_gpu_bytes
 from .protrain import PlacementCandidate, search_persistent
 
@@ -78,29 +82,58 @@ def plan_auto(
         return AutoPlan(only, None, only.prediction.seconds)
     if links is None:
         links = Links.beside(machine)
-    keep_seconds = step_seconds(blocks, [KEEP] * len(blocks), links)
     front = layout_frontier(blocks, links, activation_host_bytes)
     smallest_parameters = minimum_gpu_bytes(sizes, co_resident)
     smallest_with_blocks = minimum_gpu_bytes(sizes, [*co_resident, *block_units])
-    fastest_parameters: Optional[float] = None  # with the whole GPU tier: a bound for every split
+    fastest_parameters: Optional[PlacementCandidate] = None  # with the whole GPU tier: a bound for every split
     best: Optional[AutoPlan] = None
     elsewhere: Optional[PlacementError] = None  # a split refused for host memory or NVMe, not the GPU tier
     for layout in reversed(front):  # fastest layout (largest peak) first
-        extra = max(layout.seconds - keep_seconds, 0.0)
-        if best is not None and fastest_parameters is not None and fastest_parameters + extra >= best.seconds:
+        if best is not None and fastest_parameters is not None and _priced(fastest_parameters, sizes, blocks, layout, links) >= best.seconds:
             break
         candidate, refused = _parameters_beside(parameters, layout, blocks, gpu_bytes, host_bytes, (smallest_parameters, smallest_with_blocks))
         elsewhere = elsewhere or refused
         if candidate is None:
             continue
         if fastest_parameters is None:
-            fastest_parameters = parameters(gpu_bytes).prediction.seconds
-        total = candidate.prediction.seconds + extra
+            fastest_parameters = parameters(gpu_bytes)
+        total = _priced(candidate, sizes, blocks, layout, links)
         if best is None or total < best.seconds - 1e-12:
             best = AutoPlan(candidate, layout, total)
     if best is None:  # more of the GPU tier would not help where host memory or NVMe was short
         raise elsewhere or _no_layout_fits(front, gpu_bytes, smallest_parameters, smallest_with_blocks)
     return best
+
+
+def _priced(candidate: PlacementCandidate, sizes: Sequence[UnitSize], blocks: Sequence[BlockCost], layout: ActivationPlan, links: Links) -> float:
+    """The split's step: the parameters' and what the layout adds beside them."""
+    streamed = sum(u.nbytes for u in sizes if candidate.placement.home.get(u.index, Tier.GPU) != Tier.GPU)
+    return candidate.prediction.seconds + layout_added_seconds(candidate.prediction, streamed, blocks, layout.layout, links)
+
+
+def recompute_seconds(blocks: Sequence[BlockCost], layout: Sequence[str]) -> float:
+    return sum(b.forward_seconds for b, policy in zip(blocks, layout) if policy == CHECKPOINT)
+
+
+def layout_added_seconds(
+    parameters: StepPrediction, streamed_bytes: int, blocks: Sequence[BlockCost], layout: Sequence[str], links: Links,
+) -> float:
+    """What ``layout`` adds to the parameters' predicted step (LoHan Eq. 2 and 5, each pass as
+    long as its busiest resource, with the parameters' traffic on the same links): forward lasts
+    at least its swaps out (GPU -> host, and on to NVMe); backward at least its recomputes on top
+    of its own work, and at least the parameters' refetches plus the swaps coming back on the
+    host -> GPU link (and the NVMe reads). ``streamed_bytes``: the offloaded units' bytes, which
+    forward copies in once; what the parameters copy in beyond that is backward's refetch."""
+    swapped = sum(b.activation_bytes for b, policy in zip(blocks, layout) if policy in (SWAP_HOST, SWAP_NVME))
+    on_nvme = sum(b.activation_bytes for b, policy in zip(blocks, layout) if policy == SWAP_NVME)
+    refetched = max(parameters.h2d_bytes - streamed_bytes, 0)
+    forward = max(parameters.forward_seconds, move_seconds(swapped, links.d2h), move_seconds(on_nvme, links.nvme_write))
+    backward = max(
+        parameters.backward_seconds + recompute_seconds(blocks, layout),
+        move_seconds(refetched + swapped, links.h2d) if swapped else 0.0,  # the parameters' own refetches are priced already
+        move_seconds(on_nvme, links.nvme_read),
+    )
+    return forward - parameters.forward_seconds + backward - parameters.backward_seconds
 
 
 def _parameters_beside(
