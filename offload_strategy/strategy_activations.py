@@ -98,6 +98,12 @@ class ActivationControl:
         used = engine.slab.tensor.numel() + engine.master_region.numel() if engine is not None else 0
         return max(budgets.host - used, 0)
 
+    def host_swap_bytes(self) -> int:
+        """Host memory the activation layout in place swaps into."""
+        if self.plan is None or not self.costs:  # a fixed layout: its swaps' bytes are not known, all of it may be theirs
+            return self.host_left() if BlockPolicy.SWAP_HOST in self.policies else 0
+        return sum(c.activation_bytes for c, p in zip(self.costs, self.plan.layout) if p == BlockPolicy.SWAP_HOST)
+
     def links(self) -> Links:
         context = self.context
         machine = machine_from_spec(context.hardware, nvme=context.nvme_path is not None)

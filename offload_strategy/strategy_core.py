@@ -35,7 +35,7 @@ from .hardware.device import make_device
 from .planning.auto import AutoPlan
 from .planning.cost_model import StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, NVME, Placement, PlacementError, UnitSize
+from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
 from .profiling import StepProfile
@@ -352,7 +352,7 @@ class TieredCore:
         self._profiled = False
         self._share_optimizer_attributes()
         rank_zero_info(self._describe_placement(engine))
-        self._say_when_updates_wait(recipe)
+        self._say_when_updates_wait(recipe, engine)
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
@@ -379,15 +379,26 @@ class TieredCore:
         return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
                 f"activations per block: {layout}")
 
-    def _say_when_updates_wait(self, recipe: Rules) -> None:
+    def _say_when_updates_wait(self, recipe: Rules, engine: TieredEngine) -> None:
         """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""
         if self._said_updates_wait or not recipe.training or not recipe.needs_all_gradients():
             return
         self._said_updates_wait = True
         why = recipe.why_updates_wait()
-        on_nvme = ("offloaded units are updated after backward, NVMe units' gradients waiting on NVMe meanwhile; the units read from "
-                   "disk are updated on the update worker's pipeline while the training thread updates the others")
-        where = on_nvme if recipe.gradients_wait_on_nvme() else "offloaded units are updated after backward, their gradients kept in host memory"
+        on_nvme = ("NVMe units' gradients waiting on NVMe meanwhile; the units read from disk are updated on the update worker's "
+                   "pipeline while the training thread updates the others")
+        nvme_waits = recipe.gradients_wait_on_nvme() and any(s.home == NVME for s in engine.states)
+        if recipe.updates_may_run_ahead_of_clipping() and any(s.home == HOST for s in engine.states):
+            rest = f"; the other offloaded units after backward, {on_nvme}" if nvme_waits else ""
+            rank_zero_info(
+                f"tiered: {why} before any update: units in host memory are updated during backward all the same, their previous "
+                f"values kept in what the host budget leaves, and updated again after backward on steps whose norm exceeds "
+                f"gradient_clip_val (the optimizer/speculation_* metrics count them; a step after one that clipped updates after "
+                f"backward){rest}."
+            )
+            return
+        on_nvme = f"offloaded units are updated after backward, {on_nvme}"
+        where = on_nvme if nvme_waits else "offloaded units are updated after backward, their gradients kept in host memory"
         rank_zero_info(f"tiered: {why} before any update, so updates cannot overlap backward: {where}.")
 
     def _share_optimizer_attributes(self) -> None:
@@ -584,17 +595,27 @@ class TieredCore:
         if engine is None:
             with self.activations.counting_saved():
                 return run()
+        speculate = rules.updates_may_run_ahead_of_clipping()
+        if speculate:
+            assert self.budgets is not None  # what the plan and the activations' swaps leave of the host budget
+            engine.speculation.room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes()
         engine.begin_step(
             profile=not self._profiled, update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
             reduce=self.ranks.gradient_reduction(rules.accumulating(), rules.needs_all_gradients()), norms_wanted=self._clips_norm_first(rules),
+            speculate=speculate,
         )
         self._profiled = True
         with engine.saved_tensor_hooks():
             return run()
 
     def _clips_norm_first(self, recipe: Rules) -> bool:
-        """This step's clipping by norm is the engine's (gradients may wait on NVMe)."""
-        return self.engine is not None and self.engine.placement.gradients_spilled and recipe.clips_by_norm()
+        """This step's clipping by norm is the engine's (gradients may wait on NVMe, or units were
+        updated before it, speculatively)."""
+        engine = self.engine
+        if engine is None or not recipe.clips_by_norm():
+            return False
+        # where updates may run ahead of clipping, every step's norm decides whether the next does
+        return engine.placement.gradients_spilled or recipe.updates_may_run_ahead_of_clipping()
 
     def eval_step(self, run: Callable[[], Any]) -> Any:
         engine = self.engine

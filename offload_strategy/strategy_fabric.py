@@ -63,6 +63,9 @@ class FabricRules:
     def accumulating(self) -> bool:
         return False
 
+    def updates_may_run_ahead_of_clipping(self) -> bool:
+        return False  # the loop clips when it chooses to (fabric.clip_gradients), if at all
+
     def why_updates_wait(self) -> str:
         return "Fabric's loop may clip, read or accumulate gradients between fabric.backward and optimizer.step"
 

@@ -35,6 +35,7 @@ class Rules(Protocol):
     def every_step_updates_in_backward(self) -> bool: ...
     def updates_can_start_in_backward(self) -> bool: ...
     def gradients_wait_on_nvme(self) -> bool: ...
+    def updates_may_run_ahead_of_clipping(self) -> bool: ...
     def accumulating(self) -> bool: ...
     def why_updates_wait(self) -> str: ...
 
@@ -100,6 +101,19 @@ class Recipe:
         if not module.automatic_optimization or self.needs_all_gradients():
             return False
         return not self.trainer.fit_loop._should_accumulate()
+
+    def updates_may_run_ahead_of_clipping(self) -> bool:
+        """Lightning's own clipping by norm is all that keeps this backward's units from being
+        updated as their gradients complete (one process, one optimizer stepped by automatic
+        optimization, the last backward before the step, no loss scaling, nothing that reads the
+        gradients or weights before the step): they may be updated then, speculatively
+        (``runtime/speculation.py``)."""
+        module = self.trainer.lightning_module
+        if not self.policy.update_during_backward or not self.one_automatic_step() or not self.clips_by_norm():
+            return False
+        if self.scales_loss or gradient_hooks(self.trainer):
+            return False
+        return not self.trainer.fit_loop._should_accumulate() and module.automatic_optimization
 
     def accumulating(self) -> bool:
         """This backward is not the last before the optimizer step (as DDP's no_sync)."""

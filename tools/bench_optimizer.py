@@ -10,6 +10,10 @@
    unit updates take.
 3. States on NVMe: step time with every unit's parameters and optimizer states in host memory
    against about half of them on NVMe.
+4. Clipping by norm: the exposed optimizer time without clipping, with a threshold no step's norm
+   reaches (units updated during backward ahead of the norm, every update kept), and with one
+   every step's norm exceeds (the first step's updates redone, the later ones after backward, as
+   before updates could run ahead of clipping).
 """
 
 from __future__ import annotations
@@ -108,12 +112,12 @@ class Metrics(L.Callback):
         self.rows.append(trainer.strategy.metrics())
 
 
-def train(strategy: TieredStrategy, config: dict[str, Any], steps: int, batch: int, seq: int) -> Metrics:
+def train(strategy: TieredStrategy, config: dict[str, Any], steps: int, batch: int, seq: int, clip: Optional[float] = None) -> Metrics:
     L.seed_everything(0, verbose=False)
     metrics = Metrics()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        callbacks=[metrics])
+                        callbacks=[metrics], gradient_clip_val=clip)
     trainer.fit(FusedAdamW(family="gpt2", config=config), datamodule=SyntheticTokens(seq_len=seq, batch_size=batch, num_tokens=seq * batch * (steps + 2) * 2))
     return metrics
 
@@ -127,6 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clip-link-gbps", type=float, default=0.2, help="part 4: the emulated link's GB/s each way")
+    parser.add_argument("--clip-batch", type=int, nargs=2, default=[2, 64], help="part 4: batch size and sequence length")
     args = parser.parse_args(argv)
     config = gpt2(args.layers, args.width)
 
@@ -142,12 +148,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     probe.configure_model()
     total = sum(p.numel() * p.element_size() for p in probe.parameters())
     gpu = int(0.25 * total)
+    clipped = {"no clipping": None, "clip, never reached": 1e9, "clip, always exceeded": 1e-9}
+    # a small batch over a slow link: backward waits for copies as on a GPU machine, where the cores
+    # are free for updates meanwhile (here they compute too, so no setting frees them entirely)
+    throttled = {**PARAMETERS_ONLY, "throttle": True}
+    link = {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
+            "h2d_gbps": args.clip_link_gbps, "d2h_gbps": args.clip_link_gbps, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
     with tempfile.TemporaryDirectory(dir=".", prefix="bench-opt-nvme-") as nvme:
-        runs: dict[str, list[Metrics]] = {"host": [], "nvme": []}
+        runs: dict[str, list[Metrics]] = {"host": [], "nvme": [], **{name: [] for name in clipped}}
         for _ in range(args.repeats):
             runs["host"].append(train(TieredStrategy(gpu_memory=gpu, host_memory="8GiB", policy=PARAMETERS_ONLY), config, args.steps, args.batch_size, args.seq_len))
             runs["nvme"].append(train(TieredStrategy(gpu_memory=gpu, host_memory=int(3.2 * total), nvme_path=nvme, nvme_memory="4GiB", policy=PARAMETERS_ONLY),
                                       config, args.steps, args.batch_size, args.seq_len))
+            for name, clip in clipped.items():
+                runs[name].append(train(TieredStrategy(gpu_memory=gpu, host_memory="8GiB", hardware=link, policy=throttled), config, args.steps,
+                                        *args.clip_batch, clip=clip))
 
     def summary(name: str) -> tuple[float, float, float, str]:
         rows = [r for m in runs[name] for r in m.rows[args.warmup :]]
@@ -166,6 +181,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {name} ({homes}) | {step:.1f} | {update:.1f} | {exposed:.1f} | {exposed / update:.1%} |")
     print(f"\n## 3. States on NVMe: step time {nvme[0]:.1f} ms with {nvme[3].split('/')[2]} units' parameters and states on NVMe "
           f"vs {host[0]:.1f} ms with all in host memory ({nvme[0] / host[0]:.3f}x)")
+    print(f"\n## 4. Clipping by norm (host placement as in 2, batch {args.clip_batch[0]} x {args.clip_batch[1]}, copies throttled to "
+          f"{args.clip_link_gbps} GB/s each way; gradient_clip_val set so that no step's norm reaches it, or every step's exceeds it)\n")
+    print("| recipe | step (ms) | all unit updates (ms) | left after backward (ms) | exposed share | units updated ahead of the norm "
+          "(last step) | redone steps |\n|---|---|---|---|---|---|---|")
+    for name in clipped:
+        step, update, exposed, _ = summary(name)
+        last = runs[name][-1].rows[-1]
+        ahead = f"{int(last['optimizer/speculated_units'])}" if "optimizer/speculated_units" in last else "-"
+        redone = f"{int(last['optimizer/speculation_redone_steps'])}" if "optimizer/speculation_redone_steps" in last else "-"
+        print(f"| {name} | {step:.1f} | {update:.1f} | {exposed:.1f} | {exposed / update:.1%} | {ahead} | {redone} |")
     return 0
 
 

@@ -57,6 +57,7 @@ from .state import UnitState, nan_placeholder
 from .tiers import TierMemory
 from .timing import StepTimer
 from .units import TransferUnit, master_dtype
+from .speculation import SpeculativeUpdates
 from .updates import GradientView, UnitUpdater
 
 
@@ -190,6 +191,7 @@ class TieredEngine:
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
         self.timer = StepTimer(ctx.step, [s.unit.name for s in states], [s.unit.nbytes for s in states])
+        self.speculation = SpeculativeUpdates()
 
     def _owns(self, unit_index: int) -> bool:
         """Whether this process updates the unit (under sharded states: another rank may own it)."""
@@ -418,7 +420,11 @@ class TieredEngine:
             for unit in ready:
                 if unit.home != GPU:
                     self.updater.submit(unit)
-        elif self.placement.gradients_spilled:
+            return
+        if self.speculation.active:
+            for unit in ready:
+                self.updater.speculate(unit, self.speculation)
+        if self.placement.gradients_spilled:
             for unit in ready:
                 if unit.transient_gradients and self.gradients.buffers.holds(unit):
                     self.updater.spill(unit)
@@ -461,11 +467,13 @@ class TieredEngine:
     @torch.inference_mode(False)
     def begin_step(
         self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None,
-        reduce: Optional[Reduction] = None, train: bool = True, norms_wanted: bool = False,
+        reduce: Optional[Reduction] = None, train: bool = True, norms_wanted: bool = False, speculate: bool = False,
     ) -> None:
         """A training (or, with ``train=False``, evaluation) step starts. ``update_in_backward``:
         its backward ends an optimizer step (no accumulation left, nothing that needs every
         gradient first), so units are updated as soon as their gradients are complete.
+        ``speculate``: clipping by norm is all that keeps them from it, so host units are updated
+        then anyway, taken back if the norm says so (``speculation.py``).
         ``reduce``: under data parallelism, how this backward's gradients are reduced; None accumulates."""
         self.lending.take_back()
         step = self.ctx.step
@@ -475,6 +483,7 @@ class TieredEngine:
         self.cache.new_step()
         self.activation_bytes = 0
         step.update_in_backward = update_in_backward and len(self.updater.optimizers) == 1
+        self.speculation.begin_step(speculate and train and len(self.updater.optimizers) == 1 and self.exchange is None)
         step.clip_value = clip_value
         step.norms_wanted = norms_wanted
         self.updater.log, self.backward_log = [], []
@@ -601,15 +610,24 @@ class TieredEngine:
         norms of gradients waiting on NVMe were taken on their way there, and they are multiplied
         when read back for their update. Then the step. Returns the total norm."""
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
-        self.updater.drain()  # every gradient written out, with its norm
+        self.updater.drain()  # every gradient written out, with its norm; every speculative update done
         norms, in_memory = self.gradients.norm_inputs(unit_optimizers)
         total = total_norm(norms)
         coefficient = clip_coefficient(max_norm, total)
+        # a coefficient of exactly 1 keeps every bit of the updates made ahead of it
+        for index in self.speculation.settle(bool(coefficient < 1.0), unit_optimizers, self._update_copies):
+            self.states[index].updated = False
         for grad in in_memory:
             grad.mul_(coefficient.to(grad.device))
         self.ctx.step.gradient_scale = coefficient
         self.step(optimizer, closure_result, **kwargs)
         return total
+
+    def _update_copies(self, unit_index: int) -> list[torch.Tensor]:
+        """The host unit's tensors its update writes beside the masters, as ``update_offloaded`` gives them."""
+        s = self.states[unit_index]
+        (unit_optimizers,) = self.updater.optimizers.values()
+        return [s.home_views[self.ctx.param_slot[id(p)][1]] for p in unit_optimizers.slots[unit_index].params]
 
     @contextlib.contextmanager
     def gradient_view(self, optimizer: torch.optim.Optimizer, closure_result: Any = None, **kwargs: Any) -> Iterator[GradientView]:
@@ -755,6 +773,11 @@ class TieredEngine:
         out = {f"cache/{k}": v for k, v in self.ctx.requests.report().items()}
         out.update(self._tier_metrics())
         out["activations/saved_bytes"] = float(self.activation_bytes)
+        speculation = self.speculation.counts
+        if speculation["steps"]:
+            out["optimizer/speculated_units"] = float(speculation["speculated_units"])
+            out["optimizer/speculation_redone_steps"] = float(speculation["redone_steps"])
+            out["memory/speculation_bytes"] = float(self.speculation.held_bytes)
         steps = self.step_stats["steps"]
         if steps:
             # update: all unit updates of a step; exposed: what the step waited after backward

@@ -23,6 +23,7 @@ from .gradients import GradientPath, clip_by_value
 from .nvme_pipeline import NvmeUpdatePipeline
 from .nvme_states import NvmeOptimizerStates
 from .optimizer import LOOSE, UnitOptimizers, UnitSlot, grads_on
+from .speculation import SpeculativeUpdates
 from .state import UnitState
 from .worker import UpdateWorker
 
@@ -135,6 +136,30 @@ class UnitUpdater:
 
         self.worker.submit(update)
 
+    def speculate(self, s: UnitState, speculation: SpeculativeUpdates) -> None:
+        """Under clipping by norm: update a host unit now, its previous values kept aside
+        (``speculation.py``), when there is room for them; otherwise after backward."""
+        (unit_optimizers,) = self.optimizers.values()
+        slot = unit_optimizers.slots.get(s.unit.index)
+        if slot is None or s.home != HOST or not speculation.reserve(s.unit.index, self._previous_bytes(s, slot)):
+            return
+        s.updated = True
+
+        def update() -> None:
+            start = time.perf_counter()
+            self.update_offloaded(unit_optimizers, s, on_worker=True, speculation=speculation)
+            self.log.append((s.unit.index, start, time.perf_counter()))
+
+        self.worker.submit(update)
+
+    def _previous_bytes(self, s: UnitState, slot: UnitSlot) -> int:
+        """What a unit's previous values take: masters, 16-bit copies, optimizer states (before
+        the optimizer created them, the planned bytes per master byte)."""
+        masters = sum(m.numel() * m.element_size() for m in slot.masters)
+        copies = sum(p.numel() * p.element_size() for k, p in enumerate(slot.params) if slot.widened(k))
+        states = self.state_bytes.get(s.unit.index, int(masters * self.gradients.state_factor))
+        return masters + copies + states
+
     def submit_in_order(self, unit_optimizers: UnitOptimizers, units: list[UnitState]) -> None:
         """After backward: NVMe units updated on the worker in this order, each update starting
         the next unit's reads once it has taken its own (LoHan Fig. 3b: read i+1, update i,
@@ -202,9 +227,11 @@ class UnitUpdater:
 
     def update_offloaded(
         self, unit_optimizers: UnitOptimizers, s: UnitState, on_worker: bool = False, read_next: Optional[UnitState] = None,
+        speculation: Optional[SpeculativeUpdates] = None,
     ) -> None:
         """Update one offloaded unit at home: stage it, step it, write it back (``read_next``: an
-        NVMe unit whose reads start once this one's are taken)."""
+        NVMe unit whose reads start once this one's are taken; ``speculation``: its previous values
+        are kept, and its gradient stays, until the step's norm is known)."""
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self.ctx.param_slot[id(p)][1] for p in slot.params]
         if s.home == NVME:
@@ -218,6 +245,10 @@ class UnitUpdater:
             params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
+        if speculation is not None:
+            _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies))
+            self._remember_state_bytes(s, slot)
+            return
         _step_masters(unit_optimizers, slot, grads, copies)
         for i in positions:
             s.grads[i].fresh = False
@@ -320,13 +351,18 @@ class UnitUpdater:
         return s.host_copy
 
 
-def _step_masters(unit_optimizers: UnitOptimizers, slot: UnitSlot, grads: list, copies: list[torch.Tensor]) -> None:
+def _step_masters(
+    unit_optimizers: UnitOptimizers, slot: UnitSlot, grads: list, copies: list[torch.Tensor], before: Optional[Callable[[], None]] = None,
+) -> None:
     """One unit's inner step on its masters; ``copies`` are the tensors forward computes with (the
-    masters themselves, or the 16-bit copies of fp32 masters, refreshed after)."""
+    masters themselves, or the 16-bit copies of fp32 masters, refreshed after); ``before``: called
+    with the masters current, right before the step."""
     for position, master in enumerate(slot.masters):
         if id(master) in unit_optimizers.stale:
             master.copy_(copies[position])
             unit_optimizers.stale.discard(id(master))
+    if before is not None:
+        before()
     with grads_on(slot.masters, grads):
         unit_optimizers.step(slot.unit_index)
     for position, master in enumerate(slot.masters):
