@@ -173,12 +173,14 @@ class ActivationControl:
         assert activations.planner is not None
         planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured)
 
-    def measure_blocks_again(self) -> None:
-        """The blocks are timed again in the next training step (the first ran cold)."""
+    def measure_blocks_again(self, keep_fastest: bool = False) -> None:
+        """The blocks are timed again in the next training step (the first ran cold; with
+        ``keep_fastest``, each block's least time over the steps timed so far is kept)."""
         activations = self.policies_in_use
         if activations is not None and activations.profile is not None:
+            before = list(activations.profile.forward_seconds) if keep_fastest else None
             activations.end_profile()
-            activations.start_profile()
+            activations.start_profile(before)
 
     # -- the step ---------------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
-from .profiling import StepProfile
+from .profiling import StepProfile, fastest_timing
 from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
@@ -59,9 +59,12 @@ if TYPE_CHECKING:
 # or the step in ways the runtime would silently undo.
 _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
-# Steps before the one the planner prices: the first use of every buffer and kernel makes the
+# Steps before the ones the planner prices: the first use of every buffer and kernel makes the
 # first step slower than the rest by an amount that varies from run to run (docs/benchmarks.md).
 WARM_UP_STEPS = 1
+# Warm steps whose least times, unit by unit and block by block, price the plan: a neighbour
+# process busy during one of them does not change it.
+TIMED_STEPS = 2
 
 # Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
 _STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
@@ -162,6 +165,7 @@ class TieredCore:
         self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
         self.prediction = PredictionCheck()
         self._steps_done = 0  # training steps whose optimizers stepped, counted as the next begins
+        self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -276,6 +280,7 @@ class TieredCore:
         (``block_policies``: the layout they will run beside, the one in place by default)."""
         optimizers = self.lightning.optimizers
         states = [optimizer.state_dict() for optimizer in optimizers]  # standard, exact: they move through these
+        self._timed = []  # another engine's units
         self._close_engine()
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None:
@@ -375,7 +380,7 @@ class TieredCore:
         policies = self.activations.policies if self.activations.blocks else []
         layout = " ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks"
         if self.activations.measuring:
-            layout += f" (the profiling layout; the blocks' own is chosen from what the first {WARM_UP_STEPS + 1} training steps measure)"
+            layout += f" (the profiling layout; the blocks' own is chosen from what the first {WARM_UP_STEPS + TIMED_STEPS} training steps measure)"
         return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
                 f"activations per block: {layout}")
 
@@ -433,7 +438,7 @@ class TieredCore:
         two steps (the optimizer states move through their state dicts, exactly)."""
         engine, planner = self.engine, self.planner
         assert engine is not None and planner is not None
-        timing = engine.last_timing or engine.profile
+        timing = fastest_timing(self._timed) if self._timed else engine.last_timing or engine.profile
         if not timing.order:  # first use in forward of every unit, resident ones included
             timing = replace(timing, order=list(engine.profile.order))
         activations = self.activations
@@ -561,9 +566,9 @@ class TieredCore:
         planner, stepped = self.planner, self._optimizer_stepped
         assert planner is not None
         self._steps_done += stepped  # batches whose optimizers stepped, however many optimizers
-        if stepped and self._steps_done == WARM_UP_STEPS:
-            self.activations.measure_blocks_again()  # the blocks' times of the warm step, not the first's
-        warm = stepped and self._steps_done > WARM_UP_STEPS
+        if stepped:
+            self._keep_timing()
+        warm = stepped and self._steps_done >= WARM_UP_STEPS + TIMED_STEPS
         if planner.searching and planner.phase is PlanPhase.INITIAL and warm and self.engine is not None:
             self._search_placement(recipe)
         if self.activations.profiled and warm:
@@ -575,6 +580,15 @@ class TieredCore:
             self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
+
+    def _keep_timing(self) -> None:
+        """After each step before planning: the blocks are timed again (the warm steps' times,
+        not the first's, the least of them kept), and each warm step's unit times kept."""
+        done, engine = self._steps_done, self.engine
+        if WARM_UP_STEPS <= done < WARM_UP_STEPS + TIMED_STEPS:
+            self.activations.measure_blocks_again(keep_fastest=done > WARM_UP_STEPS)
+        if WARM_UP_STEPS < done <= WARM_UP_STEPS + TIMED_STEPS and engine is not None and engine.last_timing is not None:
+            self._timed.append(engine.last_timing)
 
     def _predict_fixed_placement(self) -> None:
         """A placement nothing searched is predicted once, by the step model on the first step's

@@ -101,6 +101,9 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
     assert "| unit | name | bytes | home |" in result.stdout and "activations per block:" in result.stdout
     written = json.loads(plan.read_text())
     assert {u["home"] for u in written["units"]} >= {"host"} and len(written["activations"]) == 4
+    # the planner's layout, not the profiling steps' (the first block kept, the others recomputed)
+    assert written["activations"] != ["keep", "checkpoint", "checkpoint", "checkpoint"], written["activations"]
+    assert "tiered: activation layout" in result.stdout + result.stderr
     shown = run([str(ROOT / "tools/plan.py"), "--show", str(plan)], cwd=tmp_path)
     assert shown.stdout.count("| model.transformer.") == len(written["units"])
     result = run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'job'}", "logger=none", "data=synthetic", "data.batch_size=4",

@@ -6,7 +6,8 @@
     python tools/plan.py --show plan.json
 
 Making a plan runs the job's first ``--steps`` training steps (the planner decides from what it
-measures there: with ``policy.activations=auto`` the first step profiles the blocks), then writes
+measures there: the first step records the order and, with ``policy.activations=auto``, profiles
+the blocks; the warm steps after it price the plan, which the next step puts in place), then writes
 every unit's home and every block's activation policy, with what they imply (each unit's compute
 mode, where its gradient is produced, where its optimizer states live) and the step model's
 predicted breakdown. ``strategy.plan_file=plan.json`` runs the
@@ -162,7 +163,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the plan")
     parser.add_argument("--show", type=Path, help="a plan file to print")
-    parser.add_argument("--steps", type=int, default=2, help="training steps to run before writing the plan")
+    from offload_strategy.strategy_core import TIMED_STEPS, WARM_UP_STEPS
+
+    # the plan is made between the last timed step and the next, and put in place as that one starts
+    planned = WARM_UP_STEPS + TIMED_STEPS + 1
+    parser.add_argument("--steps", type=int, default=planned, help=f"training steps to run before writing the plan (default {planned}: planning "
+                        f"prices warm steps {WARM_UP_STEPS + 1} to {WARM_UP_STEPS + TIMED_STEPS}; fewer write the set-up placement)")
     parser.add_argument("--from-shapes", action="store_true", help="plan from the model's shapes and the hardware spec, running nothing")
     parser.add_argument("--efficiency", type=float, default=0.5, help="--from-shapes: model FLOPs utilisation of the GPU's dense peak")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job, as for experiments/train.py")

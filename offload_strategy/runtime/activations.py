@@ -158,8 +158,11 @@ class ActivationPolicies:
 
     # -- profiling (policy "auto") ------------------------------------------------------------------
 
-    def start_profile(self) -> None:
+    def start_profile(self, fastest: Optional[list[float]] = None) -> None:
+        """Time the blocks in the next training step (``fastest``: each block's least time so far,
+        kept where this step's is longer)."""
         self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks))
+        kept = list(fastest) if fastest is not None else None
         started: dict[int, float] = {}
         done: set[int] = set()
 
@@ -182,6 +185,8 @@ class ActivationPolicies:
             # a recomputation runs warm: the lesser time is the block's own
             seconds = self.profile.forward_seconds
             seconds[index] = elapsed if index not in done else min(seconds[index], elapsed)
+            if kept is not None and kept[index] > 0:
+                seconds[index] = min(seconds[index], kept[index])
             first = index not in done
             done.add(index)
             if index == 0 and first and self.after_first_block is not None:
