@@ -165,3 +165,21 @@ def test_a_layout_adds_its_recomputes_and_the_link_time_its_swaps_share_with_the
     assert layout_added_seconds(parameters(25), 10, blocks, [SWAP_HOST, SWAP_HOST, KEEP], Links(h2d=10, d2h=2)) == pytest.approx(4.0 + 0.5)
     # keeping every block adds nothing, whatever the parameters copy
     assert layout_added_seconds(parameters(40), 10, blocks, [KEEP] * 3, links) == 0.0
+
+
+def test_nvme_swaps_and_nvme_units_share_the_nvme_budget():
+    """As host swaps share host memory with streamed units, swaps to NVMe share the NVMe budget
+    with the units' files. The units of the host-memory test above; no host room for
+    swaps, so swapped blocks go to NVMe. With a roomy NVMe the search swaps two blocks there
+    (S S K, 4000 bytes); with 3000 bytes of NVMe it cannot, and checkpoints them (C C K)."""
+    sizes, costs = [UnitSize(i, 512, 0) for i in range(3)], {i: UnitCost(512, 1.0, 2.0) for i in range(3)}
+    blocks, fast = [BlockCost(2000, 100, 1.0)] * 3, Links(d2h=1e6, h2d=1e6, nvme_read=1e6, nvme_write=1e6)
+
+    def best(nvme: int):
+        return plan_auto(sizes, [[0], [1], [2]], [0, 1, 2], costs, MACHINE, gpu_bytes=5100, host_bytes=10**6, nvme_bytes=nvme, state_factor=2.0,
+                         blocks=blocks, links=fast, activation_host_bytes=0)
+
+    roomy = best(10**6)
+    assert roomy.activations.layout == ("swap_nvme", "swap_nvme", "keep")
+    tight = best(3000)
+    assert "swap_nvme" not in tight.activations.layout and tight.activations.layout == ("checkpoint", "checkpoint", "keep")

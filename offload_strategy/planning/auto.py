@@ -91,7 +91,7 @@ def plan_auto(
     for layout in reversed(front):  # fastest layout (largest peak) first
         if best is not None and fastest_parameters is not None and _priced(fastest_parameters, sizes, blocks, layout, links) >= best.seconds:
             break
-        candidate, refused = _parameters_beside(parameters, layout, blocks, gpu_bytes, host_bytes, (smallest_parameters, smallest_with_blocks))
+        candidate, refused = _parameters_beside(parameters, layout, blocks, gpu_bytes, (smallest_parameters, smallest_with_blocks))
         elsewhere = elsewhere or refused
         if candidate is None:
             continue
@@ -137,14 +137,16 @@ def layout_added_seconds(
 
 
 def _parameters_beside(
-    parameters: "_ParameterSearch", layout: ActivationPlan, blocks: Sequence[BlockCost], gpu_bytes: int, host_bytes: int, smallest: tuple[int, int],
+    parameters: "_ParameterSearch", layout: ActivationPlan, blocks: Sequence[BlockCost], gpu_bytes: int, smallest: tuple[int, int],
 ) -> tuple[Optional[PlacementCandidate], Optional[PlacementError]]:
     """The parameters' best placement in what ``layout`` leaves of the GPU tier, when every budget
-    holds both (the layout's host swaps beside the units streamed from host memory); otherwise the
+    holds both (the layout's host swaps beside the units streamed from host memory, its NVMe swaps
+    beside the NVMe units' files); otherwise the
     refusal, when it was host memory or NVMe that fell short. ``smallest``: the parameters' least
     GPU tier without and with a recomputed block's units together."""
     recompute = CHECKPOINT in layout.layout
     budget = gpu_bytes - layout.peak_bytes
+    host_bytes, nvme_bytes = parameters.host_bytes, parameters.nvme_bytes
     if budget < smallest[recompute]:
         return None, None
     try:
@@ -154,6 +156,9 @@ def _parameters_beside(
     swapped = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_HOST)
     if swapped > host_bytes - candidate.placement.host_bytes:
         return None, None  # the layout was priced with host room this placement's streamed units take
+    on_nvme = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_NVME)
+    if on_nvme > nvme_bytes - candidate.placement.nvme_bytes:
+        return None, None  # ... or with NVMe room its units' parameters and states take
     return candidate, None
 
 
