@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.summary import MetricsRecorder, build_summary, format_summary, write_json_atomic
 from offload_strategy import HardwareSpec, OffloadMonitor, TieredDDPStrategy, TieredStrategy
+from offload_strategy.config import compute_dtype
 
 
 def build_strategy(cfg: DictConfig, hardware: HardwareSpec) -> Union[TieredStrategy, TieredDDPStrategy, str]:
@@ -142,7 +143,7 @@ def run(cfg: DictConfig) -> float:
             strategy=type(trainer.strategy).__name__,
             steps=trainer.global_step,
             wall_seconds=wall,
-            peak_flops=hardware.peak_flops("bf16" if "bf16" in precision else "fp16") if device.type == "cuda" else None,
+            peak_flops=hardware.peak_flops(compute_dtype(precision)) if device.type == "cuda" else None,
             peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             offload=trainer.strategy.metrics(reset=False) if isinstance(trainer.strategy, (TieredStrategy, TieredDDPStrategy)) else None,
         )

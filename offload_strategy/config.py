@@ -356,6 +356,9 @@ class HardwareSpec:
     nvme_read_gbps: Optional[float] = None
     nvme_write_gbps: Optional[float] = None
     host_memory_gbps: Optional[float] = None  # what the CPU's memory channels move, both directions together
+    # dense fp32 peak without tensor cores: what `32-true` matmuls run at under torch's default
+    # (torch.backends.cuda.matmul.allow_tf32 is False)
+    gpu_fp32_tflops: Optional[float] = None
     source: str = ""
 
     _SIZE_FIELDS = ("gpu_memory", "host_memory")
@@ -365,7 +368,7 @@ class HardwareSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
                 object.__setattr__(self, field, parse_size(value, f"hardware.{field}"))
-        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "host_memory_gbps"):
+        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "gpu_fp32_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "host_memory_gbps"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"hardware.{field}={value!r} must be a non-negative number or None.")
@@ -375,9 +378,21 @@ class HardwareSpec:
                 raise ValueError(f"hardware.{field}={value!r} must be a non-negative integer.")
 
     def peak_flops(self, dtype_name: str) -> Optional[float]:
-        """Dense peak FLOP/s of the GPU for ``bf16`` or ``fp16`` work, if known."""
-        tflops = self.gpu_bf16_tflops if dtype_name == "bf16" else self.gpu_fp16_tflops
+        """Dense peak FLOP/s of the GPU for ``bf16``, ``fp16`` or ``fp32`` work, if known."""
+        tflops = {"bf16": self.gpu_bf16_tflops, "fp16": self.gpu_fp16_tflops, "fp32": self.gpu_fp32_tflops}.get(dtype_name)
+        if dtype_name not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"no peak for dtype {dtype_name!r}; choose bf16, fp16 or fp32.")
         return None if not tflops else tflops * 1e12
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype a Lightning precision flag's matmuls run in: ``bf16``, ``fp16`` or ``fp32``."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    return "fp32"

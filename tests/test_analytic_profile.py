@@ -44,6 +44,22 @@ def test_flops_and_times_by_hand():
         analytic_units(units, users, tokens=5, hardware=TOY, efficiency=0)
 
 
+def test_32_true_is_priced_at_the_fp32_peak_not_the_tensor_cores():
+    """torch leaves TF32 off: 32-true matmuls run on the CUDA cores. With an fp32 peak of 125 FLOP/s
+    (an eighth of bf16's 1,000) the body's 160 FLOPs at half efficiency take 160 / 62.5 = 2.56 s."""
+    from offload_strategy import known_hardware
+    from offload_strategy.config import compute_dtype
+
+    assert [compute_dtype(p) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")] == ["fp32", "bf16", "bf16", "fp16", "fp16"]
+    slow = dataclasses.replace(TOY, gpu_fp32_tflops=1.25e-10)
+    units, users = build_units(Tied())
+    by_name = {c.name: c for c in analytic_units(units, users, tokens=5, hardware=slow, dtype="fp32", efficiency=0.5)}
+    assert by_name["body"].forward_seconds == pytest.approx(2.56)
+    assert known_hardware("a100_80g").peak_flops("fp32") == pytest.approx(19.5e12)  # the datasheet's FP32, not TF32's 156
+    with pytest.raises(ValueError, match="gives no fp32 peak"):
+        analytic_units(units, users, tokens=5, hardware=TOY, dtype="fp32")
+
+
 def test_the_cpu_optimizer_is_bounded_by_the_memory_channels_by_hand():
     """Two cores at 0.8 G parameters/s are 1.6 G/s; memory channels of 28 GB/s move 28 bytes per fp32
     parameter (master, gradient, two states read; master, two states written) for 1 G/s, and

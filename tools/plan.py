@@ -117,6 +117,7 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
 
     from offload_strategy import format_bytes
     from offload_strategy.planning.auto import plan_auto
+    from offload_strategy.config import compute_dtype
     from offload_strategy.planning.placement import GPU
     from offload_strategy.planning.plan_file import PlanFile, PlannedUnit, prediction_record, save_plan
     from tools.simulate import build, machine_of, parameter_links, unit_costs
@@ -128,10 +129,10 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     precision = str(cfg.trainer.get("precision", "32-true"))
     started = time.perf_counter()
     try:
-        model = build(cfg, hardware, precision in ("bf16-true", "16-true"), efficiency)
+        model = build(cfg, hardware, precision in ("bf16-true", "16-true"), efficiency, dtype=compute_dtype(precision))
     except ValueError as error:  # a machine probed without a GPU has no peak to price compute at
         raise SystemExit(f"{error} --from-shapes prices compute from the spec: name a known machine (hardware=rtx4090, ...) "
-                         f"or give its peak (+hardware.gpu_bf16_tflops=... +hardware.gpu_fp16_tflops=...).") from None
+                         f"or give its peak (+hardware.gpu_{compute_dtype(precision)}_tflops=...).") from None
     gpu, host, nvme = shapes_budgets(cfg, hardware)
     machine = machine_of(hardware, nvme)
     owners = [0] * len(model.units)

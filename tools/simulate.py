@@ -80,7 +80,7 @@ class Row:
     note: str = ""
 
 
-def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None) -> Model:
+def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None, dtype: Optional[str] = None) -> Model:
     import torch
     from hydra.utils import instantiate
 
@@ -97,7 +97,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     batch = int(batch_size or cfg.data.batch_size)
     seq = int(cfg.data.seq_len)
     units, users = build_units(module)
-    dtype = "bf16" if half else "fp16"
+    dtype = dtype or ("bf16" if half else "fp32")  # 32-true: the CUDA cores' fp32 peak (torch leaves TF32 off)
     costs = analytic_units(units, users, batch * seq, hardware, dtype=dtype, efficiency=efficiency)
     blocks = find_blocks(module)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -377,13 +377,14 @@ def explain(text: str) -> None:
 
 def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int], host: int, nvme: int, machine: Any) -> None:
     """Every figure the predictions rest on, with where it comes from and how to change it."""
+    from offload_strategy.config import compute_dtype
     from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, CPU_PARAMS_PER_S_PER_CORE, cpu_update_rate
 
     copy = 2 if args.precision == "bf16-true" else 0
     memory = (f"{hardware.host_memory_gbps:g} GB/s of memory channels at {ADAM_BYTES_PER_PARAMETER + copy} bytes per parameter"
               if hardware.host_memory_gbps else "nothing (the memory bandwidth is not known)")
 
-    peak = hardware.peak_flops("bf16" if args.precision == "bf16-true" else "fp16")
+    peak = hardware.peak_flops(compute_dtype(args.precision))
     per_param = "2 (bf16) in the GPU tier, 16 at home: an fp32 master, fp32 gradient and two fp32 Adam states" if args.precision == "bf16-true" \
         else "4 (fp32) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states"
     source = f" ({hardware.source})" if hardware.source else ""
@@ -391,7 +392,8 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
                  f"+hardware.nvme_read_gbps=, +hardware.nvme_write_gbps=)") if nvme else "none (--nvme-memory 2TB adds one)"
     lines = [
         f"machine: {hardware.name}{source}; every figure below can be replaced, e.g. +hardware.host_memory=512GiB",
-        f"GPU compute: {args.efficiency:.0%} of the {hardware.gpu}'s dense peak, {peak / 1e12:.0f} TFLOP/s (--efficiency)",
+        f"GPU compute: {args.efficiency:.0%} of the {hardware.gpu}'s dense {compute_dtype(args.precision)} peak, {peak / 1e12:.0f} TFLOP/s "
+        f"(--efficiency; +hardware.gpu_{compute_dtype(args.precision)}_tflops=)",
         f"GPU tier budgets: {', '.join(fmt(b) for b in budgets)} of its {fmt(hardware.gpu_memory)} (--gpu-memory)",
         f"host memory: {fmt(host)}, 80% of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
         f"NVMe: {nvme_line}",

@@ -77,10 +77,11 @@ def _borrowed_figures(gpu_name: str, gpu_memory: int) -> dict[str, Any]:
             return {
                 "gpu_bf16_tflops": spec.gpu_bf16_tflops,
                 "gpu_fp16_tflops": spec.gpu_fp16_tflops,
+                "gpu_fp32_tflops": spec.gpu_fp32_tflops,
                 "h2d_gbps": spec.h2d_gbps,
                 "d2h_gbps": spec.d2h_gbps,
             }
-    return {"gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "h2d_gbps": None, "d2h_gbps": None}
+    return {"gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "gpu_fp32_tflops": None, "h2d_gbps": None, "d2h_gbps": None}
 
 
 def probe_hardware(**overrides: Any) -> HardwareSpec:

@@ -3,7 +3,8 @@
 Link figures are the theoretical per-direction bandwidth of the GPU's PCIe link (PCIe 3.0 x16
 15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63.0 GB/s, as ProTrain §5 quotes them); on a real machine
 the profiler measures what the link actually delivers. GPU peaks are dense (no sparsity) tensor
-core figures with fp32 accumulation, from the vendor datasheets and architecture whitepapers.
+core figures with fp32 accumulation, from the vendor datasheets and architecture whitepapers; the
+fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults.
 Host memory, cores and SSDs are those of the testbed each spec is named after; the host memory
 bandwidth is the theoretical peak of its CPUs' memory channels (channels x transfer rate x 8 bytes,
 from the CPU datasheets), the share of one GPU where the machine has several.
@@ -37,6 +38,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_read_gbps=7.0,  # Samsung PM1733 3.84 TB U.2 datasheet
             nvme_write_gbps=3.8,
             host_memory_gbps=76.8,  # 2x Xeon Platinum 8480C, 8 channels of DDR5-4800 each (614.4 GB/s), one GPU's eighth
+            gpu_fp32_tflops=66.9,  # H100 SXM5 datasheet: FP32 67 TFLOPS
             source="NVIDIA H100 datasheet; DGX H100 user guide (per-GPU share)",
         ),
         HardwareSpec(
@@ -53,6 +55,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_read_gbps=7.0,
             nvme_write_gbps=3.8,
             host_memory_gbps=76.8,  # as the DGX H100: 614.4 GB/s, one GPU's eighth
+            gpu_fp32_tflops=66.9,  # H200 datasheet: FP32 67 TFLOPS
             source="NVIDIA H200 datasheet; DGX H200 user guide (per-GPU share)",
         ),
         HardwareSpec(
@@ -69,6 +72,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_read_gbps=2.36,  # 10Cache Table 1 (measured, NVMe on PCIe 4.0 x4)
             nvme_write_gbps=0.73,
             host_memory_gbps=204.8,  # AMD EPYC 7763: 8 channels of DDR4-3200
+            gpu_fp32_tflops=19.5,  # A100 datasheet
             source="NVIDIA A100 datasheet; 10Cache Tables 1 and 3",
         ),
         HardwareSpec(
@@ -83,6 +87,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             cpu_cores=112,
             nvme_count=0,
             host_memory_gbps=614.4,  # 2x Xeon Platinum 8480+: 8 channels of DDR5-4800 each
+            gpu_fp32_tflops=19.5,  # A100 datasheet
             source="NVIDIA A100 datasheet; ProTrain §5 testbed",
         ),
         HardwareSpec(
@@ -99,6 +104,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_read_gbps=12 * 6.5,  # P5510 datasheet: 6.5 GB/s read, 3.4 GB/s write per drive
             nvme_write_gbps=12 * 3.4,
             host_memory_gbps=375.4,  # 2x Xeon Gold 5320: 8 channels of DDR4-2933 each
+            gpu_fp32_tflops=82.6,  # Ada whitepaper
             source="NVIDIA Ada whitepaper; LoHan Table III",
         ),
         HardwareSpec(
@@ -113,6 +119,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             cpu_cores=24,
             nvme_count=0,
             host_memory_gbps=230.4,  # 2x Xeon Silver 4214R: 6 channels of DDR4-2400 each
+            gpu_fp32_tflops=35.6,  # GA102 whitepaper
             source="NVIDIA GA102 whitepaper; ProTrain §5 testbed",
         ),
         HardwareSpec(
@@ -129,6 +136,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_read_gbps=2.36,  # 10Cache Table 1 (measured)
             nvme_write_gbps=0.73,
             host_memory_gbps=341.2,  # 2x Xeon Silver 4314: 8 channels of DDR4-2666 each
+            gpu_fp32_tflops=91.6,  # L40S datasheet
             source="NVIDIA L40S datasheet; 10Cache Tables 1 and 3",
         ),
         HardwareSpec(
@@ -143,6 +151,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             cpu_cores=8,
             nvme_count=0,
             host_memory_gbps=17.1,  # Xeon E5-2686 v4, 4 channels of DDR4-2400 (76.8 GB/s), the instance's 4 of 18 cores
+            gpu_fp32_tflops=15.7,  # V100 datasheet (SXM2)
             source="NVIDIA V100 datasheet; AWS p3.2xlarge instance specification",
         ),
     )
