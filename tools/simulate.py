@@ -397,7 +397,8 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
         f"GPU tier budgets: {', '.join(fmt(b) for b in budgets)} of its {fmt(hardware.gpu_memory)} (--gpu-memory)",
         f"host memory: {fmt(host)}, 80% of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
         f"NVMe: {nvme_line}",
-        f"host <-> GPU: {machine.h2d / 1e9:.1f} GB/s each way, the link's datasheet rate (+hardware.h2d_gbps=, +hardware.d2h_gbps=)",
+        f"host <-> GPU: {machine.h2d / 1e9:.1f} GB/s in, {machine.d2h / 1e9:.1f} GB/s out, what the link delivers (its datasheet rate times "
+        f"the shares 10Cache measured, hardware/specs.py; +hardware.h2d_gbps=, +hardware.d2h_gbps=)",
         f"CPU optimizer: Adam at {cpu_update_rate(hardware, copy) / 1e9:.1f} G parameters/s: {CPU_PARAMS_PER_S_PER_CORE / 1e9:.2f} G/s per core on "
         f"{hardware.cpu_cores} cores, bounded by {memory} (+hardware.cpu_cores=, +hardware.host_memory_gbps=)",
         f"bytes per parameter ({args.precision}, --precision): {per_param}",

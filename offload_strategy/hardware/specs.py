@@ -1,8 +1,11 @@
 """Specifications of known machines, for planning and what-if simulation without probing.
 
-Link figures are the theoretical per-direction bandwidth of the GPU's PCIe link (PCIe 3.0 x16
-15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63.0 GB/s, as ProTrain §5 quotes them); on a real machine
-the profiler measures what the link actually delivers. GPU peaks are dense (no sparsity) tensor
+Link figures are what a PCIe link delivers, not its theoretical per-direction bandwidth (PCIe
+3.0 x16 15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63.0 GB/s, as ProTrain §5 quotes them): 10Cache
+(Table 2) measured pinned copies of 16 MB on PCIe 4.0 x16 at 24.74 GB/s host -> GPU and 25.91 GB/s
+back, 78.5% and 82.3% of 31.5, and those shares apply to every generation here. An SSD array
+delivers less than the sum of its drives: TeraIO (§5) measured about 16 GB/s from RAID-0 arrays of
+four drives rated 6.7 GB/s read and 6.5 GB/s write, 60% and 62% of the sums. GPU peaks are dense (no sparsity) tensor
 core figures with fp32 accumulation, from the vendor datasheets and architecture whitepapers; the
 fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults.
 Host memory, cores and SSDs are those of the testbed each spec is named after; the host memory
@@ -20,6 +23,10 @@ from ..config import HardwareSpec
 PCIE3_X16 = 15.8
 PCIE4_X16 = 31.5
 PCIE5_X16 = 63.0
+H2D_SHARE = 24.74 / PCIE4_X16  # 10Cache Table 2, pinned
+D2H_SHARE = 25.91 / PCIE4_X16
+ARRAY_READ_SHARE = 16.0 / (4 * 6.7)  # TeraIO §5, RAID-0 of four SSDs
+ARRAY_WRITE_SHARE = 16.0 / (4 * 6.5)
 
 KNOWN_MACHINES: dict[str, HardwareSpec] = {
     spec.name: spec
@@ -30,8 +37,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="80GiB",
             gpu_bf16_tflops=989.4,  # H100 datasheet: 1,979 with sparsity
             gpu_fp16_tflops=989.4,
-            h2d_gbps=PCIE5_X16,
-            d2h_gbps=PCIE5_X16,
+            h2d_gbps=PCIE5_X16 * H2D_SHARE,
+            d2h_gbps=PCIE5_X16 * D2H_SHARE,
             host_memory="256GiB",  # one GPU's share of a DGX H100 (2 TB, 112 cores, 8 data NVMe)
             cpu_cores=14,
             nvme_count=1,
@@ -47,8 +54,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="141GB",
             gpu_bf16_tflops=989.4,  # H200 datasheet: 1,979 with sparsity
             gpu_fp16_tflops=989.4,
-            h2d_gbps=PCIE5_X16,
-            d2h_gbps=PCIE5_X16,
+            h2d_gbps=PCIE5_X16 * H2D_SHARE,
+            d2h_gbps=PCIE5_X16 * D2H_SHARE,
             host_memory="256GiB",  # one GPU's share of a DGX H200 (2 TB, 112 cores)
             cpu_cores=14,
             nvme_count=1,
@@ -64,8 +71,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="40GiB",
             gpu_bf16_tflops=312.0,  # A100 datasheet: 624 with sparsity
             gpu_fp16_tflops=312.0,
-            h2d_gbps=PCIE4_X16,
-            d2h_gbps=PCIE4_X16,
+            h2d_gbps=PCIE4_X16 * H2D_SHARE,
+            d2h_gbps=PCIE4_X16 * D2H_SHARE,
             host_memory="256GB",  # 10Cache Table 3: AMD EPYC 7763 (64 cores), 256 GB, 3 TB Samsung NVMe
             cpu_cores=64,
             nvme_count=1,
@@ -81,8 +88,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="80GiB",
             gpu_bf16_tflops=312.0,
             gpu_fp16_tflops=312.0,
-            h2d_gbps=PCIE4_X16,  # ProTrain §5 testbed: PCIe 4, 31.5 GB/s
-            d2h_gbps=PCIE4_X16,
+            h2d_gbps=PCIE4_X16 * H2D_SHARE,  # ProTrain §5 testbed: PCIe 4 (31.5 GB/s on paper)
+            d2h_gbps=PCIE4_X16 * D2H_SHARE,
             host_memory="1TB",  # ProTrain §5: Xeon Platinum 8480+ (112 cores), 1 TB DRAM
             cpu_cores=112,
             nvme_count=0,
@@ -96,13 +103,13 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="24GiB",
             gpu_bf16_tflops=165.2,  # Ada whitepaper, fp32 accumulate (330.3 with fp16 accumulate)
             gpu_fp16_tflops=165.2,
-            h2d_gbps=PCIE4_X16,
-            d2h_gbps=PCIE4_X16,
+            h2d_gbps=PCIE4_X16 * H2D_SHARE,
+            d2h_gbps=PCIE4_X16 * D2H_SHARE,
             host_memory="768GB",  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
             cpu_cores=52,
             nvme_count=12,  # LoHan Table III: 12x Intel P5510 3.84 TB
-            nvme_read_gbps=12 * 6.5,  # P5510 datasheet: 6.5 GB/s read, 3.4 GB/s write per drive
-            nvme_write_gbps=12 * 3.4,
+            nvme_read_gbps=12 * 6.5 * ARRAY_READ_SHARE,  # P5510 datasheet: 6.5 GB/s read, 3.4 GB/s write per drive
+            nvme_write_gbps=12 * 3.4 * ARRAY_WRITE_SHARE,
             host_memory_gbps=375.4,  # 2x Xeon Gold 5320: 8 channels of DDR4-2933 each
             gpu_fp32_tflops=82.6,  # Ada whitepaper
             source="NVIDIA Ada whitepaper; LoHan Table III",
@@ -113,8 +120,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="24GiB",
             gpu_bf16_tflops=71.0,  # GA102 whitepaper, fp32 accumulate (142 with fp16 accumulate)
             gpu_fp16_tflops=71.0,
-            h2d_gbps=PCIE3_X16,  # ProTrain §5 testbed: PCIe 3, 15.8 GB/s
-            d2h_gbps=PCIE3_X16,
+            h2d_gbps=PCIE3_X16 * H2D_SHARE,  # ProTrain §5 testbed: PCIe 3 (15.8 GB/s on paper)
+            d2h_gbps=PCIE3_X16 * D2H_SHARE,
             host_memory="384GB",  # ProTrain §5: Xeon Silver 4214R (24 cores), 384 GB
             cpu_cores=24,
             nvme_count=0,
@@ -128,8 +135,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="48GB",
             gpu_bf16_tflops=362.05,  # L40S datasheet: 733 with sparsity
             gpu_fp16_tflops=362.05,
-            h2d_gbps=PCIE4_X16,
-            d2h_gbps=PCIE4_X16,
+            h2d_gbps=PCIE4_X16 * H2D_SHARE,
+            d2h_gbps=PCIE4_X16 * D2H_SHARE,
             host_memory="256GB",  # 10Cache Table 3: 2x Xeon Silver 4314 (32 cores), 256 GB, 2 TB NVMe
             cpu_cores=32,
             nvme_count=1,
@@ -145,8 +152,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_memory="16GiB",
             gpu_bf16_tflops=None,  # Volta has no bf16 tensor cores
             gpu_fp16_tflops=125.0,  # V100 datasheet (SXM2)
-            h2d_gbps=PCIE3_X16,
-            d2h_gbps=PCIE3_X16,
+            h2d_gbps=PCIE3_X16 * H2D_SHARE,
+            d2h_gbps=PCIE3_X16 * D2H_SHARE,
             host_memory="61GiB",  # AWS p3.2xlarge: 1x V100, 8 vCPU, 61 GiB
             cpu_cores=8,
             nvme_count=0,
