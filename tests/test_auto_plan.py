@@ -183,3 +183,20 @@ def test_nvme_swaps_and_nvme_units_share_the_nvme_budget():
     assert roomy.activations.layout == ("swap_nvme", "swap_nvme", "keep")
     tight = best(3000)
     assert "swap_nvme" not in tight.activations.layout and tight.activations.layout == ("checkpoint", "checkpoint", "keep")
+
+
+def test_the_search_keeps_nvme_units_gradients_only_as_long_as_the_runtime_does():
+    """Six trainable units of 4 KiB on NVMe. Updated as their gradients complete, the runtime passes
+    those gradients through four host buffers (48 KiB of host memory with the staging buffers,
+    ``place_units``); the search reserved a gradient home for every unit instead and refused 48 KiB."""
+    sizes = [UnitSize(i, 4096, 4096) for i in range(6)]
+    costs = {i: UnitCost(4096, 1.0, 2.0) for i in range(6)}
+
+    def search(until_update: bool):
+        return plan_auto(sizes, [[i] for i in range(6)], list(range(6)), costs, MACHINE, gpu_bytes=3 * 4096, host_bytes=48 * 1024,
+                         nvme_bytes=10**7, state_factor=2.0, gradients_until_update=until_update)
+
+    with pytest.raises(PlacementError, match="cannot hold the gradients"):
+        search(until_update=False)
+    found = search(until_update=True)
+    assert set(found.parameters.placement.home.values()) == {"nvme"} and found.parameters.placement.gradient_slots

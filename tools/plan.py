@@ -112,6 +112,16 @@ def shapes_budgets(cfg: Any, hardware: Any) -> tuple[int, int, int]:
     return gpu, host, nvme
 
 
+def gradient_life(cfg: Any) -> dict[str, bool]:
+    """How long NVMe units' gradients live in the job, as the strategy decides it from the recipe:
+    one process updates each unit as its gradients complete (with clipping by norm or accumulation
+    they wait on NVMe); data-parallel ranks keep every offloaded gradient at home."""
+    trainer = cfg.trainer
+    single = int(trainer.get("devices", 1) or 1) == 1 and cfg.strategy.name != "tiered_ddp"
+    waits = bool(trainer.get("gradient_clip_val")) or int(trainer.get("accumulate_grad_batches", 1) or 1) > 1
+    return {"gradients_until_update": single, "spill_gradients": single and waits}
+
+
 def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None:
     from hydra.utils import instantiate
 
@@ -140,7 +150,7 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     plan = plan_auto(
         model.sizes, model.co_resident, [u.index for u in model.units], unit_costs(model, owners), machine, gpu_bytes=gpu, host_bytes=host,
         nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=host // 2,
-        block_units=model.block_units,
+        block_units=model.block_units, **gradient_life(cfg),
     )
     chosen, prediction = plan.parameters.placement, plan.parameters.prediction
     units = []

@@ -156,7 +156,10 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     costs = unit_costs(model, owners)
     order = [u.index for u in model.units]
     try:
-        placement = place_units(model.sizes, model.co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor, owned=owned)
+        # one process updates each unit as its gradients complete (NVMe units' gradients in flight
+        # only); data-parallel ranks reduce first and keep every offloaded gradient at home
+        placement = place_units(model.sizes, model.co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
+                                owned=owned, gradients_until_update=owned is None)
     except PlacementError as error:
         return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
     step_units = [
@@ -177,7 +180,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     try:
         plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
-                         block_units=model.block_units, owned=owned)
+                         block_units=model.block_units, owned=owned, gradients_until_update=owned is None)
     except PlacementError as error:
         rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}"))
         return rows
@@ -238,7 +241,8 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int) -> tuple[int, in
         if activations >= gpu:
             return False
         try:
-            place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor)
+            place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
+                        gradients_until_update=True)
         except PlacementError:
             return False
         return True
@@ -303,7 +307,7 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         try:
             plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                              state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
-                             activation_host_bytes=host // 2)
+                             activation_host_bytes=host // 2, gradients_until_update=True)
             layout = plan.activations.layout if plan.activations is not None else ()
             row.update(persistent=plan.parameters.persistent, buffers=plan.parameters.buffers, checkpoint=layout.count("checkpoint"),
                        swap=layout.count("swap_host") + layout.count("swap_nvme"), keep=layout.count("keep"), seconds=plan.seconds)

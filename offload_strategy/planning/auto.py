@@ -65,6 +65,8 @@ def plan_auto(
     activation_host_bytes: int = 0,
     block_units: Sequence[Sequence[int]] = (),
     owned: Optional[Collection[int]] = None,
+    gradients_until_update: bool = False,
+    spill_gradients: bool = False,
 ) -> AutoPlan:
     """The fastest plan within the budgets; see the module docstring.
 
@@ -72,10 +74,14 @@ def plan_auto(
     bandwidths activation swaps use and the parameter traffic they compete with; ``activation_host_bytes``:
     host memory left for swapped activations; ``block_units``: the units each block uses, which a
     checkpointed block's recompute needs resident together; ``owned``: with sharded states, the
-    units whose states this rank keeps.
+    units whose states this rank keeps; ``gradients_until_update``, ``spill_gradients``: how long
+    NVMe units' gradients live, as the runtime will keep them (``placement.place_units``).
     """
     stride = max(1, len(order) // SEARCH_POINTS) if blocks else 1
-    parameters = _ParameterSearch(sizes, co_resident, block_units, order, unit_costs, machine, host_bytes, nvme_bytes, state_factor, stride, owned)
+    parameters = _ParameterSearch(
+        sizes, co_resident, block_units, order, unit_costs, machine, host_bytes, nvme_bytes, state_factor, stride, owned,
+        (gradients_until_update, spill_gradients),
+    )
 
     if not blocks:
         only = parameters(gpu_bytes)
@@ -189,12 +195,15 @@ class _ParameterSearch:
     state_factor: float
     stride: int
     owned: Optional[Collection[int]]
+    gradient_life: tuple[bool, bool]  # (gradients_until_update, spill_gradients)
 
     def __call__(self, budget: int, recompute: bool = False) -> PlacementCandidate:
         together = [*self.co_resident, *self.block_units] if recompute else self.co_resident
+        until_update, spill = self.gradient_life
         return search_persistent(
             self.sizes, together, self.order, self.unit_costs, self.machine, gpu_bytes=budget, host_bytes=self.host_bytes,
             nvme_bytes=self.nvme_bytes, state_factor=self.state_factor, stride=self.stride, owned=self.owned,
+            gradients_until_update=until_update, spill_gradients=spill,
         )[0]
 
 

@@ -222,6 +222,7 @@ class Planner:
             model.sizes, model.co_resident, order, costs, machine, gpu_bytes=budgets.gpu, host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, owned=model.owned,
+            gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
         )
         self.search_result = plan
         return plan, order

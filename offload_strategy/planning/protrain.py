@@ -43,13 +43,16 @@ def search_persistent(
     state_factor: float,
     stride: int = 1,
     owned: Optional[Collection[int]] = None,
+    gradients_until_update: bool = False,
+    spill_gradients: bool = False,
 ) -> list[PlacementCandidate]:
     """Every feasible count of persistent units, fastest first (more persistent units on a tie).
 
     ``order``: unit indices in execution order; ``costs``: each unit's compute and update times
     (their ``home`` is ignored: the placement decides it). ``stride``: try every ``stride``-th
     count (and all units), as ProTrain's chunks group several modules: a coarser, faster search.
-    ``owned``: with sharded states, the units this rank keeps states for (see ``place_units``).
+    ``owned``: with sharded states, the units this rank keeps states for; ``gradients_until_update``
+    and ``spill_gradients``: how long NVMe units' gradients live (see ``place_units``).
     """
     by_index = {u.index: u for u in sizes}
     candidates: list[PlacementCandidate] = []
@@ -59,6 +62,7 @@ def search_persistent(
             placement = place_units(
                 sizes, co_resident, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, state_factor=state_factor,
                 persistent=set(order[:n]), all_on_gpu=n == len(order), owned=owned,
+                gradients_until_update=gradients_until_update, spill_gradients=spill_gradients,
             )
         except PlacementError:
             if n == 0:
