@@ -329,13 +329,24 @@ class TieredCore:
         gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
         placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
         if not placement.offloaded and not self.ranks.engine_when_all_fits:
-            rank_zero_info(
-                f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
-                f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device."
-            )
+            rank_zero_info(self._everything_fits(placement, gpu_bytes, recipe))
             return None
         _refuse_compiled_modules(model)
         return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters, recipe)
+
+    def _everything_fits(self, placement: Placement, gpu_bytes: int, recipe: Rules) -> str:
+        said = (
+            f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
+            f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device"
+        )
+        if recipe.training and self.activations.auto and self.activations.blocks:
+            # the activations are not known yet: a user told "nothing is offloaded" and then shown
+            # every unit in host memory after the first step took the two lines for a contradiction
+            return said + (
+                ", unless the activations the first training step measures do not fit beside them"
+                " (then the units are placed again, and a line says where)."
+            )
+        return said + "."
 
     def _start_engine(
         self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool, recipe: Rules
@@ -477,6 +488,13 @@ class TieredCore:
         costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
         parameter_bytes = activations.choose_layout(costs)
         if parameter_bytes is not None:
+            budgets = self.context.budgets
+            assert budgets is not None
+            rank_zero_info(
+                f"tiered: the activations measured in the first training steps do not fit beside the parameters' current share of "
+                f"gpu_memory={format_bytes(budgets.gpu)}: the parameters are placed again in {format_bytes(parameter_bytes)} of it, "
+                f"the rest is the activations'."
+            )
             self._replace_engine(recipe, gpu_bytes=parameter_bytes)
             activations.choose_layout_beside(costs)
         activations.apply_layout()
@@ -565,6 +583,7 @@ class TieredCore:
         placement when a finetuning callback unfroze parameters."""
         planner, stepped = self.planner, self._optimizer_stepped
         assert planner is not None
+        self._optimizer_stepped = False  # a second call before the next step decides nothing
         self._steps_done += stepped  # batches whose optimizers stepped, however many optimizers
         if stepped:
             self._keep_timing()
@@ -602,7 +621,6 @@ class TieredCore:
         step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self._plan_between_steps(rules)
-        self._optimizer_stepped = False
         self.prediction.step_begins()
         self.activations.begin_block_forward()
         engine = self.engine
@@ -653,11 +671,15 @@ class TieredCore:
             self.engine.end_backward()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
+        module = model or self.context.module
+        if module.automatic_optimization:
+            # The closure is the training step: a plan made inside it would leave this step to
+            # the optimizer chosen before it (a first engine's units stepped by the plain one).
+            self._plan_between_steps(self.recipe(module.trainer))
         if self.engine is None:
             result = plain(optimizer, closure, model, **kwargs)
         else:
-            module = model or self.context.module
-            closure_result = closure()  # forward and backward: the training step may have placed the model again
+            closure_result = closure()  # forward and backward
             engine, recipe = self.engine, self.recipe(module.trainer)
             assert engine is not None
             result = tiered_optimizer_step(engine, recipe, self._clips_norm_first(recipe), optimizer, closure_result, module, **kwargs)

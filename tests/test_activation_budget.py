@@ -103,3 +103,28 @@ def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_bat
     assert_trains_like_plain(tmp_path / "batch", GPU_TIER, batch=math.floor(100 * share / 100))
     number, unit = re.search(r"gpu_memory must be at least ([\d.]+) (KiB|MiB)", message).groups()
     assert_trains_like_plain(tmp_path / "gpu", int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])), batch=100)
+
+
+
+def test_the_first_engine_built_between_steps_steps_the_batch_it_was_built_in(tmp_path):
+    """Parameters, gradients and Adam states (4.0 MiB) fit 6 MiB at set-up: no engine. At batch
+    1,000 the activations measured by the first three steps do not fit beside them, so the fourth
+    step's forward placed the units in host memory, inside Lightning's closure, after the strategy
+    had handed the step to the plain optimizer: that step's update was lost (Adam's step count 3
+    after 4 steps) and every weight diverged, silently. Planning now runs before the closure."""
+    plain = fit("auto", tmp_path / "plain", batch=1000, steps=5)
+    tiered = fit(TieredStrategy(gpu_memory="6MiB", host_memory="256MiB"), tmp_path / "tiered", batch=1000, steps=5)
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+
+
+def test_a_run_told_everything_fits_hears_why_the_units_move_when_the_activations_do_not(tmp_path, caplog):
+    """The same run: the first line said "nothing is offloaded" with no word about the
+    activations, and the next showed every unit in host memory as if the first had been wrong. Now
+    the first line says it holds unless the activations do not fit, and the move is announced with
+    the share the parameters get."""
+    fit(TieredStrategy(gpu_memory="6MiB", host_memory="256MiB"), tmp_path, batch=1000, steps=4)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered:")]
+    assert said[0].startswith("tiered: everything fits") and "unless the activations the first training step measures" in said[0]
+    assert said[1].startswith("tiered: the activations measured in the first training steps do not fit"), said
+    assert re.search(r"placed again in [\d.]+ (KiB|MiB) of it", said[1]) and "host" in said[2]
