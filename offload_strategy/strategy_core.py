@@ -166,6 +166,7 @@ class TieredCore:
         self.prediction = PredictionCheck()
         self._steps_done = 0  # training steps whose optimizers stepped, counted as the next begins
         self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
+        self._fitted_trainable: Optional[set[int]] = None  # the parameters that fitted the GPU tier without an engine
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -275,15 +276,25 @@ class TieredCore:
         self.activations.use_saved_tensor_hooks()
         self.activations.attach_swap_if_needed()
 
-    def _replace_engine(self, recipe: Rules, gpu_bytes: int, block_policies: Optional[Sequence[str]] = None) -> None:
+    def _trainable_grew(self) -> bool:
+        """Some parameter is trainable now that the placement in use planned no gradient or state for."""
+        if self.engine is not None:
+            return self.engine.trainable_grew()
+        fitted = self._fitted_trainable
+        return fitted is not None and any(p.requires_grad and id(p) not in fitted for p in self.context.module.parameters())
+
+    def _replace_engine(
+        self, recipe: Rules, gpu_bytes: int, block_policies: Optional[Sequence[str]] = None, may_fit: bool = False,
+    ) -> None:
         """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps
-        (``block_policies``: the layout they will run beside, the one in place by default)."""
+        (``block_policies``: the layout they will run beside, the one in place by default;
+        ``may_fit``: everything may still fit, and no engine is needed)."""
         optimizers = self.lightning.optimizers
         states = [optimizer.state_dict() for optimizer in optimizers]  # standard, exact: they move through these
         self._timed = []  # another engine's units
         self._close_engine()
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
-        if self.context.engine is None:
+        if self.context.engine is None and not may_fit:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
         for optimizer, state in zip(optimizers, states):
             optimizer.load_state_dict(state)
@@ -330,6 +341,7 @@ class TieredCore:
         placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
         if not placement.offloaded and not self.ranks.engine_when_all_fits:
             rank_zero_info(self._everything_fits(placement, gpu_bytes, recipe))
+            self._fitted_trainable = {id(p) for p in model.parameters() if p.requires_grad}
             return None
         _refuse_compiled_modules(model)
         return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters, recipe)
@@ -593,10 +605,12 @@ class TieredCore:
         if self.activations.profiled and warm:
             self._plan_activations(recipe)
         engine = self.engine
-        if engine is not None and engine.trainable_grew() and (stepped or not self._profiled):
+        # without an engine gradients wait in plain tensors until the step: placed only after it
+        if self._trainable_grew() and (stepped or (engine is not None and not self._profiled)):
             rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
-            assert planner.gpu_given is not None  # the engine's placement gave it
-            self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
+            gpu_bytes = planner.gpu_given if engine is not None else self.budgets.gpu if self.budgets is not None else None
+            assert gpu_bytes is not None  # the engine's placement, or the budget the first placement had
+            self._replace_engine(recipe, gpu_bytes=gpu_bytes, may_fit=engine is None)
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
 

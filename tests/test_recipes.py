@@ -310,6 +310,18 @@ def test_base_finetuning_unfreezes_and_adds_a_param_group(tmp_path, placement):
     assert len(model.trainer.optimizers[0].param_groups) == 2
 
 
+def test_layers_unfrozen_past_a_gpu_tier_that_held_everything_frozen_are_placed_again(tmp_path):
+    """Frozen, the blocks need no gradients or states and everything fits 300 KiB (278 KiB): no
+    engine. Unfrozen at epoch 1 they need 327 KiB, and the run went on in the GPU tier past its
+    budget, placing nothing; now the units are placed again once the step that unfroze them is done."""
+    strategy = TieredStrategy(gpu_memory="300KiB", host_memory="1GiB")
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", FinetuneNet, callbacks=(Finetune(),), steps=9)
+    losses, weights, model = fit(strategy, tmp_path / "tiered", FinetuneNet, callbacks=(Finetune(),), steps=9)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert strategy.metrics().get("units/host", 0) > 0, "nothing was offloaded once the blocks needed gradients and states"
+
+
 class UnfreezeAtStart(L.Callback):
     def on_train_start(self, trainer, pl_module):
         pl_module.requires_grad_(True)
