@@ -686,7 +686,7 @@ class TieredCore:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
         module = model or self.context.module
-        if module.automatic_optimization:
+        if self.context.module.automatic_optimization:
             # The closure is the training step: a plan made inside it would leave this step to
             # the optimizer chosen before it (a first engine's units stepped by the plain one).
             self._plan_between_steps(self.recipe(module.trainer))

@@ -15,7 +15,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from experiments.models import CausalLM
 from tests.helpers import assert_same_weights, tiny_data
 from tests.test_model_zoo import ConvNet
-from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, tiered
+from offload_strategy import TieredStrategy
+from tests import test_recipes as recipes
+from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, fit, tiered
 
 pytest.importorskip("transformers")
 
@@ -152,3 +154,40 @@ def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
     kept, weights = _top_k_then_resume(tiered(placement, tmp_path / "a"), tmp_path / "tiered", tiered(placement, tmp_path / "b"))
     assert kept == plain_kept and len(kept) == 3  # the same two best steps, and last.ckpt
     assert_same_weights(plain_weights, weights)
+
+
+# -- the default policy: planned between steps ------------------------------------------------------
+
+# GPU tiers the default policy must offload in: the first steps run one placement, the fourth the
+# searched one with its activation layout (the engine replaced, or built, between two steps)
+DEFAULT_POLICY_TIERS = {"gpt2": "400KiB", "opt": "250KiB", "llama": "400KiB", "bert": "250KiB", "t5": "250KiB",
+                        "cnn-batchnorm": "250KiB", "block-reused": "100KiB"}
+
+
+def assert_like_plain_under_the_default_policy(tmp_path: Path, make: Any, gpu_memory: str, steps: int = 7, **kwargs: Any) -> None:
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", make, steps=steps, **kwargs)
+    strategy = TieredStrategy(gpu_memory=gpu_memory, host_memory="1GiB")
+    losses, weights, _ = fit(strategy, tmp_path / "tiered", make, steps=steps, **kwargs)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert strategy.metrics().get("units/host", 0) > 0, "nothing was offloaded: the test does not test the default policy's plans"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_family_under_the_default_policy(tmp_path, model):
+    assert_like_plain_under_the_default_policy(tmp_path, MODELS[model], DEFAULT_POLICY_TIERS[model])
+
+
+RECIPES = {
+    "two-optimizers": dict(make=recipes.TwoOptimizers), "gan-style": dict(make=recipes.GanStyle),
+    "unfrozen-in-step": dict(make=recipes.UnfreezeInStep), "late-module": dict(make=recipes.LateModule),
+    "all-frozen-at-set-up": dict(make=recipes.AllFrozen, callbacks=(recipes.UnfreezeAtStart(),)),
+    "base-finetuning": dict(make=recipes.FinetuneNet, callbacks=(recipes.Finetune(),), steps=9),
+    "accumulation-and-clipping": dict(make=Net, accumulate_grad_batches=2, gradient_clip_val=0.05),
+    "scheduler-per-epoch": dict(make=EpochScheduler, steps=14),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_under_the_default_policy(tmp_path, recipe):
+    assert_like_plain_under_the_default_policy(tmp_path, gpu_memory="100KiB", **RECIPES[recipe])
