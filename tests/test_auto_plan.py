@@ -200,3 +200,19 @@ def test_the_search_keeps_nvme_units_gradients_only_as_long_as_the_runtime_does(
         search(until_update=False)
     found = search(until_update=True)
     assert set(found.parameters.placement.home.values()) == {"nvme"} and found.parameters.placement.gradient_slots
+
+
+def test_swaps_a_placement_leaves_no_host_room_for_go_to_nvme_instead_of_being_dropped():
+    """The units and blocks of the host-memory test above, with a fast NVMe link and room on it.
+    The caller's host room for swaps (1 MB) is more than the 1024 bytes the streamed units' homes
+    leave of 13312, so S S K, split for host memory, was dropped, and the search settled for C C K
+    (11 s); a layout whose every swap went that way raised "gpu_memory cannot hold the activations"
+    with a least GPU tier below the budget (a 13B model at batch 32 on an RTX 4090, once the GPU's
+    peak was set). The layouts are now split again for the room left: S S K with both swaps on
+    NVMe, 10 s."""
+    sizes, costs = [UnitSize(i, 512, 0) for i in range(3)], {i: UnitCost(512, 1.0, 2.0) for i in range(3)}
+    blocks, fast = [BlockCost(2000, 100, 1.0)] * 3, Links(d2h=1e6, h2d=1e6, nvme_read=1e6, nvme_write=1e6)
+    best = plan_auto(sizes, [[0], [1], [2]], [0, 1, 2], costs, MACHINE, gpu_bytes=5100, host_bytes=12288 + 1024, nvme_bytes=10**6,
+                     state_factor=2.0, blocks=blocks, links=fast, activation_host_bytes=10**6)
+    assert best.activations.layout == ("swap_nvme", "swap_nvme", "keep") and best.parameters.placement.host_bytes == 12288
+    assert best.seconds == pytest.approx(10.0)

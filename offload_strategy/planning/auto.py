@@ -19,8 +19,10 @@ Front layouts are visited fastest first (largest peak first), and the visit stop
 layout beside the parameters' best placement with the whole GPU tier cannot beat the best split
 found: parameters are never faster with less of the GPU tier (each pass, and the bytes they copy
 in, only grow, and a pass with the layout is the longer of its own and the layout's), and layouts
-further along the front only cost more. With many units the resident count is tried in steps (ProTrain's chunks group
-modules the same way), which keeps a 48-block model well under a second.
+further along the front only cost more. The front's swaps are split between host memory and NVMe
+for the host room the caller expects; where a placement's streamed units leave less, the front is
+made again for the room they leave, and the faster of the two searches' plans is kept. With many
+units the resident count is tried in steps (ProTrain's chunks group modules the same way), which keeps a 48-block model well under a second.
 
 Pure: profiles and budgets in, a plan out, or a :class:`~.placement.PlacementError` that says what
 the GPU tier would need.
@@ -88,27 +90,64 @@ def plan_auto(
         return AutoPlan(only, None, only.prediction.seconds)
     if links is None:
         links = Links.beside(machine)
-    front = layout_frontier(blocks, links, activation_host_bytes)
-    smallest_parameters = minimum_gpu_bytes(sizes, co_resident)
-    smallest_with_blocks = minimum_gpu_bytes(sizes, [*co_resident, *block_units])
-    fastest_parameters: Optional[PlacementCandidate] = None  # with the whole GPU tier: a bound for every split
-    best: Optional[AutoPlan] = None
-    elsewhere: Optional[PlacementError] = None  # a split refused for host memory or NVMe, not the GPU tier
-    for layout in reversed(front):  # fastest layout (largest peak) first
-        if best is not None and fastest_parameters is not None and _priced(fastest_parameters, sizes, blocks, layout, links) >= best.seconds:
-            break
-        candidate, refused = _parameters_beside(parameters, layout, blocks, gpu_bytes, (smallest_parameters, smallest_with_blocks))
-        elsewhere = elsewhere or refused
-        if candidate is None:
-            continue
-        if fastest_parameters is None:
-            fastest_parameters = parameters(gpu_bytes)
-        total = _priced(candidate, sizes, blocks, layout, links)
-        if best is None or total < best.seconds - 1e-12:
-            best = AutoPlan(candidate, layout, total)
-    if best is None:  # more of the GPU tier would not help where host memory or NVMe was short
-        raise elsewhere or _no_layout_fits(front, gpu_bytes, smallest_parameters, smallest_with_blocks)
-    return best
+    smallest = (minimum_gpu_bytes(sizes, co_resident), minimum_gpu_bytes(sizes, [*co_resident, *block_units]))
+    visit = _FrontVisit(parameters, sizes, blocks, links, gpu_bytes, smallest)
+    found = visit(activation_host_bytes)
+    if found.host_room is not None and found.host_room < activation_host_bytes:
+        # Layouts were split between host and NVMe for host room the placements' streamed units
+        # then took: split them again for the room those leave (their swaps beyond it go to NVMe,
+        # or, without a path there, the layouts that recompute instead come onto the front).
+        again = visit(found.host_room)
+        best = min((p for p in (found.best, again.best) if p is not None), key=lambda p: p.seconds, default=None)
+        found = _Visited(best, found.elsewhere or again.elsewhere, None, again.front)
+    if found.best is None:  # more of the GPU tier would not help where host memory or NVMe was short
+        raise found.elsewhere or _no_layout_fits(found.front, gpu_bytes, *smallest)
+    return found.best
+
+
+@dataclass(frozen=True)
+class _Visited:
+    best: Optional[AutoPlan]
+    elsewhere: Optional[PlacementError]  # a split refused for host memory or NVMe, not the GPU tier
+    host_room: Optional[int]  # the least host room a placement left a layout whose host swaps did not fit it
+    front: Sequence[ActivationPlan]
+
+
+@dataclass(frozen=True)
+class _FrontVisit:
+    """The front's layouts, fastest first, each beside the parameters' best placement in what it
+    leaves of the GPU tier (see the module docstring)."""
+
+    parameters: "_ParameterSearch"
+    sizes: Sequence[UnitSize]
+    blocks: Sequence[BlockCost]
+    links: Links
+    gpu_bytes: int
+    smallest: tuple[int, int]  # the parameters' least GPU tier without and with a recomputed block's units
+
+    def __call__(self, activation_host_bytes: int) -> _Visited:
+        front = layout_frontier(self.blocks, self.links, activation_host_bytes)
+        fastest_parameters: Optional[PlacementCandidate] = None  # with the whole GPU tier: a bound for every split
+        best: Optional[AutoPlan] = None
+        elsewhere: Optional[PlacementError] = None
+        host_room: Optional[int] = None
+        for layout in reversed(front):  # fastest layout (largest peak) first
+            if best is not None and fastest_parameters is not None and self._priced(fastest_parameters, layout) >= best.seconds:
+                break
+            candidate, refused, room = _parameters_beside(self.parameters, layout, self.blocks, self.gpu_bytes, self.smallest)
+            elsewhere = elsewhere or refused
+            host_room = room if host_room is None or (room is not None and room < host_room) else host_room
+            if candidate is None:
+                continue
+            if fastest_parameters is None:
+                fastest_parameters = self.parameters(self.gpu_bytes)
+            total = self._priced(candidate, layout)
+            if best is None or total < best.seconds - 1e-12:
+                best = AutoPlan(candidate, layout, total)
+        return _Visited(best, elsewhere, host_room, front)
+
+    def _priced(self, candidate: PlacementCandidate, layout: ActivationPlan) -> float:
+        return _priced(candidate, self.sizes, self.blocks, layout, self.links)
 
 
 def _priced(candidate: PlacementCandidate, sizes: Sequence[UnitSize], blocks: Sequence[BlockCost], layout: ActivationPlan, links: Links) -> float:
@@ -144,28 +183,29 @@ def layout_added_seconds(
 
 def _parameters_beside(
     parameters: "_ParameterSearch", layout: ActivationPlan, blocks: Sequence[BlockCost], gpu_bytes: int, smallest: tuple[int, int],
-) -> tuple[Optional[PlacementCandidate], Optional[PlacementError]]:
+) -> tuple[Optional[PlacementCandidate], Optional[PlacementError], Optional[int]]:
     """The parameters' best placement in what ``layout`` leaves of the GPU tier, when every budget
     holds both (the layout's host swaps beside the units streamed from host memory, its NVMe swaps
     beside the NVMe units' files); otherwise the
-    refusal, when it was host memory or NVMe that fell short. ``smallest``: the parameters' least
-    GPU tier without and with a recomputed block's units together."""
+    refusal, when it was host memory or NVMe that fell short, or the host room the placement left
+    when the layout's host swaps did not fit it. ``smallest``: the parameters' least GPU tier
+    without and with a recomputed block's units together."""
     recompute = CHECKPOINT in layout.layout
     budget = gpu_bytes - layout.peak_bytes
     host_bytes, nvme_bytes = parameters.host_bytes, parameters.nvme_bytes
     if budget < smallest[recompute]:
-        return None, None
+        return None, None, None
     try:
         candidate = parameters(budget, recompute)
     except PlacementError as error:
-        return None, (error if error.tier is not Tier.GPU else None)
+        return None, (error if error.tier is not Tier.GPU else None), None
     swapped = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_HOST)
     if swapped > host_bytes - candidate.placement.host_bytes:
-        return None, None  # the layout was priced with host room this placement's streamed units take
+        return None, None, max(host_bytes - candidate.placement.host_bytes, 0)  # the layout was priced with host room this placement's streamed units take
     on_nvme = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_NVME)
     if on_nvme > nvme_bytes - candidate.placement.nvme_bytes:
-        return None, None  # ... or with NVMe room its units' parameters and states take
-    return candidate, None
+        return None, None, None  # ... or with NVMe room its units' parameters and states take
+    return candidate, None, None
 
 
 def _no_layout_fits(front: Sequence[ActivationPlan], gpu_bytes: int, smallest_parameters: int, smallest_with_blocks: int) -> PlacementError:
