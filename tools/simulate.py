@@ -211,13 +211,15 @@ def fmt(n: float) -> str:
     return format_bytes(n)
 
 
-def largest_depth(model: Model, gpu: int, host: int, nvme: int) -> tuple[int, int]:
+def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) -> tuple[int, int]:
     """The most blocks of this model's shape (and the parameters they make) that the budgets hold:
-    parameters, gradients and optimizer states placed as the strategy places them, beside the
-    activations of every block checkpointed (the smallest layout without a swap path). Doubling,
-    then bisection on the block count."""
+    parameters, gradients and optimizer states placed as the strategy places them (with ``ranks``
+    data-parallel ranks, each keeping the states of the units it owns), beside the activations of
+    every block checkpointed (the smallest layout without a swap path). Doubling, then bisection on
+    the block count."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
     from offload_strategy.planning.placement import PlacementError, UnitSize, place_units
+    from offload_strategy.planning.sharding import assign_owners
 
     if not model.block_units or not model.blocks:
         return 0, 0
@@ -240,9 +242,11 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int) -> tuple[int, in
         activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
         if activations >= gpu:
             return False
+        owners = assign_owners([s.trainable_bytes for s in sizes], ranks)
+        owned = {s.index for s, o in zip(sizes, owners) if o == 0} if ranks > 1 else None
         try:
             place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                        gradients_until_update=True)
+                        owned=owned, gradients_until_update=owned is None)
         except PlacementError:
             return False
         return True
@@ -285,7 +289,7 @@ def layer_kind(unit: Any) -> str:
     return "linear (GEMM)"
 
 
-def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int) -> list[dict]:
+def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int, dtype: Optional[str] = None) -> list[dict]:
     """ProTrain Table 4 and LoHan's cases across batch sizes at one GPU budget: the auto plan's
     resident units and layout, and LoHan's curve (parameters streamed from host memory, LoHan's setting)."""
     from offload_strategy.planning.activations import CHECKPOINT, step_seconds
@@ -299,7 +303,7 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         batch = max(1, round(base * factor))
         if any(r["batch"] == batch for r in out):
             continue
-        model = build(cfg, hardware, half, efficiency, batch_size=batch)
+        model = build(cfg, hardware, half, efficiency, batch_size=batch, dtype=dtype)
         costs = unit_costs(model, [0] * len(model.units))
         order = [u.index for u in model.units]
         row: dict = {"batch": batch, "tokens": model.tokens}
@@ -390,6 +394,8 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
 
     peak = hardware.peak_flops(compute_dtype(args.precision))
     per_param = "2 (bf16) in the GPU tier, 16 at home: an fp32 master, fp32 gradient and two fp32 Adam states" if args.precision == "bf16-true" \
+        else "4 (fp32, cast to bf16 as it is used) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states" \
+        if args.precision == "bf16-mixed" \
         else "4 (fp32) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states"
     source = f" ({hardware.source})" if hardware.source else ""
     nvme_line = (f"{fmt(nvme)}, read {machine.nvme_read / 1e9:.1f} GB/s, write {machine.nvme_write / 1e9:.1f} GB/s (--nvme-memory; "
@@ -438,7 +444,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gpu-memory", nargs="*", default=None, help="GPU-tier budgets to compare (default: 25%%, 50%% and 90%% of the GPU)")
     parser.add_argument("--host-memory", default=None, help="host budget (default: 80%% of the machine's)")
     parser.add_argument("--nvme-memory", default="0", help="NVMe budget (default: none)")
-    parser.add_argument("--precision", default="bf16-true", choices=["bf16-true", "32-true"])
+    parser.add_argument("--precision", default="bf16-true", choices=["bf16-true", "bf16-mixed", "32-true"])
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (tiered_ddp); budgets are per rank")
     parser.add_argument("--network-gbps", type=float, default=None, help="GB/s each rank moves in collectives (default: the host->GPU link's)")
     parser.add_argument("--replicate-states", action="store_true", help="every rank keeps every optimizer state (shard_states=False)")
@@ -452,6 +458,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from hydra.utils import instantiate
 
     from offload_strategy import parse_size
+    from offload_strategy.config import compute_dtype
     from offload_strategy.planning.sharding import assign_owners
 
     if args.ranks < 1:
@@ -460,7 +467,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = compose(config_name="config", overrides=[*args.overrides, "logger=none"])
     hardware = instantiate(cfg.hardware)
     half = args.precision == "bf16-true"
-    model = build(cfg, hardware, half, args.efficiency)
+    model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision))
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
     host = parse_size(args.host_memory) if args.host_memory else int(0.8 * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
@@ -506,7 +513,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             faster = "tie (the bytes cross once either way)" if abs(dha - on_gpu) <= 0.01 * on_gpu else "DHA" if dha < on_gpu else "on-GPU"
             print(f"| {kind} | {n} | {on_gpu * 1e3:.2f} | {dha * 1e3:.2f} | {faster} | {in_place} of {n} |")
         gpu = budgets[len(budgets) // 2]
-        study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme)
+        study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme, dtype=compute_dtype(args.precision))
         print(f"\nProTrain Table 4 and LoHan §IV-D across batch sizes, GPU tier {fmt(gpu)} (the auto plan; "
               "LoHan's curve with every parameter streamed from host memory, its setting)\n")
         explain(
