@@ -58,6 +58,25 @@ def test_peak_and_step_time_by_hand():
     assert step_seconds(costs, [N, K, K, K], Links(100.0, 100.0, nvme_write=20.0, nvme_read=50.0)) == pytest.approx(5 + 8)
 
 
+def test_lohans_iteration_time_with_the_model_states_on_the_ssd():
+    """LoHan Eq. 2 and 5 for 10 parameters (20 bytes at 16 bits) whose states live on an SSD that
+    reads 10 B/s and writes 5 B/s, over a 20 B/s link each way. Forward: copies 20 B in (1 s), the
+    SSD reads them (2 s) and, simplex, also writes the blocks swapped to it; backward: 20 B in again,
+    20 B of gradients out (1 s each), the SSD reads 140 B (14 s) and writes 140 B (28 s) of states."""
+    links = Links.lohan(Links(h2d=20.0, d2h=20.0, nvme_read=10.0, nvme_write=5.0), parameters=10)
+    assert (links.parameter_forward_seconds, links.gradient_backward_seconds) == (1.0, 1.0)
+    assert (links.nvme_forward_seconds, links.nvme_backward_seconds) == (2.0, 42.0)
+    costs = [BlockCost(activation_bytes=10, input_bytes=1, forward_seconds=1.0)] * 4
+    # nothing swapped: forward max(4 s compute, 1, 2) = 4; backward max(8 + 4 s recompute, 1, 1, 42) = 42
+    assert step_seconds(costs, [C] * 4, links) == pytest.approx(4 + 42)
+    # one block to the SSD: forward max(4, 0.5 out, 1, 2 + 10 B / 5 B/s) = 4; backward max(8 + 3, 1, 1 + 0.5, 42 + 1) = 43
+    assert step_seconds(costs, [N, C, C, C], links) == pytest.approx(4 + 43)
+    # without an SSD the states stay in host memory: the link terms alone
+    host_only = Links.lohan(Links(h2d=20.0, d2h=20.0), parameters=10)
+    assert (host_only.nvme_forward_seconds, host_only.nvme_backward_seconds) == (0.0, 0.0)
+    assert step_seconds(costs, [C] * 4, host_only) == pytest.approx(4 + 12)
+
+
 def test_slow_link_checkpoints_fast_link_swaps():
     costs = [BlockCost(100, 10, 1.0)] * 3
     # Budget 250: keep-all (300) does not fit. Slow link (a block's swap takes 2 s each way):

@@ -42,6 +42,11 @@ class Links(Bandwidth):
 
     parameter_forward_seconds: float = 0.0  # host -> GPU tier parameter copies in forward
     parameter_backward_seconds: float = 0.0
+    # LoHan's model states on the SSDs (Eq. 2 and 5): gradients GPU -> host in backward, the SSD
+    # busy in forward (16-bit parameters read) and backward (states read and written back)
+    gradient_backward_seconds: float = 0.0
+    nvme_forward_seconds: float = 0.0
+    nvme_backward_seconds: float = 0.0
 
     @classmethod
     def beside(cls, links: Bandwidth, streamed_bytes: int = 0) -> "Links":
@@ -50,6 +55,24 @@ class Links(Bandwidth):
         return cls(
             h2d=links.h2d, d2h=links.d2h, nvme_read=links.nvme_read, nvme_write=links.nvme_write,
             parameter_forward_seconds=seconds, parameter_backward_seconds=seconds,
+        )
+
+    @classmethod
+    def lohan(cls, links: Bandwidth, parameters: int) -> "Links":
+        """LoHan's setting (§IV-D, Eq. 2 and 5) for ``parameters`` 16-bit parameters whose model
+        states live on the SSDs: forward copies each parameter in (2 bytes) after reading it from
+        the SSD; backward copies it in again and its gradient out (2 bytes each way), and the
+        optimizer reads and writes back 14 bytes of states per parameter on the SSD. Without an
+        SSD link the states stay in host memory and only the link terms remain."""
+        p = 2 * parameters
+        copy_in = p / links.h2d if links.h2d else 0.0
+        on_ssd = links.nvme_read > 0 and links.nvme_write > 0
+        return cls(
+            h2d=links.h2d, d2h=links.d2h, nvme_read=links.nvme_read, nvme_write=links.nvme_write,
+            parameter_forward_seconds=copy_in, parameter_backward_seconds=copy_in,
+            gradient_backward_seconds=p / links.d2h if links.d2h else 0.0,
+            nvme_forward_seconds=p / links.nvme_read if on_ssd else 0.0,
+            nvme_backward_seconds=7 * p / links.nvme_read + 7 * p / links.nvme_write if on_ssd else 0.0,
         )
 
 
@@ -111,14 +134,22 @@ def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
 
 
 def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links) -> float:
-    """LoHan Eq. 2 + Eq. 5 for one layout: the busiest resource of each pass sets its length."""
+    """LoHan Eq. 2 + Eq. 5 for one layout: the busiest resource of each pass sets its length. The
+    host <-> GPU link is duplex, each direction its own term; the SSD is simplex, so its reads and
+    writes in a pass add up."""
     forward = sum(c.forward_seconds for c in costs)
     recompute = sum(c.forward_seconds for c, p in zip(costs, layout) if p == CHECKPOINT)
     swapped = sum(c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME))
     on_nvme = sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_NVME)
 
-    t_forward = max(forward, move_seconds(swapped, links.d2h), links.parameter_forward_seconds, move_seconds(on_nvme, links.nvme_write))
-    t_backward = max(2 * forward + recompute, links.parameter_backward_seconds + move_seconds(swapped, links.h2d), move_seconds(on_nvme, links.nvme_read))
+    t_forward = max(
+        forward, move_seconds(swapped, links.d2h), links.parameter_forward_seconds,
+        links.nvme_forward_seconds + move_seconds(on_nvme, links.nvme_write),
+    )
+    t_backward = max(
+        2 * forward + recompute, links.gradient_backward_seconds, links.parameter_backward_seconds + move_seconds(swapped, links.h2d),
+        links.nvme_backward_seconds + move_seconds(on_nvme, links.nvme_read),
+    )
     return t_forward + t_backward
 
 
