@@ -394,7 +394,9 @@ class TieredCore:
             count[1] += state.unit.nbytes
         units = ", ".join(f"{tier} {n} ({format_bytes(nbytes)})" for tier, (n, nbytes) in tiers.items())
         placement = engine.placement
-        if placement.gradient_slots:
+        if placement.host_gradients_in_flight:
+            gradients = f"only in flight, through {sum(placement.gradient_slots.values())} host buffers (no room for a home each)"
+        elif placement.gradient_slots:
             gradients = f"NVMe units' through {sum(placement.gradient_slots.values())} host buffers" + (
                 ", waiting on NVMe for the step when they must" if placement.gradients_spilled else "")
             gradients += ", the others' at home" if any(t != NVME for t in tiers if t != GPU) else ""

@@ -199,3 +199,30 @@ def test_each_placement_is_described_in_one_line(tmp_path, caplog, placement):
         assert f"{placement} 7 ({format_bytes(total)})" in line
         assert ("through 4 host buffers" in line) == (placement == "nvme")
     assert "optimizer states with their unit's parameters" in line and "activations per block:" in line
+
+
+class Deep(Net):
+    """Forty small blocks: four gradient buffers of the largest unit are far less than a home each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(40))
+
+
+def test_host_units_train_like_plain_with_gradients_only_in_flight_when_host_memory_needs_it(tmp_path):
+    """Every unit streamed from host memory, 1.25 MiB of it: parameters, states and a gradient home
+    each need 1.37 MiB, and the run was refused; with the gradients passing through four buffers
+    until their update (as NVMe units' do) they need 1.12 MiB, and the run trains bit for bit."""
+    from offload_strategy import TieredStrategy
+    from tests.helpers import assert_same_weights
+    from tests.test_recipes import fit
+
+    watch = Watch()
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Deep)
+    strategy = TieredStrategy(policy={"placement": "host", "activations": "keep"}, gpu_memory="1MiB", host_memory="1.25MiB")
+    losses, weights, _ = fit(strategy, tmp_path / "tiered", Deep, callbacks=watch())
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    slots, extra, most, transient = watch.seen[-1]
+    assert slots == GRADIENT_BUFFERS and transient == 43  # every unit: embedding, 40 blocks, norm, head
+    assert extra == 0 and 1 <= most <= GRADIENT_BUFFERS

@@ -57,6 +57,28 @@ def test_nvme_takes_what_host_memory_cannot():
     assert place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=49100, nvme_bytes=1 << 20, state_factor=2).staging_slots == {4096: 5}
 
 
+def test_host_units_gradients_pass_through_buffers_when_a_home_each_does_not_fit():
+    """Eight trainable units of 1024 bytes, streamed through a 2048-byte GPU tier. A home each in
+    host memory is a page of gradients, a page of parameters and a page of Adam states (2048 bytes):
+    8 x 3 x 4096 = 98304 bytes. Updated as their gradients complete, the gradients need only four
+    buffers of a page while in flight: 4 x 4096 + 8 x 2 x 4096 = 81920, which 90000 bytes hold;
+    the search refused them before ("raise host_memory to at least 96.00 KiB")."""
+    units, groups = [UnitSize(i, 1024, 1024) for i in range(8)], [[i] for i in range(8)]
+
+    def place(until_update: bool):
+        return place_units(units, groups, gpu_bytes=2048, host_bytes=90000, nvme_bytes=0, state_factor=2, gradients_until_update=until_update)
+
+    placement = place(until_update=True)
+    assert set(placement.home.values()) == {HOST} and placement.host_gradients_in_flight
+    assert placement.gradient_slots == {4096: 4} and placement.host_bytes == 81920
+    # gradients that wait for the step (accumulation, clipping by norm) need their homes
+    with pytest.raises(PlacementError, match=r"raise host_memory to at least 96.00 KiB"):
+        place(until_update=False)
+    # with room for the homes, they keep them
+    roomy = place_units(units, groups, gpu_bytes=2048, host_bytes=98304, nvme_bytes=0, state_factor=2, gradients_until_update=True)
+    assert not roomy.host_gradients_in_flight and roomy.gradient_slots == {} and roomy.host_bytes == 98304
+
+
 def test_sharded_states_reserve_room_only_for_the_units_this_rank_owns():
     # As above with 45000 bytes, but this rank keeps the states of units 1 and 3 only: homes cost
     # 4096 (+ 4096 of states for 1 and 3). Gradients 16384 + units 0 (4096), 1 (8192), 2 (4096)

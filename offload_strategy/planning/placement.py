@@ -78,6 +78,9 @@ class Placement:
     # NVMe units' gradients are written to NVMe between backward and the update (clipping by norm
     # needs every gradient first): their NVMe bytes are counted in ``nvme_bytes``
     gradients_spilled: bool = False
+    # host units' gradients pass through ``gradient_slots`` too: host memory held every unit's
+    # parameters and states only without a gradient home each
+    host_gradients_in_flight: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -146,7 +149,8 @@ def place_units(
     states this rank keeps (the others need room for their parameters and gradients only).
     ``gradients_until_update``: every unit is updated as soon as its gradients are complete, so
     the gradients of NVMe units need host memory only while in flight (``GRADIENT_BUFFERS`` of the
-    largest), not a home each. ``spill_gradients`` (with ``gradients_until_update``): the update
+    largest), not a home each; so do host units' where host memory holds every offloaded unit's
+    parameters and states that way and not with a gradient home each. ``spill_gradients`` (with ``gradients_until_update``): the update
     waits for something that needs every gradient (the norm for clipping), so NVMe units'
     gradients pass through those buffers to NVMe and wait there: NVMe holds them too.
     ``buffer_per_unit``: every streamed unit gets a GPU-tier buffer of its own, so its parameters
@@ -161,8 +165,8 @@ def place_units(
     streaming = [u for u in units if u.index not in home]
     slots = _buffer_per_unit(streaming, gpu_bytes - used) if buffer_per_unit else _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
-    staging, host_used = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
-    on_nvme = [u for u in streaming if home[u.index] == NVME]
+    staging, host_used, in_flight = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
+    on_nvme = streaming if in_flight else [u for u in streaming if home[u.index] == NVME]
     gradient_slots = {costs.gradient_slot(on_nvme): GRADIENT_BUFFERS} if costs.transient_gradients and costs.gradient_slot(on_nvme) else {}
     nvme_used = sum(costs.at_home(u) + costs.spilled(u) for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
@@ -172,7 +176,8 @@ def place_units(
             f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
             nvme_needed=nvme_used,
         )
-    return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients)
+    return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients,
+                     host_gradients_in_flight=in_flight)
 
 
 @dataclass(frozen=True)
@@ -308,34 +313,49 @@ def _buffer_per_unit(streaming: Sequence[UnitSize], left: int) -> dict[int, int]
 def _host_and_nvme_homes(
     streaming: Sequence[UnitSize], costs: _Costs, home: dict[int, str], host_bytes: int, nvme_bytes: int,
     homes: Optional[Mapping[int, str]],
-) -> tuple[dict[int, int], int]:
+) -> tuple[dict[int, int], int, bool]:
     """Homes of the streaming units (into ``home``): host memory holds every offloaded unit's
     gradients, then, by first use, the parameters and states of the units that fit; the others
     keep both on NVMe and pass through staging buffers (two for fetching units into the GPU tier,
-    two for updating them). Returns the staging buffers (size -> count) and the host bytes used."""
+    two for updating them). Where gradients live only until their update and host memory holds
+    every unit that way but not with a gradient home each, every unit stays in host memory and its
+    gradients pass through buffers. Returns the staging buffers (size -> count), the host bytes
+    used, and whether host units' gradients are in flight only."""
     grads = sum(costs.gradient(u) for u in streaming)
-    all_at_home = grads + sum(costs.at_home(u) for u in streaming)
-    if (homes is None and all_at_home <= host_bytes) or (homes is not None and all(homes[u.index] == HOST for u in streaming)):
+    at_home = sum(costs.at_home(u) for u in streaming)
+    in_flight = GRADIENT_BUFFERS * costs.gradient_slot(streaming) + at_home if costs.transient_gradients and not costs.spill_gradients else None
+    all_host = homes is None or all(homes[u.index] == HOST for u in streaming)
+    if all_host and (grads + at_home <= host_bytes or homes is not None and (in_flight is None or in_flight > host_bytes)):
         home.update({u.index: HOST for u in streaming})
-        host_used = all_at_home
-        staging: dict[int, int] = {}
-    elif homes is None and nvme_bytes == 0:
+        _check_plan_host(homes, grads + at_home, host_bytes, in_flight)
+        return {}, grads + at_home, False
+    if all_host and in_flight is not None and in_flight <= host_bytes:
+        home.update({u.index: HOST for u in streaming})
+        return {}, in_flight, True
+    if homes is None and nvme_bytes == 0:
+        least = min(grads + at_home, in_flight or grads + at_home)
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
-            f"({_fmt(all_at_home)}) and there is no NVMe tier; raise host_memory to at least {_fmt(all_at_home)}, or give nvme_path "
+            f"({_fmt(least)}) and there is no NVMe tier; raise host_memory to at least {_fmt(least)}, or give nvme_path "
             f"for an NVMe tier.",
             tier=HOST,
-            nvme_needed=all_at_home,
+            nvme_needed=grads + at_home,
         )
-    else:
-        staging, host_used = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
+    staging, host_used = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
+    _check_plan_host(homes, host_used, host_bytes)
+    return staging, host_used, False
+
+
+def _check_plan_host(homes: Optional[Mapping[int, str]], host_used: int, host_bytes: int, in_flight: Optional[int] = None) -> None:
+    """A plan file's homes were not chosen for this host budget: refused when they exceed it
+    (``in_flight``: what every unit at home in host memory needs with gradients only in flight)."""
     if homes is not None and host_used > host_bytes:
+        least = f" ({_fmt(in_flight)} with gradients only in flight, as this recipe allows)" if in_flight is not None and in_flight < host_used else ""
         raise PlacementError(
-            f"the plan keeps {_fmt(host_used)} in host memory (gradients, staging buffers, and the units it homes there) but "
+            f"the plan keeps {_fmt(host_used)} in host memory (gradients, staging buffers, and the units it homes there){least} but "
             f"host_memory grants {_fmt(host_bytes)}; raise host_memory or dump a new plan for this budget.",
             tier=HOST,
         )
-    return staging, host_used
 
 
 def _split_host_and_nvme(

@@ -139,7 +139,8 @@ class TieredEngine:
         self.data_parallel = data_parallel
         states = [UnitState(unit=u, home=placement.home[u.index], master_dtypes=[master_dtype(p, fp32_masters) for p in u.params]) for u in units]
         for s in states:
-            s.transient_gradients = bool(placement.gradient_slots) and s.home == NVME and bool(s.unit.trainable)
+            in_flight = s.home == NVME or (s.home == HOST and placement.host_gradients_in_flight)
+            s.transient_gradients = bool(placement.gradient_slots) and in_flight and bool(s.unit.trainable)
         self.states = states
         # the parameters whose gradients and optimizer states the placement planned room for
         self._planned_trainable = {id(p) for u in units for p in u.trainable}
