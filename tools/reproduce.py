@@ -45,6 +45,9 @@ A40 = ("hardware=l40s", "+hardware.gpu=NVIDIA_A40", "+hardware.gpu_memory=48GB",
        "+hardware.gpu_fp16_tflops=149.7", "+hardware.gpu_fp32_tflops=37.4")
 RTX4080 = ("+hardware.gpu=NVIDIA_RTX_4080", "+hardware.gpu_memory=16GiB", "+hardware.gpu_bf16_tflops=97.5", "+hardware.gpu_fp16_tflops=97.5",
            "+hardware.gpu_fp32_tflops=48.7")
+# ProTrain's four-GPU machines (§5.1): per rank a quarter of 80% of the host memory, mixed precision
+PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="77GB", ranks=4, precision="bf16-mixed")
+PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="200GB", ranks=4, network_gbps=300, precision="bf16-mixed")
 
 
 @dataclass(frozen=True)
@@ -89,17 +92,14 @@ POINTS = (
     Point("PT-1d", "ProTrain Table 2: 87B on four A100 80GB (1 TB)", "largest_b", 87.0, (*GPT2_W8192, "model.config.n_layer=108", "hardware=a100_80g"),
           "72GiB", host="200GB", ranks=4, note="host per rank: a quarter of 80% of 1 TB", precision="bf16-mixed"),
     Point("PT-6a", "ProTrain Table 3: Mistral-7B, 4 A100, best batch", "tokens_per_s", 11060.92,
-          ("model=mistral_7b", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024"), "72GiB", host="200GB", ranks=4, network_gbps=300,
-          batches=(8, 16, 32), precision="bf16-mixed"),
-    Point("PT-6b", "ProTrain Table 3: GPT-2 10B, 4 A100, best batch", "tokens_per_s", 8266.40, (*GPT2_10B, "hardware=a100_80g"), "72GiB",
-          host="200GB", ranks=4, network_gbps=300, batches=(8, 16, 32), precision="bf16-mixed"),
+          ("model=mistral_7b", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024"), **PT_4XA100, batches=(8, 16, 32)),
+    Point("PT-6b", "ProTrain Table 3: GPT-2 10B, 4 A100, best batch", "tokens_per_s", 8266.40, (*GPT2_10B, "hardware=a100_80g"), **PT_4XA100, batches=(8, 16, 32)),
     Point("PT-6c", "ProTrain Table 3: LLaMA-13B, 4 A100, batch 228", "tokens_per_s", 6471.32, (*LLAMA_13B, "hardware=a100_80g", "data.batch_size=57"),
-          "72GiB", host="200GB", ranks=4, network_gbps=300, precision="bf16-mixed"),
+          **PT_4XA100),
     Point("PT-6d", "ProTrain Table 3: GPT-2 20B, 4 A100, best batch", "tokens_per_s", 5043.75,
           ("model=gpt2_xl", "model.config.n_embd=8192", "model.config.n_layer=24", "model.config.n_head=64", "data=synthetic", "data.seq_len=1024",
-           "hardware=a100_80g"), "72GiB", host="200GB", ranks=4, network_gbps=300, batches=(8, 16, 32), precision="bf16-mixed"),
-    Point("PT-14", "ProTrain §5.3.1: GPT-2 10B, 4 RTX 3090, 2,493 tokens/s", "tokens_per_s", 2493.0, (*GPT2_10B, "hardware=rtx3090"), "22GiB",
-          host="77GB", ranks=4, batches=(4, 8, 16), precision="bf16-mixed"),
+           "hardware=a100_80g"), **PT_4XA100, batches=(8, 16, 32)),
+    Point("PT-14", "ProTrain §5.3.1: GPT-2 10B, 4 RTX 3090, 2,493 tokens/s", "tokens_per_s", 2493.0, (*GPT2_10B, "hardware=rtx3090"), **PT_4X3090, batches=(4, 8, 16)),
     Point("PT-22", "ProTrain §5.4: GPT 175B, 16 A100 (4 nodes, 100 Gb/s), batch 256", "tokens_per_s", 2218.70,
           ("model=gpt3_175b", "model.config.n_positions=1024", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024", "data.batch_size=16"),
           "72GiB", host="200GB", ranks=16, network_gbps=12.5, precision="bf16-mixed"),
@@ -287,20 +287,15 @@ FINDINGS = (
     Finding("LH-9b", "LoHan §III-C", "13B, batch 32: ~34 GB of the 213 swapped, the rest recomputed", "lohan_swap_gb",
             (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", expect=(34 * 0.8, 34 * 1.2), rate_from="LH-11"),
     Finding("PT-21A", "ProTrain Table 4, row A", "GPT-2 1B, batch 8, 4 RTX 3090: nothing checkpointed or swapped, every chunk resident",
-            "protrain_row", (*GPT2_1B, "hardware=rtx3090", "data.batch_size=2"), "22GiB", host="77GB", ranks=4, precision="bf16-mixed",
-            expect=(0.0, 0.0, 0.99, 1.0)),
+            "protrain_row", (*GPT2_1B, "hardware=rtx3090", "data.batch_size=2"), **PT_4X3090, expect=(0.0, 0.0, 0.99, 1.0)),
     Finding("PT-21B", "ProTrain Table 4, row B", "GPT-2 1B, batch 64, 4 RTX 3090: 24 of 32 blocks checkpointed, 2 swapped, 2 of 12 chunks resident",
-            "protrain_row", (*GPT2_1B, "hardware=rtx3090", "data.batch_size=16"), "22GiB", host="77GB", ranks=4, precision="bf16-mixed",
-            expect=(0.5, 1.0, 0.0, 0.35)),
+            "protrain_row", (*GPT2_1B, "hardware=rtx3090", "data.batch_size=16"), **PT_4X3090, expect=(0.5, 1.0, 0.0, 0.35)),
     Finding("PT-21C", "ProTrain Table 4, row C", "GPT-2 1B, batch 64, 4 A100: nothing checkpointed or swapped, every chunk resident",
-            "protrain_row", (*GPT2_1B, "hardware=a100_80g", "data.batch_size=16"), "72GiB", host="200GB", ranks=4, network_gbps=300,
-            precision="bf16-mixed", expect=(0.0, 0.0, 0.99, 1.0)),
+            "protrain_row", (*GPT2_1B, "hardware=a100_80g", "data.batch_size=16"), **PT_4XA100, expect=(0.0, 0.0, 0.99, 1.0)),
     Finding("PT-21D", "ProTrain Table 4, row D", "GPT-2 10B, batch 8, 4 RTX 3090: every block checkpointed, 3 of 49 chunks resident",
-            "protrain_row", (*GPT2_10B, "hardware=rtx3090", "data.batch_size=2"), "22GiB", host="77GB", ranks=4, precision="bf16-mixed",
-            expect=(0.9, 1.0, 0.0, 0.15)),
+            "protrain_row", (*GPT2_10B, "hardware=rtx3090", "data.batch_size=2"), **PT_4X3090, expect=(0.9, 1.0, 0.0, 0.15)),
     Finding("PT-21E", "ProTrain Table 4, row E", "GPT-2 10B, batch 8, 4 A100: nothing checkpointed, 15 of 49 chunks resident",
-            "protrain_row", (*GPT2_10B, "hardware=a100_80g", "data.batch_size=2"), "72GiB", host="200GB", ranks=4, network_gbps=300,
-            precision="bf16-mixed", expect=(0.0, 0.1, 0.15, 0.5)),
+            "protrain_row", (*GPT2_10B, "hardware=a100_80g", "data.batch_size=2"), **PT_4XA100, expect=(0.0, 0.1, 0.15, 0.5)),
     Finding("MF-11", "MemFerry §III-B, Fig. 3", "BERT-base on an A100 over a 100 Gb/s link: in place faster for embeddings, on-GPU for GEMMs "
             "(the embedding untied: Fig. 3 times its lookup)",
             "memferry_fig3", ("model=gpt2_small", "model.config.vocab_size=30522", "model.config.n_positions=512", "+model.config.tie_word_embeddings=false",
