@@ -339,7 +339,9 @@ class TieredCore:
         together = planner.working_groups(policies) if recipe.training else list(planner.model.co_resident)  # no recompute without gradients
         gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
         placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
-        if not placement.offloaded and not self.ranks.engine_when_all_fits:
+        # under *-true 16-bit precisions the engine keeps fp32 masters even with nothing offloaded:
+        # without it the same recipe trained with or without masters depending on gpu_memory
+        if not placement.offloaded and not self.ranks.engine_when_all_fits and not fp32_masters:
             rank_zero_info(self._everything_fits(placement, gpu_bytes, recipe))
             self._fitted_trainable = {id(p) for p in model.parameters() if p.requires_grad}
             return None

@@ -38,6 +38,19 @@ def test_the_front_of_layouts_for_two_blocks():
     assert [(p.layout, p.peak_bytes, p.seconds) for p in front] == [(("checkpoint", "keep"), 1100, 7.0), (("keep", "keep"), 2000, 6.0)]
 
 
+def test_swaps_the_model_prices_as_free_are_not_chosen_over_keeping():
+    """Three blocks over a link fast enough that swapping costs nothing in the model: S S K takes
+    the same 9 s as K K K with a peak of 2000 bytes instead of 3000, so K K K was off the front and
+    a GPU tier that held every block's activations (and every unit) swapped two of them: bytes
+    moved for nothing. Ties on the front go to fewer blocks managed, as choose_layout breaks them."""
+    fast, blocks = Links(d2h=1e12, h2d=1e12), [BlockCost(1000, 100, 1.0)] * 3
+    front = layout_frontier(blocks, fast, 10**6)
+    assert front[-1].layout == ("keep", "keep", "keep") and front[-1].seconds == pytest.approx(9.0) and front[-1].peak_bytes == 3000
+    best = plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=10**6, host_bytes=10**6, nvme_bytes=0, state_factor=2.0,
+                     blocks=blocks, links=fast, activation_host_bytes=10**6)
+    assert best.activations.layout == ("keep", "keep", "keep")
+
+
 def test_room_for_both_keeps_the_blocks_and_a_resident_unit():
     best = plan(1536 + 2000)
     assert best.activations.layout == ("keep", "keep") and best.parameters.persistent >= 1 and best.seconds == pytest.approx(12)

@@ -87,6 +87,20 @@ def test_true_precision_updates_fp32_masters_off_the_gpu_tier(tmp_path, precisio
     assert_same_weights(reference_weights, weights)
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_true_precision_keeps_fp32_masters_when_everything_fits(tmp_path, precision):
+    """With a GPU tier that holds everything the strategy ran without an engine, so plain
+    Lightning updated the 16-bit parameters themselves: the same recipe trained with fp32 masters
+    or without them depending on gpu_memory. The engine now keeps the masters in the GPU tier."""
+    reference_losses, reference_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=FP32MasterLM, precision=precision)
+    homes = Homes()
+    strategy = TieredStrategy(gpu_memory="1GiB", host_memory="1GiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,))
+    assert homes.homes == {"gpu"} and homes.master_dtypes == {torch.float32}
+    assert losses == reference_losses
+    assert_same_weights(reference_weights, weights)
+
+
 def test_true_precision_differs_from_updating_the_low_precision_copy(tmp_path):
     """The masters matter: updating bf16 parameters directly (plain bf16-true) loses small updates."""
     _, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, precision="bf16-true")

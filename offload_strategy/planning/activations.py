@@ -189,13 +189,17 @@ def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
 
 def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int) -> list[ActivationPlan]:
     """The layouts worth considering when the GPU tier is shared with parameters: each one faster
-    than every layout with a smaller peak (the Pareto front of peak against time), smallest peak
-    first. Whatever the budget left for activations, the best layout that fits is on it."""
+    than every layout with a smaller peak (the Pareto front of peak against time), or as fast and
+    managing fewer blocks (as :func:`choose_layout` breaks ties: a swap the model prices as free
+    still moves bytes), smallest peak first. Whatever the budget left for activations, the best
+    layout that fits is on it."""
     ranked = sorted(_layouts(costs, links, host_bytes), key=lambda t: (t[1], round(t[2], 12), t[3]))
     front: list[ActivationPlan] = []
-    for layout, peak, seconds, _ in ranked:
-        if not front or seconds < front[-1].seconds - 1e-12:
+    managed_last = 0
+    for layout, peak, seconds, managed in ranked:
+        if not front or seconds < front[-1].seconds - 1e-12 or (seconds <= front[-1].seconds + 1e-12 and managed < managed_last):
             front.append(ActivationPlan(tuple(layout), seconds, peak))
+            managed_last = managed
     return front
 
 
