@@ -226,3 +226,26 @@ def test_host_units_train_like_plain_with_gradients_only_in_flight_when_host_mem
     slots, extra, most, transient = watch.seen[-1]
     assert slots == GRADIENT_BUFFERS and transient == 43  # every unit: embedding, 40 blocks, norm, head
     assert extra == 0 and 1 <= most <= GRADIENT_BUFFERS
+
+
+def test_host_and_nvme_units_share_the_gradient_buffers_when_host_memory_is_split(tmp_path):
+    """Host memory (700 KiB) holds some units' parameters and states, NVMe the others'. Host
+    units kept a gradient home each, which sent more units to NVMe; with every gradient in flight
+    through the same four buffers, host units' too, ten units stay in host memory and training is
+    unchanged bit for bit."""
+    from offload_strategy import TieredStrategy
+    from tests.helpers import assert_same_weights
+    from tests.test_recipes import fit
+
+    watch = Watch()
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Deep)
+    strategy = TieredStrategy(policy={"placement": "fill", "activations": "keep"}, gpu_memory="200KiB", host_memory="700KiB",
+                              nvme_path=str(tmp_path / "nvme"), nvme_memory="1GiB")
+    losses, weights, _ = fit(strategy, tmp_path / "tiered", Deep, callbacks=watch())
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    metrics = strategy.metrics()
+    host, nvme = int(metrics["units/host"]), int(metrics["units/nvme"])
+    assert host > 0 and nvme > 0
+    slots, extra, most, transient = watch.seen[-1]
+    assert transient == host + nvme and slots == GRADIENT_BUFFERS and extra == 0

@@ -341,9 +341,9 @@ def _host_and_nvme_homes(
             tier=HOST,
             nvme_needed=grads + at_home,
         )
-    staging, host_used = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
+    staging, host_used, in_flight_split = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
     _check_plan_host(homes, host_used, host_bytes)
-    return staging, host_used, False
+    return staging, host_used, in_flight_split
 
 
 def _check_plan_host(homes: Optional[Mapping[int, str]], host_used: int, host_bytes: int, in_flight: Optional[int] = None) -> None:
@@ -360,12 +360,15 @@ def _check_plan_host(homes: Optional[Mapping[int, str]], host_used: int, host_by
 
 def _split_host_and_nvme(
     streaming: Sequence[UnitSize], costs: _Costs, home: dict[int, str], host_bytes: int, grads: int, homes: Optional[Mapping[int, str]],
-) -> tuple[dict[int, int], int]:
+) -> tuple[dict[int, int], int, bool]:
     """Host memory beside the gradients and the staging buffers, by first use; the rest on NVMe.
     The staging buffers then need only fit the units that went to NVMe, and host memory left
-    over keeps more of them in staging buffers between their uses."""
+    over keeps more of them in staging buffers between their uses. Where gradients live only
+    until their update, host units' pass through the gradient buffers as NVMe units' do (host
+    memory is short: a gradient home each would send more units to NVMe); returned as the flag."""
     slot = costs.staging_slot(streaming)
-    # gradients: a home for every offloaded unit, or for host units only beside the NVMe units' buffers
+    in_flight = costs.transient_gradients and not costs.spill_gradients and homes is None
+    # gradients: a home for every offloaded unit, or buffers for those in flight (host units' homes beside them)
     pool = GRADIENT_BUFFERS * costs.gradient_slot(streaming) if costs.transient_gradients else grads
     host_used = pool + NVME_STAGING_BUFFERS * slot
     if host_used > host_bytes:
@@ -376,16 +379,16 @@ def _split_host_and_nvme(
             tier=HOST,
         )
     for u in streaming:
-        cost = costs.at_home(u) + (costs.gradient(u) if costs.transient_gradients else 0)
+        cost = costs.at_home(u) + (costs.gradient(u) if costs.transient_gradients and not in_flight else 0)
         on_host = homes[u.index] == HOST if homes is not None else host_used + cost <= host_bytes
         home[u.index] = HOST if on_host else NVME
         host_used += cost if on_host else 0
     on_nvme = [u for u in streaming if home[u.index] == NVME]
     if not on_nvme:
-        return {}, host_used - NVME_STAGING_BUFFERS * slot - (pool if costs.transient_gradients else 0)
+        return {}, host_used - NVME_STAGING_BUFFERS * slot - (pool if costs.transient_gradients and not in_flight else 0), in_flight
     fitted = costs.staging_slot(on_nvme)
     host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
-    if costs.transient_gradients:
+    if costs.transient_gradients and not in_flight:
         host_used -= GRADIENT_BUFFERS * (costs.gradient_slot(streaming) - costs.gradient_slot(on_nvme))
     extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
-    return {fitted: NVME_STAGING_BUFFERS + extra}, host_used + extra * fitted
+    return {fitted: NVME_STAGING_BUFFERS + extra}, host_used + extra * fitted, in_flight
