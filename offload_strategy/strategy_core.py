@@ -693,7 +693,7 @@ class TieredCore:
         if self.context.module.automatic_optimization:
             # The closure is the training step: a plan made inside it would leave this step to
             # the optimizer chosen before it (a first engine's units stepped by the plain one).
-            self._plan_between_steps(self.recipe(module.trainer))
+            self._plan_between_steps(self.recipe(self.context.module.trainer))
         if self.engine is None:
             result = plain(optimizer, closure, model, **kwargs)
         else:
