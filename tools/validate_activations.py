@@ -3,7 +3,8 @@
     python tools/validate_activations.py
     python tools/validate_activations.py --families gpt2 llama --batch 4 --seq 256
 
-For each model family, a small model of the family's shape is built twice from one config: on the
+For each model family (the causal LMs the zoo builds, BERT's masked LM and T5's encoder-decoder),
+a small model of the family's shape is built twice from one config: on the
 meta device, where ``profiling/analytic.py`` counts what each block saves for backward from shapes
 alone (attention as the fused kernels a GPU runs), and on the CPU with real tensors, where the same
 forward is run and every storage a block saves is counted once (parameters excluded, as the
@@ -40,13 +41,32 @@ CONFIGS: dict[str, dict[str, Any]] = {
                   num_key_value_heads=HEADS, max_position_embeddings=1024),
     "mistral": dict(vocab_size=1024, hidden_size=WIDTH, intermediate_size=688, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                     num_key_value_heads=2, max_position_embeddings=1024, sliding_window=None),
+    # the encoder families: a masked LM with its tied output embedding, and an encoder-decoder
+    # (its first block is the encoder's: relative position bias, attention as matrix products)
+    "bert": dict(vocab_size=1024, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 max_position_embeddings=1024, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "t5": dict(vocab_size=1024, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=4 * WIDTH, num_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0,
+               decoder_start_token_id=0, pad_token_id=0),
 }
+
+
+def build(family: str) -> torch.nn.Module:
+    """A small model of ``family`` with random weights (on the current default device)."""
+    if family == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        return BertForMaskedLM(BertConfig(**CONFIGS[family]))
+    if family == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        return T5ForConditionalGeneration(T5Config(**CONFIGS[family]))
+    return build_causal_lm(family, CONFIGS[family])
 
 
 def estimated(family: str, batch: int, seq: int) -> int:
     """The first block's saved bytes, from shapes on the meta device."""
     with torch.device("meta"):
-        model = build_causal_lm(family, CONFIGS[family])
+        model = build(family)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     costs = analytic_blocks(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"))
     return costs[0].activation_bytes
@@ -55,7 +75,7 @@ def estimated(family: str, batch: int, seq: int) -> int:
 def measured(family: str, batch: int, seq: int) -> int:
     """The first block's saved bytes in a real forward on the CPU, each storage once."""
     torch.manual_seed(0)
-    model = build_causal_lm(family, CONFIGS[family])
+    model = build(family)
     block = find_blocks(model)[0]
     parameters = {id(p) for p in model.parameters()}
     inside: list[bool] = [False]
