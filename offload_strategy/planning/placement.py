@@ -322,24 +322,27 @@ def _host_and_nvme_homes(
     gradients pass through buffers. Returns the staging buffers (size -> count), the host bytes
     used, and whether host units' gradients are in flight only."""
     grads = sum(costs.gradient(u) for u in streaming)
-    at_home = sum(costs.at_home(u) for u in streaming)
-    in_flight = GRADIENT_BUFFERS * costs.gradient_slot(streaming) + at_home if costs.transient_gradients and not costs.spill_gradients else None
+    with_homes = grads + sum(costs.at_home(u) for u in streaming)
+    # every gradient through GRADIENT_BUFFERS buffers instead, where it lives only until its update
+    in_flight = with_homes - grads + GRADIENT_BUFFERS * costs.gradient_slot(streaming)
+    in_flight_allowed = costs.transient_gradients and not costs.spill_gradients
     all_host = homes is None or all(homes[u.index] == HOST for u in streaming)
-    if all_host and (grads + at_home <= host_bytes or homes is not None and (in_flight is None or in_flight > host_bytes)):
+    if all_host and with_homes <= host_bytes:
         home.update({u.index: HOST for u in streaming})
-        _check_plan_host(homes, grads + at_home, host_bytes, in_flight)
-        return {}, grads + at_home, False
-    if all_host and in_flight is not None and in_flight <= host_bytes:
+        return {}, with_homes, False
+    if all_host and in_flight_allowed and in_flight <= host_bytes:
         home.update({u.index: HOST for u in streaming})
         return {}, in_flight, True
+    if all_host and homes is not None:
+        _check_plan_host(homes, with_homes, host_bytes, in_flight if in_flight_allowed else None)  # refuses: they exceed it
     if homes is None and nvme_bytes == 0:
-        least = min(grads + at_home, in_flight or grads + at_home)
+        least = min(with_homes, in_flight) if in_flight_allowed else with_homes
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
             f"({_fmt(least)}) and there is no NVMe tier; raise host_memory to at least {_fmt(least)}, or give nvme_path "
             f"for an NVMe tier.",
             tier=HOST,
-            nvme_needed=grads + at_home,
+            nvme_needed=with_homes,
         )
     staging, host_used, in_flight_split = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
     _check_plan_host(homes, host_used, host_bytes)
