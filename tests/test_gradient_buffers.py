@@ -249,3 +249,20 @@ def test_host_and_nvme_units_share_the_gradient_buffers_when_host_memory_is_spli
     assert host > 0 and nvme > 0
     slots, extra, most, transient = watch.seen[-1]
     assert transient == host + nvme and slots == GRADIENT_BUFFERS and extra == 0
+
+
+def test_in_flight_host_gradients_under_bf16_true_match_a_gradient_home_each(tmp_path):
+    """Under bf16-true a gradient arrives in 16 bits and is widened for its fp32 master: through a
+    buffer (1.3 MiB of host memory) it trains to the bit what a home each (1 GiB) trains."""
+    from offload_strategy import TieredStrategy
+    from tests.helpers import assert_same_weights
+    from tests.test_recipes import fit
+
+    runs, watch = [], Watch()
+    for host in ("1GiB", "1.3MiB"):
+        strategy = TieredStrategy(policy={"placement": "host", "activations": "keep"}, gpu_memory="1MiB", host_memory=host)
+        runs.append(fit(strategy, tmp_path / host, Deep, precision="bf16-true", callbacks=watch() if host != "1GiB" else ()))
+    (homes_losses, homes_weights, _), (losses, weights, _) = runs
+    assert losses == homes_losses
+    assert_same_weights(homes_weights, weights)
+    assert watch.seen[-1][3] == 43, "the gradients did not pass through the buffers"
