@@ -305,9 +305,12 @@ class TieredCore:
         """What the planner knows of the model's units: sizes (no gradients or states without
         training), the units used together, the blocks' units, and the recipe's gradient rules."""
         # Under *-true precisions gradients and states are in fp32 beside an fp32 master of each
-        # parameter, and each 16-bit gradient lands in a buffer of half a master's size before widening.
+        # parameter, and each 16-bit gradient lands in an area of the unit's size before widening.
         sizes = [
-            UnitSize(u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if recipe.training else 0)
+            UnitSize(
+                u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if recipe.training else 0,
+                landing_bytes=u.nbytes if recipe.training and fp32_masters and u.trainable else 0,
+            )
             for u in units
         ]
         inside = [{id(m) for m in block.modules()} for block in self.activations.blocks]
@@ -315,7 +318,7 @@ class TieredCore:
         return ModelUnits(
             sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
             block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
-            state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.5 if fp32_masters else 0.0),
+            state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
             owned=self.ranks.units_with_states_here(sizes),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
             spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units],

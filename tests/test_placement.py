@@ -79,6 +79,22 @@ def test_host_units_gradients_pass_through_buffers_when_a_home_each_does_not_fit
     assert not roomy.host_gradients_in_flight and roomy.gradient_slots == {} and roomy.host_bytes == 98304
 
 
+def test_the_16_bit_landing_area_goes_with_a_gradient_not_with_the_states():
+    """Eight units of 8192 bf16 parameters (16384 bytes) with fp32 masters: an fp32 gradient of 32768
+    bytes that lands in 16 bits first (16384), fp32 master and two Adam states (3 x 32768). A home
+    each: 8 x (49152 + 16384 + 98304) = 1310720 bytes. In flight, the landing area travels with
+    the gradient into the buffers: 4 x 49152 + 8 x (16384 + 98304) = 1114112, which 1150000 bytes
+    hold. Counted with the states (as a factor of 3.5) it was charged for every unit, buffers of
+    the gradient alone beside it: 1179648, refused."""
+    units = [UnitSize(i, 16384, 32768, landing_bytes=16384) for i in range(8)]
+    placement = place_units(units, [[i] for i in range(8)], gpu_bytes=2 * 16384, host_bytes=1150000, nvme_bytes=0, state_factor=3,
+                            gradients_until_update=True)
+    assert placement.host_gradients_in_flight and placement.gradient_slots == {49152: 4} and placement.host_bytes == 1114112
+    roomy = place_units(units, [[i] for i in range(8)], gpu_bytes=2 * 16384, host_bytes=1310720, nvme_bytes=0, state_factor=3,
+                        gradients_until_update=True)
+    assert not roomy.host_gradients_in_flight and roomy.host_bytes == 1310720
+
+
 def test_sharded_states_reserve_room_only_for_the_units_this_rank_owns():
     # As above with 45000 bytes, but this rank keeps the states of units 1 and 3 only: homes cost
     # 4096 (+ 4096 of states for 1 and 3). Gradients 16384 + units 0 (4096), 1 (8192), 2 (4096)

@@ -6,9 +6,10 @@ Hydra overrides and the budgets of ``tools/simulate.py``, the published figure b
 
 The model prices *this* library's plan (the joint search of ``planning/auto.py``) on the paper's
 machine, at the efficiency and link rates every other prediction uses: nothing here is tuned to a
-point. Each paper's system keeps its model states as it says: ProTrain's mixed precision (fp32
-parameters, gradients and Adam states at home, 16 bytes per parameter: ``bf16-mixed``), LoHan's
-and 10Cache's 16-bit parameters with fp32 masters (``bf16-true``). The papers' systems and ours differ in what they keep where, so a ratio far from 1 says
+point. Each paper's system keeps its model states as it says: every one of them trains in mixed
+precision as Micikevicius et al. define it (16-bit parameters computed with and moved, fp32 masters
+and Adam states at home), which is this library's ``bf16-true``; ``point.precision`` can say
+otherwise for a setting that differs. The papers' systems and ours differ in what they keep where, so a ratio far from 1 says
 either that the hardware is priced wrong or that the two systems decide differently; the notes
 say which where it is known. Kinds of point:
 
@@ -45,9 +46,9 @@ A40 = ("hardware=l40s", "+hardware.gpu=NVIDIA_A40", "+hardware.gpu_memory=48GB",
        "+hardware.gpu_fp16_tflops=149.7", "+hardware.gpu_fp32_tflops=37.4")
 RTX4080 = ("+hardware.gpu=NVIDIA_RTX_4080", "+hardware.gpu_memory=16GiB", "+hardware.gpu_bf16_tflops=97.5", "+hardware.gpu_fp16_tflops=97.5",
            "+hardware.gpu_fp32_tflops=48.7")
-# ProTrain's four-GPU machines (§5.1): per rank a quarter of 80% of the host memory, mixed precision
-PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="77GB", ranks=4, precision="bf16-mixed")
-PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="200GB", ranks=4, network_gbps=300, precision="bf16-mixed")
+# ProTrain's four-GPU machines (§5.1): per rank a quarter of 80% of the host memory
+PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="77GB", ranks=4)
+PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="200GB", ranks=4, network_gbps=300)
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,13 @@ POINTS = (
           ("model=gpt3_175b", "model.config.n_positions=1024", "hardware=rtx4090", *RTX4080, "data=synthetic", "data.seq_len=1024",
            "data.batch_size=1"), "15GiB", host="256GB", nvme="40TB", note="host budget the machine's whole 256 GB"),
     Point("PT-1a", "ProTrain Table 2: 34B on one RTX 3090 (384 GB)", "largest_b", 34.0, (*GPT2_W8192, "model.config.n_layer=42", "hardware=rtx3090"),
-          "22GiB", precision="bf16-mixed"),
+          "22GiB"),
     Point("PT-1b", "ProTrain Table 2: 37B on four RTX 3090 (384 GB)", "largest_b", 37.0, (*GPT2_W8192, "model.config.n_layer=46", "hardware=rtx3090"),
-          "22GiB", host="77GB", ranks=4, note="host per rank: a quarter of 80% of 384 GB", precision="bf16-mixed"),
+          "22GiB", host="77GB", ranks=4, note="host per rank: a quarter of 80% of 384 GB"),
     Point("PT-1c", "ProTrain Table 2: 75B on one A100 80GB (1 TB)", "largest_b", 75.0, (*GPT2_W8192, "model.config.n_layer=93", "hardware=a100_80g"),
-          "72GiB", precision="bf16-mixed"),
+          "72GiB"),
     Point("PT-1d", "ProTrain Table 2: 87B on four A100 80GB (1 TB)", "largest_b", 87.0, (*GPT2_W8192, "model.config.n_layer=108", "hardware=a100_80g"),
-          "72GiB", host="200GB", ranks=4, note="host per rank: a quarter of 80% of 1 TB", precision="bf16-mixed"),
+          "72GiB", host="200GB", ranks=4, note="host per rank: a quarter of 80% of 1 TB"),
     Point("PT-6a", "ProTrain Table 3: Mistral-7B, 4 A100, best batch", "tokens_per_s", 11060.92,
           ("model=mistral_7b", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024"), **PT_4XA100, batches=(8, 16, 32)),
     Point("PT-6b", "ProTrain Table 3: GPT-2 10B, 4 A100, best batch", "tokens_per_s", 8266.40, (*GPT2_10B, "hardware=a100_80g"), **PT_4XA100, batches=(8, 16, 32)),
@@ -102,7 +103,7 @@ POINTS = (
     Point("PT-14", "ProTrain §5.3.1: GPT-2 10B, 4 RTX 3090, 2,493 tokens/s", "tokens_per_s", 2493.0, (*GPT2_10B, "hardware=rtx3090"), **PT_4X3090, batches=(4, 8, 16)),
     Point("PT-22", "ProTrain §5.4: GPT 175B, 16 A100 (4 nodes, 100 Gb/s), batch 256", "tokens_per_s", 2218.70,
           ("model=gpt3_175b", "model.config.n_positions=1024", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024", "data.batch_size=16"),
-          "72GiB", host="200GB", ranks=16, network_gbps=12.5, precision="bf16-mixed"),
+          "72GiB", host="200GB", ranks=16, network_gbps=12.5),
     Point("TC-1", "10Cache Table 5: BERT, batch 128, A40, CPU-GPU: 381.70 ms", "step_s", 0.3817,
           ("model=gpt2_small", "model.config.vocab_size=30522", "model.config.n_positions=512", *A40, "data=synthetic", "data.seq_len=128",
            "data.batch_size=128"), "44GB", host="200GB", note="BERT-base's shapes as a 12 x 768 GPT-2",

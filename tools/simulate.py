@@ -104,13 +104,14 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     block_costs = analytic_blocks(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency)
     inside = [{id(m) for m in block.modules()} for block in blocks]
     block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
-    # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes), plus a 16-bit landing area
+    # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes); gradients land in 16 bits first
     widen = 2 if half else 1
     return Model(
         name=str(cfg.model.get("name", cfg.model.family)), units=units, costs=costs,
-        sizes=[UnitSize(u.index, u.nbytes, c.trainable_bytes * widen) for u, c in zip(units, costs)],
+        sizes=[UnitSize(u.index, u.nbytes, c.trainable_bytes * widen, landing_bytes=u.nbytes if half and c.trainable_bytes else 0)
+               for u, c in zip(units, costs)],
         co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
-        tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.5 if half else 0.0), parameters=sum(c.parameters for c in costs),
+        tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
     )
 
 
@@ -218,7 +219,7 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) 
     every block checkpointed (the smallest layout without a swap path). Doubling, then bisection on
     the block count."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
-    from offload_strategy.planning.placement import PlacementError, UnitSize, place_units
+    from offload_strategy.planning.placement import PlacementError, place_units
     from offload_strategy.planning.sharding import assign_owners
 
     if not model.block_units or not model.blocks:
@@ -237,7 +238,7 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) 
         groups = [list(g) for g in users_outside]
         for b in range(depth):
             base = 10**9 + b * len(first)  # fresh indices for each copy, clear of the model's own
-            sizes += [UnitSize(base + k, s.nbytes, s.trainable_bytes) for k, s in enumerate(per_block)]
+            sizes += [dataclasses.replace(s, index=base + k) for k, s in enumerate(per_block)]
             groups += [[base + k for k in g] for g in users_block]
         activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
         if activations >= gpu:

@@ -59,6 +59,9 @@ class UnitSize:
     index: int
     nbytes: int  # parameter bytes
     trainable_bytes: int  # bytes of parameters that get gradients and optimizer states
+    # where 16-bit gradients are widened for fp32 masters: the 16-bit area they land in first, part
+    # of an offloaded unit's gradient (at its home, or in a gradient buffer while in flight)
+    landing_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,9 @@ class _Costs:
     spill_gradients: bool = False
 
     def gradient(self, u: UnitSize) -> int:
-        """An offloaded unit's gradient home in host memory."""
-        return align(u.trainable_bytes, HOST_SLOT_ALIGNMENT)
+        """An offloaded unit's gradient home in host memory (with its 16-bit landing area)."""
+        landing = align(u.landing_bytes, HOST_SLOT_ALIGNMENT) if u.landing_bytes and u.trainable_bytes else 0
+        return align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) + landing
 
     def spilled(self, u: UnitSize) -> int:
         """An NVMe unit's gradients written to NVMe until its update."""
