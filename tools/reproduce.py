@@ -128,12 +128,13 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
     from hydra.utils import instantiate
 
     from offload_strategy import parse_size
+    from offload_strategy.config import compute_dtype
 
     overrides = [*point.overrides, "logger=none", *([f"data.batch_size={batch}"] if batch else [])]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     hardware = instantiate(cfg.hardware)
-    model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype="bf16")
+    model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision))
     host = parse_size(point.host) if point.host else int(0.8 * hardware.host_memory)
     return Setting(model, hardware, parse_size(point.gpu), host, parse_size(point.nvme))
 
@@ -177,7 +178,9 @@ def _planned(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[fl
         return auto.seconds, plan
     if point.kind == "tokens_per_s":
         return at.model.tokens * point.ranks / auto.seconds, plan
-    flops = 3 * forward_seconds(at.model) * at.hardware.peak_flops("bf16") * efficiency  # backward twice forward
+    from offload_strategy.config import compute_dtype
+
+    flops = 3 * forward_seconds(at.model) * at.hardware.peak_flops(compute_dtype(point.precision)) * efficiency  # backward twice forward
     return flops / auto.seconds / 1e12, plan
 
 

@@ -169,8 +169,9 @@ def place_units(
     slots = _buffer_per_unit(streaming, gpu_bytes - used) if buffer_per_unit else _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
     staging, host_used, in_flight = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
-    on_nvme = streaming if in_flight else [u for u in streaming if home[u.index] == NVME]
-    gradient_slots = {costs.gradient_slot(on_nvme): GRADIENT_BUFFERS} if costs.transient_gradients and costs.gradient_slot(on_nvme) else {}
+    through_buffers = streaming if in_flight else [u for u in streaming if home[u.index] == NVME]
+    slot = costs.gradient_slot(through_buffers)
+    gradient_slots = {slot: GRADIENT_BUFFERS} if costs.transient_gradients and slot else {}
     nvme_used = sum(costs.at_home(u) + costs.spilled(u) for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
@@ -201,8 +202,8 @@ class _Costs:
         return align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) + landing
 
     def spilled(self, u: UnitSize) -> int:
-        """An NVMe unit's gradients written to NVMe until its update."""
-        return self.gradient(u) if self.spill_gradients and u.trainable_bytes else 0
+        """An NVMe unit's gradients written to NVMe until its update (not their 16-bit landing area)."""
+        return align(u.trainable_bytes, HOST_SLOT_ALIGNMENT) if self.spill_gradients and u.trainable_bytes else 0
 
     def gradient_slot(self, units: Sequence[UnitSize]) -> int:
         """A gradient buffer that holds any of ``units``' gradients (0: none is trainable)."""
