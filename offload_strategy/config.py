@@ -360,6 +360,9 @@ class HardwareSpec:
     # (torch.backends.cuda.matmul.allow_tf32 is False)
     gpu_fp32_tflops: Optional[float] = None
     source: str = ""
+    # GPUs in the machine whose ranks share its CPU cores, memory channels and host memory (a
+    # spec that already describes one GPU's share of a larger machine says 1)
+    gpus: int = 1
 
     _SIZE_FIELDS = ("gpu_memory", "host_memory")
 
@@ -376,6 +379,19 @@ class HardwareSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"hardware.{field}={value!r} must be a non-negative integer.")
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"hardware.gpus={self.gpus!r} must be a positive integer (the GPUs sharing this machine's CPU).")
+
+    def rank_share(self, ranks: int) -> "HardwareSpec":
+        """What each of ``ranks`` data-parallel ranks on this machine has of its CPU side: cores,
+        memory channels and host memory divided among the ranks its GPUs run (at most ``gpus``);
+        each GPU keeps its own link."""
+        sharing = max(1, min(ranks, self.gpus))
+        if sharing == 1:
+            return self
+        bandwidth = None if self.host_memory_gbps is None else self.host_memory_gbps / sharing
+        return dataclasses.replace(self, cpu_cores=max(1, self.cpu_cores // sharing), host_memory_gbps=bandwidth,
+                                   host_memory=self.host_memory // sharing, gpus=1)
 
     def peak_flops(self, dtype_name: str) -> Optional[float]:
         """Dense peak FLOP/s of the GPU for ``bf16``, ``fp16`` or ``fp32`` work, if known."""

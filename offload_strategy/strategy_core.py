@@ -322,6 +322,7 @@ class TieredCore:
             owned=self.ranks.units_with_states_here(sizes),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
             spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units],
+            gradients_sent=recipe.training and recipe.every_backward_reduces_to_owners(),
         )
 
     def _build_engine(
@@ -399,7 +400,10 @@ class TieredCore:
             count[1] += state.unit.nbytes
         units = ", ".join(f"{tier} {n} ({format_bytes(nbytes)})" for tier, (n, nbytes) in tiers.items())
         placement = engine.placement
-        if placement.host_gradients_in_flight:
+        if placement.gradients_sent:
+            gradients = (f"of the {len(placement.gradients_sent)} offloaded units other ranks own only until sent to them, through "
+                         f"{sum(placement.gradient_slots.values())} host buffers; the others' at home")
+        elif placement.host_gradients_in_flight:
             gradients = f"only in flight, through {sum(placement.gradient_slots.values())} host buffers (no room for a home each)"
         elif placement.gradient_slots:
             gradients = f"NVMe units' through {sum(placement.gradient_slots.values())} host buffers" + (

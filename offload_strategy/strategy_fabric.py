@@ -63,6 +63,9 @@ class FabricRules:
     def accumulating(self) -> bool:
         return False
 
+    def every_backward_reduces_to_owners(self) -> bool:
+        return False  # the loop may accumulate over several fabric.backward calls
+
     def updates_may_run_ahead_of_clipping(self) -> bool:
         return False  # the loop clips when it chooses to (fabric.clip_gradients), if at all
 

@@ -35,6 +35,7 @@ class Rules(Protocol):
     def every_step_updates_in_backward(self) -> bool: ...
     def updates_can_start_in_backward(self) -> bool: ...
     def gradients_wait_on_nvme(self) -> bool: ...
+    def every_backward_reduces_to_owners(self) -> bool: ...
     def updates_may_run_ahead_of_clipping(self) -> bool: ...
     def accumulating(self) -> bool: ...
     def why_updates_wait(self) -> str: ...
@@ -101,6 +102,17 @@ class Recipe:
         if not module.automatic_optimization or self.needs_all_gradients():
             return False
         return not self.trainer.fit_loop._should_accumulate()
+
+    def every_backward_reduces_to_owners(self) -> bool:
+        """Known at set-up: under data parallelism every backward's gradients are reduced to their
+        units' owners alone (one optimizer stepped by automatic optimization and Lightning's own
+        ``optimizer_step``, no accumulation, nothing that needs every gradient on every rank), so a
+        rank needs the gradients of the units it does not own only until they are sent."""
+        module = self.trainer.lightning_module
+        plain = self.optimizer_count == 1 and module.automatic_optimization and not is_overridden("optimizer_step", module)
+        scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in _callbacks(self.trainer))
+        once = self.trainer.accumulate_grad_batches == 1 and not scheduled
+        return self.world_size > 1 and plain and once and not self.needs_all_gradients()
 
     def updates_may_run_ahead_of_clipping(self) -> bool:
         """Lightning's own clipping by norm is all that keeps this backward's units from being

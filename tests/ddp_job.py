@@ -46,8 +46,8 @@ class RankBranch(CausalLM):
         return loss
 
 
-def model_bytes() -> int:
-    model = CausalLM(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+def model_bytes(config: dict = GPT2_4L) -> int:
+    model = CausalLM(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
     model.configure_model()
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -61,7 +61,7 @@ class Metrics(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         metrics = getattr(trainer.strategy, "metrics", None)
         if metrics is not None:
-            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/"))}
+            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/", "gradients/"))}
 
 
 def main() -> None:
@@ -78,10 +78,12 @@ def main() -> None:
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--rank-branch", action="store_true", help="a model with parameters unused on some ranks")
+    parser.add_argument("--layers", type=int, default=GPT2_4L["n_layer"], help="the model's transformer blocks")
     parser.add_argument("--default-policy", action="store_true", help="the default policy (placement and activations searched) with a GPU tier of twice the parameters")
     args = parser.parse_args()
 
-    total = model_bytes()
+    config = dict(GPT2_4L, n_layer=args.layers)
+    total = model_bytes(config)
     host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
     budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
     if args.default_policy:
@@ -96,7 +98,7 @@ def main() -> None:
         strategy = args.strategy
 
     L.seed_everything(7, verbose=False)
-    model = (RankBranch if args.rank_branch else CausalLM)(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)
+    model = (RankBranch if args.rank_branch else CausalLM)(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
     recorder, metrics = LossRecorder(), Metrics()
     trainer = L.Trainer(
         strategy=strategy,

@@ -13,6 +13,7 @@ from torch import nn
 
 from offload_strategy import HardwareSpec
 from offload_strategy.config import parse_size
+from offload_strategy.hardware.specs import known_hardware
 from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_blocks, analytic_units, cpu_update_rate
 from offload_strategy.runtime.units import build_units
 
@@ -74,6 +75,23 @@ def test_the_cpu_optimizer_is_bounded_by_the_memory_channels_by_hand():
     bf16 = {c.name: c for c in analytic_units(units, users, tokens=5, hardware=bounded)}
     assert bf16["body"].update_seconds == pytest.approx(20 * 30 / 28e9)
     assert cpu_update_rate(dataclasses.replace(TOY, host_memory_gbps=1000.0)) == pytest.approx(2 * CPU_PARAMS_PER_S_PER_CORE)  # the cores bind
+
+
+def test_data_parallel_ranks_share_the_machines_cpu_by_hand():
+    """ProTrain's four A100s share 112 cores, 614.4 GB/s of memory channels and 1 TB: with four
+    ranks each has 28 cores (22.4 G parameters/s), 153.6 GB/s (153.6 / 30 = 5.12 G bf16
+    parameters/s: the channels bind) and 250 GB. Eight ranks share as four do (four GPUs per
+    machine, the others on other machines); a spec that is already one GPU's share is not split."""
+    a100 = known_hardware("a100_80g")
+    share = a100.rank_share(4)
+    assert (share.cpu_cores, share.host_memory_gbps, share.host_memory) == (28, pytest.approx(153.6), 250 * 10**9)
+    assert cpu_update_rate(share, copy_bytes=2) == pytest.approx(153.6e9 / 30)
+    assert cpu_update_rate(a100, copy_bytes=2) == pytest.approx(614.4e9 / 30)  # one rank: the whole machine
+    assert a100.rank_share(8) == share and a100.rank_share(1) is a100
+    h100 = known_hardware("h100_80g")
+    assert h100.rank_share(8) is h100
+    with pytest.raises(ValueError, match="hardware.gpus"):
+        dataclasses.replace(a100, gpus=0)
 
 
 def test_direct_host_access_reads_by_hand():

@@ -144,3 +144,25 @@ def test_prefetch_table_cursor_and_belady_choice():
     assert not table.record(7) and table.cursor == 3  # unknown use: counted by the caller, cursor stays
     assert list(table.upcoming(10)) == [1, 0]
     assert table.next_use(2) is None and table.farthest([2, 1]) == 2  # never used again this step
+
+
+def test_other_ranks_units_keep_gradients_only_until_sent():
+    # Twelve units of 16 KiB under two ranks, this one owning the even ones; 32 KiB of GPU tier
+    # holds one buffer to compute in and one to prefetch into, so every unit streams from host.
+    # A gradient home each: parameters 12 x 16 + gradients 12 x 16 + Adam states of the six
+    # owned 6 x 32 = 576 KiB. When every backward reduces to the owners, the six others' gradients
+    # pass through four 16 KiB buffers instead: 192 + 6 x 16 + 4 x 16 + 192 = 544 KiB.
+    units = [UnitSize(i, 16384, 16384) for i in range(12)]
+    groups = [[i] for i in range(12)]
+    owned = set(range(0, 12, 2))
+    kib = 1024
+    with pytest.raises(PlacementError, match="host_memory"):
+        place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, owned=owned)
+    homes = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=576 * kib, nvme_bytes=0, state_factor=2, owned=owned)
+    assert homes.host_bytes == 576 * kib and not homes.gradients_sent and homes.gradient_slots == {}
+    sent = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, owned=owned, gradients_sent=True)
+    assert set(sent.home.values()) == {HOST} and sent.host_bytes == 544 * kib
+    assert sent.gradients_sent == frozenset(range(1, 12, 2)) and sent.gradient_slots == {16384: 4}
+    # one process, or states not sharded: every unit is its own (192 + 192 + 12 x 32), nothing is sent
+    alone = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=768 * kib, nvme_bytes=0, state_factor=2, gradients_sent=True)
+    assert not alone.gradients_sent and alone.gradient_slots == {}

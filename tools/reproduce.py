@@ -133,7 +133,7 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
     overrides = [*point.overrides, "logger=none", *([f"data.batch_size={batch}"] if batch else [])]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    hardware = instantiate(cfg.hardware)
+    hardware = instantiate(cfg.hardware).rank_share(point.ranks)  # each rank's share of the machine's CPU side
     model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision))
     host = parse_size(point.host) if point.host else int(0.8 * hardware.host_memory)
     return Setting(model, hardware, parse_size(point.gpu), host, parse_size(point.nvme))

@@ -158,9 +158,10 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     order = [u.index for u in model.units]
     try:
         # one process updates each unit as its gradients complete (NVMe units' gradients in flight
-        # only); data-parallel ranks reduce first and keep every offloaded gradient at home
+        # only); data-parallel ranks reduce each unit's gradients to its owner first, and keep the
+        # others' only until sent
         placement = place_units(model.sizes, model.co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                                owned=owned, gradients_until_update=owned is None)
+                                owned=owned, gradients_until_update=owned is None, gradients_sent=owned is not None)
     except PlacementError as error:
         return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
     step_units = [
@@ -181,7 +182,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     try:
         plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
-                         block_units=model.block_units, owned=owned, gradients_until_update=owned is None)
+                         block_units=model.block_units, owned=owned, gradients_until_update=owned is None, gradients_sent=owned is not None)
     except PlacementError as error:
         rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}"))
         return rows
@@ -247,7 +248,7 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) 
         owned = {s.index for s, o in zip(sizes, owners) if o == 0} if ranks > 1 else None
         try:
             place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                        owned=owned, gradients_until_update=owned is None)
+                        owned=owned, gradients_until_update=owned is None, gradients_sent=owned is not None)
         except PlacementError:
             return False
         return True
@@ -466,7 +467,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[*args.overrides, "logger=none"])
-    hardware = instantiate(cfg.hardware)
+    machine_spec = instantiate(cfg.hardware)
+    hardware = machine_spec.rank_share(args.ranks)  # each rank's cores, memory channels and host memory
     half = args.precision == "bf16-true"
     model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision))
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
@@ -487,9 +489,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.ranks > 1:
         print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank, optimizer states "
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
-              f"(the run's tokens/s are {args.ranks}x)\n")
+              f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
+              f"and that share of its memory channels and host memory\n")
     all_rows = policy_table(model, machine, budgets, host, nvme, owned, owners)
-    depth, parameters = largest_depth(model, max(budgets), host, nvme)
+    depth, parameters = largest_depth(model, max(budgets), host, nvme, ranks=1 if args.replicate_states else args.ranks)
     if depth:
         print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "
               f"{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), every block checkpointed.")

@@ -10,7 +10,9 @@ core figures with fp32 accumulation, from the vendor datasheets and architecture
 fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults.
 Host memory, cores and SSDs are those of the testbed each spec is named after; the host memory
 bandwidth is the theoretical peak of its CPUs' memory channels (channels x transfer rate x 8 bytes,
-from the CPU datasheets), the share of one GPU where the machine has several.
+from the CPU datasheets). A spec is either one GPU's share of a larger machine (the DGX ones) or
+a whole machine with ``gpus`` GPUs, whose data-parallel ranks share its CPU side
+(``HardwareSpec.rank_share``).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             host_memory_gbps=614.4,  # 2x Xeon Platinum 8480+: 8 channels of DDR5-4800 each
             gpu_fp32_tflops=19.5,  # A100 datasheet
             source="NVIDIA A100 datasheet; ProTrain §5 testbed",
+            gpus=4,  # ProTrain §5.1: four A100s share the machine
         ),
         HardwareSpec(
             name="rtx4090",
@@ -128,6 +131,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             host_memory_gbps=230.4,  # 2x Xeon Silver 4214R: 6 channels of DDR4-2400 each
             gpu_fp32_tflops=35.6,  # GA102 whitepaper
             source="NVIDIA GA102 whitepaper; ProTrain §5 testbed",
+            gpus=4,  # ProTrain §5.1: four RTX 3090s share the machine
         ),
         HardwareSpec(
             name="l40s",

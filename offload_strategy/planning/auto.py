@@ -69,6 +69,7 @@ def plan_auto(
     owned: Optional[Collection[int]] = None,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
+    gradients_sent: bool = False,
 ) -> AutoPlan:
     """The fastest plan within the budgets; see the module docstring.
 
@@ -77,12 +78,13 @@ def plan_auto(
     host memory left for swapped activations; ``block_units``: the units each block uses, which a
     checkpointed block's recompute needs resident together; ``owned``: with sharded states, the
     units whose states this rank keeps; ``gradients_until_update``, ``spill_gradients``: how long
-    NVMe units' gradients live, as the runtime will keep them (``placement.place_units``).
+    NVMe units' gradients live, as the runtime will keep them, and ``gradients_sent``, the other
+    ranks' units' (``placement.place_units``).
     """
     stride = max(1, len(order) // SEARCH_POINTS) if blocks else 1
     parameters = _ParameterSearch(
         sizes, co_resident, block_units, order, unit_costs, machine, host_bytes, nvme_bytes, state_factor, stride, owned,
-        (gradients_until_update, spill_gradients),
+        (gradients_until_update, spill_gradients, gradients_sent),
     )
 
     if not blocks:
@@ -235,15 +237,15 @@ class _ParameterSearch:
     state_factor: float
     stride: int
     owned: Optional[Collection[int]]
-    gradient_life: tuple[bool, bool]  # (gradients_until_update, spill_gradients)
+    gradient_life: tuple[bool, bool, bool]  # (gradients_until_update, spill_gradients, gradients_sent)
 
     def __call__(self, budget: int, recompute: bool = False) -> PlacementCandidate:
         together = [*self.co_resident, *self.block_units] if recompute else self.co_resident
-        until_update, spill = self.gradient_life
+        until_update, spill, sent = self.gradient_life
         return search_persistent(
             self.sizes, together, self.order, self.unit_costs, self.machine, gpu_bytes=budget, host_bytes=self.host_bytes,
             nvme_bytes=self.nvme_bytes, state_factor=self.state_factor, stride=self.stride, owned=self.owned,
-            gradients_until_update=until_update, spill_gradients=spill,
+            gradients_until_update=until_update, spill_gradients=spill, gradients_sent=sent,
         )[0]
 
 

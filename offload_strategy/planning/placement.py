@@ -84,6 +84,9 @@ class Placement:
     # host units' gradients pass through ``gradient_slots`` too: host memory held every unit's
     # parameters and states only without a gradient home each
     host_gradients_in_flight: bool = False
+    # under data parallelism, offloaded units another rank owns whose gradients pass through
+    # ``gradient_slots`` too, each held until its reduction has sent it to the owner
+    gradients_sent: frozenset[int] = frozenset()
 
     @property
     def offloaded(self) -> bool:
@@ -139,6 +142,7 @@ def place_units(
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
     buffer_per_unit: bool = False,
+    gradients_sent: bool = False,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -158,8 +162,11 @@ def place_units(
     gradients pass through those buffers to NVMe and wait there: NVMe holds them too.
     ``buffer_per_unit``: every streamed unit gets a GPU-tier buffer of its own, so its parameters
     stay there through the whole step, fetched once per step (DeepSpeed's ZeRO-Offload).
+    ``gradients_sent`` (with ``owned``): every backward reduces each unit's gradients to its owner
+    only, so the offloaded units this rank does not own need their gradients only until sent:
+    they pass through ``GRADIENT_BUFFERS`` buffers, not a home each.
     """
-    costs = _Costs(state_factor, owned, gradients_until_update, gradients_until_update and spill_gradients)
+    costs = _Costs(state_factor, owned, gradients_until_update, gradients_until_update and spill_gradients, gradients_sent and owned is not None)
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
     if everything is not None:
         return everything
@@ -169,9 +176,10 @@ def place_units(
     slots = _buffer_per_unit(streaming, gpu_bytes - used) if buffer_per_unit else _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
     staging, host_used, in_flight = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
-    through_buffers = streaming if in_flight else [u for u in streaming if home[u.index] == NVME]
-    slot = costs.gradient_slot(through_buffers)
-    gradient_slots = {slot: GRADIENT_BUFFERS} if costs.transient_gradients and slot else {}
+    through_buffers = (streaming if in_flight else [u for u in streaming if home[u.index] == NVME]) if costs.transient_gradients else []
+    sent = [u for u in streaming if costs.sends(u)]
+    slot = costs.gradient_slot([*through_buffers, *sent])
+    gradient_slots = {slot: GRADIENT_BUFFERS} if slot else {}
     nvme_used = sum(costs.at_home(u) + costs.spilled(u) for u in streaming if home[u.index] == NVME)
     if nvme_used > nvme_bytes:
         fix = "raise nvme_memory" if nvme_bytes else "give nvme_path (and nvme_memory)"
@@ -181,7 +189,7 @@ def place_units(
             nvme_needed=nvme_used,
         )
     return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients,
-                     host_gradients_in_flight=in_flight)
+                     host_gradients_in_flight=in_flight, gradients_sent=frozenset(u.index for u in sent))
 
 
 @dataclass(frozen=True)
@@ -189,12 +197,27 @@ class _Costs:
     """What a unit costs where it lives, for an optimizer keeping ``state_factor`` state bytes per
     trainable byte (``owned``: the units whose states this rank keeps under sharded states;
     ``transient_gradients``: NVMe units' gradients pass through ``GRADIENT_BUFFERS`` buffers;
-    ``spill_gradients``: and on to NVMe, where they wait for their update)."""
+    ``spill_gradients``: and on to NVMe, where they wait for their update; ``sent_gradients``: the
+    units another rank owns keep their gradients only until sent to it)."""
 
     state_factor: float
     owned: Optional[Collection[int]]
     transient_gradients: bool = False
     spill_gradients: bool = False
+    sent_gradients: bool = False
+
+    def sends(self, u: UnitSize) -> bool:
+        """The unit's gradients go to the rank that owns it, from a gradient buffer."""
+        return self.sent_gradients and self.owned is not None and u.index not in self.owned and u.trainable_bytes > 0
+
+    def home_gradient(self, u: UnitSize) -> int:
+        """An offloaded unit's gradient home (0 where its gradients are only sent on)."""
+        return 0 if self.sends(u) else self.gradient(u)
+
+    def sent_pool(self, units: Sequence[UnitSize]) -> int:
+        """The gradient buffers the sent units pass through, where no other unit's already do."""
+        sent = [u for u in units if self.sends(u)]
+        return GRADIENT_BUFFERS * self.gradient_slot(sent) if sent and not self.transient_gradients else 0
 
     def gradient(self, u: UnitSize) -> int:
         """An offloaded unit's gradient home in host memory (with its 16-bit landing area)."""
@@ -326,7 +349,7 @@ def _host_and_nvme_homes(
     every unit that way but not with a gradient home each, every unit stays in host memory and its
     gradients pass through buffers. Returns the staging buffers (size -> count), the host bytes
     used, and whether host units' gradients are in flight only."""
-    grads = sum(costs.gradient(u) for u in streaming)
+    grads = sum(costs.home_gradient(u) for u in streaming) + costs.sent_pool(streaming)
     with_homes = grads + sum(costs.at_home(u) for u in streaming)
     # every gradient through GRADIENT_BUFFERS buffers instead, where it lives only until its update
     in_flight = with_homes - grads + GRADIENT_BUFFERS * costs.gradient_slot(streaming)
@@ -387,7 +410,7 @@ def _split_host_and_nvme(
             tier=HOST,
         )
     for u in streaming:
-        cost = costs.at_home(u) + (costs.gradient(u) if costs.transient_gradients and not in_flight else 0)
+        cost = costs.at_home(u) + (costs.home_gradient(u) if costs.transient_gradients and not in_flight else 0)
         on_host = homes[u.index] == HOST if homes is not None else host_used + cost <= host_bytes
         home[u.index] = HOST if on_host else NVME
         host_used += cost if on_host else 0

@@ -74,6 +74,9 @@ class ModelUnits:
     gradients_until_update: bool = False
     # ... and wait on NVMe for the update after something that needs them all (clipping by norm)
     spill_gradients: bool = False
+    # under sharded states every backward reduces to the owners: the units of ``owned``'s
+    # complement keep their gradients only until sent
+    gradients_sent: bool = False
     # per unit, what decides its work (its parameters' shapes): equal keys, equal compute, so a
     # stall of a few of them in the profiled step is held to their group's median
     work: Sequence[Hashable] = ()
@@ -161,7 +164,7 @@ class Planner:
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
                 homes=homes, owned=model.owned, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
-                buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None,
+                gradients_sent=model.gradients_sent, buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None,
             )
 
         resident = self.resident.units if self.resident is not None and homes is None else None
@@ -223,6 +226,7 @@ class Planner:
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, owned=model.owned,
             gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
+            gradients_sent=model.gradients_sent,
         )
         self.search_result = plan
         return plan, order

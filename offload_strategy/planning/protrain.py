@@ -45,6 +45,7 @@ def search_persistent(
     owned: Optional[Collection[int]] = None,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
+    gradients_sent: bool = False,
 ) -> list[PlacementCandidate]:
     """Every feasible count of persistent units, fastest first (more persistent units on a tie).
 
@@ -52,7 +53,8 @@ def search_persistent(
     (their ``home`` is ignored: the placement decides it). ``stride``: try every ``stride``-th
     count (and all units), as ProTrain's chunks group several modules: a coarser, faster search.
     ``owned``: with sharded states, the units this rank keeps states for; ``gradients_until_update``
-    and ``spill_gradients``: how long NVMe units' gradients live (see ``place_units``).
+    and ``spill_gradients``: how long NVMe units' gradients live; ``gradients_sent``: the others'
+    units' gradients live only until sent to their owners (see ``place_units``).
     """
     by_index = {u.index: u for u in sizes}
     candidates: list[PlacementCandidate] = []
@@ -62,7 +64,7 @@ def search_persistent(
             placement = place_units(
                 sizes, co_resident, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, state_factor=state_factor,
                 persistent=set(order[:n]), all_on_gpu=n == len(order), owned=owned,
-                gradients_until_update=gradients_until_update, spill_gradients=spill_gradients,
+                gradients_until_update=gradients_until_update, spill_gradients=spill_gradients, gradients_sent=gradients_sent,
             )
         except PlacementError:
             if n == 0:

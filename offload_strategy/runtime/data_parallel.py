@@ -11,7 +11,9 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
   and the ranks sum: for two ranks, bit-identical to DDP's all-reduce.
 - With sharded states the reduction goes to the unit's owner only (a reduce, the per-unit piece of
   ZeRO-2's reduce-scatter); the owner alone holds the unit's masters and optimizer states and
-  updates it; after the step every owner broadcasts its updated units (the all-gather). When
+  updates it; after the step every owner broadcasts its updated units (the all-gather). Where
+  every backward reduces that way, the other ranks hold an offloaded unit's gradients only until
+  they are sent: in a gradient buffer, not a home each (``gradient_buffers.py``). When
   something needs every gradient on every rank first (clipping by norm, fp16 loss scaling), the
   reductions are all-reduces instead.
 - Collectives are matched by their order on each process group, so every rank issues them in one
@@ -99,13 +101,16 @@ class GradientExchange:
     def _launch(self, s: UnitState, grads: list[torch.Tensor]) -> None:
         dp = self.dp
         owner = dp.owners[s.unit.index]
+        to_owner = self.mode is Reduction.OWNER and dp.shard_states
         for g in grads:
             g.mul_(1.0 / dp.world_size)  # divided before the sum, as DDP's reducer does
             group = dp.group_for(g)
-            if self.mode is Reduction.ALL or not dp.shard_states:
-                s.reductions.append(dist.all_reduce(g, group=group, async_op=True))
-            else:
+            if to_owner:
                 s.reductions.append(dist.reduce(g, dst=owner, group=group, async_op=True))
+            else:
+                s.reductions.append(dist.all_reduce(g, group=group, async_op=True))
+        if to_owner and owner != dp.rank and s.transient_gradients:
+            self.gradients.buffers.sent(s)  # not needed here once sent: its buffer goes back then
 
     def reduce_late_units(self) -> None:
         """At the optimizer step: agree on which parameters have a gradient on some rank, then

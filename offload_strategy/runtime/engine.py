@@ -139,7 +139,7 @@ class TieredEngine:
         self.data_parallel = data_parallel
         states = [UnitState(unit=u, home=placement.home[u.index], master_dtypes=[master_dtype(p, fp32_masters) for p in u.params]) for u in units]
         for s in states:
-            in_flight = s.home == NVME or (s.home == HOST and placement.host_gradients_in_flight)
+            in_flight = s.home == NVME or (s.home == HOST and placement.host_gradients_in_flight) or s.unit.index in placement.gradients_sent
             s.transient_gradients = bool(placement.gradient_slots) and in_flight and bool(s.unit.trainable)
         self.states = states
         # the parameters whose gradients and optimizer states the placement planned room for
@@ -812,6 +812,9 @@ class TieredEngine:
         for home in (GPU, HOST, NVME):
             out[f"units/{home}"] = float(sum(1 for s in states if s.home == home))
         out["units/direct_gradients"] = float(len(self.gradients.direct))
+        buffers = self.gradients.buffers
+        out["gradients/buffers_most_held"] = float(buffers.most_held)
+        out["gradients/buffers_beyond_plan_total"] = float(buffers.extra)
         out["optimizer/gpu_state_bytes"] = state_bytes[GPU]
         out["optimizer/host_state_bytes"] = state_bytes[HOST]
         out["optimizer/nvme_state_bytes"] = float(sum(self.nvme_states.sizes.values()) if self.nvme_states is not None else 0)

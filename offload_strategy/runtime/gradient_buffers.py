@@ -7,6 +7,9 @@ the worker to finish an update; if nothing submitted holds one (a step that does
 backward), or the worker failed (and skips the updates that would give buffers back), a buffer of
 its own is made and freed after the update, so the step is never stuck.
 
+Under data parallelism with sharded states, the gradients of a unit another rank owns pass
+through a buffer too: it goes back once the reduction has sent them to the owner.
+
 When the update must wait for every gradient (clipping by norm) or for more micro-batches
 (accumulation), a unit's complete gradients go on from their buffer to NVMe, and come back into a
 buffer for the next micro-batch to add to, or for the update (``GradientPath.spill``).
@@ -46,6 +49,7 @@ class GradientBuffers:
         self.pooled = {t.data_ptr() for t in slots}
         self.held: dict[int, torch.Tensor] = {}  # unit index -> its buffer
         self.submitted: set[int] = set()  # units holding a buffer whose update is on the worker
+        self.sending: dict[int, UnitState] = {}  # another rank's units holding a buffer until their reductions end
         self.changed = threading.Condition()
         self.extra = 0  # buffers made beyond the pool (over the run)
         self.most_held = 0
@@ -54,6 +58,8 @@ class GradientBuffers:
 
     def acquire(self, s: UnitState) -> None:
         """The unit's first gradient arrives: a buffer for all of its gradients."""
+        if not self.free and self.sending:
+            self._reclaim_sent()
         with self.changed:
             while not self.free and self.submitted and not self.worker_failed():
                 self.changed.wait(timeout=0.05)
@@ -65,6 +71,19 @@ class GradientBuffers:
             self.held[s.unit.index] = buffer
             self.most_held = max(self.most_held, len(self.held))
         bind_gradients(s, buffer)
+
+    def sent(self, s: UnitState) -> None:
+        """The unit's gradients are on their way to the rank that owns it: the buffer goes back once
+        they have left (its reductions ended)."""
+        if s.unit.index in self.held:
+            self.sending[s.unit.index] = s
+
+    def _reclaim_sent(self) -> None:
+        """Buffers of units whose gradients have reached their owners go back; when none has yet,
+        the one sent first is waited for (the others are sent after it, in the canonical order)."""
+        done = [u for u in self.sending.values() if all(work.is_completed() for work in u.reductions)]
+        for u in done or [next(iter(self.sending.values()))]:
+            self.release(u)
 
     def holds(self, s: UnitState) -> bool:
         return s.unit.index in self.held
@@ -86,7 +105,9 @@ class GradientBuffers:
                 self.submitted.add(s.unit.index)
 
     def release(self, s: UnitState) -> None:
-        """The unit's gradients are consumed (updated, or forgotten): its buffer goes back."""
+        """The unit's gradients are consumed (updated, sent, or forgotten): its buffer goes back."""
+        if self.sending.pop(s.unit.index, None) is not None:
+            s.wait_reductions()  # the collective still reads the buffer until it ends
         for record in s.grads:
             record.wait()
             record.home, record.landing, record.fresh = None, None, False
