@@ -38,6 +38,7 @@ from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
+from .planning.sharding import Sharding
 from .profiling import StepProfile, fastest_timing
 from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
@@ -109,8 +110,9 @@ class Ranks(Protocol):
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         """The ranks the engine reduces gradients across; None on one device."""
 
-    def units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
-        """The units whose optimizer states this process keeps; None: all of them."""
+    def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]:
+        """Which rank keeps each unit's optimizer states; None: this process keeps them all.
+        ``gradients_sent``: every backward reduces to the owners (the recipe allows it)."""
 
     def same_on_every_rank(self, choice: Any) -> Any:
         """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
@@ -130,7 +132,7 @@ class OneProcess:
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         return None
 
-    def units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
+    def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]:
         return None
 
     def same_on_every_rank(self, choice: Any) -> Any:
@@ -319,10 +321,9 @@ class TieredCore:
             sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
             block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
-            owned=self.ranks.units_with_states_here(sizes),
+            sharding=self.ranks.sharding(sizes, recipe.training and recipe.every_backward_reduces_to_owners()),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
             spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units],
-            gradients_sent=recipe.training and recipe.every_backward_reduces_to_owners(),
         )
 
     def _build_engine(

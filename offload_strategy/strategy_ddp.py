@@ -33,7 +33,7 @@ from .checkpoint_io import AtomicCheckpointIO
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
 from .planning.placement import UnitSize
 from .planning.planner import TierBudgets
-from .planning.sharding import assign_owners
+from .planning.sharding import Sharding, assign_owners
 from .runtime.data_parallel import DataParallel, Reduction
 from .strategy_context import TieredOptions
 from .strategy_core import TieredCore, check_precision, exposes_core
@@ -240,12 +240,11 @@ class DataParallelRanks:
     def _owners(self, sizes: list[UnitSize]) -> tuple[int, ...]:
         return tuple(assign_owners([u.trainable_bytes for u in sizes], self.strategy.world_size))
 
-    def units_with_states_here(self, sizes: list[UnitSize]) -> Optional[set[int]]:
-        if not self.shard_states or self.options.policy.name == "none" or self.strategy.root_device.type == "cuda":
-            # every unit's states reserved: on CUDA every rank must place each unit in the same tier,
-            # since a unit in the GPU tier reduces on the NCCL group and one in host memory on gloo
+    def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]:
+        if not self.shard_states or self.options.policy.name == "none":
             return None
-        return {u.index for u, owner in zip(sizes, self._owners(sizes)) if owner == self.strategy.global_rank}
+        owners = dict(zip((u.index for u in sizes), self._owners(sizes)))
+        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent)
 
     def process_groups(self) -> tuple[Any, Any, Any]:
         """(host, device, control) groups, created once and in the same order on every rank: gloo

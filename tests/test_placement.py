@@ -3,6 +3,7 @@
 import pytest
 
 from offload_strategy.planning.placement import GPU, HOST, NVME, PlacementError, UnitSize, minimum_gpu_bytes, place_units
+from offload_strategy.planning.sharding import Sharding
 from offload_strategy.runtime.scheduler import PrefetchTable
 
 # Four units of 1024, 2048, 1024 and 512 bytes, all trainable, each used by its own module.
@@ -99,12 +100,19 @@ def test_sharded_states_reserve_room_only_for_the_units_this_rank_owns():
     # As above with 45000 bytes, but this rank keeps the states of units 1 and 3 only: homes cost
     # 4096 (+ 4096 of states for 1 and 3). Gradients 16384 + units 0 (4096), 1 (8192), 2 (4096)
     # and 3 (8192) = 40960 fit on the host, where all four units' states pushed three to NVMe.
-    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=45000, nvme_bytes=1 << 20, state_factor=2, owned={1, 3})
+    odd = Sharding({0: 0, 1: 1, 2: 0, 3: 1}, rank=1, world_size=2)
+    placement = place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=45000, nvme_bytes=1 << 20, state_factor=2, sharding=odd)
     assert placement.home == {0: HOST, 1: HOST, 2: HOST, 3: HOST}
     assert placement.host_bytes == 40960 and placement.nvme_bytes == 0
-    # a persistent unit another rank owns costs its parameters and gradients only: 2 x 1024
-    everything = place_units(UNITS, GROUPS, gpu_bytes=18432, host_bytes=0, nvme_bytes=0, state_factor=2, owned={1})
-    assert everything.gpu_bytes == 1024 * 2 + 2048 * 4 + 1024 * 2 + 512 * 2
+    # every rank keeps the same persistent units, each rank the states of those it owns: the GPU
+    # tier is sized for the rank whose states there are largest. Parameters and gradients
+    # 2 x 4608 = 9216 on each rank; states 2 x 2048 = 4096 on rank 1 (unit 1), 2 x 2560 = 5120
+    # on rank 0 (units 0, 2, 3): 14336, where one rank holding them all needs 18432
+    one = Sharding({0: 0, 1: 1, 2: 0, 3: 0}, rank=1, world_size=2)
+    everything = place_units(UNITS, GROUPS, gpu_bytes=14336, host_bytes=0, nvme_bytes=0, state_factor=2, sharding=one)
+    assert everything.gpu_bytes == 14336 and not everything.offloaded
+    with pytest.raises(PlacementError):
+        place_units(UNITS, GROUPS, gpu_bytes=14336 - 1, host_bytes=0, nvme_bytes=0, state_factor=2, sharding=one, all_on_gpu=True)
 
 
 def test_persistent_units_by_first_use():
@@ -154,15 +162,31 @@ def test_other_ranks_units_keep_gradients_only_until_sent():
     # pass through four 16 KiB buffers instead: 192 + 6 x 16 + 4 x 16 + 192 = 544 KiB.
     units = [UnitSize(i, 16384, 16384) for i in range(12)]
     groups = [[i] for i in range(12)]
-    owned = set(range(0, 12, 2))
+    even = Sharding({i: i % 2 for i in range(12)}, rank=0, world_size=2)
+    sends = Sharding(even.owners, rank=0, world_size=2, gradients_sent=True)
     kib = 1024
     with pytest.raises(PlacementError, match="host_memory"):
-        place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, owned=owned)
-    homes = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=576 * kib, nvme_bytes=0, state_factor=2, owned=owned)
+        place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, sharding=even)
+    homes = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=576 * kib, nvme_bytes=0, state_factor=2, sharding=even)
     assert homes.host_bytes == 576 * kib and not homes.gradients_sent and homes.gradient_slots == {}
-    sent = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, owned=owned, gradients_sent=True)
+    sent = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, sharding=sends)
     assert set(sent.home.values()) == {HOST} and sent.host_bytes == 544 * kib
     assert sent.gradients_sent == frozenset(range(1, 12, 2)) and sent.gradient_slots == {16384: 4}
     # one process, or states not sharded: every unit is its own (192 + 192 + 12 x 32), nothing is sent
-    alone = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=768 * kib, nvme_bytes=0, state_factor=2, gradients_sent=True)
+    alone = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=768 * kib, nvme_bytes=0, state_factor=2)
     assert not alone.gradients_sent and alone.gradient_slots == {}
+
+
+def test_every_rank_keeps_the_same_units_in_the_gpu_tier():
+    # Two ranks owning units {0, 2} and {1, 3}, 12288 bytes, 8192 reserved for streaming. The GPU
+    # tier must hold the same units on both, since a persistent unit's gradients are reduced on the
+    # GPU's process group and an offloaded unit's on the host's; it is sized for the rank whose
+    # states there are largest. Unit 0: parameters and gradients 2048, its states 2048 on rank 0:
+    # 4096 + 8192 fits. Unit 1: 6144 and 4096 of states on rank 1: 10240 + 8192 does not; nor unit
+    # 2 (4096, rank 0's states 4096) or 3 (5120 with rank 0's 2048). Counting only its own states,
+    # rank 1 would have kept unit 2 as well (2048 + 2048 + 8192), and rank 0 not.
+    owners = {0: 0, 1: 1, 2: 0, 3: 1}
+    ranks = [place_units(UNITS, GROUPS, gpu_bytes=12288, host_bytes=1 << 20, nvme_bytes=0, state_factor=2, sharding=Sharding(owners, rank, 2))
+             for rank in (0, 1)]
+    assert ranks[0].home == ranks[1].home == {0: GPU, 1: HOST, 2: HOST, 3: HOST}
+    assert ranks[0].host_bytes != ranks[1].host_bytes  # each holds the states of the offloaded units it owns

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload_strategy.planning.sharding import assign_owners
+from offload_strategy.planning.sharding import Sharding, assign_owners
 
 
 def test_largest_first_to_the_least_loaded_rank():
@@ -27,3 +27,10 @@ def test_one_rank_owns_everything_and_frozen_units_still_get_an_owner():
 def test_no_ranks_is_refused():
     with pytest.raises(ValueError, match="world_size=0"):
         assign_owners([1], 0)
+
+
+def test_a_ranks_sharding_names_every_units_owner():
+    # units 10, 11, 12 with 5, 3 and 3 bytes of states over two ranks: 5 -> r0, 3 -> r1, 3 -> r1
+    sharding = Sharding.balanced([10, 11, 12], [5, 3, 3], world_size=2, rank=1)
+    assert sharding.owners == {10: 0, 11: 1, 12: 1} and sharding.owned == {11, 12}
+    assert sharding.owns(11) and not sharding.owns(10) and not sharding.gradients_sent

@@ -147,7 +147,7 @@ def counts(layout: Optional[tuple[str, ...]], n_blocks: int) -> str:
     return f"{layout.count('keep')}/{layout.count('checkpoint')}/{layout.count('swap_host') + layout.count('swap_nvme')}"
 
 
-def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int, owned: Optional[set[int]], owners: list[int]) -> list[Row]:
+def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int, sharding: Any, owners: list[int]) -> list[Row]:
     """The ``fill`` and ``auto`` rows for one GPU budget (see the module docstring)."""
     from offload_strategy.planning.activations import KEEP, peak_bytes
     from offload_strategy.planning.auto import plan_auto
@@ -161,7 +161,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
         # only); data-parallel ranks reduce each unit's gradients to its owner first, and keep the
         # others' only until sent
         placement = place_units(model.sizes, model.co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                                owned=owned, gradients_until_update=owned is None, gradients_sent=owned is not None)
+                                sharding=sharding, gradients_until_update=sharding is None)
     except PlacementError as error:
         return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
     step_units = [
@@ -182,7 +182,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     try:
         plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
-                         block_units=model.block_units, owned=owned, gradients_until_update=owned is None, gradients_sent=owned is not None)
+                         block_units=model.block_units, sharding=sharding, gradients_until_update=sharding is None)
     except PlacementError as error:
         rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}"))
         return rows
@@ -221,7 +221,7 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) 
     the block count."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
     from offload_strategy.planning.placement import PlacementError, place_units
-    from offload_strategy.planning.sharding import assign_owners
+    from offload_strategy.planning.sharding import Sharding
 
     if not model.block_units or not model.blocks:
         return 0, 0
@@ -244,11 +244,10 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) 
         activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
         if activations >= gpu:
             return False
-        owners = assign_owners([s.trainable_bytes for s in sizes], ranks)
-        owned = {s.index for s, o in zip(sizes, owners) if o == 0} if ranks > 1 else None
+        sharding = Sharding.balanced([s.index for s in sizes], [s.trainable_bytes for s in sizes], ranks, 0, gradients_sent=True) if ranks > 1 else None
         try:
             place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                        owned=owned, gradients_until_update=owned is None, gradients_sent=owned is not None)
+                        sharding=sharding, gradients_until_update=sharding is None)
         except PlacementError:
             return False
         return True
@@ -423,13 +422,13 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
     print()
 
 
-def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme: int, owned: Any, owners: list[int]) -> list[list[Any]]:
+def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme: int, sharding: Any, owners: list[int]) -> list[list[Any]]:
     """Every policy at every GPU budget, printed as a table; the rows, one list per budget."""
     print("| gpu_memory | policy | units gpu/host/nvme | blocks keep/ckpt/swap | GPU tier: parameters + activations | host | NVMe | streaming buffers | step (s) | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     all_rows = []
     for gpu in budgets:
-        rows = compare_policies(model, machine, gpu, host, nvme, owned, owners)
+        rows = compare_policies(model, machine, gpu, host, nvme, sharding, owners)
         all_rows.append(rows)
         for r in rows:
             if r.homes == "-":
@@ -461,7 +460,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from offload_strategy import parse_size
     from offload_strategy.config import compute_dtype
-    from offload_strategy.planning.sharding import assign_owners
+    from offload_strategy.planning.sharding import Sharding, assign_owners
 
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
@@ -477,8 +476,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     network = None if args.network_gbps is None else args.network_gbps * 1e9  # None: the host link's
     machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states)
     owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
-    # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated)
-    owned = {i for i, o in enumerate(owners) if o == 0} if args.ranks > 1 and not args.replicate_states else None
+    # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated);
+    # one optimizer, no accumulation or clipping: every backward reduces to the owners
+    sharding = Sharding(dict(enumerate(owners)), 0, args.ranks, gradients_sent=True) if args.ranks > 1 and not args.replicate_states else None
     compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
@@ -491,7 +491,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")
-    all_rows = policy_table(model, machine, budgets, host, nvme, owned, owners)
+    all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners)
     depth, parameters = largest_depth(model, max(budgets), host, nvme, ranks=1 if args.replicate_states else args.ranks)
     if depth:
         print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "

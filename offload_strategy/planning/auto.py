@@ -30,7 +30,7 @@ the GPU tier would need.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +39,7 @@ from .activations import CHECKPOINT, KEEP, SWAP_HOST, SWAP_NVME, ActivationPlan,
 from .cost_model import Machine, StepPrediction, UnitCost
 from .placement import PlacementError, UnitSize, minimum_gpu_bytes
 from .protrain import PlacementCandidate, search_persistent
+from .sharding import Sharding
 
 # resident counts tried per search at most; more units are tried in steps
 SEARCH_POINTS = 48
@@ -66,25 +67,23 @@ def plan_auto(
     links: Optional[Links] = None,
     activation_host_bytes: int = 0,
     block_units: Sequence[Sequence[int]] = (),
-    owned: Optional[Collection[int]] = None,
+    sharding: Optional[Sharding] = None,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
-    gradients_sent: bool = False,
 ) -> AutoPlan:
     """The fastest plan within the budgets; see the module docstring.
 
     ``blocks``: profiled costs of the repeated blocks (none: parameters only); ``links``: the
     bandwidths activation swaps use and the parameter traffic they compete with; ``activation_host_bytes``:
     host memory left for swapped activations; ``block_units``: the units each block uses, which a
-    checkpointed block's recompute needs resident together; ``owned``: with sharded states, the
-    units whose states this rank keeps; ``gradients_until_update``, ``spill_gradients``: how long
-    NVMe units' gradients live, as the runtime will keep them, and ``gradients_sent``, the other
-    ranks' units' (``placement.place_units``).
+    checkpointed block's recompute needs resident together; ``sharding``: with sharded states,
+    which rank keeps each unit's; ``gradients_until_update``, ``spill_gradients``: how long NVMe
+    units' gradients live, as the runtime will keep them (``placement.place_units``).
     """
     stride = max(1, len(order) // SEARCH_POINTS) if blocks else 1
     parameters = _ParameterSearch(
-        sizes, co_resident, block_units, order, unit_costs, machine, host_bytes, nvme_bytes, state_factor, stride, owned,
-        (gradients_until_update, spill_gradients, gradients_sent),
+        sizes, co_resident, block_units, order, unit_costs, machine, host_bytes, nvme_bytes, state_factor, stride, sharding,
+        (gradients_until_update, spill_gradients),
     )
 
     if not blocks:
@@ -236,16 +235,16 @@ class _ParameterSearch:
     nvme_bytes: int
     state_factor: float
     stride: int
-    owned: Optional[Collection[int]]
-    gradient_life: tuple[bool, bool, bool]  # (gradients_until_update, spill_gradients, gradients_sent)
+    sharding: Optional[Sharding]
+    gradient_life: tuple[bool, bool]  # (gradients_until_update, spill_gradients)
 
     def __call__(self, budget: int, recompute: bool = False) -> PlacementCandidate:
         together = [*self.co_resident, *self.block_units] if recompute else self.co_resident
-        until_update, spill, sent = self.gradient_life
+        until_update, spill = self.gradient_life
         return search_persistent(
             self.sizes, together, self.order, self.unit_costs, self.machine, gpu_bytes=budget, host_bytes=self.host_bytes,
-            nvme_bytes=self.nvme_bytes, state_factor=self.state_factor, stride=self.stride, owned=self.owned,
-            gradients_until_update=until_update, spill_gradients=spill, gradients_sent=sent,
+            nvme_bytes=self.nvme_bytes, state_factor=self.state_factor, stride=self.stride, sharding=self.sharding,
+            gradients_until_update=until_update, spill_gradients=spill,
         )[0]
 
 

@@ -26,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .sharding import Sharding
 from .tencache import buffer_counts, tensor_size_distribution
 
 GPU, HOST, NVME = Tier.GPU, Tier.HOST, Tier.NVME
@@ -137,12 +138,11 @@ def place_units(
     all_on_gpu: bool = False,
     homes: Optional[Mapping[int, str]] = None,
     persistent: Optional[Collection[int]] = None,
-    owned: Optional[Collection[int]] = None,
+    sharding: Optional[Sharding] = None,
     prefetch: bool = True,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
     buffer_per_unit: bool = False,
-    gradients_sent: bool = False,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -152,8 +152,11 @@ def place_units(
     host memory, and its parameters and states at home (host memory or NVMe). ``homes`` (from a
     plan file) fixes every unit's home instead of choosing it; ``persistent`` fixes only which
     units stay in the GPU tier (the planner's search); buffers are sized as usual and the budgets
-    still hold. ``owned``: under data parallelism with sharded states, the units whose optimizer
-    states this rank keeps (the others need room for their parameters and gradients only).
+    still hold. ``sharding``: under data parallelism with sharded states, which rank keeps each
+    unit's optimizer states: an offloaded unit another rank owns needs room here for its
+    parameters and gradients only (its gradients only in flight where ``sharding.gradients_sent``:
+    through ``GRADIENT_BUFFERS`` buffers until sent to the owner, not a home each); every rank
+    keeps the same units in the GPU tier, sized for the rank whose states there are largest.
     ``gradients_until_update``: every unit is updated as soon as its gradients are complete, so
     the gradients of NVMe units need host memory only while in flight (``GRADIENT_BUFFERS`` of the
     largest), not a home each; so do host units' where host memory holds every offloaded unit's
@@ -162,11 +165,8 @@ def place_units(
     gradients pass through those buffers to NVMe and wait there: NVMe holds them too.
     ``buffer_per_unit``: every streamed unit gets a GPU-tier buffer of its own, so its parameters
     stay there through the whole step, fetched once per step (DeepSpeed's ZeRO-Offload).
-    ``gradients_sent`` (with ``owned``): every backward reduces each unit's gradients to its owner
-    only, so the offloaded units this rank does not own need their gradients only until sent:
-    they pass through ``GRADIENT_BUFFERS`` buffers, not a home each.
     """
-    costs = _Costs(state_factor, owned, gradients_until_update, gradients_until_update and spill_gradients, gradients_sent and owned is not None)
+    costs = _Costs(state_factor, sharding, gradients_until_update, gradients_until_update and spill_gradients)
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
     if everything is not None:
         return everything
@@ -195,20 +195,19 @@ def place_units(
 @dataclass(frozen=True)
 class _Costs:
     """What a unit costs where it lives, for an optimizer keeping ``state_factor`` state bytes per
-    trainable byte (``owned``: the units whose states this rank keeps under sharded states;
+    trainable byte (``sharding``: which rank keeps each unit's states under sharded states;
     ``transient_gradients``: NVMe units' gradients pass through ``GRADIENT_BUFFERS`` buffers;
-    ``spill_gradients``: and on to NVMe, where they wait for their update; ``sent_gradients``: the
-    units another rank owns keep their gradients only until sent to it)."""
+    ``spill_gradients``: and on to NVMe, where they wait for their update)."""
 
     state_factor: float
-    owned: Optional[Collection[int]]
+    sharding: Optional[Sharding]
     transient_gradients: bool = False
     spill_gradients: bool = False
-    sent_gradients: bool = False
 
     def sends(self, u: UnitSize) -> bool:
         """The unit's gradients go to the rank that owns it, from a gradient buffer."""
-        return self.sent_gradients and self.owned is not None and u.index not in self.owned and u.trainable_bytes > 0
+        sharding = self.sharding
+        return sharding is not None and sharding.gradients_sent and not sharding.owns(u.index) and u.trainable_bytes > 0
 
     def home_gradient(self, u: UnitSize) -> int:
         """An offloaded unit's gradient home (0 where its gradients are only sent on)."""
@@ -233,11 +232,11 @@ class _Costs:
         return max((self.gradient(u) for u in units if u.trainable_bytes), default=0)
 
     def states(self, u: UnitSize) -> int:
-        return 0 if self.owned is not None and u.index not in self.owned else int(u.trainable_bytes * self.state_factor)
+        """The unit's optimizer states on this rank (none where another rank owns them)."""
+        return 0 if self.sharding is not None and not self.sharding.owns(u.index) else self.all_states(u)
 
-    def gpu(self, u: UnitSize) -> int:
-        """Persistent: parameters, gradients and states in the GPU tier."""
-        return u.nbytes + u.trainable_bytes + self.states(u)
+    def all_states(self, u: UnitSize) -> int:
+        return int(u.trainable_bytes * self.state_factor)
 
     def at_home(self, u: UnitSize) -> int:
         """Offloaded: parameters and states at home (host memory or NVMe), each padded."""
@@ -248,12 +247,44 @@ class _Costs:
         return max(max(align(u.nbytes, HOST_SLOT_ALIGNMENT), align(self.states(u), HOST_SLOT_ALIGNMENT)) for u in units)
 
 
+class _PersistentBytes:
+    """What persistent units take of the GPU tier (parameters, gradients, optimizer states) on the
+    rank they cost the most. Every rank keeps the same units there, since their gradients are
+    reduced on the GPU's process group and the others' on the host's; each keeps the states of
+    the ones it owns."""
+
+    def __init__(self, costs: _Costs) -> None:
+        self.costs = costs
+        self.shared = 0  # parameters and gradients, on every rank
+        self.states = [0] * (costs.sharding.world_size if costs.sharding is not None else 1)  # per rank
+
+    def _owner(self, u: UnitSize) -> int:
+        return self.costs.sharding.owners[u.index] if self.costs.sharding is not None else 0
+
+    def with_unit(self, u: UnitSize) -> int:
+        """The bytes once ``u`` is kept too."""
+        states = list(self.states)
+        states[self._owner(u)] += self.costs.all_states(u)
+        return self.shared + u.nbytes + u.trainable_bytes + max(states)
+
+    def add(self, u: UnitSize) -> None:
+        self.shared += u.nbytes + u.trainable_bytes
+        self.states[self._owner(u)] += self.costs.all_states(u)
+
+    @property
+    def used(self) -> int:
+        return self.shared + max(self.states)
+
+
 def _everything_on_gpu(
     units: Sequence[UnitSize], costs: _Costs, gpu_bytes: int, all_on_gpu: bool,
     homes: Optional[Mapping[int, str]], persistent: Optional[Collection[int]],
 ) -> Optional[Placement]:
     """The placement that keeps every unit in the GPU tier, where asked for or where it fits."""
-    total_gpu = sum(costs.gpu(u) for u in units)
+    tier = _PersistentBytes(costs)
+    for u in units:
+        tier.add(u)
+    total_gpu = tier.used
     if homes is not None and all(homes[u.index] == GPU for u in units):
         all_on_gpu = True
     if not (all_on_gpu or (homes is None and persistent is None and total_gpu <= gpu_bytes)):
@@ -280,7 +311,7 @@ def _persistent_homes(
             f"({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set)}."
         )
     home: dict[int, str] = {}
-    used = 0
+    tier = _PersistentBytes(costs)
     reserve = min(2 * working_set, gpu_bytes)
     for u in units:
         if homes is not None:
@@ -288,10 +319,11 @@ def _persistent_homes(
         elif persistent is not None:
             keep = u.index in persistent
         else:
-            keep = used + costs.gpu(u) + reserve <= gpu_bytes
+            keep = tier.with_unit(u) + reserve <= gpu_bytes
         if keep:
             home[u.index] = GPU
-            used += costs.gpu(u)
+            tier.add(u)
+    used = tier.used
     streaming = {u.index for u in units if u.index not in home}
     if check_working_set and used + sum(s * c for s, c in _slot_minimums(units, co_resident, streaming, prefetch).items()) > gpu_bytes:
         raise PlacementError(

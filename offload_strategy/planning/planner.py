@@ -32,6 +32,7 @@ from .cost_model import Machine, costs_from_timing
 from .lohan import lohan_layout
 from .placement import Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .plan_file import PlanFile, check_plan
+from .sharding import Sharding
 
 # What a set-up minimum leaves out when the blocks' activations are planned from the first step.
 _ACTIVATIONS_NOT_COUNTED = (
@@ -69,14 +70,11 @@ class ModelUnits:
     co_resident: list[list[int]]  # the units each module uses together
     block_units: list[list[int]]  # the units each repeated block uses
     state_factor: float  # optimizer-state bytes per trainable parameter byte
-    owned: Optional[set[int]] = None  # under sharded states: the units whose states this rank keeps
+    sharding: Optional[Sharding] = None  # under sharded states: which rank keeps each unit's
     # every step updates each unit as its gradients complete: NVMe units' gradients are transient
     gradients_until_update: bool = False
     # ... and wait on NVMe for the update after something that needs them all (clipping by norm)
     spill_gradients: bool = False
-    # under sharded states every backward reduces to the owners: the units of ``owned``'s
-    # complement keep their gradients only until sent
-    gradients_sent: bool = False
     # per unit, what decides its work (its parameters' shapes): equal keys, equal compute, so a
     # stall of a few of them in the profiled step is held to their group's median
     work: Sequence[Hashable] = ()
@@ -162,9 +160,9 @@ class Planner:
         def place(persistent: Optional[frozenset[int]] = None) -> Placement:
             return place_units(
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
-                homes=homes, owned=model.owned, prefetch=self.policy.prefetch, persistent=persistent,
+                homes=homes, sharding=model.sharding, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
-                gradients_sent=model.gradients_sent, buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None,
+                buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None,
             )
 
         resident = self.resident.units if self.resident is not None and homes is None else None
@@ -224,9 +222,8 @@ class Planner:
         plan = plan_auto(
             model.sizes, model.co_resident, order, costs, machine, gpu_bytes=budgets.gpu, host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
-            activation_host_bytes=activation_host_bytes, block_units=model.block_units, owned=model.owned,
+            activation_host_bytes=activation_host_bytes, block_units=model.block_units, sharding=model.sharding,
             gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
-            gradients_sent=model.gradients_sent,
         )
         self.search_result = plan
         return plan, order

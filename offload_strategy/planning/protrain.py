@@ -14,12 +14,13 @@ less).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from .cost_model import Machine, StepPrediction, UnitCost, simulate_step
 from .placement import NVME, Placement, PlacementError, UnitSize, place_units
+from .sharding import Sharding
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,17 @@ def search_persistent(
     nvme_bytes: int,
     state_factor: float,
     stride: int = 1,
-    owned: Optional[Collection[int]] = None,
+    sharding: Optional[Sharding] = None,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
-    gradients_sent: bool = False,
 ) -> list[PlacementCandidate]:
     """Every feasible count of persistent units, fastest first (more persistent units on a tie).
 
     ``order``: unit indices in execution order; ``costs``: each unit's compute and update times
     (their ``home`` is ignored: the placement decides it). ``stride``: try every ``stride``-th
     count (and all units), as ProTrain's chunks group several modules: a coarser, faster search.
-    ``owned``: with sharded states, the units this rank keeps states for; ``gradients_until_update``
-    and ``spill_gradients``: how long NVMe units' gradients live; ``gradients_sent``: the others'
-    units' gradients live only until sent to their owners (see ``place_units``).
+    ``sharding``: with sharded states, which rank keeps each unit's; ``gradients_until_update``
+    and ``spill_gradients``: how long NVMe units' gradients live (see ``place_units``).
     """
     by_index = {u.index: u for u in sizes}
     candidates: list[PlacementCandidate] = []
@@ -63,8 +62,8 @@ def search_persistent(
         try:
             placement = place_units(
                 sizes, co_resident, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, state_factor=state_factor,
-                persistent=set(order[:n]), all_on_gpu=n == len(order), owned=owned,
-                gradients_until_update=gradients_until_update, spill_gradients=spill_gradients, gradients_sent=gradients_sent,
+                persistent=set(order[:n]), all_on_gpu=n == len(order), sharding=sharding,
+                gradients_until_update=gradients_until_update, spill_gradients=spill_gradients,
             )
         except PlacementError:
             if n == 0:
@@ -74,7 +73,7 @@ def search_persistent(
         for i in order:
             home = placement.home[i]
             cost = costs[i]
-            state = int(by_index[i].trainable_bytes * state_factor) if home == NVME and (owned is None or i in owned) else 0
+            state = int(by_index[i].trainable_bytes * state_factor) if home == NVME and (sharding is None or sharding.owns(i)) else 0
             # a persistent unit's optimizer runs in the GPU tier: counted as free beside the CPU's
             update = 0.0 if home == "gpu" else cost.update_seconds
             units.append(dataclasses.replace(cost, home=home, state_bytes=state, update_seconds=update))

@@ -10,7 +10,8 @@ backward (LoHan §IV-C).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 
 def assign_owners(state_bytes: Sequence[int], world_size: int) -> list[int]:
@@ -29,3 +30,29 @@ def assign_owners(state_bytes: Sequence[int], world_size: int) -> list[int]:
         owners[index] = rank
         load[rank] += state_bytes[index]
     return owners
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Data-parallel ranks each keeping the optimizer states of the units it owns, as the placement
+    of one rank sees them: every unit's owner (what every rank must place alike, the GPU tier, is
+    sized for the rank it costs the most), and whether every backward reduces each unit's gradients
+    to its owner alone, so that the other ranks need them only until sent."""
+
+    owners: Mapping[int, int]  # unit index -> the rank keeping its states
+    rank: int  # the rank being placed
+    world_size: int
+    gradients_sent: bool = False
+
+    @classmethod
+    def balanced(cls, indices: Sequence[int], state_bytes: Sequence[int], world_size: int, rank: int, gradients_sent: bool = False) -> "Sharding":
+        """Owners by :func:`assign_owners` over the units ``indices`` with their state bytes."""
+        owners = assign_owners(state_bytes, world_size)
+        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent)
+
+    def owns(self, index: int) -> bool:
+        return self.owners[index] == self.rank
+
+    @property
+    def owned(self) -> frozenset[int]:
+        return frozenset(i for i, r in self.owners.items() if r == self.rank)
