@@ -573,8 +573,8 @@ class TieredCore:
         timing = timing if timing is not None else engine.last_timing if engine is not None else None
         if engine is None or timing is None or self.planner is None or self.planner.model is None:
             return None
-        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states])
         sizes = {u.index: u for u in self.planner.model.sizes}
+        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states], {i: u.trainable_bytes for i, u in sizes.items()})
         state_factor = self.planner.model.state_factor
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from offload_strategy.planning.cost_model import GPU, HOST, NVME, Machine, UnitCost, simulate_step
@@ -71,7 +73,7 @@ def test_protrain_search_trades_persistent_units_for_buffers():
     assert candidates[0].persistent == 1 and by_count[1].prediction.exposed_seconds == pytest.approx(0)
 
 
-def test_data_parallel_reduces_before_offload_updates_owned_units_and_shares_them():
+def test_data_parallel_reduces_at_home_updates_owned_units_and_shares_them():
     units = [
         UnitCost(100, 1.0, 1.0, home=HOST, gradient_bytes=100, update_seconds=1.0, owned=True),
         UnitCost(100, 1.0, 1.0, home=HOST, gradient_bytes=100, update_seconds=1.0, owned=False),
@@ -79,14 +81,18 @@ def test_data_parallel_reduces_before_offload_updates_owned_units_and_shares_the
     two = Machine(h2d=100.0, d2h=100.0, world_size=2, network=100.0)
     step = simulate_step(units, buffers=2, machine=two)
     # forward: u0 copied 0-1, computes 1-2; u1 copied 1-2, computes 2-3; both stay for backward.
-    # backward: u1 3-4, reduced to its owner 4-4.5 (half its bytes), to the host 4.5-5.5, not
-    # updated here; u0 4-5, reduced 5-5.5, to the host 5.5-6.5, updated 6.5-7.5; then the owners'
+    # backward: u1 3-4, to the host 4-5, reduced there to its owner 5-5.5 (half its bytes), not
+    # updated here; u0 4-5, to the host 5-6, reduced 6-6.5, updated 6.5-7.5; then the owners'
     # parameters arrive: half of 200 bytes, 7.5-8.5
     assert step.forward_seconds == pytest.approx(3) and step.backward_seconds == pytest.approx(2)
     assert step.seconds == pytest.approx(8.5)
+    # gradients reduced in fp32 beside 16-bit parameters (200 bytes each): u1 reduced 5-6, u0 6-7,
+    # updated 7-8, parameters 8-9
+    widened = [dataclasses.replace(u, reduced_bytes=200) for u in units]
+    assert simulate_step(widened, buffers=2, machine=two).seconds == pytest.approx(9)
     # without sharding: all-reduces (all the bytes each), both units updated, nothing shared
     replicated = simulate_step(units, buffers=2, machine=Machine(h2d=100.0, d2h=100.0, world_size=2, network=100.0, shard_states=False))
-    # u1 3-4, all-reduce 4-5, host 5-6, update 6-7; u0 4-5, all-reduce 5-6, host 6-7, update 7-8
+    # u1 3-4, host 4-5, all-reduce 5-6, update 6-7; u0 4-5, host 5-6, all-reduce 6-7, update 7-8
     assert replicated.seconds == pytest.approx(8)
     # one rank: the single-device model
     single = simulate_step(units, buffers=2, machine=Machine(h2d=100.0, d2h=100.0))

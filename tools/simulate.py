@@ -136,8 +136,9 @@ def unit_costs(model: Model, owners: list[int]) -> dict:
         u.index: UnitCost(
             nbytes=u.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds,
             gradient_bytes=u.nbytes if any(p.requires_grad for p in u.params) else 0, update_seconds=c.update_seconds, owned=owners[u.index] == 0,
+            reduced_bytes=size.trainable_bytes,  # the runtime reduces the gradient its master is updated with
         )
-        for u, c in zip(model.units, model.costs)
+        for u, c, size in zip(model.units, model.costs, model.sizes)
     }
 
 

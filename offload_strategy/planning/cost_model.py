@@ -14,9 +14,10 @@ worker updates offloaded units. Events, in the order the runtime issues them:
   its gradient lands and written back behind the worker (LoHan Fig. 3b); persistent units update
   in the GPU tier after backward;
 - under data parallelism (``Machine.world_size`` > 1) each unit's gradient is reduced across the
-  ranks on the network link right after its backward and before it goes to the host: a reduce to
-  its owner with sharded states ((N-1)/N of its bytes per rank, ring-style), an all-reduce without
-  (2(N-1)/N); only the owner updates it; after the updates the owners' parameters are sent to the
+  ranks on the network link, as the runtime reduces it: a persistent unit's right after its
+  backward, an offloaded unit's once it has landed at home (widened to its master's dtype); a
+  reduce to its owner with sharded states ((N-1)/N of its bytes per rank, ring-style), an
+  all-reduce without (2(N-1)/N); only the owner updates it; after the updates the owners' parameters are sent to the
   others ((N-1)/N of the trainable bytes per rank) and non-owners write their NVMe units;
 - the step ends when the last backward, the last update and the last write have.
 
@@ -48,6 +49,9 @@ class UnitCost:
     state_bytes: int = 0  # optimizer states (and masters) read and written around an NVMe unit's update
     update_seconds: float = 0.0  # the optimizer's work on the CPU (or GPU, for persistent units)
     owned: bool = True  # data parallel with sharded states: this rank updates it
+    # data parallel: what its reduction moves, its gradients in their masters' dtype (fp32 beside
+    # 16-bit parameters, the gradient the runtime reduces); None: ``gradient_bytes``
+    reduced_bytes: Optional[int] = None
     direct_gradient: bool = False  # backward writes the gradient into host memory itself (GO-MemFerry): no copy on the link
 
 
@@ -88,12 +92,14 @@ class StepPrediction:
         return self.seconds - self.compute_seconds
 
 
-def costs_from_timing(timing: StepProfile, trainable: Sequence[bool]) -> dict[int, UnitCost]:
+def costs_from_timing(timing: StepProfile, trainable: Sequence[bool], reduced: Optional[Mapping[int, int]] = None) -> dict[int, UnitCost]:
     """Each unit's costs, by index, from a timed training step (``StepProfile``), homes left to
     the caller. A unit kept in the GPU tier has no backward interval of its own: its backward
     time is inside its neighbours' (or the step's outside time), so it gets none here and the
     total stays what was measured; without any backward interval, backward is taken as twice
-    forward. A unit not updated in the timed step is priced at the measured updates' rate per byte."""
+    forward. A unit not updated in the timed step is priced at the measured updates' rate per byte.
+    ``reduced``: per unit, the bytes its reduction across ranks moves (its trainable bytes in
+    their masters' dtype), where they differ from the parameters'."""
     measured_backward = bool(timing.backward_seconds)
     updated = [(timing.unit_bytes[i], t) for i, t in timing.update_seconds.items() if t > 0]
     per_byte = sum(t for _, t in updated) / max(sum(b for b, _ in updated), 1)
@@ -105,6 +111,7 @@ def costs_from_timing(timing: StepProfile, trainable: Sequence[bool]) -> dict[in
             backward_seconds=timing.backward_seconds.get(i, 0.0 if measured_backward else 2 * forward),
             gradient_bytes=nbytes if trainable[i] else 0,
             update_seconds=timing.update_seconds.get(i, per_byte * nbytes) if trainable[i] else 0.0,
+            reduced_bytes=reduced.get(i) if reduced is not None and trainable[i] else None,
         )
     return costs
 
@@ -228,30 +235,32 @@ class _Step:
             u = self.units[i]
             ready = self.fetch(i) if u.home != GPU and i not in resident else 0.0
             self.compute = max(self.compute, ready) + u.backward_seconds
-            reduced = self._reduce(u)
             owned = u.owned or not self.sharded
             if u.home == GPU:
-                gpu_ready = max(gpu_ready, reduced)
+                gpu_ready = max(gpu_ready, self._reduce(u, self.compute))
                 gpu_updates += u.update_seconds if owned else 0.0
                 continue
             heapq.heappush(self.free[self.class_of[i]], self.compute)
-            self.d2h = max(self.d2h, reduced) + (0.0 if u.direct_gradient else move_seconds(u.gradient_bytes, self.machine.d2h))
+            self.d2h = max(self.d2h, self.compute) + (0.0 if u.direct_gradient else move_seconds(u.gradient_bytes, self.machine.d2h))
+            reduced = self._reduce(u, self.d2h)  # at home, once landed
             if owned:
-                self._update_offloaded(u)
+                self._update_offloaded(u, reduced)
         self.gpu_updates = gpu_updates
         return max(self.compute, gpu_ready)
 
-    def _reduce(self, u: UnitCost) -> float:
-        """When the unit's gradients are reduced across ranks (at once on one rank)."""
+    def _reduce(self, u: UnitCost, ready: float) -> float:
+        """When the unit's gradients, ready at ``ready``, are reduced across ranks (then, on one rank)."""
         if self.machine.world_size > 1 and u.gradient_bytes:
-            self.net = max(self.net, self.compute) + move_seconds(u.gradient_bytes * self.reduce_share, self.machine.network)
+            nbytes = u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes
+            self.net = max(self.net, ready) + move_seconds(nbytes * self.reduce_share, self.machine.network)
             return self.net
-        return self.compute
+        return ready
 
-    def _update_offloaded(self, u: UnitCost) -> None:
-        """The worker's update once the gradient is home; an NVMe unit's states read as the
-        gradient lands, while the worker finishes the unit before, and written behind."""
-        start = max(self.worker, self.d2h)
+    def _update_offloaded(self, u: UnitCost, ready: float) -> None:
+        """The worker's update once the gradient is home (and reduced, at ``ready``); an NVMe
+        unit's states read as the gradient lands, while the worker finishes the unit before, and
+        written behind."""
+        start = max(self.worker, ready)
         if u.home == NVME:
             self.nvme = max(self.nvme, self.d2h) + move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_read)
             start = max(self.worker, self.nvme)
