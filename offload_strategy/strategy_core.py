@@ -659,7 +659,7 @@ class TieredCore:
             engine.speculation.room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes()
         engine.begin_step(
             profile=not self._profiled, update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
-            reduce=self.ranks.gradient_reduction(rules.accumulating(), rules.needs_all_gradients()), norms_wanted=self._clips_norm_first(rules),
+            reduce=self.ranks.gradient_reduction(rules.accumulating(), not rules.reductions_may_go_to_owners()), norms_wanted=self._clips_norm_first(rules),
             speculate=speculate,
         )
         self._profiled = True
@@ -672,8 +672,10 @@ class TieredCore:
         engine = self.engine
         if engine is None or not recipe.clips_by_norm():
             return False
-        # where updates may run ahead of clipping, every step's norm decides whether the next does
-        return engine.placement.gradients_spilled or recipe.updates_may_run_ahead_of_clipping()
+        # where updates may run ahead of clipping, every step's norm decides whether the next does;
+        # under data parallelism the reductions went to the owners, who alone hold the gradients
+        sharded = engine.exchange is not None and recipe.reductions_may_go_to_owners()
+        return engine.placement.gradients_spilled or recipe.updates_may_run_ahead_of_clipping() or sharded
 
     def eval_step(self, run: Callable[[], Any]) -> Any:
         engine = self.engine

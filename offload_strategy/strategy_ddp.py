@@ -260,6 +260,8 @@ class DataParallelRanks:
         return self.strategy.broadcast(choice, src=0)
 
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
+        """``needs_all_gradients``: something other than the engine's clipping by norm reads every
+        reduced gradient before the step."""
         if accumulating:
             return None  # as DDP's no_sync: accumulate locally, reduce on the last micro-batch
         return Reduction.ALL if needs_all_gradients else Reduction.OWNER

@@ -66,6 +66,9 @@ class FabricRules:
     def every_backward_reduces_to_owners(self) -> bool:
         return False  # the loop may accumulate over several fabric.backward calls
 
+    def reductions_may_go_to_owners(self) -> bool:
+        return False  # the loop may read every gradient (fabric.clip_gradients, its own code)
+
     def updates_may_run_ahead_of_clipping(self) -> bool:
         return False  # the loop clips when it chooses to (fabric.clip_gradients), if at all
 

@@ -36,6 +36,7 @@ class Rules(Protocol):
     def updates_can_start_in_backward(self) -> bool: ...
     def gradients_wait_on_nvme(self) -> bool: ...
     def every_backward_reduces_to_owners(self) -> bool: ...
+    def reductions_may_go_to_owners(self) -> bool: ...
     def updates_may_run_ahead_of_clipping(self) -> bool: ...
     def accumulating(self) -> bool: ...
     def why_updates_wait(self) -> str: ...
@@ -65,6 +66,14 @@ class Recipe:
         ``configure_gradient_clipping``) see every gradient, and the weights not yet updated."""
         trainer = self.trainer
         return self.scales_loss or bool(trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value") or gradient_hooks(trainer)
+
+    def reductions_may_go_to_owners(self) -> bool:
+        """Under sharded data parallelism, nothing needs every reduced gradient on every rank but
+        Lightning's own clipping by norm, which the engine takes from each gradient's norm, the
+        owners' norms exchanged between the ranks (no loss scaling, no hook that reads gradients)."""
+        if not self.needs_all_gradients():
+            return True
+        return self.clips_by_norm() and not self.scales_loss and not gradient_hooks(self.trainer)
 
     def clips_by_norm(self) -> bool:
         """Lightning's own clipping by norm (``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters)."""
@@ -106,13 +115,13 @@ class Recipe:
     def every_backward_reduces_to_owners(self) -> bool:
         """Known at set-up: under data parallelism every backward's gradients are reduced to their
         units' owners alone (one optimizer stepped by automatic optimization and Lightning's own
-        ``optimizer_step``, no accumulation, nothing that needs every gradient on every rank), so a
-        rank needs the gradients of the units it does not own only until they are sent."""
+        ``optimizer_step``, no accumulation, nothing but Lightning's clipping by norm needs every
+        gradient), so a rank needs the gradients of the units it does not own only until sent."""
         module = self.trainer.lightning_module
         plain = self.optimizer_count == 1 and module.automatic_optimization and not is_overridden("optimizer_step", module)
         scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in _callbacks(self.trainer))
         once = self.trainer.accumulate_grad_batches == 1 and not scheduled
-        return self.world_size > 1 and plain and once and not self.needs_all_gradients()
+        return self.world_size > 1 and plain and once and self.reductions_may_go_to_owners()
 
     def updates_may_run_ahead_of_clipping(self) -> bool:
         """Lightning's own clipping by norm is all that keeps this backward's units from being

@@ -161,13 +161,16 @@ def test_parameters_unused_on_some_ranks_match_ddp_finding_unused_parameters(tmp
     assert_same_optimizer_states(sa["optimizer_states"][0], sb["optimizer_states"][0])
 
 
-def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path):
+@pytest.mark.parametrize("clipping", [(), ("--clip-norm", "0.05")], ids=["plain", "clipping_by_norm"])
+def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path, clipping):
     """Every backward reduces each unit's gradients to its owner: a rank holds the gradients of the
     units it does not own in a few buffers until sent, not a home each. In 3.8x the parameters'
     bytes of host memory per rank (a gradient home each would need 4.04x on rank 1), eight blocks
-    train as DDP trains them, bit for bit, and no rank makes a buffer beyond the four planned."""
-    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--layers", "8", "--epochs", "2")
-    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--layers", "8", "--epochs", "2", "--host-factor", "3.8")
+    train as DDP trains them, bit for bit, and no rank makes a buffer beyond the four planned.
+    Under clipping by norm too: each owner takes its units' gradients' norms and the ranks
+    exchange them, so that no rank needs every reduced gradient."""
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--layers", "8", "--epochs", "2", *clipping)
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--layers", "8", "--epochs", "2", "--host-factor", "3.8", *clipping)
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
         metrics = tiered[rank]["metrics"]

@@ -13,9 +13,10 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
   ZeRO-2's reduce-scatter); the owner alone holds the unit's masters and optimizer states and
   updates it; after the step every owner broadcasts its updated units (the all-gather). Where
   every backward reduces that way, the other ranks hold an offloaded unit's gradients only until
-  they are sent: in a gradient buffer, not a home each (``gradient_buffers.py``). When
-  something needs every gradient on every rank first (clipping by norm, fp16 loss scaling), the
-  reductions are all-reduces instead.
+  they are sent: in a gradient buffer, not a home each (``gradient_buffers.py``). Clipping by norm
+  takes each gradient's norm on its owner and exchanges the norms (``norm_inputs``). When
+  something else needs every gradient on every rank first (fp16 loss scaling, a hook that reads
+  them), the reductions are all-reduces instead.
 - Collectives are matched by their order on each process group, so every rank issues them in one
   canonical order (units by decreasing index, the order backward mostly completes them): a unit
   that completes early waits for the ones before it. A unit not complete by the optimizer step
@@ -36,8 +37,10 @@ import torch.distributed as dist
 
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
 from .cache import UnitCache
+from .clipping import tensor_norms
 from .context import EngineContext
 from .gradients import GradientPath
+from .optimizer import LOOSE, UnitOptimizers
 from .state import UnitState
 
 
@@ -130,6 +133,56 @@ class GradientExchange:
                     gradients.zero(s, i, p)
             self._launch(s, gradients.unit_gradients(s))
         self._next = len(self._order)
+
+    def norm_inputs(self, unit_optimizers: UnitOptimizers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """For clipping by norm once every reduction has ended: each gradient's norm in the
+        facade's order, as a rank holding every reduced gradient takes it, and the gradients in
+        memory here, to be multiplied. Under sharded states a rank holds the reduced gradients of
+        its own units only: it takes their norms, and one all-reduce of a vector holding each norm
+        once (the others' entries zero, so the sum is exact) gives every rank all of them, each in
+        its gradient's dtype and device, so that the total is the same float on every rank and as
+        ``clip_grad_norm_`` over every gradient takes it."""
+        self.reduce_late_units()
+        self.finish()
+        if not self.dp.shard_states:
+            return self.gradients.norm_inputs(unit_optimizers)
+        order = unit_optimizers.order
+        local: dict[int, torch.Tensor] = {}  # position in ``order`` -> the norm taken here
+        in_memory: list[tuple[int, torch.Tensor]] = []
+        others: dict[int, tuple[torch.dtype, torch.device]] = {}
+        for k, p in enumerate(order):
+            found = unit_optimizers.slot_of.get(id(p))
+            if found is None:
+                if id(p) in self.ctx.param_slot and p.requires_grad:
+                    others[k] = self.gradients.gradient_kind(p)
+                continue
+            grad, norm = self.gradients.gradient_or_norm(found[0].unit_index, p)
+            if grad is not None:
+                in_memory.append((k, grad))
+            elif norm is not None:
+                local[k] = norm
+        local.update(zip((k for k, _ in in_memory), tensor_norms([g for _, g in in_memory])))
+        loose = {k for k, p in enumerate(order) if (found := unit_optimizers.slot_of.get(id(p))) is not None and found[0].unit_index == LOOSE}
+        values, present = self._exchange_norms(len(order), {k: n for k, n in local.items() if k not in loose})
+        norms = []
+        for k in range(len(order)):
+            if k in local:
+                norms.append(local[k])
+            elif k in others and present[k]:
+                dtype, device = others[k]
+                norms.append(torch.tensor(values[k], dtype=torch.float64).to(dtype=dtype, device=device))
+        return norms, [g for _, g in in_memory]
+
+    def _exchange_norms(self, count: int, mine: dict[int, torch.Tensor]) -> tuple[list[float], list[int]]:
+        """Every rank's norms by position (float64 holds each exactly), and which positions have one."""
+        values = torch.zeros(count, dtype=torch.float64)
+        present = torch.zeros(count, dtype=torch.uint8)
+        for k, norm in mine.items():
+            values[k] = norm.detach().to("cpu", torch.float64)
+            present[k] = 1
+        dist.all_reduce(values, group=self.dp.control_group)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.dp.control_group)
+        return values.tolist(), present.tolist()
 
     def share_updated_parameters(self) -> None:
         """After the step: each owner sends its updated units to the other ranks (ZeRO's all-gather

@@ -612,7 +612,9 @@ class TieredEngine:
         when read back for their update. Then the step. Returns the total norm."""
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
         self.updater.drain()  # every gradient written out, with its norm; every speculative update done
-        norms, in_memory = self.gradients.norm_inputs(unit_optimizers)
+        # under data parallelism each owner takes its units' norms, and the ranks exchange them
+        inputs = self.exchange.norm_inputs if self.exchange is not None else self.gradients.norm_inputs
+        norms, in_memory = inputs(unit_optimizers)
         total = total_norm(norms)
         coefficient = clip_coefficient(max_norm, total)
         # a coefficient of exactly 1 keeps every bit of the updates made ahead of it

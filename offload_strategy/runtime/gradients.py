@@ -138,7 +138,7 @@ class GradientPath:
             found = unit_optimizers.slot_of.get(id(p))
             if found is None:
                 continue
-            grad, norm = self._gradient_or_norm(found[0].unit_index, p)
+            grad, norm = self.gradient_or_norm(found[0].unit_index, p)
             if grad is not None:
                 in_memory.append(grad)
                 norms.append(None)
@@ -147,7 +147,8 @@ class GradientPath:
         computed = iter(tensor_norms(in_memory))
         return [norm if norm is not None else next(computed) for norm in norms], in_memory
 
-    def _gradient_or_norm(self, unit_index: int, p: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def gradient_or_norm(self, unit_index: int, p: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``p``'s gradient where it is in memory, else its norm taken on its way to NVMe."""
         if unit_index == LOOSE:
             return p.grad, None
         s, i = self.ctx.param_slot[id(p)]
@@ -227,6 +228,12 @@ class GradientPath:
             s.grads[i].wait()
             s.grads[i].home.zero_()
             s.grads[i].fresh = True
+
+    def gradient_kind(self, p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+        """The dtype and device ``p``'s gradient has here (its master's dtype; the GPU tier for a
+        persistent unit, host memory for an offloaded one), as its norm would have them."""
+        s, i = self.ctx.param_slot[id(p)]
+        return s.master_dtypes[i], p.device if s.home == GPU else torch.device("cpu")
 
     def stand_in(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Another rank's unit under sharded states: a tensor of the gradient's shape carrying the
