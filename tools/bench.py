@@ -85,6 +85,7 @@ def data_parallel_rank(args: argparse.Namespace, config: dict[str, Any], gpu: in
         "times": timer.times[args.warmup :],
         "peak_rss": process_peak_rss(),
         "state_bytes": sum(last.get(f"optimizer/{tier}_state_bytes", 0.0) for tier in ("gpu", "host", "nvme")),
+        "host_tier": max((m.get("tier/host_peak_bytes", 0.0) for m in timer.metrics), default=0.0),
         "homes": "/".join(str(int(last[f"units/{h}"])) for h in ("gpu", "host", "nvme")) if "units/gpu" in last else "-",
     }
     Path(args.rank_out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
@@ -108,16 +109,18 @@ def data_parallel_table(args: argparse.Namespace, param_bytes: int, gpu: int) ->
     print(f"\nGPT-2 {args.layers} layers x {args.width} wide ({format_bytes(param_bytes)} fp32), batch {args.batch_size} x {args.seq_len} per rank, "
           f"precision {args.precision}; tiered_ddp: gpu_memory {format_bytes(gpu)} per rank, states sharded; median step over "
           f"{args.repeats} interleaved runs of {args.steps} steps ({args.warmup} warm-up steps dropped)\n")
-    print("| strategy | processes | units gpu/host/nvme | step (ms) | samples/s (all ranks) | vs ddp | peak RSS per rank | optimizer states per rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| strategy | processes | units gpu/host/nvme | step (ms) | samples/s (all ranks) | vs ddp | peak RSS per rank | optimizer states per rank "
+          "| host tier per rank (peak) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for processes, name in runs:
         ranks = [rank for run in reports[(processes, name)] for rank in run]
         step = statistics.median(t for rank in ranks for t in rank["times"])
         base = statistics.median(t for run in reports[(processes, "ddp")] for rank in run for t in rank["times"])
         rss = max(rank["peak_rss"] for rank in ranks)
         states = max(rank["state_bytes"] for rank in ranks)
+        host = max(rank.get("host_tier", 0.0) for rank in ranks)
         print(f"| {name} | {processes} | {ranks[0]['homes']} | {step * 1e3:.1f} | {processes * args.batch_size / step:.1f} | {step / base:.3f} | "
-              f"{format_bytes(rss)} | {format_bytes(int(states)) if states else '-'} |")
+              f"{format_bytes(rss)} | {format_bytes(int(states)) if states else '-'} | {format_bytes(int(host)) if host else '-'} |")
 
 
 def argv_for_ranks(args: argparse.Namespace) -> list[str]:
