@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import offload_strategy  # noqa: E402,F401  (registers "tiered_ddp")
 from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredDDPStrategy, TieredStrategy  # noqa: E402
+from offload_strategy.planning.placement import HOST, HOST_SLOT_ALIGNMENT, align  # noqa: E402
 from tests.helpers import PARAMETERS_ONLY, LossRecorder, tiny_data  # noqa: E402
 
 GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
@@ -62,6 +63,11 @@ class Metrics(L.Callback):
         metrics = getattr(trainer.strategy, "metrics", None)
         if metrics is not None:
             self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/", "gradients/"))}
+        engine = getattr(getattr(trainer.strategy, "tiered", None), "engine", None)
+        if engine is not None:  # fp32 masters of every host unit with 16-bit parameters, whoever owns it
+            self.last["all_host_masters_bytes"] = float(sum(
+                align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in engine.states if s.home == HOST and s.widened
+            ))
 
 
 def main() -> None:

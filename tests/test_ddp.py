@@ -178,3 +178,16 @@ def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path
         assert metrics["gradients/buffers_most_held"] > 0 and metrics["gradients/buffers_beyond_plan_total"] == 0, metrics
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
     assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+
+
+def test_each_rank_keeps_the_fp32_masters_of_its_own_units_only(tmp_path):
+    """Under bf16-true a host unit is updated through fp32 masters, which only its owner uses:
+    the two ranks' masters together are those of every host unit, once (each rank kept all of
+    them before, beyond what the placement planned)."""
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "1", "--precision", "bf16-true")
+    ranks = [tiered[rank]["metrics"] for rank in (0, 1)]
+    assert ranks[0]["units/host"] == ranks[1]["units/host"] > 0 and ranks[0]["units/nvme"] == 0
+    every = ranks[0]["all_host_masters_bytes"]
+    assert every == ranks[1]["all_host_masters_bytes"] > 0
+    held = [m["optimizer/host_master_bytes"] for m in ranks]
+    assert all(0 < h < every for h in held) and sum(held) == every, (held, every)

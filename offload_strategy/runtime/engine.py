@@ -172,7 +172,7 @@ class TieredEngine:
         direct_gradients: frozenset[int], prefetch: bool, state_factor: float,
     ) -> None:
         """The tiers' memory, the NVMe store, and the collaborators over one context."""
-        self.memory = TierMemory.allocate(states, self.placement, self.device)
+        self.memory = TierMemory.allocate(states, self.placement, self.device, self._owns)
         # what a saved tensor aliasing the GPU tier shares with it
         self._arena_device, self._arena_storage = self.memory.arena.device, self.memory.arena.untyped_storage().data_ptr()
         nvme_states = None
@@ -806,8 +806,9 @@ class TieredEngine:
         # optimizer states (and fp32 masters kept with them) by tier: under sharded data
         # parallelism, this rank's share
         state_bytes = {home: float(sum(b for i, b in self.updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}
-        # homes and gradients in the slab, staging buffers in use, and optimizer states
-        fixed = memory.host_fixed_bytes() + state_bytes[HOST]
+        masters = float(memory.master_region.numel())  # fp32 masters of the host units updated here
+        # homes and gradients in the slab, staging buffers in use, optimizer states and masters
+        fixed = memory.host_fixed_bytes() + state_bytes[HOST] + masters
         out["tier/host_bytes"] = float(fixed + memory.staging_pool.used_bytes)
         out["tier/host_peak_bytes"] = float(fixed + memory.staging_pool.peak_used_bytes)
         out["tier/nvme_bytes"] = float(store.used_bytes if store else 0)
@@ -819,6 +820,7 @@ class TieredEngine:
         out["gradients/buffers_beyond_plan_total"] = float(buffers.extra)
         out["optimizer/gpu_state_bytes"] = state_bytes[GPU]
         out["optimizer/host_state_bytes"] = state_bytes[HOST]
+        out["optimizer/host_master_bytes"] = masters
         out["optimizer/nvme_state_bytes"] = float(sum(self.nvme_states.sizes.values()) if self.nvme_states is not None else 0)
         return out
 

@@ -5,6 +5,7 @@ and update buffers), carved into the unit states' views."""
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,13 @@ class TierMemory:
     gradient_slots: list[torch.Tensor]  # buffers the gradients of NVMe units pass through (gradient_buffers.py)
 
     @classmethod
-    def allocate(cls, states: list[UnitState], placement: Placement, device: Device) -> "TierMemory":
+    def allocate(cls, states: list[UnitState], placement: Placement, device: Device, owns: Callable[[int], bool]) -> "TierMemory":
+        """``owns``: whether this process updates a unit (under sharded states, only its owner
+        keeps its fp32 masters)."""
         arena, device_pool, class_sizes = _device_tier(states, placement, device)
         slab, staging_pool, update_pool, update_buffers, gradient_slots = _host_tier(states, placement, device)
-        return cls(arena, device_pool, class_sizes, slab, staging_pool, update_pool, update_buffers, _master_region(states), gradient_slots)
+        masters = _master_region([s for s in states if owns(s.unit.index)])
+        return cls(arena, device_pool, class_sizes, slab, staging_pool, update_pool, update_buffers, masters, gradient_slots)
 
     def own_class(self, nbytes: int) -> int:
         """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
