@@ -176,6 +176,7 @@ def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path
         metrics = tiered[rank]["metrics"]
         assert metrics["units/host"] > 0 and metrics["units/nvme"] == 0, metrics
         assert metrics["gradients/buffers_most_held"] > 0 and metrics["gradients/buffers_beyond_plan_total"] == 0, metrics
+        assert metrics["tier/host_peak_bytes"] <= metrics["budget/host_bytes"], metrics  # what the rank held kept to its budget
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
     assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
 
