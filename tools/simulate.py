@@ -115,7 +115,8 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     )
 
 
-def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True) -> Any:
+def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True,
+               host_network: Optional[float] = None) -> Any:
     """The step model's machine for a hardware spec (an NVMe tier without known bandwidths is
     priced at a typical drive's, and says so)."""
     from dataclasses import replace
@@ -126,7 +127,8 @@ def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float
         print(f"hardware {hardware.name!r} gives no NVMe bandwidth: NVMe priced at {UNKNOWN_DISK / 1e9:g} GB/s each way "
               f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
     machine = machine_from_spec(hardware, nvme=bool(nvme))
-    return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states)
+    return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states,
+                   host_network=host_network)
 
 
 def unit_costs(model: Model, owners: list[int]) -> dict:
@@ -449,6 +451,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-true", choices=["bf16-true", "bf16-mixed", "32-true"])
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (tiered_ddp); budgets are per rank")
     parser.add_argument("--network-gbps", type=float, default=None, help="GB/s each rank moves in collectives (default: the host->GPU link's)")
+    parser.add_argument("--host-network-gbps", type=float, default=None,
+                        help="GB/s of collectives on host memory (gloo: offloaded units' reductions and parameters; default: --network-gbps)")
     parser.add_argument("--replicate-states", action="store_true", help="every rank keeps every optimizer state (shard_states=False)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak")
     parser.add_argument("--findings", action="store_true", help="check MemFerry's, LoHan's and ProTrain's findings on this model and machine")
@@ -475,7 +479,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     host = parse_size(args.host_memory) if args.host_memory else int(0.8 * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
     network = None if args.network_gbps is None else args.network_gbps * 1e9  # None: the host link's
-    machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states)
+    host_network = None if args.host_network_gbps is None else args.host_network_gbps * 1e9
+    machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states, host_network=host_network)
     owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
     # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated);
     # one optimizer, no accumulation or clipping: every backward reduces to the owners
@@ -488,7 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{title}\n")
     print_assumptions(hardware, args, model, budgets, host, nvme, machine)
     if args.ranks > 1:
-        print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank, optimizer states "
+        print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank on the GPU tier and "
+              f"{machine.host_collectives / 1e9:.0f} GB/s on host memory (--host-network-gbps), optimizer states "
               f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")

@@ -14,11 +14,13 @@ worker updates offloaded units. Events, in the order the runtime issues them:
   its gradient lands and written back behind the worker (LoHan Fig. 3b); persistent units update
   in the GPU tier after backward;
 - under data parallelism (``Machine.world_size`` > 1) each unit's gradient is reduced across the
-  ranks on the network link, as the runtime reduces it: a persistent unit's right after its
-  backward, an offloaded unit's once it has landed at home (widened to its master's dtype); a
-  reduce to its owner with sharded states ((N-1)/N of its bytes per rank, ring-style), an
-  all-reduce without (2(N-1)/N); only the owner updates it; after the updates the owners' parameters are sent to the
-  others ((N-1)/N of the trainable bytes per rank) and non-owners write their NVMe units;
+  ranks as the runtime reduces it: a persistent unit's right after its backward, on the GPU
+  tier's collectives (``Machine.network``), an offloaded unit's once it has landed at home
+  (widened to its master's dtype), on host memory's (``Machine.host_network``, gloo); a reduce to
+  its owner with sharded states ((N-1)/N of its bytes per rank, ring-style), an all-reduce without
+  (2(N-1)/N); only the owner updates it; after the updates the owners' parameters are sent to the
+  others ((N-1)/N of the trainable bytes per rank, on the collectives of the tier each unit
+  lives in) and non-owners write their NVMe units;
 - the step ends when the last backward, the last update and the last write have.
 
 Copies of different units queue on their link in issue order, so the model captures MemFerry's
@@ -73,8 +75,15 @@ class Machine(Bandwidth):
     """The links, and the data-parallel ranks sharing the step."""
 
     world_size: int = 1  # data-parallel ranks
-    network: float = 0.0  # bytes/s each rank moves in collectives
+    network: float = 0.0  # bytes/s each rank moves in collectives on the GPU tier (NCCL)
     shard_states: bool = True  # each unit updated by its owner only
+    # bytes/s of collectives on host memory (gloo), which offloaded units' reductions and
+    # parameter broadcasts use; None: as ``network``
+    host_network: Optional[float] = None
+
+    @property
+    def host_collectives(self) -> float:
+        return self.network if self.host_network is None else self.host_network
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,7 @@ class _Step:
         self.units, self.machine = units, machine
         self.offloaded = [i for i, u in enumerate(units) if u.home != GPU]
         self.classes, self.class_of = _buffer_classes(units, self.offloaded, buffers)
-        self.compute = self.h2d = self.d2h = self.nvme = self.worker = self.net = 0.0
+        self.compute = self.h2d = self.d2h = self.nvme = self.worker = self.net = self.host_net = 0.0
         ranks = machine.world_size
         self.sharded = ranks > 1 and machine.shard_states
         self.reduce_share = (ranks - 1) / ranks * (1 if self.sharded else 2)  # reduce to the owner / all-reduce
@@ -251,9 +260,12 @@ class _Step:
     def _reduce(self, u: UnitCost, ready: float) -> float:
         """When the unit's gradients, ready at ``ready``, are reduced across ranks (then, on one rank)."""
         if self.machine.world_size > 1 and u.gradient_bytes:
-            nbytes = u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes
-            self.net = max(self.net, ready) + move_seconds(nbytes * self.reduce_share, self.machine.network)
-            return self.net
+            nbytes = (u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes) * self.reduce_share
+            if u.home == GPU:
+                self.net = max(self.net, ready) + move_seconds(nbytes, self.machine.network)
+                return self.net
+            self.host_net = max(self.host_net, ready) + move_seconds(nbytes, self.machine.host_collectives)
+            return self.host_net
         return ready
 
     def _update_offloaded(self, u: UnitCost, ready: float) -> None:
@@ -275,8 +287,11 @@ class _Step:
         if not self.sharded:
             return end
         units, ranks = self.units, self.machine.world_size
-        trainable = sum(u.nbytes for u in units if u.gradient_bytes)
-        self.net = max(self.net, end) + move_seconds(trainable * (ranks - 1) / ranks, self.machine.network)
+        share = (ranks - 1) / ranks
+        persistent = sum(u.nbytes for u in units if u.gradient_bytes and u.home == GPU)
+        offloaded = sum(u.nbytes for u in units if u.gradient_bytes and u.home != GPU)
+        self.net = max(self.net, end) + move_seconds(persistent * share, self.machine.network)
+        self.host_net = max(self.host_net, end) + move_seconds(offloaded * share, self.machine.host_collectives)
         others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
-        self.nvme = max(self.nvme, self.net) + move_seconds(others_on_nvme, self.machine.nvme_write)
-        return max(end, self.net, self.nvme)
+        self.nvme = max(self.nvme, self.host_net) + move_seconds(others_on_nvme, self.machine.nvme_write)
+        return max(end, self.net, self.host_net, self.nvme)
