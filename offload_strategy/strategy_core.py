@@ -33,7 +33,7 @@ from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
 from .planning.auto import AutoPlan
-from .planning.cost_model import StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
+from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
@@ -123,6 +123,15 @@ class Ranks(Protocol):
     def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
         """Each process's budgets from what the tiers have free."""
 
+    def measure_links(self) -> None:
+        """At set-up, on every process: what the ranks' collectives move (nothing on one device)."""
+
+    def machine(self, links: Machine) -> Machine:
+        """The step model's machine: ``links`` with the ranks and their collectives."""
+
+    def link_metrics(self) -> dict[str, float]:
+        """What ``measure_links`` measured, as metrics."""
+
 
 class OneProcess:
     """One device, one process: nothing is reduced or shared."""
@@ -143,6 +152,15 @@ class OneProcess:
 
     def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
         return granted
+
+    def measure_links(self) -> None:
+        return None
+
+    def machine(self, links: Machine) -> Machine:
+        return links
+
+    def link_metrics(self) -> dict[str, float]:
+        return {}
 
 
 class TieredCore:
@@ -251,6 +269,7 @@ class TieredCore:
         if context.hardware is None:
             context.hardware = resolve_hardware(self.options.hardware)
         context.budgets = self.resolve_budgets()
+        self.ranks.measure_links()
         root = self.lightning.root_device
         if root.type == "cuda":
             torch.cuda.reset_peak_memory_stats(root)
@@ -478,9 +497,10 @@ class TieredCore:
             timing = replace(timing, order=list(engine.profile.order))
         activations = self.activations
         joint = activations.joint_search
+        machine = self.ranks.machine(machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None))
         try:
             plan, order = planner.search(
-                timing, [bool(s.unit.trainable) for s in engine.states], machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None),
+                timing, [bool(s.unit.trainable) for s in engine.states], machine,
                 # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
                 direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
                 blocks=activations.block_costs() if joint else (), links=activations.links() if joint else None,
@@ -573,8 +593,10 @@ class TieredCore:
         timing = timing if timing is not None else engine.last_timing if engine is not None else None
         if engine is None or timing is None or self.planner is None or self.planner.model is None:
             return None
-        sizes = {u.index: u for u in self.planner.model.sizes}
-        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states], {i: u.trainable_bytes for i, u in sizes.items()})
+        model = self.planner.model
+        sizes = {u.index: u for u in model.sizes}
+        owns = model.sharding.owns if model.sharding is not None else None
+        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states], {i: u.trainable_bytes for i, u in sizes.items()}, owns)
         state_factor = self.planner.model.state_factor
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [
@@ -584,7 +606,7 @@ class TieredCore:
             )
             for i in order
         ]
-        machine = machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None)
+        machine = self.ranks.machine(machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None))
         return simulate_step([*units, outside_units(timing)], engine.placement.device_slots, machine)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
@@ -912,6 +934,7 @@ class TieredCore:
             out["memory/nvme_bytes"] = 0.0
         out.update(self.activations.metrics())
         out.update(self.prediction.metrics())
+        out.update(self.ranks.link_metrics())
         return out
 
 

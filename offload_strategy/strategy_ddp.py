@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -31,10 +32,11 @@ from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
+from .planning.cost_model import Machine
 from .planning.placement import UnitSize
 from .planning.planner import TierBudgets
 from .planning.sharding import Sharding, assign_owners
-from .runtime.data_parallel import DataParallel, Reduction
+from .runtime.data_parallel import DataParallel, Reduction, collective_rate
 from .strategy_context import TieredOptions
 from .strategy_core import TieredCore, check_precision, exposes_core
 
@@ -224,6 +226,7 @@ class DataParallelRanks:
     def __init__(self, strategy: DDPStrategy, options: TieredOptions, shard_states: bool) -> None:
         self.strategy, self.options, self.shard_states = strategy, options, shard_states
         self._groups: Optional[tuple[Any, Any, Any]] = None
+        self._rates: Optional[tuple[float, float]] = None  # bytes/s of collectives: host memory's (gloo), the GPU tier's
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         host, device, control = self.process_groups()
@@ -245,6 +248,27 @@ class DataParallelRanks:
             return None
         owners = dict(zip((u.index for u in sizes), self._owners(sizes)))
         return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent)
+
+    def measure_links(self) -> None:
+        """What an all-reduce moves per rank on host memory's group and on the GPU tier's, measured
+        once at set-up; rank 0's figures for every rank, so that every rank plans alike."""
+        if self._rates is not None or self.options.policy.name == "none" or not (dist.is_available() and dist.is_initialized()):
+            return
+        host, device, _ = self.process_groups()
+        host_rate = collective_rate(host, torch.device("cpu"))
+        device_rate = host_rate if device is host else collective_rate(device, self.strategy.root_device)
+        self._rates = self.same_on_every_rank((host_rate, device_rate))
+
+    def machine(self, links: Machine) -> Machine:
+        """``links`` with the ranks: each unit's reduction and its parameters' broadcast priced at
+        the collectives measured on its tier (before any measurement, at the host link's rate)."""
+        host_rate, device_rate = self._rates if self._rates is not None else (links.h2d, links.h2d)
+        return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=host_rate, shard_states=self.shard_states)
+
+    def link_metrics(self) -> dict[str, float]:
+        if self._rates is None:
+            return {}
+        return {"link/collectives_host_gbps": self._rates[0] / 1e9, "link/collectives_gpu_gbps": self._rates[1] / 1e9}
 
     def process_groups(self) -> tuple[Any, Any, Any]:
         """(host, device, control) groups, created once and in the same order on every rank: gloo

@@ -89,6 +89,9 @@ def test_two_ranks_with_the_default_policy_search_the_same_plan_and_match_ddp(ru
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
     homes = [(tiered[rank]["metrics"]["units/gpu"], tiered[rank]["metrics"]["units/host"]) for rank in (0, 1)]
     assert homes[0] == homes[1] and homes[0][1] > 0, homes
+    # the collectives the search priced the reductions at: measured at set-up, rank 0's on both
+    rates = [tiered[rank]["metrics"]["link/collectives_host_gbps"] for rank in (0, 1)]
+    assert rates[0] == rates[1] > 0, rates
     assert_same_weights(load(plain_dir / "weights.pt"), load(out / "weights.pt"))
 
 

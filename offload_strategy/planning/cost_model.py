@@ -31,7 +31,7 @@ slow, and how many buffers it takes to hide it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -101,14 +101,17 @@ class StepPrediction:
         return self.seconds - self.compute_seconds
 
 
-def costs_from_timing(timing: StepProfile, trainable: Sequence[bool], reduced: Optional[Mapping[int, int]] = None) -> dict[int, UnitCost]:
+def costs_from_timing(
+    timing: StepProfile, trainable: Sequence[bool], reduced: Optional[Mapping[int, int]] = None, owns: Optional[Callable[[int], bool]] = None,
+) -> dict[int, UnitCost]:
     """Each unit's costs, by index, from a timed training step (``StepProfile``), homes left to
     the caller. A unit kept in the GPU tier has no backward interval of its own: its backward
     time is inside its neighbours' (or the step's outside time), so it gets none here and the
     total stays what was measured; without any backward interval, backward is taken as twice
     forward. A unit not updated in the timed step is priced at the measured updates' rate per byte.
     ``reduced``: per unit, the bytes its reduction across ranks moves (its trainable bytes in
-    their masters' dtype), where they differ from the parameters'."""
+    their masters' dtype), where they differ from the parameters'; ``owns``: under sharded data
+    parallelism, whether this rank updates a unit."""
     measured_backward = bool(timing.backward_seconds)
     updated = [(timing.unit_bytes[i], t) for i, t in timing.update_seconds.items() if t > 0]
     per_byte = sum(t for _, t in updated) / max(sum(b for b, _ in updated), 1)
@@ -121,6 +124,7 @@ def costs_from_timing(timing: StepProfile, trainable: Sequence[bool], reduced: O
             gradient_bytes=nbytes if trainable[i] else 0,
             update_seconds=timing.update_seconds.get(i, per_byte * nbytes) if trainable[i] else 0.0,
             reduced_bytes=reduced.get(i) if reduced is not None and trainable[i] else None,
+            owned=owns is None or owns(i),
         )
     return costs
 

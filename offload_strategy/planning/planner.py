@@ -216,7 +216,8 @@ class Planner:
         used = list(dict.fromkeys(timing.order))
         order = used + [i for i in range(len(model.sizes)) if i not in used]
         timing = steady_timing(timing, dict(enumerate(model.work)))
-        costs = costs_from_timing(timing, list(trainable), {u.index: u.trainable_bytes for u in model.sizes})
+        owns = model.sharding.owns if model.sharding is not None else None
+        costs = costs_from_timing(timing, list(trainable), {u.index: u.trainable_bytes for u in model.sizes}, owns)
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(

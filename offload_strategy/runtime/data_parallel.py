@@ -29,6 +29,7 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -61,6 +62,25 @@ class DataParallel:
 
     def group_for(self, t: torch.Tensor) -> Any:
         return self.device_group if t.is_cuda else self.host_group
+
+
+def collective_rate(group: Any, device: torch.device, nbytes: int = 8 << 20, repeats: int = 3) -> float:
+    """Bytes/s each rank moves in an all-reduce of ``nbytes`` on ``group`` (a ring moves 2(N-1)/N
+    of them per rank), the best of ``repeats`` after one to warm up: what the step model prices
+    reductions and parameter broadcasts at. Every rank of the group must call it."""
+    ranks = dist.get_world_size(group)
+    tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return 2 * (ranks - 1) / ranks * nbytes / best
 
 
 class Reduction(enum.Enum):
