@@ -78,7 +78,7 @@ class Machine(Bandwidth):
     network: float = 0.0  # bytes/s each rank moves in collectives on the GPU tier (NCCL)
     shard_states: bool = True  # each unit updated by its owner only
     # bytes/s of collectives on host memory (gloo), which offloaded units' reductions and
-    # parameter broadcasts use; None: as ``network``
+    # parameter broadcasts use, beside the GPU tier's; None: not known apart, one link for both
     host_network: Optional[float] = None
 
     @property
@@ -265,10 +265,10 @@ class _Step:
         """When the unit's gradients, ready at ``ready``, are reduced across ranks (then, on one rank)."""
         if self.machine.world_size > 1 and u.gradient_bytes:
             nbytes = (u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes) * self.reduce_share
-            if u.home == GPU:
+            if u.home == GPU or self.machine.host_network is None:
                 self.net = max(self.net, ready) + move_seconds(nbytes, self.machine.network)
                 return self.net
-            self.host_net = max(self.host_net, ready) + move_seconds(nbytes, self.machine.host_collectives)
+            self.host_net = max(self.host_net, ready) + move_seconds(nbytes, self.machine.host_network)
             return self.host_net
         return ready
 
@@ -292,8 +292,9 @@ class _Step:
             return end
         units, ranks = self.units, self.machine.world_size
         share = (ranks - 1) / ranks
-        persistent = sum(u.nbytes for u in units if u.gradient_bytes and u.home == GPU)
-        offloaded = sum(u.nbytes for u in units if u.gradient_bytes and u.home != GPU)
+        apart = self.machine.host_network is not None  # else one link carries both
+        persistent = sum(u.nbytes for u in units if u.gradient_bytes and (u.home == GPU or not apart))
+        offloaded = sum(u.nbytes for u in units if u.gradient_bytes and u.home != GPU and apart)
         self.net = max(self.net, end) + move_seconds(persistent * share, self.machine.network)
         self.host_net = max(self.host_net, end) + move_seconds(offloaded * share, self.machine.host_collectives)
         others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
