@@ -263,7 +263,9 @@ class DataParallelRanks:
         """``links`` with the ranks: each unit's reduction and its parameters' broadcast priced at
         the collectives measured on its tier (before any measurement, at the host link's rate)."""
         host_rate, device_rate = self._rates if self._rates is not None else (links.h2d, links.h2d)
-        return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=host_rate, shard_states=self.shard_states)
+        one_group = self._groups is None or self._groups[1] is self._groups[0]  # on CPU both tiers' collectives are gloo's
+        return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=None if one_group else host_rate,
+                       shard_states=self.shard_states)
 
     def link_metrics(self) -> dict[str, float]:
         if self._rates is None:
