@@ -457,7 +457,9 @@ class TieredCore:
             )
             return
         on_nvme = f"offloaded units are updated after backward, {on_nvme}"
-        where = on_nvme if nvme_waits else "offloaded units are updated after backward, their gradients kept in host memory"
+        kept = ("the gradients of the units this rank owns kept in host memory (the others' sent on to their owners)"
+                if engine.placement.gradients_sent else "their gradients kept in host memory")
+        where = on_nvme if nvme_waits else f"offloaded units are updated after backward, {kept}"
         rank_zero_info(f"tiered: {why} before any update, so updates cannot overlap backward: {where}.")
 
     def _share_optimizer_attributes(self) -> None:
