@@ -342,7 +342,7 @@ class TieredCore:
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
             sharding=self.ranks.sharding(sizes, recipe.training and recipe.every_backward_reduces_to_owners()),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
-            spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units],
+            spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units], tensors=[len(u.trainable) for u in units],
         )
 
     def _build_engine(
@@ -598,7 +598,9 @@ class TieredCore:
         model = self.planner.model
         sizes = {u.index: u for u in model.sizes}
         owns = model.sharding.owns if model.sharding is not None else None
-        costs = costs_from_timing(timing, [bool(s.unit.trainable) for s in engine.states], {i: u.trainable_bytes for i, u in sizes.items()}, owns)
+        costs = costs_from_timing(
+            timing, [bool(s.unit.trainable) for s in engine.states], {i: u.trainable_bytes for i, u in sizes.items()}, owns, model.tensors,
+        )
         state_factor = self.planner.model.state_factor
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [

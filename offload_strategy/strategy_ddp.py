@@ -36,7 +36,7 @@ from .planning.cost_model import Machine
 from .planning.placement import UnitSize
 from .planning.planner import TierBudgets
 from .planning.sharding import Sharding, assign_owners
-from .runtime.data_parallel import DataParallel, Reduction, collective_rate
+from .runtime.data_parallel import DataParallel, Reduction, collective_latency, collective_rate
 from .strategy_context import TieredOptions
 from .strategy_core import TieredCore, check_precision, exposes_core
 
@@ -226,7 +226,8 @@ class DataParallelRanks:
     def __init__(self, strategy: DDPStrategy, options: TieredOptions, shard_states: bool) -> None:
         self.strategy, self.options, self.shard_states = strategy, options, shard_states
         self._groups: Optional[tuple[Any, Any, Any]] = None
-        self._rates: Optional[tuple[float, float]] = None  # bytes/s of collectives: host memory's (gloo), the GPU tier's
+        # collectives: bytes/s on host memory's group (gloo) and the GPU tier's, seconds per call on the host's
+        self._rates: Optional[tuple[float, float, float]] = None
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         host, device, control = self.process_groups()
@@ -257,20 +258,21 @@ class DataParallelRanks:
         host, device, _ = self.process_groups()
         host_rate = collective_rate(host, torch.device("cpu"))
         device_rate = host_rate if device is host else collective_rate(device, self.strategy.root_device)
-        self._rates = self.same_on_every_rank((host_rate, device_rate))
+        self._rates = self.same_on_every_rank((host_rate, device_rate, collective_latency(host, torch.device("cpu"))))
 
     def machine(self, links: Machine) -> Machine:
         """``links`` with the ranks: each unit's reduction and its parameters' broadcast priced at
         the collectives measured on its tier (before any measurement, at the host link's rate)."""
-        host_rate, device_rate = self._rates if self._rates is not None else (links.h2d, links.h2d)
+        host_rate, device_rate, latency = self._rates if self._rates is not None else (links.h2d, links.h2d, 0.0)
         one_group = self._groups is None or self._groups[1] is self._groups[0]  # on CPU both tiers' collectives are gloo's
         return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=None if one_group else host_rate,
-                       shard_states=self.shard_states)
+                       shard_states=self.shard_states, collective_latency=latency)
 
     def link_metrics(self) -> dict[str, float]:
         if self._rates is None:
             return {}
-        return {"link/collectives_host_gbps": self._rates[0] / 1e9, "link/collectives_gpu_gbps": self._rates[1] / 1e9}
+        return {"link/collectives_host_gbps": self._rates[0] / 1e9, "link/collectives_gpu_gbps": self._rates[1] / 1e9,
+                "link/collective_latency_ms": self._rates[2] * 1e3}
 
     def process_groups(self) -> tuple[Any, Any, Any]:
         """(host, device, control) groups, created once and in the same order on every rank: gloo

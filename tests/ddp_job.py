@@ -62,7 +62,7 @@ class Metrics(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         metrics = getattr(trainer.strategy, "metrics", None)
         if metrics is not None:
-            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/", "gradients/", "tier/", "link/collectives"))}
+            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/", "gradients/", "tier/", "link/collective"))}
         engine = getattr(getattr(trainer.strategy, "tiered", None), "engine", None)
         if engine is not None:  # fp32 masters of every host unit with 16-bit parameters, whoever owns it
             self.last["all_host_masters_bytes"] = float(sum(

@@ -94,6 +94,11 @@ def test_data_parallel_reduces_at_home_updates_owned_units_and_shares_them():
     # reduced 5-6, u0 6-7, updated 7-8, their parameters (100 bytes) 8-10
     gloo = dataclasses.replace(two, host_network=50.0)
     assert simulate_step(units, buffers=2, machine=gloo).seconds == pytest.approx(10)
+    # each collective costing 0.25 s beyond its bytes, two tensors per unit (a reduction each):
+    # u1 reduced 5-6 (0.5 + 0.5), u0 6-7, updated 7-8; the ranks agree on which parameters have
+    # gradients 8-8.25; two broadcasts, 0.5 + 1.0: 8.25-9.75
+    calls = [dataclasses.replace(u, tensors=2) for u in units]
+    assert simulate_step(calls, buffers=2, machine=dataclasses.replace(two, collective_latency=0.25)).seconds == pytest.approx(9.75)
     # without sharding: all-reduces (all the bytes each), both units updated, nothing shared
     replicated = simulate_step(units, buffers=2, machine=Machine(h2d=100.0, d2h=100.0, world_size=2, network=100.0, shard_states=False))
     # u1 3-4, host 4-5, all-reduce 5-6, update 6-7; u0 4-5, host 5-6, all-reduce 6-7, update 7-8

@@ -54,6 +54,7 @@ class UnitCost:
     # data parallel: what its reduction moves, its gradients in their masters' dtype (fp32 beside
     # 16-bit parameters, the gradient the runtime reduces); None: ``gradient_bytes``
     reduced_bytes: Optional[int] = None
+    tensors: int = 1  # trainable tensors: the runtime reduces each with a collective of its own
     direct_gradient: bool = False  # backward writes the gradient into host memory itself (GO-MemFerry): no copy on the link
 
 
@@ -80,6 +81,7 @@ class Machine(Bandwidth):
     # bytes/s of collectives on host memory (gloo), which offloaded units' reductions and
     # parameter broadcasts use, beside the GPU tier's; None: not known apart, one link for both
     host_network: Optional[float] = None
+    collective_latency: float = 0.0  # seconds a collective takes beyond its bytes (one call's cost)
 
     @property
     def host_collectives(self) -> float:
@@ -103,6 +105,7 @@ class StepPrediction:
 
 def costs_from_timing(
     timing: StepProfile, trainable: Sequence[bool], reduced: Optional[Mapping[int, int]] = None, owns: Optional[Callable[[int], bool]] = None,
+    tensors: Optional[Sequence[int]] = None,
 ) -> dict[int, UnitCost]:
     """Each unit's costs, by index, from a timed training step (``StepProfile``), homes left to
     the caller. A unit kept in the GPU tier has no backward interval of its own: its backward
@@ -111,7 +114,7 @@ def costs_from_timing(
     forward. A unit not updated in the timed step is priced at the measured updates' rate per byte.
     ``reduced``: per unit, the bytes its reduction across ranks moves (its trainable bytes in
     their masters' dtype), where they differ from the parameters'; ``owns``: under sharded data
-    parallelism, whether this rank updates a unit."""
+    parallelism, whether this rank updates a unit; ``tensors``: per unit, its trainable tensors."""
     measured_backward = bool(timing.backward_seconds)
     updated = [(timing.unit_bytes[i], t) for i, t in timing.update_seconds.items() if t > 0]
     per_byte = sum(t for _, t in updated) / max(sum(b for b, _ in updated), 1)
@@ -125,6 +128,7 @@ def costs_from_timing(
             update_seconds=timing.update_seconds.get(i, per_byte * nbytes) if trainable[i] else 0.0,
             reduced_bytes=reduced.get(i) if reduced is not None and trainable[i] else None,
             owned=owns is None or owns(i),
+            tensors=tensors[i] if tensors is not None else 1,
         )
     return costs
 
@@ -265,10 +269,11 @@ class _Step:
         """When the unit's gradients, ready at ``ready``, are reduced across ranks (then, on one rank)."""
         if self.machine.world_size > 1 and u.gradient_bytes:
             nbytes = (u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes) * self.reduce_share
+            calls = u.tensors * self.machine.collective_latency
             if u.home == GPU or self.machine.host_network is None:
-                self.net = max(self.net, ready) + move_seconds(nbytes, self.machine.network)
+                self.net = max(self.net, ready) + calls + move_seconds(nbytes, self.machine.network)
                 return self.net
-            self.host_net = max(self.host_net, ready) + move_seconds(nbytes, self.machine.host_network)
+            self.host_net = max(self.host_net, ready) + calls + move_seconds(nbytes, self.machine.host_network)
             return self.host_net
         return ready
 
@@ -288,15 +293,18 @@ class _Step:
         """The step's end: updates in the GPU tier after backward, the worker, NVMe; under sharded
         data parallelism the owners' updated parameters to every rank, then the others' NVMe units written."""
         end = max(backward_end + self.gpu_updates, self.worker, self.nvme)
+        if self.machine.world_size > 1:
+            end += self.machine.collective_latency  # the ranks agree on which parameters have gradients
         if not self.sharded:
             return end
         units, ranks = self.units, self.machine.world_size
-        share = (ranks - 1) / ranks
+        share, latency = (ranks - 1) / ranks, self.machine.collective_latency
         apart = self.machine.host_network is not None  # else one link carries both
-        persistent = sum(u.nbytes for u in units if u.gradient_bytes and (u.home == GPU or not apart))
-        offloaded = sum(u.nbytes for u in units if u.gradient_bytes and u.home != GPU and apart)
-        self.net = max(self.net, end) + move_seconds(persistent * share, self.machine.network)
-        self.host_net = max(self.host_net, end) + move_seconds(offloaded * share, self.machine.host_collectives)
+        persistent = [u.nbytes for u in units if u.gradient_bytes and (u.home == GPU or not apart)]
+        offloaded = [u.nbytes for u in units if u.gradient_bytes and u.home != GPU and apart]
+        # one broadcast per unit
+        self.net = max(self.net, end) + len(persistent) * latency + move_seconds(sum(persistent) * share, self.machine.network)
+        self.host_net = max(self.host_net, end) + len(offloaded) * latency + move_seconds(sum(offloaded) * share, self.machine.host_collectives)
         others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
         self.nvme = max(self.nvme, self.host_net) + move_seconds(others_on_nvme, self.machine.nvme_write)
         return max(end, self.net, self.host_net, self.nvme)

@@ -78,6 +78,7 @@ class ModelUnits:
     # per unit, what decides its work (its parameters' shapes): equal keys, equal compute, so a
     # stall of a few of them in the profiled step is held to their group's median
     work: Sequence[Hashable] = ()
+    tensors: Optional[Sequence[int]] = None  # per unit, its trainable tensors (each reduced on its own across ranks)
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Planner:
         order = used + [i for i in range(len(model.sizes)) if i not in used]
         timing = steady_timing(timing, dict(enumerate(model.work)))
         owns = model.sharding.owns if model.sharding is not None else None
-        costs = costs_from_timing(timing, list(trainable), {u.index: u.trainable_bytes for u in model.sizes}, owns)
+        costs = costs_from_timing(timing, list(trainable), {u.index: u.trainable_bytes for u in model.sizes}, owns, model.tensors)
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(

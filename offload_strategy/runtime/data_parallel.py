@@ -83,6 +83,21 @@ def collective_rate(group: Any, device: torch.device, nbytes: int = 8 << 20, rep
     return 2 * (ranks - 1) / ranks * nbytes / best
 
 
+def collective_latency(group: Any, device: torch.device, repeats: int = 5) -> float:
+    """Seconds an all-reduce of one number takes on ``group``: what every collective costs beyond
+    its bytes, the best of ``repeats`` after one to warm up. Every rank of the group must call it."""
+    tensor = torch.zeros(1, dtype=torch.float32, device=device)
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 class Reduction(enum.Enum):
     """How a backward's gradients are reduced across ranks."""
 
