@@ -64,31 +64,14 @@ class DataParallel:
         return self.device_group if t.is_cuda else self.host_group
 
 
-def collective_rate(group: Any, device: torch.device, nbytes: int = 8 << 20, repeats: int = 3) -> float:
-    """Bytes/s each rank moves in an all-reduce of ``nbytes`` on ``group`` (a ring moves 2(N-1)/N
-    of them per rank), the best of ``repeats`` after one to warm up: what the step model prices
-    reductions and parameter broadcasts at. Every rank of the group must call it."""
-    ranks = dist.get_world_size(group)
-    tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+def _all_reduce_seconds(group: Any, device: torch.device, elements: int, repeats: int) -> float:
+    """The least time an all-reduce of ``elements`` fp32 numbers takes on ``group``, over
+    ``repeats`` after one to warm up. Every rank of the group must call it."""
+    tensor = torch.zeros(elements, dtype=torch.float32, device=device)
     best = float("inf")
     for attempt in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if attempt:
-            best = min(best, time.perf_counter() - start)
-    return 2 * (ranks - 1) / ranks * nbytes / best
-
-
-def collective_latency(group: Any, device: torch.device, repeats: int = 5) -> float:
-    """Seconds an all-reduce of one number takes on ``group``: what every collective costs beyond
-    its bytes, the best of ``repeats`` after one to warm up. Every rank of the group must call it."""
-    tensor = torch.zeros(1, dtype=torch.float32, device=device)
-    best = float("inf")
-    for attempt in range(repeats + 1):
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
         if device.type == "cuda":
@@ -96,6 +79,18 @@ def collective_latency(group: Any, device: torch.device, repeats: int = 5) -> fl
         if attempt:
             best = min(best, time.perf_counter() - start)
     return best
+
+
+def collective_rate(group: Any, device: torch.device, nbytes: int = 8 << 20, repeats: int = 3) -> float:
+    """Bytes/s each rank moves in an all-reduce of ``nbytes`` on ``group`` (a ring moves 2(N-1)/N
+    of them per rank): what the step model prices reductions and parameter broadcasts at."""
+    ranks = dist.get_world_size(group)
+    return 2 * (ranks - 1) / ranks * nbytes / _all_reduce_seconds(group, device, nbytes // 4, repeats)
+
+
+def collective_latency(group: Any, device: torch.device, repeats: int = 5) -> float:
+    """Seconds an all-reduce of one number takes on ``group``: what every collective costs beyond its bytes."""
+    return _all_reduce_seconds(group, device, 1, repeats)
 
 
 class Reduction(enum.Enum):
@@ -185,39 +180,44 @@ class GradientExchange:
         local: dict[int, torch.Tensor] = {}  # position in ``order`` -> the norm taken here
         in_memory: list[tuple[int, torch.Tensor]] = []
         others: dict[int, tuple[torch.dtype, torch.device]] = {}
+        loose: set[int] = set()  # tensors no unit owns: each rank's own, not exchanged
         for k, p in enumerate(order):
             found = unit_optimizers.slot_of.get(id(p))
             if found is None:
                 if id(p) in self.ctx.param_slot and p.requires_grad:
                     others[k] = self.gradients.gradient_kind(p)
                 continue
+            if found[0].unit_index == LOOSE:
+                loose.add(k)
             grad, norm = self.gradients.gradient_or_norm(found[0].unit_index, p)
             if grad is not None:
                 in_memory.append((k, grad))
             elif norm is not None:
                 local[k] = norm
         local.update(zip((k for k, _ in in_memory), tensor_norms([g for _, g in in_memory])))
-        loose = {k for k, p in enumerate(order) if (found := unit_optimizers.slot_of.get(id(p))) is not None and found[0].unit_index == LOOSE}
-        values, present = self._exchange_norms(len(order), {k: n for k, n in local.items() if k not in loose})
+        return self._exchange_norms(len(order), local, loose, others), [g for _, g in in_memory]
+
+    def _exchange_norms(
+        self, count: int, local: dict[int, torch.Tensor], loose: set[int], others: dict[int, tuple[torch.dtype, torch.device]],
+    ) -> list[torch.Tensor]:
+        """Every gradient's norm in order: this rank's own, and the other ranks' (float64 holds each
+        exactly), in their gradients' dtypes and devices, where some rank has one."""
+        values = torch.zeros(count, dtype=torch.float64)
+        present = torch.zeros(count, dtype=torch.uint8)
+        for k, norm in local.items():
+            if k not in loose:
+                values[k] = norm.detach().to("cpu", torch.float64)
+                present[k] = 1
+        dist.all_reduce(values, group=self.dp.control_group)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.dp.control_group)
         norms = []
-        for k in range(len(order)):
+        for k in range(count):
             if k in local:
                 norms.append(local[k])
             elif k in others and present[k]:
                 dtype, device = others[k]
-                norms.append(torch.tensor(values[k], dtype=torch.float64).to(dtype=dtype, device=device))
-        return norms, [g for _, g in in_memory]
-
-    def _exchange_norms(self, count: int, mine: dict[int, torch.Tensor]) -> tuple[list[float], list[int]]:
-        """Every rank's norms by position (float64 holds each exactly), and which positions have one."""
-        values = torch.zeros(count, dtype=torch.float64)
-        present = torch.zeros(count, dtype=torch.uint8)
-        for k, norm in mine.items():
-            values[k] = norm.detach().to("cpu", torch.float64)
-            present[k] = 1
-        dist.all_reduce(values, group=self.dp.control_group)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.dp.control_group)
-        return values.tolist(), present.tolist()
+                norms.append(values[k].to(dtype=dtype, device=device))
+        return norms
 
     def share_updated_parameters(self) -> None:
         """After the step: each owner sends its updated units to the other ranks (ZeRO's all-gather
