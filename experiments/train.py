@@ -48,8 +48,9 @@ def build_strategy(cfg: DictConfig, hardware: HardwareSpec) -> Union[TieredStrat
     options: dict[str, Any] = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[assignment]
     name = options.pop("name")
     shard_states = options.pop("shard_states", True)
+    share_host_homes = options.pop("share_host_homes", False)
     if name == "tiered_ddp":
-        return TieredDDPStrategy(policy=instantiate(cfg.policy), hardware=hardware, shard_states=shard_states, **options)
+        return TieredDDPStrategy(policy=instantiate(cfg.policy), hardware=hardware, shard_states=shard_states, share_host_homes=share_host_homes, **options)
     if name != "tiered":
         return name
     return TieredStrategy(policy=instantiate(cfg.policy), hardware=hardware, **options)

@@ -95,7 +95,7 @@ class ActivationControl:
     def host_left(self) -> int:
         engine, budgets = self.context.engine, self.context.budgets
         assert budgets is not None
-        used = engine.slab.tensor.numel() + engine.master_region.numel() if engine is not None else 0
+        used = engine.host_bytes_held() if engine is not None else 0
         return max(budgets.host - used, 0)
 
     def host_swap_bytes(self) -> int:
@@ -193,7 +193,8 @@ class ActivationControl:
         storages = {p.untyped_storage().data_ptr() for p in self.context.module.parameters()}
         engine = self.context.engine
         if engine is not None:
-            storages |= {engine.arena.untyped_storage().data_ptr(), engine.slab.tensor.untyped_storage().data_ptr()}
+            storages |= {engine.arena.untyped_storage().data_ptr(), engine.slab.tensor.untyped_storage().data_ptr(),
+                         engine.home_region.untyped_storage().data_ptr()}
         activations.param_storages.clear()
         activations.param_storages.update(storages)
         if activations.swap is not None:

@@ -26,7 +26,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -37,6 +37,7 @@ from .planning.placement import UnitSize
 from .planning.planner import TierBudgets
 from .planning.sharding import Sharding, assign_owners
 from .runtime.data_parallel import DataParallel, Reduction, collective_latency, collective_rate
+from .runtime.shared_homes import SHARED_MEMORY_DIR, shared_memory_available
 from .strategy_context import TieredOptions
 from .strategy_core import TieredCore, check_precision, exposes_core
 
@@ -56,6 +57,14 @@ class TieredDDPStrategy(DDPStrategy):
         shard_states: each rank keeps the fp32 masters and optimizer states of 1/N of the units
             (ZeRO-2 style), so their host memory and NVMe files fall about N-fold; ``False`` keeps
             them all on every rank (each rank updates every unit, no parameters are exchanged).
+        share_host_homes: the ranks of one machine keep one copy of the parameters of the units
+            homed in host memory, in shared memory (``/dev/shm``), instead of a copy each: each
+            unit's owner writes its update there, nothing is broadcast for them, and host memory
+            holds them once, not once per rank. Needs ``shard_states`` and every rank on one
+            machine. Between steps the parameters are then that one copy, so code that changes
+            them in place (a callback) must do so on one rank, or write the same values on
+            every rank (``load_state_dict``, ``copy_``): ``mul_`` on every rank is applied once
+            per rank.
         process_group_backend, timeout, start_method, cluster_environment: as for Lightning's
             ``DDPStrategy``.
     """
@@ -72,6 +81,7 @@ class TieredDDPStrategy(DDPStrategy):
         nvme_memory: BudgetLike = None,
         plan_file: Optional[Union[str, Path]] = None,
         shard_states: bool = True,
+        share_host_homes: bool = False,
         *,
         accelerator: Optional["Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -84,7 +94,7 @@ class TieredDDPStrategy(DDPStrategy):
     ) -> None:
         options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
         self.shard_states = bool(shard_states)
-        self._ranks = DataParallelRanks(self, options, self.shard_states)
+        self._ranks = DataParallelRanks(self, options, self.shard_states, bool(share_host_homes))
         self.tiered = TieredCore(options, self, self._ranks)
         self.tiered.state_dict_type = StateDictType.FULL  # consolidated on rank 0
         super().__init__(
@@ -212,7 +222,8 @@ class TieredDDPStrategy(DDPStrategy):
         where = "" if budgets is None else (
             f", per rank: GPU tier {format_bytes(budgets.gpu)}, host {format_bytes(budgets.host)}, NVMe {format_bytes(budgets.nvme)}"
         )
-        return f"tiered_ddp: {self.world_size} ranks, optimizer states {'sharded' if self.shard_states else 'replicated'}{where}"
+        shared = ", host homes one copy on the machine" if self._ranks.homes_shared() else ""
+        return f"tiered_ddp: {self.world_size} ranks, optimizer states {'sharded' if self.shard_states else 'replicated'}{shared}{where}"
 
 
 class DataParallelRanks:
@@ -223,8 +234,10 @@ class DataParallelRanks:
 
     engine_when_all_fits = True
 
-    def __init__(self, strategy: DDPStrategy, options: TieredOptions, shard_states: bool) -> None:
+    def __init__(self, strategy: DDPStrategy, options: TieredOptions, shard_states: bool, share_host_homes: bool = False) -> None:
         self.strategy, self.options, self.shard_states = strategy, options, shard_states
+        self.share_host_homes = share_host_homes
+        self._homes_shared: Optional[bool] = None
         self._groups: Optional[tuple[Any, Any, Any]] = None
         # collectives: bytes/s on host memory's group (gloo) and the GPU tier's, seconds per call on the host's
         self._rates: Optional[tuple[float, float, float]] = None
@@ -248,7 +261,21 @@ class DataParallelRanks:
         if not self.shard_states or self.options.policy.name == "none":
             return None
         owners = dict(zip((u.index for u in sizes), self._owners(sizes)))
-        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent)
+        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent, self.homes_shared())
+
+    def homes_shared(self) -> bool:
+        """Whether the ranks keep one copy of host homes: asked for, states sharded, every rank on
+        this machine, and a shared-memory file system to map it from (decided once)."""
+        if self._homes_shared is None:
+            wanted = self.share_host_homes and self.shard_states and self.strategy.world_size > 1
+            possible = self.strategy.world_size == self.strategy.num_processes and shared_memory_available()
+            if wanted and not possible:
+                rank_zero_warn(
+                    f"share_host_homes: the {self.strategy.world_size} ranks are not all on one machine with {SHARED_MEMORY_DIR}; "
+                    f"each rank keeps its own copy of host homes."
+                )
+            self._homes_shared = wanted and possible
+        return self._homes_shared
 
     def measure_links(self) -> None:
         """What an all-reduce moves per rank on host memory's group and on the GPU tier's, measured
@@ -266,7 +293,7 @@ class DataParallelRanks:
         host_rate, device_rate, latency = self._rates if self._rates is not None else (links.h2d, links.h2d, 0.0)
         one_group = self._groups is None or self._groups[1] is self._groups[0]  # on CPU both tiers' collectives are gloo's
         return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=None if one_group else host_rate,
-                       shard_states=self.shard_states, collective_latency=latency)
+                       shard_states=self.shard_states, collective_latency=latency, shared_homes=self.homes_shared())
 
     def link_metrics(self) -> dict[str, float]:
         if self._rates is None:

@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--nvme", type=Path, default=None, help="an NVMe tier in this directory")
     parser.add_argument("--host-factor", type=float, default=None, help="host_memory as a multiple of the parameter bytes")
     parser.add_argument("--no-shard", action="store_true", help="every rank keeps every optimizer state")
+    parser.add_argument("--share-homes", action="store_true", help="one copy of host homes for both ranks (share_host_homes)")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
@@ -97,7 +98,7 @@ def main() -> None:
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":
-        strategy = TieredDDPStrategy(shard_states=not args.no_shard, **budgets)
+        strategy = TieredDDPStrategy(shard_states=not args.no_shard, share_host_homes=args.share_homes, **budgets)
     elif args.strategy == "tiered":
         strategy = TieredStrategy(**budgets)
     else:

@@ -99,6 +99,11 @@ def test_data_parallel_reduces_at_home_updates_owned_units_and_shares_them():
     # gradients 8-8.25; two broadcasts, 0.5 + 1.0: 8.25-9.75
     calls = [dataclasses.replace(u, tensors=2) for u in units]
     assert simulate_step(calls, buffers=2, machine=dataclasses.replace(two, collective_latency=0.25)).seconds == pytest.approx(9.75)
+    # ranks sharing one copy of host homes, each collective costing 0.25 s: the owners' writes are
+    # seen by every rank, so no parameters are sent after the step, only a barrier: u1 reduced
+    # 5-5.75, u0 6-6.75, updated 6.75-7.75; the ranks agree on gradients 7.75-8, the barrier 8-8.25
+    shared = dataclasses.replace(two, collective_latency=0.25, shared_homes=True)
+    assert simulate_step(units, buffers=2, machine=shared).seconds == pytest.approx(8.25)
     # without sharding: all-reduces (all the bytes each), both units updated, nothing shared
     replicated = simulate_step(units, buffers=2, machine=Machine(h2d=100.0, d2h=100.0, world_size=2, network=100.0, shard_states=False))
     # u1 3-4, host 4-5, all-reduce 5-6, update 6-7; u0 4-5, host 5-6, all-reduce 6-7, update 7-8

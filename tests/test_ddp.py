@@ -195,3 +195,47 @@ def test_each_rank_keeps_the_fp32_masters_of_its_own_units_only(tmp_path):
     assert every == ranks[1]["all_host_masters_bytes"] > 0
     held = [m["optimizer/host_master_bytes"] for m in ranks]
     assert all(0 < h < every for h in held) and sum(held) == every, (held, every)
+
+
+def _shared_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("offload_strategy-homes-*")} if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
+@pytest.mark.parametrize(
+    "setting",
+    [("--layers", "8", "--host-factor", "3.0"), ("--host-factor", "2.8", "--nvme", "NVME")],
+    ids=["host_only", "host_and_nvme"],
+)
+def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, setting):
+    """``share_host_homes``: the two ranks map one copy of the host units' parameters, each owner
+    writes its updates there and nothing is broadcast for them. Eight blocks train in 3.0x the
+    parameters' bytes of host memory per rank, which a copy each cannot (1.56 MiB needed, 1.27
+    granted), bit-identically to DDP; with an NVMe tier, both ranks home the same units in host
+    memory (a copy each, rank 0 homed 5 there and rank 1 12). The shared file's name is gone
+    once the ranks have mapped it."""
+    before = _shared_files()
+    args = [str(tmp_path / "nvme") if a == "NVME" else a for a in setting]
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", *[a for a in setting if a in ("--layers", "8")])
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--share-homes", *args)
+    assert not _shared_files() - before
+    ranks = [tiered[rank]["metrics"] for rank in (0, 1)]
+    for rank, metrics in enumerate(ranks):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        assert metrics["tier/host_shared_bytes"] > 0 and metrics["tier/host_peak_bytes"] <= metrics["budget/host_bytes"], metrics
+    assert ranks[0]["units/host"] == ranks[1]["units/host"] > 0 and ranks[0]["tier/host_shared_bytes"] == ranks[1]["tier/host_shared_bytes"]
+    assert (ranks[0]["units/nvme"] > 0) == ("NVME" in setting)
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
+def test_sharing_host_homes_changes_no_result_under_bf16_true(tmp_path):
+    """Under bf16-true each owner writes its units' 16-bit parameters from their fp32 masters into
+    the one copy: the run is bit-identical to the ranks keeping a copy each."""
+    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--epochs", "2", "--precision", "bf16-true")
+    shared = launch(tmp_path / "shared", "--strategy", "tiered_ddp", "--epochs", "2", "--precision", "bf16-true", "--share-homes")
+    for rank in (0, 1):
+        assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
+        assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0 == copies[rank]["metrics"]["tier/host_shared_bytes"]
+    assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))

@@ -190,3 +190,43 @@ def test_every_rank_keeps_the_same_units_in_the_gpu_tier():
              for rank in (0, 1)]
     assert ranks[0].home == ranks[1].home == {0: GPU, 1: HOST, 2: HOST, 3: HOST}
     assert ranks[0].host_bytes != ranks[1].host_bytes  # each holds the states of the offloaded units it owns
+
+
+def test_ranks_sharing_host_homes_pay_a_share_of_the_parameters():
+    # The twelve units of the test above, gradients only sent on: with one copy of the parameters
+    # on the machine for both ranks, each pays half of them, 96 + 6 x 16 + 4 x 16 + 192 = 448 KiB,
+    # where a copy each needs 544.
+    units = [UnitSize(i, 16384, 16384) for i in range(12)]
+    groups = [[i] for i in range(12)]
+    owners = {i: i % 2 for i in range(12)}
+    kib = 1024
+    with pytest.raises(PlacementError, match="host_memory"):
+        place_units(units, groups, gpu_bytes=32 * kib, host_bytes=448 * kib, nvme_bytes=0, state_factor=2,
+                    sharding=Sharding(owners, rank=0, world_size=2, gradients_sent=True))
+    shared = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=448 * kib, nvme_bytes=0, state_factor=2,
+                         sharding=Sharding(owners, rank=0, world_size=2, gradients_sent=True, shared_homes=True))
+    assert set(shared.home.values()) == {HOST} and shared.host_bytes == 448 * kib and shared.host_homes_shared
+
+
+def test_ranks_sharing_host_homes_home_the_same_units_there():
+    # Eight units of 16 KiB streamed through 32 KiB of GPU tier; rank 0 owns units 0-5, rank 1
+    # units 6 and 7; a gradient home each (16 KiB), Adam states 32 KiB on the owner, 320 KiB of
+    # host and an NVMe tier. Both ranks start from their gradients (128) and four 32 KiB staging
+    # buffers: 256. With one copy of the parameters (8 KiB each of a unit's 16), unit 0 costs rank
+    # 0 40 and rank 1 8: 296 / 264; units 1-5 would take rank 0 to 336: NVMe on both; unit 6
+    # costs rank 0 8 and rank 1 40: 304 / 304; unit 7 would take rank 1 to 344: NVMe.
+    owners = {i: 0 if i < 6 else 1 for i in range(8)}
+    kib = 1024
+    units = [UnitSize(i, 16384, 16384) for i in range(8)]
+
+    def place(rank, shared):
+        return place_units(units, [[i] for i in range(8)], gpu_bytes=32 * kib, host_bytes=320 * kib, nvme_bytes=1 << 20, state_factor=2,
+                           sharding=Sharding(owners, rank, 2, shared_homes=shared))
+
+    ranks = [place(rank, True) for rank in (0, 1)]
+    assert ranks[0].home == ranks[1].home == {i: HOST if i in (0, 6) else NVME for i in range(8)}
+    assert ranks[0].host_bytes == ranks[1].host_bytes == 304 * kib and ranks[0].staging_slots == {32 * kib: 4}
+    # a copy each, every rank choosing for itself: rank 0 would home units 0 and 6 in host memory,
+    # rank 1 every unit (gradients 128, parameters 128, its states 64: 320)
+    assert [i for i, h in place(0, False).home.items() if h == HOST] == [0, 6]
+    assert set(place(1, False).home.values()) == {HOST}

@@ -63,7 +63,9 @@ class HostSlab:
     Fence outstanding asynchronous copies before closing.
     """
 
-    def __init__(self, nbytes: int, pin: bool = True) -> None:
+    def __init__(self, nbytes: int, pin: bool = True, shared_fd: Optional[int] = None, fault_in: bool = True) -> None:
+        """``shared_fd``: map this file (every process mapping it sees the same bytes) instead of
+        anonymous memory; ``fault_in``: back every page now (the file's first mapper does)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"HostSlab(nbytes={nbytes!r}): give a whole number of bytes >= 0.")
         self.nbytes = nbytes
@@ -74,7 +76,10 @@ class HostSlab:
             self.tensor = torch.empty(0, dtype=torch.uint8)
             return
         try:
-            mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if shared_fd is None:
+                mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            else:
+                mapping = _Mapping(shared_fd, nbytes, flags=mmap.MAP_SHARED)
         except OSError as err:
             raise MemoryError(
                 f"HostSlab could not map {format_bytes(nbytes)} ({nbytes} bytes) of host memory: {err}. "
@@ -87,8 +92,8 @@ class HostSlab:
             pass
         self._mapping = mapping
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-        # A write to one byte per page makes the kernel back every page now.
-        self.tensor[::PAGE_BYTES].fill_(0)
+        if fault_in:  # a write to one byte per page makes the kernel back every page now
+            self.tensor[::PAGE_BYTES].fill_(0)
         if pin and torch.cuda.is_available():
             ptr = self.tensor.data_ptr()
             err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS))

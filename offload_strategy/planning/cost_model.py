@@ -82,6 +82,9 @@ class Machine(Bandwidth):
     # parameter broadcasts use, beside the GPU tier's; None: not known apart, one link for both
     host_network: Optional[float] = None
     collective_latency: float = 0.0  # seconds a collective takes beyond its bytes (one call's cost)
+    # the ranks share one copy of host-homed units' parameters (one machine): nothing to broadcast
+    # for them after the step, only a barrier once their owners have written them
+    shared_homes: bool = False
 
     @property
     def host_collectives(self) -> float:
@@ -300,8 +303,12 @@ class _Step:
         units, ranks = self.units, self.machine.world_size
         share, latency = (ranks - 1) / ranks, self.machine.collective_latency
         apart = self.machine.host_network is not None  # else one link carries both
-        persistent = [u.nbytes for u in units if u.gradient_bytes and (u.home == GPU or not apart)]
-        offloaded = [u.nbytes for u in units if u.gradient_bytes and u.home != GPU and apart]
+        shared = self.machine.shared_homes
+        sent = [u for u in units if u.gradient_bytes and not (shared and u.home == HOST)]
+        if shared and len(sent) < sum(1 for u in units if u.gradient_bytes):
+            end += latency  # the barrier after the owners' writes to the shared homes
+        persistent = [u.nbytes for u in sent if u.home == GPU or not apart]
+        offloaded = [u.nbytes for u in sent if u.home != GPU and apart]
         # one broadcast per unit
         self.net = max(self.net, end) + len(persistent) * latency + move_seconds(sum(persistent) * share, self.machine.network)
         self.host_net = max(self.host_net, end) + len(offloaded) * latency + move_seconds(sum(offloaded) * share, self.machine.host_collectives)

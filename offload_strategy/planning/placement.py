@@ -23,7 +23,7 @@ from ..config import Tier, format_bytes
 
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .sharding import Sharding
@@ -88,6 +88,9 @@ class Placement:
     # under data parallelism, offloaded units another rank owns whose gradients pass through
     # ``gradient_slots`` too, each held until its reduction has sent it to the owner
     gradients_sent: frozenset[int] = frozenset()
+    # under data parallelism on one machine, host-homed units' parameters are one copy in memory
+    # every rank maps (``host_bytes`` counts this rank's share of it)
+    host_homes_shared: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -188,8 +191,9 @@ def place_units(
             f"and must go to NVMe, which grants {_fmt(nvme_bytes)}; {fix}, or raise host_memory.",
             nvme_needed=nvme_used,
         )
+    shared = sharding is not None and sharding.shared_homes and any(h == HOST for h in home.values())
     return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients,
-                     host_gradients_in_flight=in_flight, gradients_sent=frozenset(u.index for u in sent))
+                     host_gradients_in_flight=in_flight, gradients_sent=frozenset(u.index for u in sent), host_homes_shared=shared)
 
 
 @dataclass(frozen=True)
@@ -239,8 +243,25 @@ class _Costs:
         return int(u.trainable_bytes * self.state_factor)
 
     def at_home(self, u: UnitSize) -> int:
-        """Offloaded: parameters and states at home (host memory or NVMe), each padded."""
+        """Offloaded to NVMe: parameters and states in this rank's files, each padded."""
         return align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(self.states(u), HOST_SLOT_ALIGNMENT)
+
+    def host_home(self, u: UnitSize) -> int:
+        """Offloaded to host memory: parameters and states, each padded; where the ranks share
+        one copy of the parameters, this rank's share of it."""
+        params = align(u.nbytes, HOST_SLOT_ALIGNMENT)
+        if self.sharding is not None and self.sharding.shared_homes:
+            params = -(-params // self.sharding.world_size)
+        return params + align(self.states(u), HOST_SLOT_ALIGNMENT)
+
+    def rank_views(self) -> tuple[list["_Costs"], int]:
+        """The costs as every rank sees them, and which is this rank's, where the ranks share one
+        copy of host homes (every rank must then home the same units in host memory, so a unit
+        goes there only where it fits on every rank); else this rank's alone."""
+        sharding = self.sharding
+        if sharding is None or not sharding.shared_homes:
+            return [self], 0
+        return [replace(self, sharding=sharding.as_rank(r)) for r in range(sharding.world_size)], sharding.rank
 
     def staging_slot(self, units: Sequence[UnitSize]) -> int:
         """A staging buffer that holds any of ``units``' parameters, or its states."""
@@ -379,32 +400,34 @@ def _host_and_nvme_homes(
     keep both on NVMe and pass through staging buffers (two for fetching units into the GPU tier,
     two for updating them). Where gradients live only until their update and host memory holds
     every unit that way but not with a gradient home each, every unit stays in host memory and its
-    gradients pass through buffers. Returns the staging buffers (size -> count), the host bytes
-    used, and whether host units' gradients are in flight only."""
-    grads = sum(costs.home_gradient(u) for u in streaming) + costs.sent_pool(streaming)
-    with_homes = grads + sum(costs.at_home(u) for u in streaming)
+    gradients pass through buffers. Where ranks share host homes, what must fit, fits on every
+    rank. Returns the staging buffers (size -> count), the host bytes used, and whether host
+    units' gradients are in flight only."""
+    views, me = costs.rank_views()
+    grads = [sum(c.home_gradient(u) for u in streaming) + c.sent_pool(streaming) for c in views]
+    with_homes = [g + sum(c.host_home(u) for u in streaming) for c, g in zip(views, grads)]
     # every gradient through GRADIENT_BUFFERS buffers instead, where it lives only until its update
-    in_flight = with_homes - grads + GRADIENT_BUFFERS * costs.gradient_slot(streaming)
+    in_flight = [w - g + GRADIENT_BUFFERS * costs.gradient_slot(streaming) for w, g in zip(with_homes, grads)]
     in_flight_allowed = costs.transient_gradients and not costs.spill_gradients
     all_host = homes is None or all(homes[u.index] == HOST for u in streaming)
-    if all_host and with_homes <= host_bytes:
+    if all_host and max(with_homes) <= host_bytes:
         home.update({u.index: HOST for u in streaming})
-        return {}, with_homes, False
-    if all_host and in_flight_allowed and in_flight <= host_bytes:
+        return {}, with_homes[me], False
+    if all_host and in_flight_allowed and max(in_flight) <= host_bytes:
         home.update({u.index: HOST for u in streaming})
-        return {}, in_flight, True
+        return {}, in_flight[me], True
     if all_host and homes is not None:
-        _check_plan_host(homes, with_homes, host_bytes, in_flight if in_flight_allowed else None)  # refuses: they exceed it
+        _check_plan_host(homes, max(with_homes), host_bytes, max(in_flight) if in_flight_allowed else None)  # refuses: they exceed it
     if homes is None and nvme_bytes == 0:
-        least = min(with_homes, in_flight) if in_flight_allowed else with_homes
+        least = min(max(with_homes), max(in_flight)) if in_flight_allowed else max(with_homes)
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
             f"({_fmt(least)}) and there is no NVMe tier; raise host_memory to at least {_fmt(least)}, or give nvme_path "
             f"for an NVMe tier.",
             tier=HOST,
-            nvme_needed=with_homes,
+            nvme_needed=max(with_homes),
         )
-    staging, host_used, in_flight_split = _split_host_and_nvme(streaming, costs, home, host_bytes, grads, homes)
+    staging, host_used, in_flight_split = _split_host_and_nvme(streaming, views, me, home, host_bytes, grads, homes)
     _check_plan_host(homes, host_used, host_bytes)
     return staging, host_used, in_flight_split
 
@@ -422,36 +445,42 @@ def _check_plan_host(homes: Optional[Mapping[int, str]], host_used: int, host_by
 
 
 def _split_host_and_nvme(
-    streaming: Sequence[UnitSize], costs: _Costs, home: dict[int, str], host_bytes: int, grads: int, homes: Optional[Mapping[int, str]],
+    streaming: Sequence[UnitSize], views: list[_Costs], me: int, home: dict[int, str], host_bytes: int, grads: list[int],
+    homes: Optional[Mapping[int, str]],
 ) -> tuple[dict[int, int], int, bool]:
     """Host memory beside the gradients and the staging buffers, by first use; the rest on NVMe.
     The staging buffers then need only fit the units that went to NVMe, and host memory left
     over keeps more of them in staging buffers between their uses. Where gradients live only
     until their update, host units' pass through the gradient buffers as NVMe units' do (host
-    memory is short: a gradient home each would send more units to NVMe); returned as the flag."""
-    slot = costs.staging_slot(streaming)
+    memory is short: a gradient home each would send more units to NVMe); returned as the flag.
+    ``views``: the costs as each rank sees them (one, unless ranks share host homes: a unit goes
+    to host memory where it fits on every rank), ``me`` this rank's."""
+    costs = views[me]
+    slots = [c.staging_slot(streaming) for c in views]
     in_flight = costs.transient_gradients and not costs.spill_gradients and homes is None
+    homed_gradients = costs.transient_gradients and not in_flight  # host units keep a gradient home beside the buffers
     # gradients: a home for every offloaded unit, or buffers for those in flight (host units' homes beside them)
-    pool = GRADIENT_BUFFERS * costs.gradient_slot(streaming) if costs.transient_gradients else grads
-    host_used = pool + NVME_STAGING_BUFFERS * slot
-    if host_used > host_bytes:
+    pools = [GRADIENT_BUFFERS * c.gradient_slot(streaming) if costs.transient_gradients else g for c, g in zip(views, grads)]
+    host_used = [p + NVME_STAGING_BUFFERS * slot for p, slot in zip(pools, slots)]
+    if max(host_used) > host_bytes:
         what = f"{GRADIENT_BUFFERS} gradient buffers" if costs.transient_gradients else "the gradients of the offloaded units"
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold {what} plus {NVME_STAGING_BUFFERS} NVMe "
-            f"staging buffers ({_fmt(host_used)}); raise host_memory to at least {_fmt(host_used)}.",
+            f"staging buffers ({_fmt(max(host_used))}); raise host_memory to at least {_fmt(max(host_used))}.",
             tier=HOST,
         )
     for u in streaming:
-        cost = costs.at_home(u) + (costs.home_gradient(u) if costs.transient_gradients and not in_flight else 0)
-        on_host = homes[u.index] == HOST if homes is not None else host_used + cost <= host_bytes
+        cost = [c.host_home(u) + (c.home_gradient(u) if homed_gradients else 0) for c in views]
+        on_host = homes[u.index] == HOST if homes is not None else all(h + k <= host_bytes for h, k in zip(host_used, cost))
         home[u.index] = HOST if on_host else NVME
-        host_used += cost if on_host else 0
+        if on_host:
+            host_used = [h + k for h, k in zip(host_used, cost)]
     on_nvme = [u for u in streaming if home[u.index] == NVME]
     if not on_nvme:
-        return {}, host_used - NVME_STAGING_BUFFERS * slot - (pool if costs.transient_gradients and not in_flight else 0), in_flight
-    fitted = costs.staging_slot(on_nvme)
-    host_used -= NVME_STAGING_BUFFERS * (slot - fitted)
-    if costs.transient_gradients and not in_flight:
-        host_used -= GRADIENT_BUFFERS * (costs.gradient_slot(streaming) - costs.gradient_slot(on_nvme))
-    extra = max(0, min(len(on_nvme), (host_bytes - host_used) // fitted))
-    return {fitted: NVME_STAGING_BUFFERS + extra}, host_used + extra * fitted, in_flight
+        return {}, host_used[me] - NVME_STAGING_BUFFERS * slots[me] - (pools[me] if homed_gradients else 0), in_flight
+    fitted = [c.staging_slot(on_nvme) for c in views]
+    host_used = [h - NVME_STAGING_BUFFERS * (slot - f) for h, slot, f in zip(host_used, slots, fitted)]
+    if homed_gradients:
+        host_used = [h - GRADIENT_BUFFERS * (c.gradient_slot(streaming) - c.gradient_slot(on_nvme)) for h, c in zip(host_used, views)]
+    extra = max(0, min(len(on_nvme), min((host_bytes - h) // f for h, f in zip(host_used, fitted))))
+    return {fitted[me]: NVME_STAGING_BUFFERS + extra}, host_used[me] + extra * fitted[me], in_flight

@@ -11,7 +11,7 @@ backward (LoHan §IV-C).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def assign_owners(state_bytes: Sequence[int], world_size: int) -> list[int]:
@@ -43,12 +43,22 @@ class Sharding:
     rank: int  # the rank being placed
     world_size: int
     gradients_sent: bool = False
+    # every rank is on one machine and its host-homed units' parameters are one copy there, in
+    # memory the ranks share (each unit's owner writes its update): each rank pays 1/world_size
+    # of them, and every rank must home the same units in host memory
+    shared_homes: bool = False
 
     @classmethod
-    def balanced(cls, indices: Sequence[int], state_bytes: Sequence[int], world_size: int, rank: int, gradients_sent: bool = False) -> "Sharding":
+    def balanced(
+        cls, indices: Sequence[int], state_bytes: Sequence[int], world_size: int, rank: int, gradients_sent: bool = False, shared_homes: bool = False,
+    ) -> "Sharding":
         """Owners by :func:`assign_owners` over the units ``indices`` with their state bytes."""
         owners = assign_owners(state_bytes, world_size)
-        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent)
+        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent, shared_homes)
+
+    def as_rank(self, rank: int) -> "Sharding":
+        """The same ranks as ``rank`` sees them."""
+        return replace(self, rank=rank)
 
     def owns(self, index: int) -> bool:
         return self.owners[index] == self.rank

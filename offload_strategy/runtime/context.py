@@ -94,8 +94,8 @@ class EngineContext:
 
     def home_bytes(self, s: UnitState) -> torch.Tensor:
         """A host unit's home as one byte range (its views are consecutive in one slab slot)."""
-        slab = self.memory.slab.tensor
-        start = s.home_views[0].data_ptr() - slab.data_ptr()
-        return slab[start : start + s.unit.nbytes]
+        region = self.memory.home_region
+        start = s.home_views[0].data_ptr() - region.data_ptr()
+        return region[start : start + s.unit.nbytes]
 
 

@@ -226,6 +226,7 @@ class GradientExchange:
         if not dp.shard_states:
             return
         works = []
+        shared = self.ctx.memory.shared_slab is not None
         for s in self.ctx.states:
             if not s.unit.trainable:
                 continue
@@ -233,12 +234,19 @@ class GradientExchange:
             if s.home == GPU:
                 data = s.device_slot.tensor[: s.unit.nbytes]
                 works.append(dist.broadcast(data, src=src, group=dp.group_for(data), async_op=True))
-            elif s.home == HOST:
+            elif s.home == HOST and not shared:
                 works.append(dist.broadcast(self.ctx.home_bytes(s), src=src, group=dp.host_group, async_op=True))
             elif s.home == NVME:
                 self._share_nvme_unit(s, src)
         for work in works:
             work.wait()
+        self.homes_written()
+
+    def homes_written(self) -> None:
+        """Where the machine's ranks share host homes: every rank waits until every owner has
+        written its units there (their updates, or the first values), before any rank reads them."""
+        if self.ctx.memory.shared_slab is not None:
+            dist.barrier(group=self.dp.control_group)
 
     def _share_nvme_unit(self, s: UnitState, src: int) -> None:
         """An NVMe unit goes through a staging buffer: read on the owner, written on the others."""

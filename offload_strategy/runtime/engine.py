@@ -54,7 +54,8 @@ from .offloaded import mark_present, offloaded_class
 from .optimizer import LOOSE, UnitOptimizers
 from .scheduler import PrefetchTable
 from .state import UnitState, nan_placeholder
-from .tiers import TierMemory
+from .shared_homes import map_shared_homes
+from .tiers import SharedHomes, TierMemory
 from .timing import StepTimer
 from .units import TransferUnit, master_dtype
 from .speculation import SpeculativeUpdates
@@ -172,7 +173,7 @@ class TieredEngine:
         direct_gradients: frozenset[int], prefetch: bool, state_factor: float,
     ) -> None:
         """The tiers' memory, the NVMe store, and the collaborators over one context."""
-        self.memory = TierMemory.allocate(states, self.placement, self.device, self._owns)
+        self.memory = TierMemory.allocate(states, self.placement, self.device, self._owns, self._shared_homes())
         # what a saved tensor aliasing the GPU tier shares with it
         self._arena_device, self._arena_storage = self.memory.arena.device, self.memory.arena.untyped_storage().data_ptr()
         nvme_states = None
@@ -194,6 +195,18 @@ class TieredEngine:
         self.timer = StepTimer(ctx.step, [s.unit.name for s in states], [s.unit.nbytes for s in states])
         self.speculation = SpeculativeUpdates()
 
+    def _shared_homes(self) -> Optional[SharedHomes]:
+        """What maps the host homes the machine's ranks share, where the placement shares them."""
+        dp = self.data_parallel
+        if dp is None or not self.placement.host_homes_shared:
+            return None
+        pin = self.device.compute.type == "cuda"
+        return lambda nbytes, layout: map_shared_homes(nbytes, layout, dp.control_group, dp.rank, dp.world_size, pin)
+
+    def _writes_host_homes(self) -> bool:
+        """Whether this process writes the host homes' first values (one rank, where ranks share them)."""
+        return self.memory.shared_slab is None or self.data_parallel is None or self.data_parallel.rank == 0
+
     def _owns(self, unit_index: int) -> bool:
         """Whether this process updates the unit (under sharded states: another rank may own it)."""
         return self.data_parallel is None or self.data_parallel.owns(unit_index)
@@ -211,6 +224,17 @@ class TieredEngine:
     @property
     def master_region(self) -> torch.Tensor:
         return self.memory.master_region
+
+    @property
+    def home_region(self) -> torch.Tensor:
+        return self.memory.home_region
+
+    def host_bytes_held(self) -> int:
+        """Host memory this process's tiers hold: its slab and fp32 masters, and its share of the
+        host homes the machine's ranks share."""
+        memory = self.memory
+        shared = memory.shared_slab.nbytes // self.data_parallel.world_size if memory.shared_slab is not None else 0
+        return memory.slab.nbytes + memory.master_region.numel() + shared
 
     @property
     def update_buffers(self) -> int:
@@ -269,6 +293,7 @@ class TieredEngine:
     @torch.no_grad()
     def _move_to_homes(self) -> None:
         ctx = self.ctx
+        writes_host = self._writes_host_homes()
         for s in self.states:
             if s.home == GPU:
                 targets = s.unit.views(s.device_slot.tensor)
@@ -276,7 +301,8 @@ class TieredEngine:
                 ctx.bind(s, targets)
                 s.bound = True
             elif s.home == HOST:
-                self._write_values(s, s.home_views)
+                if writes_host:
+                    self._write_values(s, s.home_views)
                 ctx.bind(s, s.home_views)
             else:
                 staging = self.memory.staging_pool.acquire(s.unit.nbytes)
@@ -287,6 +313,8 @@ class TieredEngine:
                 ctx.bind(s, s.placeholders)
             for i, p in enumerate(s.unit.params):
                 ctx.param_slot[id(p)] = (s, i)
+        if self.exchange is not None:
+            self.exchange.homes_written()  # where ranks share host homes, none reads them before they hold their values
 
     def _install_hooks(self, users: dict[nn.Module, list[TransferUnit]]) -> None:
         # Every user module is hooked, persistent ones too, so the profiled step times them all.
@@ -732,6 +760,7 @@ class TieredEngine:
         errors += _attempt([
             self.store.close if self.store is not None and not left else None,
             self.memory.slab.close if self.memory is not None else None,
+            self.memory.shared_slab.close if self.memory is not None and self.memory.shared_slab is not None else None,
         ])
         if errors and raise_errors:
             raise errors[0]
@@ -807,8 +836,10 @@ class TieredEngine:
         # parallelism, this rank's share
         state_bytes = {home: float(sum(b for i, b in self.updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}
         masters = float(memory.master_region.numel())  # fp32 masters of the host units updated here
-        # homes and gradients in the slab, staging buffers in use, optimizer states and masters
-        fixed = memory.host_fixed_bytes() + state_bytes[HOST] + masters
+        # homes and gradients in the slab (or this rank's share of the homes the machine's ranks
+        # share), staging buffers in use, optimizer states and masters
+        out["tier/host_shared_bytes"] = float(memory.shared_slab.nbytes if memory.shared_slab is not None else 0)
+        fixed = self.host_bytes_held() - memory.staging_pool.capacity_bytes + state_bytes[HOST]
         out["tier/host_bytes"] = float(fixed + memory.staging_pool.used_bytes)
         out["tier/host_peak_bytes"] = float(fixed + memory.staging_pool.peak_used_bytes)
         out["tier/nvme_bytes"] = float(store.used_bytes if store else 0)

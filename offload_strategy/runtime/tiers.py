@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -15,6 +16,10 @@ from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME_STAGING_BUFFERS, UPDATE_STAGING_BUFFERS, Placement, align
 from .gradient_buffers import bind_gradients, gradient_bytes
 from .state import GradientRecord, UnitState
+
+
+# maps host memory every rank of the machine sees: (bytes, the homes' (unit index, bytes)) -> the slab
+SharedHomes = Callable[[int, list[tuple[int, int]]], HostSlab]
 
 
 @dataclass(eq=False)
@@ -28,15 +33,21 @@ class TierMemory:
     update_buffers: int
     master_region: torch.Tensor  # fp32 masters of host-homed 16-bit units (never transferred: not pinned)
     gradient_slots: list[torch.Tensor]  # buffers the gradients of NVMe units pass through (gradient_buffers.py)
+    home_region: torch.Tensor  # host homes: the start of the slab, or the machine's shared copy
+    shared_slab: Optional[HostSlab] = None  # the host homes every rank of the machine maps (shared_homes.py)
 
     @classmethod
-    def allocate(cls, states: list[UnitState], placement: Placement, device: Device, owns: Callable[[int], bool]) -> "TierMemory":
+    def allocate(
+        cls, states: list[UnitState], placement: Placement, device: Device, owns: Callable[[int], bool], shared_homes: Optional[SharedHomes] = None,
+    ) -> "TierMemory":
         """``owns``: whether this process updates a unit (under sharded states, only its owner
-        keeps its fp32 masters)."""
+        keeps its fp32 masters); ``shared_homes``: where the placement shares host homes among
+        the machine's ranks, what maps them."""
         arena, device_pool, class_sizes = _device_tier(states, placement, device)
-        slab, staging_pool, update_pool, update_buffers, gradient_slots = _host_tier(states, placement, device)
+        host = _host_tier(states, placement, device, shared_homes if placement.host_homes_shared else None)
         masters = _master_region([s for s in states if owns(s.unit.index)])
-        return cls(arena, device_pool, class_sizes, slab, staging_pool, update_pool, update_buffers, masters, gradient_slots)
+        return cls(arena, device_pool, class_sizes, host.slab, host.staging_pool, host.update_pool, host.update_buffers, masters,
+                   host.gradient_slots, host.home_region, host.shared_slab)
 
     def own_class(self, nbytes: int) -> int:
         """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
@@ -62,13 +73,25 @@ def _device_tier(states: list[UnitState], placement: Placement, device: Device) 
     return arena, pool, sorted(c.slot_bytes for c in classes)
 
 
-def _host_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[HostSlab, SlotPool, SlotPool, int, list[torch.Tensor]]:
+@dataclass
+class _HostTier:
+    slab: HostSlab
+    staging_pool: SlotPool
+    update_pool: SlotPool
+    update_buffers: int
+    gradient_slots: list[torch.Tensor]
+    home_region: torch.Tensor
+    shared_slab: Optional[HostSlab]
+
+
+def _host_tier(states: list[UnitState], placement: Placement, device: Device, shared_homes: Optional[SharedHomes]) -> _HostTier:
     offloaded = [s for s in states if s.home != GPU]
-    home_bytes = sum(align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) for s in offloaded if s.home == HOST)
-    homed = [s for s in offloaded if s.unit.trainable and not s.transient_gradients]
-    grad_bytes = sum(gradient_bytes(s) for s in homed)  # with the 16-bit landing areas
-    transient = [s for s in offloaded if s.transient_gradients]
-    gradient_slot = max((gradient_bytes(s) for s in transient), default=0)
+    homed = [s for s in offloaded if s.home == HOST]
+    layout = [(s.unit.index, align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)) for s in homed]
+    home_bytes = sum(size for _, size in layout)
+    own_homes = home_bytes if shared_homes is None else 0  # shared: not in this rank's slab
+    grad_bytes = sum(gradient_bytes(s) for s in offloaded if s.unit.trainable and not s.transient_gradients)  # with the 16-bit landing areas
+    gradient_slot = max((gradient_bytes(s) for s in offloaded if s.transient_gradients), default=0)
     gradient_count = sum(placement.gradient_slots.values()) if gradient_slot else 0
     staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.staging_slots.items(), reverse=True)]
     staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
@@ -81,25 +104,33 @@ def _host_tier(states: list[UnitState], placement: Placement, device: Device) ->
     update_buffers = UPDATE_STAGING_BUFFERS + min(2 * UPDATE_STAGING_BUFFERS, spare - spare // 2)
     update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=update_buffers) for c in staging_classes[:1]]
     staging_classes = [SizeClass(c.slot_bytes, c.count - (update_buffers if k == 0 else 0)) for k, c in enumerate(staging_classes)]
-    slab = HostSlab(home_bytes + grad_bytes + gradient_slot * gradient_count + staging_bytes, pin=device.compute.type == "cuda")
+    pin = device.compute.type == "cuda"
+    slab = HostSlab(own_homes + grad_bytes + gradient_slot * gradient_count + staging_bytes, pin=pin)
     host = slab.tensor
-    offset = _carve_homes(offloaded, host)
+    shared_slab = shared_homes(home_bytes, layout) if shared_homes is not None else None
+    home_region = host[:home_bytes] if shared_slab is None else shared_slab.tensor
+    _carve_homes(homed, home_region)
+    offset = own_homes + _carve_gradients(offloaded, host[own_homes:])
     gradient_slots = [host[offset + k * gradient_slot : offset + (k + 1) * gradient_slot] for k in range(gradient_count)]
     offset += gradient_slot * gradient_count
     update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
     update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
     staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
-    return slab, staging_pool, update_pool, update_buffers, gradient_slots
+    return _HostTier(slab, staging_pool, update_pool, update_buffers, gradient_slots, home_region, shared_slab)
 
 
-def _carve_homes(offloaded: list[UnitState], host: torch.Tensor) -> int:
-    """Host homes first, then each unit's gradient homes (and 16-bit landing areas); the bytes used."""
+def _carve_homes(homed: list[UnitState], region: torch.Tensor) -> None:
+    """Each host unit's home, in order, from ``region``."""
     offset = 0
-    for s in offloaded:
-        if s.home == HOST:
-            size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
-            s.home_views = s.unit.views(host[offset : offset + size])
-            offset += size
+    for s in homed:
+        size = align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)
+        s.home_views = s.unit.views(region[offset : offset + size])
+        offset += size
+
+
+def _carve_gradients(offloaded: list[UnitState], host: torch.Tensor) -> int:
+    """Each offloaded unit's gradient home (and 16-bit landing area), from ``host``; the bytes used."""
+    offset = 0
     for s in offloaded:
         s.grads = [GradientRecord() for _ in s.unit.params]
         if s.unit.trainable and not s.transient_gradients:

@@ -1,0 +1,88 @@
+"""Host homes as one copy per machine: the data-parallel ranks of one machine map the same memory
+for the parameters of the units homed in host memory, instead of a copy each.
+
+With sharded optimizer states each unit's owner writes its update there, and the other ranks see
+it once a barrier says every owner has written: no parameters are broadcast for those units, and
+host memory holds their parameters once rather than once per rank (ZeRO-3's saving for host
+memory, without gathers: ranks of one machine share it already).
+
+The memory is a file in ``/dev/shm`` (tmpfs): rank 0 creates it and reserves its pages
+(``posix_fallocate``, so that a full ``/dev/shm`` is an error now, with the numbers, rather than a
+bus error mid-run), every rank maps it, and rank 0 removes the name once all have mapped it, so
+nothing is left behind however the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..config import format_bytes
+from ..memory import HostSlab
+
+SHARED_MEMORY_DIR = Path("/dev/shm")
+
+
+def shared_memory_available(directory: Path = SHARED_MEMORY_DIR) -> bool:
+    """Whether this machine has a shared-memory file system the ranks can map files from."""
+    return directory.is_dir() and os.access(directory, os.W_OK)
+
+
+def map_shared_homes(
+    nbytes: int, layout: list[tuple[int, int]], group: Any, rank: int, world_size: int, pin: bool, directory: Path = SHARED_MEMORY_DIR,
+) -> HostSlab:
+    """``nbytes`` of host memory every rank of ``group`` maps (all on one machine; collective).
+
+    ``layout``: the (unit index, bytes) of each host home, in order; every rank must carve the
+    same homes from the memory, and a rank that planned otherwise is an error on every rank."""
+    layouts: list[Optional[list[tuple[int, int]]]] = [None] * world_size
+    dist.all_gather_object(layouts, layout, group=group)
+    differing = [r for r, other in enumerate(layouts) if other != layouts[0]]
+    if differing:
+        raise RuntimeError(
+            f"ranks {differing} planned other host homes than rank 0 ({len(layouts[differing[0]] or [])} units against "
+            f"{len(layouts[0] or [])}), but ranks sharing host homes must plan alike; give every rank the same budgets "
+            f"and plan file, or pass share_host_homes=False."
+        )
+    made: list[Any] = [_create(directory, nbytes, world_size) if rank == 0 else None]
+    dist.broadcast_object_list(made, src=0, group=group)
+    path, error = made[0]
+    if error:
+        raise RuntimeError(error)
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return HostSlab(nbytes, pin=pin, shared_fd=fd, fault_in=rank == 0)
+        finally:
+            os.close(fd)
+    finally:
+        dist.barrier(group=group)  # every rank has it mapped: the name can go
+        if rank == 0:
+            Path(path).unlink(missing_ok=True)
+
+
+def _create(directory: Path, nbytes: int, world_size: int) -> tuple[str, str]:
+    """A new file of ``nbytes`` with its pages reserved: (its path, '') or ('', why not)."""
+    path = directory / f"offload_strategy-homes-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        return "", f"cannot create the shared host homes in {directory}: {err}; pass share_host_homes=False to keep a copy per rank."
+    try:
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        stat = os.statvfs(directory)
+        free = stat.f_bavail * stat.f_frsize
+        return "", (
+            f"the host homes shared by this machine's {world_size} ranks need {format_bytes(nbytes)} in {directory}, which has "
+            f"{format_bytes(free)} free ({err.strerror}); raise its size (a container: --shm-size={-(-nbytes * 5 // 4 // 2**30)}g "
+            f"or more), or pass share_host_homes=False to keep a copy per rank."
+        )
+    finally:
+        os.close(fd)
+    return str(path), ""

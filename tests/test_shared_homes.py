@@ -1,0 +1,23 @@
+"""The shared-memory file behind host homes the machine's ranks share: refusals leave nothing behind."""
+
+import errno
+import os
+
+from offload_strategy.runtime import shared_homes
+
+
+def test_a_full_shared_memory_file_system_is_refused_with_the_numbers_and_no_file_left(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shared_homes.os, "posix_fallocate", full)
+    path, error = shared_homes._create(tmp_path, 3 * 2**30, world_size=4)
+    assert path == ""
+    assert "need 3.00 GiB in" in error and "machine's 4 ranks" in error and "--shm-size=4g" in error and "share_host_homes=False" in error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_file_is_made_with_its_pages_reserved(tmp_path):
+    path, error = shared_homes._create(tmp_path, 1 << 20, world_size=2)
+    assert error == "" and os.path.getsize(path) == 1 << 20
+    assert os.stat(path).st_mode & 0o777 == 0o600  # this user's processes only
