@@ -421,8 +421,9 @@ class TieredCore:
         units = ", ".join(f"{tier} {n} ({format_bytes(nbytes)})" for tier, (n, nbytes) in tiers.items())
         placement = engine.placement
         if placement.gradients_sent:
+            own = "only until updated, through the same buffers" if placement.host_gradients_in_flight else "at home"
             gradients = (f"of the {len(placement.gradients_sent)} offloaded units other ranks own only until sent to them, through "
-                         f"{sum(placement.gradient_slots.values())} host buffers; the others' at home")
+                         f"{sum(placement.gradient_slots.values())} host buffers; the others' {own}")
         elif placement.host_gradients_in_flight:
             gradients = f"only in flight, through {sum(placement.gradient_slots.values())} host buffers (no room for a home each)"
         elif placement.gradient_slots:

@@ -96,10 +96,11 @@ class Recipe:
 
     def every_step_updates_in_backward(self) -> bool:
         """Known at set-up: every step's backward updates each unit as its gradients complete, so
-        a gradient lives only until its unit's update (one process, one optimizer, no
-        accumulation, nothing that needs every gradient first)."""
+        a gradient lives only until its unit's update (one optimizer, no accumulation, nothing
+        that needs every gradient first; under data parallelism, once its reduction is in)."""
         single = self.one_automatic_step() and self.trainer.accumulate_grad_batches == 1
-        return single and self.policy.update_during_backward and not self.needs_all_gradients()
+        ranks = self.world_size > 1 and self.every_backward_reduces_to_owners()
+        return (single or ranks) and self.policy.update_during_backward and not self.needs_all_gradients()
 
     def updates_can_start_in_backward(self) -> bool:
         """True when this step's backward is the last before the optimizer step and nothing must see

@@ -172,6 +172,15 @@ def test_other_ranks_units_keep_gradients_only_until_sent():
     sent = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, sharding=sends)
     assert set(sent.home.values()) == {HOST} and sent.host_bytes == 544 * kib
     assert sent.gradients_sent == frozenset(range(1, 12, 2)) and sent.gradient_slots == {16384: 4}
+    # where each unit is updated as its gradients come in, the sent units' buffers are still
+    # counted when host memory keeps the owned units' gradients at home
+    updating = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=544 * kib, nvme_bytes=0, state_factor=2, sharding=sends,
+                           gradients_until_update=True)
+    assert updating.host_bytes == 544 * kib and not updating.host_gradients_in_flight and updating.gradient_slots == {16384: 4}
+    # ... and with less, the owned units' gradients pass through the same four buffers: 192 + 64 + 192
+    in_flight = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=448 * kib, nvme_bytes=0, state_factor=2, sharding=sends,
+                            gradients_until_update=True)
+    assert in_flight.host_bytes == 448 * kib and in_flight.host_gradients_in_flight and in_flight.gradient_slots == {16384: 4}
     # one process, or states not sharded: every unit is its own (192 + 192 + 12 x 32), nothing is sent
     alone = place_units(units, groups, gpu_bytes=32 * kib, host_bytes=768 * kib, nvme_bytes=0, state_factor=2)
     assert not alone.gradients_sent and alone.gradient_slots == {}

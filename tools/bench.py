@@ -72,11 +72,14 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
         mode.homes = "/".join(str(int(last[f"units/{h}"])) for h in ("gpu", "host", "nvme"))
 
 
+SHARED = "tiered_ddp, share_host_homes"
+
+
 def data_parallel_rank(args: argparse.Namespace, config: dict[str, Any], gpu: int) -> None:
     """One rank of a ``--processes`` run (this script started again by the parent, then by Lightning)."""
     strategy: Union[str, L.pytorch.strategies.Strategy] = "ddp"
-    if args.rank_strategy == "tiered_ddp":
-        strategy = TieredDDPStrategy(gpu_memory=gpu, host_memory="4GiB", policy=PARAMETERS_ONLY)
+    if args.rank_strategy in ("tiered_ddp", SHARED):
+        strategy = TieredDDPStrategy(gpu_memory=gpu, host_memory="4GiB", policy=PARAMETERS_ONLY, share_host_homes=args.rank_strategy == SHARED)
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:
         trainer = fit(strategy, config, args, root, timer, args.steps, precision=args.precision, devices=args.rank_processes)
@@ -92,8 +95,9 @@ def data_parallel_rank(args: argparse.Namespace, config: dict[str, Any], gpu: in
 
 
 def data_parallel_table(args: argparse.Namespace, param_bytes: int, gpu: int) -> None:
-    """DDP and tiered_ddp on each process count, rounds interleaved; one table."""
-    runs = [(p, name) for p in args.processes for name in ("ddp", "tiered_ddp")]
+    """DDP and tiered_ddp (with one copy of host homes too, on several processes) on each process
+    count, rounds interleaved; one table."""
+    runs = [(p, name) for p in args.processes for name in ("ddp", "tiered_ddp", SHARED) if name != SHARED or p > 1]
     reports: dict[tuple[int, str], list[dict]] = {run: [] for run in runs}
     for repeat in range(args.repeats):
         for processes, name in runs:

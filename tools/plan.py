@@ -113,13 +113,14 @@ def shapes_budgets(cfg: Any, hardware: Any) -> tuple[int, int, int]:
 
 
 def gradient_life(cfg: Any) -> dict[str, bool]:
-    """How long NVMe units' gradients live in the job, as the strategy decides it from the recipe:
-    one process updates each unit as its gradients complete (with clipping by norm or accumulation
-    they wait on NVMe); data-parallel ranks keep every offloaded gradient at home."""
+    """How long offloaded units' gradients live in the job, as the strategy decides it from the
+    recipe: each unit is updated as its gradients complete (after its reduction, under data
+    parallelism); with clipping by norm or accumulation one process's wait on NVMe, and
+    data-parallel ranks keep them at home."""
     trainer = cfg.trainer
     single = int(trainer.get("devices", 1) or 1) == 1 and cfg.strategy.name != "tiered_ddp"
     waits = bool(trainer.get("gradient_clip_val")) or int(trainer.get("accumulate_grad_batches", 1) or 1) > 1
-    return {"gradients_until_update": single, "spill_gradients": single and waits}
+    return {"gradients_until_update": single or not waits, "spill_gradients": single and waits}
 
 
 def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None:

@@ -62,6 +62,7 @@ class Point:
     host: Optional[str] = None  # None: 80% of the machine's
     nvme: str = "0"
     ranks: int = 1
+    machines: int = 1  # the ranks of one machine keep one copy of host homes (share_host_homes); of several, a copy each
     network_gbps: Optional[float] = None
     batches: tuple[int, ...] = ()  # the paper's best batch: the fastest of these per rank
     precision: str = "bf16-true"  # how the paper's system keeps its model states (see POINTS)
@@ -103,7 +104,7 @@ POINTS = (
     Point("PT-14", "ProTrain §5.3.1: GPT-2 10B, 4 RTX 3090, 2,493 tokens/s", "tokens_per_s", 2493.0, (*GPT2_10B, "hardware=rtx3090"), **PT_4X3090, batches=(4, 8, 16)),
     Point("PT-22", "ProTrain §5.4: GPT 175B, 16 A100 (4 nodes, 100 Gb/s), batch 256", "tokens_per_s", 2218.70,
           ("model=gpt3_175b", "model.config.n_positions=1024", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024", "data.batch_size=16"),
-          "72GiB", host="200GB", ranks=16, network_gbps=12.5),
+          "72GiB", host="200GB", ranks=16, machines=4, network_gbps=12.5),
     Point("TC-1", "10Cache Table 5: BERT, batch 128, A40, CPU-GPU: 381.70 ms", "step_s", 0.3817,
           ("model=gpt2_small", "model.config.vocab_size=30522", "model.config.n_positions=512", *A40, "data=synthetic", "data.seq_len=128",
            "data.batch_size=128"), "44GB", host="200GB", note="BERT-base's shapes as a 12 x 768 GPT-2",
@@ -121,6 +122,7 @@ class Setting:
     gpu: int
     host: int
     nvme: int
+    shared_homes: bool = False  # the ranks keep one copy of host homes
 
 
 def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None) -> Setting:
@@ -136,7 +138,11 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
     hardware = instantiate(cfg.hardware).rank_share(point.ranks)  # each rank's share of the machine's CPU side
     model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision))
     host = parse_size(point.host) if point.host else int(0.8 * hardware.host_memory)
-    return Setting(model, hardware, parse_size(point.gpu), host, parse_size(point.nvme))
+    return Setting(model, hardware, parse_size(point.gpu), host, parse_size(point.nvme), shares_homes(point))
+
+
+def shares_homes(point: Any) -> bool:
+    return point.ranks > 1 and point.machines == 1
 
 
 def auto_row(point: Any, sim: Any, at: Setting) -> Any:
@@ -144,9 +150,9 @@ def auto_row(point: Any, sim: Any, at: Setting) -> Any:
     from offload_strategy.planning.sharding import Sharding, assign_owners
 
     network = None if point.network_gbps is None else point.network_gbps * 1e9
-    machine = sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True)
+    machine = sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes)
     owners = assign_owners([s.trainable_bytes for s in at.model.sizes], point.ranks)
-    sharding = Sharding(dict(enumerate(owners)), 0, point.ranks, gradients_sent=True) if point.ranks > 1 else None
+    sharding = Sharding(dict(enumerate(owners)), 0, point.ranks, gradients_sent=True, shared_homes=at.shared_homes) if point.ranks > 1 else None
     return sim.compare_policies(at.model, machine, at.gpu, at.host, at.nvme, sharding, owners)[-1]
 
 
@@ -157,7 +163,7 @@ def forward_seconds(model: Any) -> float:
 
 
 def _largest(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
-    depth, parameters = sim.largest_depth(at.model, at.gpu, at.host, at.nvme, ranks=point.ranks)
+    depth, parameters = sim.largest_depth(at.model, at.gpu, at.host, at.nvme, ranks=point.ranks, shared_homes=at.shared_homes)
     return parameters / 1e9, f"{depth} blocks"
 
 
@@ -222,6 +228,7 @@ class Finding:
     host: Optional[str] = None
     nvme: str = "0"
     ranks: int = 1
+    machines: int = 1  # the ranks of one machine keep one copy of host homes (share_host_homes); of several, a copy each
     network_gbps: Optional[float] = None
     precision: str = "bf16-true"
     expect: tuple[float, ...] = ()  # what the check compares with (see each check)
@@ -341,6 +348,7 @@ def command(point: Any) -> str:
     flags += [f"--host-memory {point.host}"] if point.host else []
     flags += [f"--nvme-memory {point.nvme}"] if point.nvme != "0" else []
     flags += [f"--ranks {point.ranks}"] if point.ranks > 1 else []
+    flags += ["--share-host-homes"] if shares_homes(point) else []
     flags += [f"--network-gbps {point.network_gbps:g}"] if point.network_gbps else []
     flags += [f"--precision {point.precision}"] if point.precision != "bf16-true" else []
     batches = f"  # the fastest of data.batch_size={','.join(map(str, point.batches))}" if getattr(point, "batches", ()) else ""

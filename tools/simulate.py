@@ -116,7 +116,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
 
 
 def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True,
-               host_network: Optional[float] = None) -> Any:
+               host_network: Optional[float] = None, shared_homes: bool = False) -> Any:
     """The step model's machine for a hardware spec (an NVMe tier without known bandwidths is
     priced at a typical drive's, and says so)."""
     from dataclasses import replace
@@ -128,7 +128,7 @@ def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float
               f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
     machine = machine_from_spec(hardware, nvme=bool(nvme))
     return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states,
-                   host_network=host_network)
+                   host_network=host_network, shared_homes=shared_homes)
 
 
 def unit_costs(model: Model, owners: list[int]) -> dict:
@@ -160,11 +160,11 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     costs = unit_costs(model, owners)
     order = [u.index for u in model.units]
     try:
-        # one process updates each unit as its gradients complete (NVMe units' gradients in flight
-        # only); data-parallel ranks reduce each unit's gradients to its owner first, and keep the
-        # others' only until sent
+        # every unit is updated as its gradients complete (one optimizer, no clipping or
+        # accumulation), after its reduction to its owner under data parallelism; a rank keeps the
+        # others' units' gradients only until sent
         placement = place_units(model.sizes, model.co_resident, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                                sharding=sharding, gradients_until_update=sharding is None)
+                                sharding=sharding, gradients_until_update=True)
     except PlacementError as error:
         return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
     step_units = [
@@ -185,7 +185,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     try:
         plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
-                         block_units=model.block_units, sharding=sharding, gradients_until_update=sharding is None)
+                         block_units=model.block_units, sharding=sharding, gradients_until_update=True)
     except PlacementError as error:
         rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}"))
         return rows
@@ -216,10 +216,11 @@ def fmt(n: float) -> str:
     return format_bytes(n)
 
 
-def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) -> tuple[int, int]:
+def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1, shared_homes: bool = False) -> tuple[int, int]:
     """The most blocks of this model's shape (and the parameters they make) that the budgets hold:
     parameters, gradients and optimizer states placed as the strategy places them (with ``ranks``
-    data-parallel ranks, each keeping the states of the units it owns), beside the activations of
+    data-parallel ranks, each keeping the states of the units it owns, and with ``shared_homes``
+    one copy of host homes for all of them), beside the activations of
     every block checkpointed (the smallest layout without a swap path). Doubling, then bisection on
     the block count."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
@@ -247,10 +248,11 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1) 
         activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
         if activations >= gpu:
             return False
-        sharding = Sharding.balanced([s.index for s in sizes], [s.trainable_bytes for s in sizes], ranks, 0, gradients_sent=True) if ranks > 1 else None
+        sharding = Sharding.balanced([s.index for s in sizes], [s.trainable_bytes for s in sizes], ranks, 0, gradients_sent=True,
+                                     shared_homes=shared_homes) if ranks > 1 else None
         try:
             place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                        sharding=sharding, gradients_until_update=sharding is None)
+                        sharding=sharding, gradients_until_update=True)
         except PlacementError:
             return False
         return True
@@ -454,6 +456,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--host-network-gbps", type=float, default=None,
                         help="GB/s of collectives on host memory (gloo: offloaded units' reductions and parameters; default: --network-gbps)")
     parser.add_argument("--replicate-states", action="store_true", help="every rank keeps every optimizer state (shard_states=False)")
+    parser.add_argument("--share-host-homes", action="store_true",
+                        help="the ranks (on one machine) keep one copy of host homes (share_host_homes=True)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak")
     parser.add_argument("--findings", action="store_true", help="check MemFerry's, LoHan's and ProTrain's findings on this model and machine")
     parser.add_argument("--png", type=Path, default=None, help="write the figure here")
@@ -469,6 +473,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
+    if args.share_host_homes and args.replicate_states:
+        raise SystemExit("--share-host-homes needs sharded states: drop --replicate-states.")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[*args.overrides, "logger=none"])
     machine_spec = instantiate(cfg.hardware)
@@ -480,11 +486,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     nvme = parse_size(args.nvme_memory)
     network = None if args.network_gbps is None else args.network_gbps * 1e9  # None: the host link's
     host_network = None if args.host_network_gbps is None else args.host_network_gbps * 1e9
-    machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states, host_network=host_network)
+    if args.share_host_homes and args.ranks > machine_spec.gpus:
+        raise SystemExit(f"--share-host-homes: {args.ranks} ranks do not fit on one {machine_spec.name} machine ({machine_spec.gpus} GPUs), "
+                         f"and only one machine's ranks share host memory.")
+    shared = args.share_host_homes and args.ranks > 1
+    machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states, host_network=host_network,
+                         shared_homes=shared)
     owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
     # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated);
     # one optimizer, no accumulation or clipping: every backward reduces to the owners
-    sharding = Sharding(dict(enumerate(owners)), 0, args.ranks, gradients_sent=True) if args.ranks > 1 and not args.replicate_states else None
+    sharding = (Sharding(dict(enumerate(owners)), 0, args.ranks, gradients_sent=True, shared_homes=shared)
+                if args.ranks > 1 and not args.replicate_states else None)
     compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
@@ -495,11 +507,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.ranks > 1:
         print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank on the GPU tier and "
               f"{machine.host_collectives / 1e9:.0f} GB/s on host memory (--host-network-gbps), optimizer states "
-              f"{'replicated' if args.replicate_states else 'sharded'}: budgets, step and tokens/s are rank 0's "
+              f"{'replicated' if args.replicate_states else 'sharded'}{', host homes one copy on the machine' if shared else ''}: "
+              f"budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")
     all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners)
-    depth, parameters = largest_depth(model, max(budgets), host, nvme, ranks=1 if args.replicate_states else args.ranks)
+    depth, parameters = largest_depth(model, max(budgets), host, nvme, ranks=1 if args.replicate_states else args.ranks, shared_homes=shared)
     if depth:
         print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "
               f"{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), every block checkpointed.")

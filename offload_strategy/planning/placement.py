@@ -218,9 +218,11 @@ class _Costs:
         return 0 if self.sends(u) else self.gradient(u)
 
     def sent_pool(self, units: Sequence[UnitSize]) -> int:
-        """The gradient buffers the sent units pass through, where no other unit's already do."""
+        """The gradient buffers the sent units pass through (where host memory keeps every other
+        unit's gradients at home; where NVMe units' or every unit's pass through buffers too,
+        the pool counted for those holds them)."""
         sent = [u for u in units if self.sends(u)]
-        return GRADIENT_BUFFERS * self.gradient_slot(sent) if sent and not self.transient_gradients else 0
+        return GRADIENT_BUFFERS * self.gradient_slot(sent) if sent else 0
 
     def gradient(self, u: UnitSize) -> int:
         """An offloaded unit's gradient home in host memory (with its 16-bit landing area)."""
