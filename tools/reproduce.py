@@ -24,6 +24,7 @@ say which where it is known. Kinds of point:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -64,6 +65,7 @@ class Point:
     ranks: int = 1
     machines: int = 1  # the ranks of one machine keep one copy of host homes (share_host_homes); of several, a copy each
     network_gbps: Optional[float] = None
+    host_network_gbps: Optional[float] = None  # gloo's collectives on host memory, where priced apart
     batches: tuple[int, ...] = ()  # the paper's best batch: the fastest of these per rank
     precision: str = "bf16-true"  # how the paper's system keeps its model states (see POINTS)
     note: str = ""
@@ -150,7 +152,9 @@ def auto_row(point: Any, sim: Any, at: Setting) -> Any:
     from offload_strategy.planning.sharding import Sharding, assign_owners
 
     network = None if point.network_gbps is None else point.network_gbps * 1e9
-    machine = sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes)
+    host_network = None if point.host_network_gbps is None else point.host_network_gbps * 1e9
+    machine = sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes,
+                             host_network=host_network)
     owners = assign_owners([s.trainable_bytes for s in at.model.sizes], point.ranks)
     sharding = Sharding(dict(enumerate(owners)), 0, point.ranks, gradients_sent=True, shared_homes=at.shared_homes) if point.ranks > 1 else None
     return sim.compare_policies(at.model, machine, at.gpu, at.host, at.nvme, sharding, owners)[-1]
@@ -230,6 +234,7 @@ class Finding:
     ranks: int = 1
     machines: int = 1  # the ranks of one machine keep one copy of host homes (share_host_homes); of several, a copy each
     network_gbps: Optional[float] = None
+    host_network_gbps: Optional[float] = None  # gloo's collectives on host memory, where priced apart
     precision: str = "bf16-true"
     expect: tuple[float, ...] = ()  # what the check compares with (see each check)
     rate_from: Optional[str] = None
@@ -350,6 +355,7 @@ def command(point: Any) -> str:
     flags += [f"--ranks {point.ranks}"] if point.ranks > 1 else []
     flags += ["--share-host-homes"] if shares_homes(point) else []
     flags += [f"--network-gbps {point.network_gbps:g}"] if point.network_gbps else []
+    flags += [f"--host-network-gbps {point.host_network_gbps:g}"] if point.host_network_gbps else []
     flags += [f"--precision {point.precision}"] if point.precision != "bf16-true" else []
     batches = f"  # the fastest of data.batch_size={','.join(map(str, point.batches))}" if getattr(point, "batches", ()) else ""
     return "python tools/simulate.py " + " ".join([*point.overrides, *flags]) + batches
@@ -384,10 +390,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", nargs="*", default=(), help="point or finding ids, or their prefixes (LH, PT-1)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak, as tools/simulate.py")
     parser.add_argument("--commands", action="store_true", help="print each setting's tools/simulate.py command after the tables")
+    parser.add_argument("--host-network-gbps", type=float, default=None,
+                        help="every data-parallel point's collectives on host memory (gloo) at this rate per rank, apart from the GPU tier's")
     args = parser.parse_args(argv)
-    chosen = [p for p in (*POINTS, *FINDINGS) if not args.only or any(p.ident.startswith(o) for o in args.only)]
+    every = (*POINTS, *FINDINGS)
+    if args.host_network_gbps is not None:
+        every = tuple(dataclasses.replace(p, host_network_gbps=args.host_network_gbps) if p.ranks > 1 else p for p in every)
+    chosen = [p for p in every if not args.only or any(p.ident.startswith(o) for o in args.only)]
     if not chosen:
-        raise SystemExit(f"--only {' '.join(args.only)}: nothing matches; the ids are {', '.join(p.ident for p in (*POINTS, *FINDINGS))}")
+        raise SystemExit(f"--only {' '.join(args.only)}: nothing matches; the ids are {', '.join(p.ident for p in every)}")
     from tools import simulate as sim
 
     points = [p for p in chosen if isinstance(p, Point)]
