@@ -79,14 +79,17 @@ def test_two_ranks_match_ddp_with_parameters_and_states_on_host_and_nvme(runs):
     assert_same_optimizer_states(a["optimizer_states"][0], b["optimizer_states"][0])
 
 
-def test_two_ranks_with_the_default_policy_search_the_same_plan_and_match_ddp(runs, tmp_path):
+@pytest.mark.parametrize("shared", [(), ("--share-homes",)], ids=["copies", "shared_homes"])
+def test_two_ranks_with_the_default_policy_search_the_same_plan_and_match_ddp(runs, tmp_path, shared):
     """Placement and activation layout searched from each rank's own timings: the ranks agree on
-    one plan (rank 0's), place the parameters again between steps, and train as DDP does."""
+    one plan (rank 0's), place the parameters again between steps, and train as DDP does; with
+    one copy of host homes too, mapped anew for each placement."""
     plain_dir, plain = runs["ddp"]
     out = tmp_path / "default"
-    tiered = launch(out, "--strategy", "tiered_ddp", "--default-policy")
+    tiered = launch(out, "--strategy", "tiered_ddp", "--default-policy", *shared)
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        assert (tiered[rank]["metrics"]["tier/host_shared_bytes"] > 0) == bool(shared)
     homes = [(tiered[rank]["metrics"]["units/gpu"], tiered[rank]["metrics"]["units/host"]) for rank in (0, 1)]
     assert homes[0] == homes[1] and homes[0][1] > 0, homes
     # the collectives the search priced the reductions at: measured at set-up, rank 0's on both
