@@ -261,7 +261,7 @@ class DataParallelRanks:
         if not self.shard_states or self.options.policy.name == "none":
             return None
         owners = dict(zip((u.index for u in sizes), self._owners(sizes)))
-        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent, self.homes_shared())
+        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent, self.homes_shared(), replicated_persistent=True)
 
     def homes_shared(self) -> bool:
         """Whether the ranks keep one copy of host homes: asked for, states sharded, every rank on
@@ -293,7 +293,8 @@ class DataParallelRanks:
         host_rate, device_rate, latency = self._rates if self._rates is not None else (links.h2d, links.h2d, 0.0)
         one_group = self._groups is None or self._groups[1] is self._groups[0]  # on CPU both tiers' collectives are gloo's
         return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=None if one_group else host_rate,
-                       shard_states=self.shard_states, collective_latency=latency, shared_homes=self.homes_shared())
+                       shard_states=self.shard_states, collective_latency=latency, shared_homes=self.homes_shared(),
+                       replicated_persistent=self.shard_states)
 
     def link_metrics(self) -> dict[str, float]:
         if self._rates is None:

@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--host-factor", type=float, default=None, help="host_memory as a multiple of the parameter bytes")
     parser.add_argument("--no-shard", action="store_true", help="every rank keeps every optimizer state")
     parser.add_argument("--share-homes", action="store_true", help="one copy of host homes for both ranks (share_host_homes)")
+    parser.add_argument("--gpu-factor", type=float, default=0.3, help="gpu_memory as a multiple of the parameter bytes")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
@@ -92,7 +93,7 @@ def main() -> None:
     config = dict(GPT2_4L, n_layer=args.layers)
     total = model_bytes(config)
     host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
-    budgets = dict(gpu_memory=int(0.3 * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
+    budgets = dict(gpu_memory=int(args.gpu_factor * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
     if args.default_policy:
         budgets = dict(gpu_memory=2 * total, host_memory=int(host * total))
     if args.nvme:

@@ -114,6 +114,17 @@ def test_data_parallel_reduces_at_home_updates_owned_units_and_shares_them():
     assert single.seconds == pytest.approx(7)
 
 
+def test_replicated_persistent_units_are_all_reduced_updated_everywhere_and_not_sent():
+    # One persistent unit another rank owns, two ranks at 100 bytes/s: forward 0-1, backward 1-2.
+    # Sharded: reduced to its owner (half its 100 bytes) 2-2.5, not updated here, its parameters
+    # received after the step (half of 100 bytes) 2.5-3. Replicated: all-reduced (all 100 bytes)
+    # 2-3, updated here 3-4, nothing received.
+    unit = [UnitCost(100, 1.0, 1.0, home=GPU, gradient_bytes=100, update_seconds=1.0, owned=False)]
+    two = Machine(h2d=100.0, d2h=100.0, world_size=2, network=100.0)
+    assert simulate_step(unit, buffers=0, machine=two).seconds == pytest.approx(3.0)
+    assert simulate_step(unit, buffers=0, machine=dataclasses.replace(two, replicated_persistent=True)).seconds == pytest.approx(4.0)
+
+
 def test_links_from_a_hardware_spec_with_fallbacks_for_what_it_does_not_know():
     from offload_strategy.hardware import known_hardware
     from offload_strategy.planning.cost_model import UNKNOWN_DISK, UNKNOWN_LINK, machine_from_spec

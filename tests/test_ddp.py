@@ -135,12 +135,15 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(runs, tmp_path):
     single_dir, _ = runs["tiered"]
     ckpt = single_dir / "last.ckpt"
     plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "6", "--resume", str(ckpt))
+    # persistent units too, whose states every rank takes from the checkpoint
     tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "6", "--resume", str(ckpt), "--nvme", str(tmp_path / "nvme"),
-                    "--host-factor", "2.8")
+                    "--host-factor", "2.8", "--gpu-factor", "1.5")
     for rank in (0, 1):
         assert len(plain[rank]["losses"]) == 6  # two epochs of three batches per rank
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        assert tiered[rank]["metrics"]["units/gpu"] > 0
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
 
 
 def test_accumulation_and_clipping_by_norm_match_ddp(tmp_path):
@@ -259,3 +262,21 @@ def test_sharing_host_homes_changes_no_result_under_bf16_true(tmp_path):
         assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
         assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0 == copies[rank]["metrics"]["tier/host_shared_bytes"]
     assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
+
+
+@pytest.mark.parametrize("clipping", [(), ("--clip-norm", "0.05")], ids=["plain", "clipping_by_norm"])
+def test_persistent_units_are_all_reduced_and_updated_on_every_rank(tmp_path, clipping):
+    """Persistent units are not sharded (ProTrain §3.1.1): every rank all-reduces their gradients,
+    keeps their optimizer states and updates them, so none is sent after the step. With a GPU tier
+    of 1.5x the parameters' bytes, 13 of 27 units stay there with the same optimizer states on both
+    ranks, and training is bit-identical to DDP; under clipping by norm every rank takes the
+    persistent gradients' norms itself and exchanges only its own offloaded units'."""
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", *clipping)
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--gpu-factor", "1.5", *clipping)
+    ranks = [tiered[rank]["metrics"] for rank in (0, 1)]
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert ranks[0]["units/gpu"] == ranks[1]["units/gpu"] > 0 and ranks[0]["units/host"] > 0
+    assert ranks[0]["optimizer/gpu_state_bytes"] == ranks[1]["optimizer/gpu_state_bytes"] > 0
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])

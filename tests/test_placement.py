@@ -201,6 +201,23 @@ def test_every_rank_keeps_the_same_units_in_the_gpu_tier():
     assert ranks[0].host_bytes != ranks[1].host_bytes  # each holds the states of the offloaded units it owns
 
 
+def test_replicated_persistent_units_cost_every_rank_their_states():
+    # The owners above, a GPU tier of 13312 bytes, 8192 of them for streaming: 5120 for persistent
+    # units. Sharded, unit 0 costs 2048 (parameters, gradients) + rank 0's 2048 of states: 4096;
+    # unit 3 adds 1024 and rank 1's 1024, the largest rank's states still 2048: 5120, kept.
+    # Replicated (ProTrain: every rank keeps and updates them), unit 0 costs 4096 on every rank,
+    # and unit 3's 2048 more do not fit: only unit 0 stays.
+    owners = {0: 0, 1: 1, 2: 0, 3: 1}
+
+    def place(replicated):
+        return place_units(UNITS, GROUPS, gpu_bytes=13312, host_bytes=1 << 20, nvme_bytes=0, state_factor=2,
+                           sharding=Sharding(owners, 0, 2, replicated_persistent=replicated))
+
+    sharded, replicated = place(False), place(True)
+    assert [i for i, h in sharded.home.items() if h == GPU] == [0, 3] and not sharded.persistent_replicated
+    assert [i for i, h in replicated.home.items() if h == GPU] == [0] and replicated.persistent_replicated
+
+
 def test_ranks_sharing_host_homes_pay_a_share_of_the_parameters():
     # The twelve units of the test above, gradients only sent on: with one copy of the parameters
     # on the machine for both ranks, each pays half of them, 96 + 6 x 16 + 4 x 16 + 192 = 448 KiB,

@@ -156,7 +156,8 @@ def auto_row(point: Any, sim: Any, at: Setting) -> Any:
     machine = sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes,
                              host_network=host_network)
     owners = assign_owners([s.trainable_bytes for s in at.model.sizes], point.ranks)
-    sharding = Sharding(dict(enumerate(owners)), 0, point.ranks, gradients_sent=True, shared_homes=at.shared_homes) if point.ranks > 1 else None
+    sharding = (Sharding(dict(enumerate(owners)), 0, point.ranks, gradients_sent=True, shared_homes=at.shared_homes, replicated_persistent=True)
+                if point.ranks > 1 else None)
     return sim.compare_policies(at.model, machine, at.gpu, at.host, at.nvme, sharding, owners)[-1]
 
 

@@ -128,7 +128,7 @@ def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float
               f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
     machine = machine_from_spec(hardware, nvme=bool(nvme))
     return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states,
-                   host_network=host_network, shared_homes=shared_homes)
+                   host_network=host_network, shared_homes=shared_homes, replicated_persistent=shard_states)
 
 
 def unit_costs(model: Model, owners: list[int]) -> dict:
@@ -249,7 +249,7 @@ def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1, 
         if activations >= gpu:
             return False
         sharding = Sharding.balanced([s.index for s in sizes], [s.trainable_bytes for s in sizes], ranks, 0, gradients_sent=True,
-                                     shared_homes=shared_homes) if ranks > 1 else None
+                                     shared_homes=shared_homes, replicated_persistent=True) if ranks > 1 else None
         try:
             place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
                         sharding=sharding, gradients_until_update=True)
@@ -495,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
     # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated);
     # one optimizer, no accumulation or clipping: every backward reduces to the owners
-    sharding = (Sharding(dict(enumerate(owners)), 0, args.ranks, gradients_sent=True, shared_homes=shared)
+    sharding = (Sharding(dict(enumerate(owners)), 0, args.ranks, gradients_sent=True, shared_homes=shared, replicated_persistent=True)
                 if args.ranks > 1 and not args.replicate_states else None)
     compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
     activations = sum(b.activation_bytes for b in model.blocks)

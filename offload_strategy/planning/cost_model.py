@@ -85,6 +85,8 @@ class Machine(Bandwidth):
     # the ranks share one copy of host-homed units' parameters (one machine): nothing to broadcast
     # for them after the step, only a barrier once their owners have written them
     shared_homes: bool = False
+    # every rank all-reduces and updates the persistent units (ProTrain §3.1.1): none is sent after the step
+    replicated_persistent: bool = False
 
     @property
     def host_collectives(self) -> float:
@@ -255,7 +257,7 @@ class _Step:
             u = self.units[i]
             ready = self.fetch(i) if u.home != GPU and i not in resident else 0.0
             self.compute = max(self.compute, ready) + u.backward_seconds
-            owned = u.owned or not self.sharded
+            owned = u.owned or not self.sharded or (u.home == GPU and self.machine.replicated_persistent)
             if u.home == GPU:
                 gpu_ready = max(gpu_ready, self._reduce(u, self.compute))
                 gpu_updates += u.update_seconds if owned else 0.0
@@ -271,7 +273,10 @@ class _Step:
     def _reduce(self, u: UnitCost, ready: float) -> float:
         """When the unit's gradients, ready at ``ready``, are reduced across ranks (then, on one rank)."""
         if self.machine.world_size > 1 and u.gradient_bytes:
-            nbytes = (u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes) * self.reduce_share
+            share = self.reduce_share
+            if u.home == GPU and self.sharded and self.machine.replicated_persistent:
+                share *= 2  # an all-reduce: every rank updates the unit
+            nbytes = (u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes) * share
             calls = u.tensors * self.machine.collective_latency
             if u.home == GPU or self.machine.host_network is None:
                 self.net = max(self.net, ready) + calls + move_seconds(nbytes, self.machine.network)
@@ -303,9 +308,9 @@ class _Step:
         units, ranks = self.units, self.machine.world_size
         share, latency = (ranks - 1) / ranks, self.machine.collective_latency
         apart = self.machine.host_network is not None  # else one link carries both
-        shared = self.machine.shared_homes
-        sent = [u for u in units if u.gradient_bytes and not (shared and u.home == HOST)]
-        if shared and len(sent) < sum(1 for u in units if u.gradient_bytes):
+        shared, replicated = self.machine.shared_homes, self.machine.replicated_persistent
+        sent = [u for u in units if u.gradient_bytes and not (shared and u.home == HOST) and not (replicated and u.home == GPU)]
+        if shared and any(u.gradient_bytes and u.home == HOST for u in units):
             end += latency  # the barrier after the owners' writes to the shared homes
         persistent = [u.nbytes for u in sent if u.home == GPU or not apart]
         offloaded = [u.nbytes for u in sent if u.home != GPU and apart]

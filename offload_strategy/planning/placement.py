@@ -91,6 +91,9 @@ class Placement:
     # under data parallelism on one machine, host-homed units' parameters are one copy in memory
     # every rank maps (``host_bytes`` counts this rank's share of it)
     host_homes_shared: bool = False
+    # under data parallelism, every rank all-reduces and updates the persistent units (ProTrain
+    # §3.1.1), keeping their optimizer states: none is sent after the step
+    persistent_replicated: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -193,7 +196,8 @@ def place_units(
         )
     shared = sharding is not None and sharding.shared_homes and any(h == HOST for h in home.values())
     return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients,
-                     host_gradients_in_flight=in_flight, gradients_sent=frozenset(u.index for u in sent), host_homes_shared=shared)
+                     host_gradients_in_flight=in_flight, gradients_sent=frozenset(u.index for u in sent), host_homes_shared=shared,
+                     persistent_replicated=sharding is not None and sharding.replicated_persistent)
 
 
 @dataclass(frozen=True)
@@ -274,25 +278,32 @@ class _PersistentBytes:
     """What persistent units take of the GPU tier (parameters, gradients, optimizer states) on the
     rank they cost the most. Every rank keeps the same units there, since their gradients are
     reduced on the GPU's process group and the others' on the host's; each keeps the states of
-    the ones it owns."""
+    the ones it owns, or, where persistent units are replicated, of all of them."""
 
     def __init__(self, costs: _Costs) -> None:
         self.costs = costs
-        self.shared = 0  # parameters and gradients, on every rank
-        self.states = [0] * (costs.sharding.world_size if costs.sharding is not None else 1)  # per rank
+        sharding = costs.sharding
+        self.replicated = sharding is None or sharding.replicated_persistent
+        self.shared = 0  # parameters and gradients (and replicated states), on every rank
+        self.states = [0] * (sharding.world_size if sharding is not None else 1)  # per rank
 
     def _owner(self, u: UnitSize) -> int:
         return self.costs.sharding.owners[u.index] if self.costs.sharding is not None else 0
 
     def with_unit(self, u: UnitSize) -> int:
         """The bytes once ``u`` is kept too."""
+        if self.replicated:
+            return self.shared + u.nbytes + u.trainable_bytes + self.costs.all_states(u) + max(self.states)
         states = list(self.states)
         states[self._owner(u)] += self.costs.all_states(u)
         return self.shared + u.nbytes + u.trainable_bytes + max(states)
 
     def add(self, u: UnitSize) -> None:
         self.shared += u.nbytes + u.trainable_bytes
-        self.states[self._owner(u)] += self.costs.all_states(u)
+        if self.replicated:
+            self.shared += self.costs.all_states(u)
+        else:
+            self.states[self._owner(u)] += self.costs.all_states(u)
 
     @property
     def used(self) -> int:
@@ -317,7 +328,8 @@ def _everything_on_gpu(
             f"the model needs {_fmt(total_gpu)} in the GPU tier (parameters, gradients and optimizer states) but "
             f"gpu_memory grants {_fmt(gpu_bytes)}; raise gpu_memory or use policy='auto' to offload."
         )
-    return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"])
+    replicated = costs.sharding is not None and costs.sharding.replicated_persistent
+    return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"], persistent_replicated=replicated)
 
 
 def _persistent_homes(

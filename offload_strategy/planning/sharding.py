@@ -47,14 +47,18 @@ class Sharding:
     # memory the ranks share (each unit's owner writes its update): each rank pays 1/world_size
     # of them, and every rank must home the same units in host memory
     shared_homes: bool = False
+    # persistent units are not sharded (ProTrain §3.1.1): every rank all-reduces their gradients,
+    # keeps their optimizer states and updates them, so nothing is sent for them after the step
+    replicated_persistent: bool = False
 
     @classmethod
     def balanced(
         cls, indices: Sequence[int], state_bytes: Sequence[int], world_size: int, rank: int, gradients_sent: bool = False, shared_homes: bool = False,
+        replicated_persistent: bool = False,
     ) -> "Sharding":
         """Owners by :func:`assign_owners` over the units ``indices`` with their state bytes."""
         owners = assign_owners(state_bytes, world_size)
-        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent, shared_homes)
+        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent, shared_homes, replicated_persistent)
 
     def as_rank(self, rank: int) -> "Sharding":
         """The same ranks as ``rank`` sees them."""

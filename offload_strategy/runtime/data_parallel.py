@@ -11,7 +11,10 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
   and the ranks sum: for two ranks, bit-identical to DDP's all-reduce.
 - With sharded states the reduction goes to the unit's owner only (a reduce, the per-unit piece of
   ZeRO-2's reduce-scatter); the owner alone holds the unit's masters and optimizer states and
-  updates it; after the step every owner broadcasts its updated units (the all-gather). Where
+  updates it; after the step every owner broadcasts its updated units (the all-gather). Persistent
+  units (GPU tier) are not sharded, as ProTrain's persistent chunks are not (§3.1.1): where the
+  placement says ``persistent_replicated``, every rank all-reduces their gradients, keeps their
+  states and updates them, and nothing is sent for them after the step. Where
   every backward reduces that way, the other ranks hold an offloaded unit's gradients only until
   they are sent: in a gradient buffer, not a home each (``gradient_buffers.py``). Clipping by norm
   takes each gradient's norm on its owner and exchanges the norms (``norm_inputs``). When
@@ -131,10 +134,14 @@ class GradientExchange:
             started.append(ready)
         return started
 
+    def _replicated(self, s: UnitState) -> bool:
+        """Every rank all-reduces and updates this unit (a persistent one, ProTrain §3.1.1)."""
+        return s.home == GPU and self.ctx.placement.persistent_replicated
+
     def _launch(self, s: UnitState, grads: list[torch.Tensor]) -> None:
         dp = self.dp
         owner = dp.owners[s.unit.index]
-        to_owner = self.mode is Reduction.OWNER and dp.shard_states
+        to_owner = self.mode is Reduction.OWNER and dp.shard_states and not self._replicated(s)
         for g in grads:
             g.mul_(1.0 / dp.world_size)  # divided before the sum, as DDP's reducer does
             group = dp.group_for(g)
@@ -180,15 +187,15 @@ class GradientExchange:
         local: dict[int, torch.Tensor] = {}  # position in ``order`` -> the norm taken here
         in_memory: list[tuple[int, torch.Tensor]] = []
         others: dict[int, tuple[torch.dtype, torch.device]] = {}
-        loose: set[int] = set()  # tensors no unit owns: each rank's own, not exchanged
+        loose: set[int] = set()  # tensors every rank holds reduced (no unit's, or a replicated unit's): not exchanged
         for k, p in enumerate(order):
             found = unit_optimizers.slot_of.get(id(p))
             if found is None:
                 if id(p) in self.ctx.param_slot and p.requires_grad:
                     others[k] = self.gradients.gradient_kind(p)
                 continue
-            if found[0].unit_index == LOOSE:
-                loose.add(k)
+            if found[0].unit_index == LOOSE or self._replicated(self.ctx.states[found[0].unit_index]):
+                loose.add(k)  # every rank holds it, reduced: its norm is taken here
             grad, norm = self.gradients.gradient_or_norm(found[0].unit_index, p)
             if grad is not None:
                 in_memory.append((k, grad))
@@ -231,6 +238,8 @@ class GradientExchange:
             if not s.unit.trainable:
                 continue
             src = dp.owners[s.unit.index]
+            if self._replicated(s):
+                continue  # every rank updated it
             if s.home == GPU:
                 data = s.device_slot.tensor[: s.unit.nbytes]
                 works.append(dist.broadcast(data, src=src, group=dp.group_for(data), async_op=True))
