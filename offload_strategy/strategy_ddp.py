@@ -269,6 +269,9 @@ class DataParallelRanks:
         if self._homes_shared is None:
             wanted = self.share_host_homes and self.shard_states and self.strategy.world_size > 1
             possible = self.strategy.world_size == self.strategy.num_processes and shared_memory_available()
+            if self.share_host_homes and not self.shard_states:
+                rank_zero_warn("share_host_homes needs shard_states=True (every rank updating every unit would write the one copy at "
+                               "once); each rank keeps its own copy of host homes.")
             if wanted and not possible:
                 rank_zero_warn(
                     f"share_host_homes: the {self.strategy.world_size} ranks are not all on one machine with {SHARED_MEMORY_DIR}; "

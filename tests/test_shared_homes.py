@@ -3,6 +3,8 @@
 import errno
 import os
 
+import pytest
+
 from offload_strategy.runtime import shared_homes
 
 
@@ -21,3 +23,21 @@ def test_the_file_is_made_with_its_pages_reserved(tmp_path):
     path, error = shared_homes._create(tmp_path, 1 << 20, world_size=2)
     assert error == "" and os.path.getsize(path) == 1 << 20
     assert os.stat(path).st_mode & 0o777 == 0o600  # this user's processes only
+
+
+def _ranks(world_size, processes, shard_states=True, share=True):
+    from types import SimpleNamespace
+
+    from offload_strategy.strategy_ddp import DataParallelRanks
+
+    return DataParallelRanks(SimpleNamespace(world_size=world_size, num_processes=processes), None, shard_states, share)
+
+
+def test_host_homes_are_shared_by_the_ranks_of_one_machine_only():
+    assert _ranks(2, 2).homes_shared() == shared_homes.shared_memory_available()
+    assert not _ranks(2, 2, share=False).homes_shared()
+    assert not _ranks(1, 1).homes_shared()  # one process: nothing to share
+    with pytest.warns(UserWarning, match="not all on one machine"):
+        assert not _ranks(4, 2).homes_shared()  # two machines of two
+    with pytest.warns(UserWarning, match="needs shard_states=True"):
+        assert not _ranks(2, 2, shard_states=False).homes_shared()
