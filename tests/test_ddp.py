@@ -229,8 +229,8 @@ def _shared_files() -> set[str]:
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
 @pytest.mark.parametrize(
     "setting",
-    [("--layers", "8", "--host-factor", "2.5"), ("--host-factor", "2.2", "--nvme", "NVME")],
-    ids=["host_only", "host_and_nvme"],
+    [("--layers", "8", "--host-factor", "2.5"), ("--host-factor", "2.2", "--nvme", "NVME"), ("--layers", "8", "--host-factor", "3.0", "--clip-norm", "0.05")],
+    ids=["host_only", "host_and_nvme", "clipping_by_norm"],
 )
 def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, setting):
     """``share_host_homes``: the two ranks map one copy of the host units' parameters, each owner
@@ -238,10 +238,12 @@ def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, setting):
     parameters' bytes of host memory per rank, which a copy each cannot (1.24 MiB needed, 1.06
     granted), bit-identically to DDP; with an NVMe tier, both ranks home the same units in host
     memory (a copy each, rank 0 homes 4 there and rank 1 13). The shared file's name is gone
-    once the ranks have mapped it."""
+    once the ranks have mapped it. Under clipping by norm the owners update after backward, and
+    write the one copy before the barrier all the same."""
     before = _shared_files()
     args = [str(tmp_path / "nvme") if a == "NVME" else a for a in setting]
-    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", *[a for a in setting if a in ("--layers", "8")])
+    model_and_recipe = [a for k, a in enumerate(setting) if a in ("--layers", "--clip-norm") or setting[k - 1] in ("--layers", "--clip-norm")]
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", *model_and_recipe)
     tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--share-homes", *args)
     assert not _shared_files() - before
     ranks = [tiered[rank]["metrics"] for rank in (0, 1)]
