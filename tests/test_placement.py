@@ -214,8 +214,9 @@ def test_replicated_persistent_units_cost_every_rank_their_states():
                            sharding=Sharding(owners, 0, 2, replicated_persistent=replicated))
 
     sharded, replicated = place(False), place(True)
-    assert [i for i, h in sharded.home.items() if h == GPU] == [0, 3] and not sharded.persistent_replicated
-    assert [i for i, h in replicated.home.items() if h == GPU] == [0] and replicated.persistent_replicated
+    assert [i for i, h in sharded.home.items() if h == GPU] == [0, 3] and not sharded.replicated_persistent
+    assert [i for i, h in replicated.home.items() if h == GPU] == [0] and replicated.replicated_persistent
+    assert replicated.replicated(0) and not replicated.replicated(1) and not sharded.replicated(0)
 
 
 def test_ranks_sharing_host_homes_pay_a_share_of_the_parameters():

@@ -93,11 +93,16 @@ class Placement:
     host_homes_shared: bool = False
     # under data parallelism, every rank all-reduces and updates the persistent units (ProTrain
     # §3.1.1), keeping their optimizer states: none is sent after the step
-    persistent_replicated: bool = False
+    replicated_persistent: bool = False
 
     @property
     def offloaded(self) -> bool:
         return any(h != GPU for h in self.home.values())
+
+    def replicated(self, index: int) -> bool:
+        """Every rank all-reduces the unit's gradients and updates it (a persistent unit, where
+        persistent units are replicated)."""
+        return self.replicated_persistent and self.home[index] == GPU
 
 
 _fmt = format_bytes
@@ -197,7 +202,7 @@ def place_units(
     shared = sharding is not None and sharding.shared_homes and any(h == HOST for h in home.values())
     return Placement(home, slots, staging, gpu_used, host_used, nvme_used, gradient_slots=gradient_slots, gradients_spilled=costs.spill_gradients,
                      host_gradients_in_flight=in_flight, gradients_sent=frozenset(u.index for u in sent), host_homes_shared=shared,
-                     persistent_replicated=sharding is not None and sharding.replicated_persistent)
+                     replicated_persistent=sharding is not None and sharding.replicated_persistent)
 
 
 @dataclass(frozen=True)
@@ -329,7 +334,7 @@ def _everything_on_gpu(
             f"gpu_memory grants {_fmt(gpu_bytes)}; raise gpu_memory or use policy='auto' to offload."
         )
     replicated = costs.sharding is not None and costs.sharding.replicated_persistent
-    return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"], persistent_replicated=replicated)
+    return Placement({u.index: GPU for u in units}, {}, {}, total_gpu, 0, 0, ["everything fits in the GPU tier"], replicated_persistent=replicated)
 
 
 def _persistent_homes(

@@ -13,7 +13,7 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
   ZeRO-2's reduce-scatter); the owner alone holds the unit's masters and optimizer states and
   updates it; after the step every owner broadcasts its updated units (the all-gather). Persistent
   units (GPU tier) are not sharded, as ProTrain's persistent chunks are not (§3.1.1): where the
-  placement says ``persistent_replicated``, every rank all-reduces their gradients, keeps their
+  placement says ``replicated_persistent``, every rank all-reduces their gradients, keeps their
   states and updates them, and nothing is sent for them after the step. Where
   every backward reduces that way, the other ranks hold an offloaded unit's gradients only until
   they are sent: in a gradient buffer, not a home each (``gradient_buffers.py``). Clipping by norm
@@ -134,14 +134,10 @@ class GradientExchange:
             started.append(ready)
         return started
 
-    def _replicated(self, s: UnitState) -> bool:
-        """Every rank all-reduces and updates this unit (a persistent one, ProTrain §3.1.1)."""
-        return s.home == GPU and self.ctx.placement.persistent_replicated
-
     def _launch(self, s: UnitState, grads: list[torch.Tensor]) -> None:
         dp = self.dp
         owner = dp.owners[s.unit.index]
-        to_owner = self.mode is Reduction.OWNER and dp.shard_states and not self._replicated(s)
+        to_owner = self.mode is Reduction.OWNER and dp.shard_states and not self.ctx.placement.replicated(s.unit.index)
         for g in grads:
             g.mul_(1.0 / dp.world_size)  # divided before the sum, as DDP's reducer does
             group = dp.group_for(g)
@@ -194,7 +190,7 @@ class GradientExchange:
                 if id(p) in self.ctx.param_slot and p.requires_grad:
                     others[k] = self.gradients.gradient_kind(p)
                 continue
-            if found[0].unit_index == LOOSE or self._replicated(self.ctx.states[found[0].unit_index]):
+            if found[0].unit_index == LOOSE or self.ctx.placement.replicated(found[0].unit_index):
                 loose.add(k)  # every rank holds it, reduced: its norm is taken here
             grad, norm = self.gradients.gradient_or_norm(found[0].unit_index, p)
             if grad is not None:
@@ -238,7 +234,7 @@ class GradientExchange:
             if not s.unit.trainable:
                 continue
             src = dp.owners[s.unit.index]
-            if self._replicated(s):
+            if self.ctx.placement.replicated(s.unit.index):
                 continue  # every rank updated it
             if s.home == GPU:
                 data = s.device_slot.tensor[: s.unit.nbytes]

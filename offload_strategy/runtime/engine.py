@@ -210,9 +210,7 @@ class TieredEngine:
     def _owns(self, unit_index: int) -> bool:
         """Whether this process updates the unit (under sharded states: another rank may own it,
         except a persistent unit every rank updates)."""
-        if self.data_parallel is None or self.data_parallel.owns(unit_index):
-            return True
-        return self.placement.persistent_replicated and self.placement.home[unit_index] == GPU
+        return self.data_parallel is None or self.data_parallel.owns(unit_index) or self.placement.replicated(unit_index)
 
     # -- what the strategy, the tools and the tests read --------------------------------------------
 

@@ -44,7 +44,7 @@ class TierMemory:
         keeps its fp32 masters); ``shared_homes``: where the placement shares host homes among
         the machine's ranks, what maps them."""
         arena, device_pool, class_sizes = _device_tier(states, placement, device)
-        host = _host_tier(states, placement, device, shared_homes if placement.host_homes_shared else None)
+        host = _host_tier(states, placement, device, shared_homes)
         masters = _master_region([s for s in states if owns(s.unit.index)])
         return cls(arena, device_pool, class_sizes, host.slab, host.staging_pool, host.update_pool, host.update_buffers, masters,
                    host.gradient_slots, host.home_region, host.shared_slab)
