@@ -359,6 +359,9 @@ class HardwareSpec:
     # dense fp32 peak without tensor cores: what `32-true` matmuls run at under torch's default
     # (torch.backends.cuda.matmul.allow_tf32 is False)
     gpu_fp32_tflops: Optional[float] = None
+    # the GPU memory's datasheet bandwidth, which memory-bound kernels (element-wise operations,
+    # norms, the loss's softmax) run at
+    gpu_memory_gbps: Optional[float] = None
     source: str = ""
     # GPUs in the machine whose ranks share its CPU cores, memory channels and host memory (a
     # spec that already describes one GPU's share of a larger machine says 1)
@@ -371,7 +374,8 @@ class HardwareSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
                 object.__setattr__(self, field, parse_size(value, f"hardware.{field}"))
-        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "gpu_fp32_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "host_memory_gbps"):
+        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "gpu_fp32_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "host_memory_gbps",
+                      "gpu_memory_gbps"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"hardware.{field}={value!r} must be a non-negative number or None.")

@@ -44,9 +44,9 @@ GPT2_10B = ("model=gpt2_xl", "model.config.n_embd=4096", "model.config.n_layer=4
 LLAMA_13B = ("model=llama_7b", "model.config.hidden_size=5120", "model.config.intermediate_size=13824", "model.config.num_hidden_layers=40",
              "model.config.num_attention_heads=40", "model.config.num_key_value_heads=40", "data=synthetic", "data.seq_len=1024")
 A40 = ("hardware=l40s", "+hardware.gpu=NVIDIA_A40", "+hardware.gpu_memory=48GB", "+hardware.gpu_bf16_tflops=149.7",
-       "+hardware.gpu_fp16_tflops=149.7", "+hardware.gpu_fp32_tflops=37.4")
+       "+hardware.gpu_fp16_tflops=149.7", "+hardware.gpu_fp32_tflops=37.4", "+hardware.gpu_memory_gbps=696")
 RTX4080 = ("+hardware.gpu=NVIDIA_RTX_4080", "+hardware.gpu_memory=16GiB", "+hardware.gpu_bf16_tflops=97.5", "+hardware.gpu_fp16_tflops=97.5",
-           "+hardware.gpu_fp32_tflops=48.7")
+           "+hardware.gpu_fp32_tflops=48.7", "+hardware.gpu_memory_gbps=716.8")
 # ProTrain's four-GPU machines (§5.1): per rank a quarter of 80% of the host memory
 PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="77GB", ranks=4)
 PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="200GB", ranks=4, network_gbps=300)
@@ -189,10 +189,7 @@ def _planned(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[fl
         return auto.seconds, plan
     if point.kind == "tokens_per_s":
         return at.model.tokens * point.ranks / auto.seconds, plan
-    from offload_strategy.config import compute_dtype
-
-    flops = 3 * forward_seconds(at.model) * at.hardware.peak_flops(compute_dtype(point.precision)) * efficiency  # backward twice forward
-    return flops / auto.seconds / 1e12, plan
+    return 3 * at.model.forward_flops / auto.seconds / 1e12, plan  # backward twice forward
 
 
 GROUPS = {"step_s": "throughput and step time", "tokens_per_s": "throughput and step time", "tflops": "throughput and step time",
@@ -209,13 +206,21 @@ def run(point: Point, sim: Any, efficiency: float) -> tuple[float, str]:
 
 def calibrations(points: list[Point], sim: Any, efficiency: float) -> dict[str, float]:
     """The share of the GPU's dense peak each calibrating point's published forward time implies:
-    the model's forward FLOPs over that time (the model's forward at ``efficiency`` scaled)."""
+    the model's forward FLOPs over that time less the memory-bound part, which runs at the memory
+    bandwidth whatever the tensor cores reach."""
+    from offload_strategy.config import compute_dtype
+
     rates = {}
     calibrating = {p.rate_from for p in POINTS if p.rate_from}
     for ident in {p.rate_from for p in points if p.rate_from} | {p.ident for p in points if p.ident in calibrating}:
         point = next(p for p in POINTS if p.ident == ident)
-        ours, _ = run(point, sim, efficiency)
-        rates[ident] = efficiency * ours / point.published
+        at = setting(point, sim, efficiency)
+        peak = at.hardware.peak_flops(compute_dtype(point.precision))
+        memory_bound = forward_seconds(at.model) - at.model.forward_flops / (peak * efficiency)
+        if point.published <= memory_bound:
+            raise SystemExit(f"{ident}: the published {point.published:g} s is no longer than the model's memory-bound work alone "
+                             f"({memory_bound:.3g} s); the GPU's memory bandwidth is priced too low for this point")
+        rates[ident] = at.model.forward_flops / (peak * (point.published - memory_bound))
     return rates
 
 

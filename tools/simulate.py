@@ -63,6 +63,7 @@ class Model:
     batch_size: int
     state_factor: float
     parameters: int
+    forward_flops: float = 0.0  # one forward's, attention's products included
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     from hydra.utils import instantiate
 
     from offload_strategy.planning.placement import UnitSize
-    from offload_strategy.profiling.analytic import analytic_blocks, analytic_units
+    from offload_strategy.profiling.analytic import analytic_compute, analytic_units, attach_unattributed
     from offload_strategy.runtime.activations import find_blocks
     from offload_strategy.runtime.units import build_units
 
@@ -101,9 +102,11 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     costs = analytic_units(units, users, batch * seq, hardware, dtype=dtype, efficiency=efficiency)
     blocks = find_blocks(module)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    block_costs = analytic_blocks(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency)
+    compute = analytic_compute(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency)
+    block_costs = compute.blocks
     inside = [{id(m) for m in block.modules()} for block in blocks]
     block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
+    costs = attach_unattributed(costs, block_units, compute)  # attention's products and the memory-bound work
     # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes); gradients land in 16 bits first
     widen = 2 if half else 1
     return Model(
@@ -112,6 +115,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
                for u, c in zip(units, costs)],
         co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
         tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
+        forward_flops=compute.forward_flops,
     )
 
 
@@ -392,7 +396,7 @@ def explain(text: str) -> None:
 def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int], host: int, nvme: int, machine: Any) -> None:
     """Every figure the predictions rest on, with where it comes from and how to change it."""
     from offload_strategy.config import compute_dtype
-    from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, CPU_PARAMS_PER_S_PER_CORE, cpu_update_rate
+    from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, CPU_PARAMS_PER_S_PER_CORE, GPU_MEMORY_SHARE, cpu_update_rate
 
     copy = 2 if args.precision == "bf16-true" else 0
     memory = (f"{hardware.host_memory_gbps:g} GB/s of memory channels at {ADAM_BYTES_PER_PARAMETER + copy} bytes per parameter"
@@ -404,12 +408,15 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
         if args.precision == "bf16-mixed" \
         else "4 (fp32) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states"
     source = f" ({hardware.source})" if hardware.source else ""
+    hbm = (f"memory-bound work (element-wise, norms, the loss) at {GPU_MEMORY_SHARE:.0%} of its {hardware.gpu_memory_gbps:g} GB/s "
+           f"(+hardware.gpu_memory_gbps=)" if hardware.gpu_memory_gbps
+           else "memory-bound work not priced: the GPU memory's bandwidth is not known (+hardware.gpu_memory_gbps=)")
     nvme_line = (f"{fmt(nvme)}, read {machine.nvme_read / 1e9:.1f} GB/s, write {machine.nvme_write / 1e9:.1f} GB/s (--nvme-memory; "
                  f"+hardware.nvme_read_gbps=, +hardware.nvme_write_gbps=)") if nvme else "none (--nvme-memory 2TB adds one)"
     lines = [
         f"machine: {hardware.name}{source}; every figure below can be replaced, e.g. +hardware.host_memory=512GiB",
-        f"GPU compute: {args.efficiency:.0%} of the {hardware.gpu}'s dense {compute_dtype(args.precision)} peak, {peak / 1e12:.0f} TFLOP/s "
-        f"(--efficiency; +hardware.gpu_{compute_dtype(args.precision)}_tflops=)",
+        f"GPU compute: matrix products at {args.efficiency:.0%} of the {hardware.gpu}'s dense {compute_dtype(args.precision)} peak, "
+        f"{peak / 1e12:.0f} TFLOP/s (--efficiency; +hardware.gpu_{compute_dtype(args.precision)}_tflops=); {hbm}",
         f"GPU tier budgets: {', '.join(fmt(b) for b in budgets)} of its {fmt(hardware.gpu_memory)} (--gpu-memory)",
         f"host memory: {fmt(host)}, 80% of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
         f"NVMe: {nvme_line}",
@@ -501,7 +508,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
              f"{hardware.name} ({hardware.gpu}, {fmt(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
-             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations); compute alone {compute:.2f} s per step at {args.efficiency:.0%} of peak")
+             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations); compute alone {compute:.2f} s per step")
     print(f"\n{title}\n")
     print_assumptions(hardware, args, model, budgets, host, nvme, machine)
     if args.ranks > 1:

@@ -7,7 +7,9 @@ back, 78.5% and 82.3% of 31.5, and those shares apply to every generation here. 
 delivers less than the sum of its drives: TeraIO (§5) measured about 16 GB/s from RAID-0 arrays of
 four drives rated 6.7 GB/s read and 6.5 GB/s write, 60% and 62% of the sums. GPU peaks are dense (no sparsity) tensor
 core figures with fp32 accumulation, from the vendor datasheets and architecture whitepapers; the
-fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults.
+fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults;
+the GPU memory bandwidth is the datasheet's (memory-bound kernels reach a share of it,
+``profiling.analytic.GPU_MEMORY_SHARE``).
 Host memory, cores and SSDs are those of the testbed each spec is named after; the host memory
 bandwidth is the theoretical peak of its CPUs' memory channels (channels x transfer rate x 8 bytes,
 from the CPU datasheets). A spec is either one GPU's share of a larger machine (the DGX ones) or
@@ -48,6 +50,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_write_gbps=3.8,
             host_memory_gbps=76.8,  # 2x Xeon Platinum 8480C, 8 channels of DDR5-4800 each (614.4 GB/s), one GPU's eighth
             gpu_fp32_tflops=66.9,  # H100 SXM5 datasheet: FP32 67 TFLOPS
+            gpu_memory_gbps=3350.0,  # H100 SXM5 datasheet: HBM3
             source="NVIDIA H100 datasheet; DGX H100 user guide (per-GPU share)",
         ),
         HardwareSpec(
@@ -65,6 +68,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_write_gbps=3.8,
             host_memory_gbps=76.8,  # as the DGX H100: 614.4 GB/s, one GPU's eighth
             gpu_fp32_tflops=66.9,  # H200 datasheet: FP32 67 TFLOPS
+            gpu_memory_gbps=4800.0,  # H200 datasheet: HBM3e
             source="NVIDIA H200 datasheet; DGX H200 user guide (per-GPU share)",
         ),
         HardwareSpec(
@@ -82,6 +86,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_write_gbps=0.73,
             host_memory_gbps=204.8,  # AMD EPYC 7763: 8 channels of DDR4-3200
             gpu_fp32_tflops=19.5,  # A100 datasheet
+            gpu_memory_gbps=1555.0,  # A100 40GB datasheet: HBM2
             source="NVIDIA A100 datasheet; 10Cache Tables 1 and 3",
         ),
         HardwareSpec(
@@ -97,6 +102,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_count=0,
             host_memory_gbps=614.4,  # 2x Xeon Platinum 8480+: 8 channels of DDR5-4800 each
             gpu_fp32_tflops=19.5,  # A100 datasheet
+            gpu_memory_gbps=2039.0,  # A100 80GB SXM datasheet: HBM2e
             source="NVIDIA A100 datasheet; ProTrain §5 testbed",
             gpus=4,  # ProTrain §5.1: four A100s share the machine
         ),
@@ -115,6 +121,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_write_gbps=12 * 3.4 * ARRAY_WRITE_SHARE,
             host_memory_gbps=375.4,  # 2x Xeon Gold 5320: 8 channels of DDR4-2933 each
             gpu_fp32_tflops=82.6,  # Ada whitepaper
+            gpu_memory_gbps=1008.0,  # Ada whitepaper: 21 Gbps GDDR6X, 384-bit
             source="NVIDIA Ada whitepaper; LoHan Table III",
         ),
         HardwareSpec(
@@ -130,6 +137,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_count=0,
             host_memory_gbps=230.4,  # 2x Xeon Silver 4214R: 6 channels of DDR4-2400 each
             gpu_fp32_tflops=35.6,  # GA102 whitepaper
+            gpu_memory_gbps=936.2,  # GA102 whitepaper: 19.5 Gbps GDDR6X, 384-bit
             source="NVIDIA GA102 whitepaper; ProTrain §5 testbed",
             gpus=4,  # ProTrain §5.1: four RTX 3090s share the machine
         ),
@@ -148,6 +156,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_write_gbps=0.73,
             host_memory_gbps=341.2,  # 2x Xeon Silver 4314: 8 channels of DDR4-2666 each
             gpu_fp32_tflops=91.6,  # L40S datasheet
+            gpu_memory_gbps=864.0,  # L40S datasheet: GDDR6
             source="NVIDIA L40S datasheet; 10Cache Tables 1 and 3",
         ),
         HardwareSpec(
@@ -163,6 +172,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_count=0,
             host_memory_gbps=17.1,  # Xeon E5-2686 v4, 4 channels of DDR4-2400 (76.8 GB/s), the instance's 4 of 18 cores
             gpu_fp32_tflops=15.7,  # V100 datasheet (SXM2)
+            gpu_memory_gbps=900.0,  # V100 datasheet (SXM2): HBM2
             source="NVIDIA V100 datasheet; AWS p3.2xlarge instance specification",
         ),
     )

@@ -19,6 +19,18 @@ cache it across tiles), and vectors (norms, biases) are read once. So DHA takes
 (GFGB): an embedding is cheaper read in place, a norm costs the same either way (its bytes
 cross once; the copy's launch is not priced), a large GEMM far more in place.
 
+Memory-bound work (the roofline's other side): the element-wise operations, norms, the loss's
+softmax and copies run at the GPU's memory bandwidth, not its tensor cores. Each such operation
+of the meta forward moves its inputs and outputs once through GPU memory (views and allocations
+move nothing; matrix products are priced by FLOPs); its time is those bytes at
+``GPU_MEMORY_SHARE`` of the datasheet's bandwidth (``HardwareSpec.gpu_memory_gbps``; unknown: not
+priced). Backward moves twice what forward does, as its FLOPs are twice forward's. Per token this
+is a fixed count of bytes per hidden unit (a block of Hugging Face's GPT-2 moves about 218 bytes
+per token per unit of width in bf16 with dropout on, Mistral's about 156) against FLOPs that grow
+with the width squared, so narrow models lose a larger share of their step to it than wide ones.
+:func:`attach_unattributed` spreads each block's time beyond its units' matrix products
+(attention's and this) over the block's units, so that the step model computes for as long.
+
 Block activations (:func:`analytic_blocks`) come from one forward of the model on the meta device:
 what autograd saves inside each block (parameters excluded, as the runtime's accounting does; each
 storage once, however many operations save it or views of it), the
@@ -31,6 +43,7 @@ meta device's reference path would save; their FLOPs are the two matrix products
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +51,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import HardwareSpec
@@ -48,6 +63,9 @@ from ..runtime.units import TransferUnit
 CPU_PARAMS_PER_S_PER_CORE = 0.8e9
 ADAM_BYTES_PER_PARAMETER = 28  # fp32: master, gradient, two states read; master and states written
 DHA_TILE_TOKENS = 128  # rows of a GEMM's output tile: each such tile reads the whole weight once
+# the share of the datasheet's memory bandwidth that streaming kernels reach (BabelStream's triad
+# on A100 and V100 reaches about 90%; PyTorch's eager element-wise kernels a little less)
+GPU_MEMORY_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -149,21 +167,36 @@ def dha_read_bytes(units: list[TransferUnit], users: dict[nn.Module, list[Transf
     return reads
 
 
-def analytic_blocks(
+@dataclass(frozen=True)
+class AnalyticCompute:
+    """A forward's GPU time from shapes: each block's costs, and the time outside every block (the
+    embedding, the head and the loss)."""
+
+    blocks: list[BlockCost]
+    outside_forward_seconds: float
+    forward_flops: float  # the whole forward's, attention's products included
+
+
+def analytic_compute(
     model: nn.Module,
     blocks: Sequence[nn.Module],
     forward: Callable[[], Any],
     hardware: HardwareSpec,
     dtype: str = "bf16",
     efficiency: float = 0.5,
-) -> list[BlockCost]:
-    """Each block's activation bytes, input bytes and forward time from one call of ``forward``
-    (which runs ``model`` on meta-device inputs; see the module docstring)."""
+) -> AnalyticCompute:
+    """Each block's activation bytes, input bytes and forward time, and the forward time outside
+    the blocks, from one call of ``forward`` (which runs ``model`` on meta-device inputs; see the
+    module docstring): FLOPs at ``efficiency`` of the dense peak plus the memory-bound bytes at
+    ``GPU_MEMORY_SHARE`` of the memory bandwidth."""
     peak = hardware.peak_flops(dtype)
     if not peak:
         raise ValueError(f"hardware {hardware.name!r} gives no {dtype} peak FLOP/s; set gpu_{dtype}_tflops to model it.")
-    if not blocks:
-        return []
+    bandwidth = hardware.gpu_memory_gbps * 1e9 * GPU_MEMORY_SHARE if hardware.gpu_memory_gbps else math.inf
+
+    def seconds(flops: float, moved: float) -> float:
+        return flops / (peak * efficiency) + moved / bandwidth
+
     meter = _BlockMeter(model, len(blocks))
     handles = []
     for index, block in enumerate(blocks):
@@ -172,15 +205,58 @@ def analytic_blocks(
     reference = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = meter.attention
     try:
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), meter.counter:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), meter.counter, meter.traffic:
             forward()
     finally:
         torch.nn.functional.scaled_dot_product_attention = reference
         for handle in handles:
             handle.remove()
+    costs = [BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=seconds(f + a, m))
+             for s, i, f, a, m in zip(meter.saved, meter.inputs, meter.flops, meter.fused, meter.moved)]
+    outside_flops = meter.counter.get_total_flops() - sum(meter.flops)
+    outside_moved = meter.traffic.total - sum(meter.moved)
+    total_flops = meter.counter.get_total_flops() + sum(meter.fused)
+    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)), total_flops)
+
+
+def analytic_blocks(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    forward: Callable[[], Any],
+    hardware: HardwareSpec,
+    dtype: str = "bf16",
+    efficiency: float = 0.5,
+) -> list[BlockCost]:
+    """Each block's activation bytes, input bytes and forward time (:func:`analytic_compute`)."""
+    if not blocks:
+        return []
+    return analytic_compute(model, blocks, forward, hardware, dtype=dtype, efficiency=efficiency).blocks
+
+
+def attach_unattributed(
+    costs: Sequence[AnalyticUnit], block_units: Sequence[Sequence[int]], compute: AnalyticCompute,
+) -> list[AnalyticUnit]:
+    """The units' costs with the compute no parameter accounts for (attention's products, the
+    memory-bound work) added to the units that run beside it: each block's time beyond its units'
+    matrix products over that block's units, the time outside blocks over the other units, each
+    share in proportion to the units' own forward time (evenly where they have none). Backward
+    gets twice what forward gets; so does a unit computed in place on host memory (the work runs
+    on the GPU either way). ``block_units``: each block's unit indices, as ``costs`` orders them."""
+    extra = [0.0] * len(costs)
+    inside = {i for units in block_units for i in units}
+    groups = [(list(units), block.forward_seconds) for units, block in zip(block_units, compute.blocks)]
+    groups.append(([i for i in range(len(costs)) if i not in inside], compute.outside_forward_seconds))
+    for units, seconds in groups:
+        own = sum(costs[i].forward_seconds for i in units)
+        surplus = seconds - own
+        if not units or surplus <= 0:
+            continue
+        for i in units:
+            extra[i] += surplus * (costs[i].forward_seconds / own if own > 0 else 1 / len(units))
     return [
-        BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=f / (peak * efficiency))
-        for s, i, f in zip(meter.saved, meter.inputs, meter.flops)
+        dataclasses.replace(c, forward_seconds=c.forward_seconds + e, backward_seconds=c.backward_seconds + 2 * e,
+                            dha_forward_seconds=c.dha_forward_seconds + e) if e else c
+        for c, e in zip(costs, extra)
     ]
 
 
@@ -189,17 +265,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _BlockMeter:
-    """What each block saves for backward (parameters aside), its input's bytes and its FLOPs,
-    from hooks around the blocks and saved-tensor hooks over the forward."""
+    """What each block saves for backward (parameters aside), its input's bytes, its FLOPs and
+    the bytes its memory-bound operations move, from hooks around the blocks, saved-tensor hooks
+    and two dispatch modes over the forward."""
 
     def __init__(self, model: nn.Module, count: int) -> None:
         self.parameters = {id(p) for p in model.parameters()}
-        self.saved, self.inputs, self.flops = [0] * count, [0] * count, [0] * count
+        self.saved, self.inputs, self.flops, self.moved = [0] * count, [0] * count, [0] * count, [0] * count
+        self.fused = [0] * count  # fused attention's FLOPs, which the counter does not see
         # each block's saved storages: a tensor saved by several operations, or views of one
         # output (a fused projection split into query, key and value), hold its memory once
         self.held: list[dict[int, Any]] = [{} for _ in range(count)]
         self.current: list[int] = []  # the block running now (innermost last)
         self.counter = FlopCounterMode(display=False)
+        self.traffic = _MemoryTraffic()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         is_parameter = id(t) in self.parameters or (t._base is not None and id(t._base) in self.parameters)
@@ -215,20 +294,54 @@ class _BlockMeter:
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             self.inputs[index] = _nbytes(first) if first is not None else 0
             self.flops[index] -= self.counter.get_total_flops()
+            self.moved[index] -= self.traffic.total
             self.current.append(index)
         return hook
 
     def post(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             self.flops[index] += self.counter.get_total_flops()
+            self.moved[index] += self.traffic.total
             self.current.pop()
         return hook
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.current:
             # QK^T and PV: 2 FLOPs per multiply-add, over every query row and key
-            self.flops[self.current[-1]] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+            self.fused[self.current[-1]] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+        # the fused kernel reads the query, key and value and writes the output and the log-sum-exp
+        self.traffic.total += 2 * _nbytes(query) + _nbytes(key) + _nbytes(value) + 4 * query.shape[:-1].numel()
         return _FusedAttention.apply(query, key, value)
+
+
+_MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution"}
+_ALLOCATIONS = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
+
+
+class _MemoryTraffic(TorchDispatchMode):
+    """The bytes memory-bound operations move: each operation's tensor inputs and outputs once.
+    Matrix products are priced by their FLOPs, and views and allocations move nothing; an
+    embedding lookup reads only the rows it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if name in _MATRIX_PRODUCTS or name in _ALLOCATIONS:
+            return out
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name == "embedding":
+            self.total += 2 * sum(_nbytes(t) for t in outputs)
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage()._cdata for t in inputs}
+        if not func._schema.is_mutable and any(t.untyped_storage()._cdata in storages for t in outputs):
+            return out  # a view of an input
+        self.total += sum(_nbytes(t) for t in (*inputs, *outputs))
+        return out
 
 
 class _FusedAttention(torch.autograd.Function):
