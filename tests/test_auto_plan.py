@@ -149,12 +149,23 @@ def test_host_swaps_and_streamed_units_share_host_memory_within_its_budget():
 
 
 def test_a_search_short_of_host_memory_says_so_instead_of_asking_for_more_gpu_memory():
-    # four frozen units of 512 bytes streamed need 16 KiB of page-aligned host homes; 3 KiB is short,
-    # and no GPU budget would help
+    # four frozen units of 512 bytes streamed need 16 KiB of page-aligned host homes; 3 KiB is short.
+    # Beside both blocks checkpointed (a peak of 1,100 bytes) 1,536 bytes hold one unit resident and
+    # two streaming buffers, not the units resident that would leave host memory nothing to hold
     with pytest.raises(PlacementError, match=r"^host_memory=2.98 KiB cannot hold the offloaded units' parameters") as refused:
-        plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 2000, host_bytes=3048, nvme_bytes=0, state_factor=2.0,
+        plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 1100, host_bytes=3048, nvme_bytes=0, state_factor=2.0,
                   blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6)
     assert refused.value.tier == "host"
+
+
+def test_a_search_short_of_host_memory_keeps_units_resident_where_the_gpu_tier_holds_them():
+    """The same host memory with 2,436 bytes of the GPU tier beside both blocks checkpointed: all
+    four units resident (2,048 bytes) leave nothing for host memory. The search refused it, as it
+    stopped at the first count of resident units host memory could not hold (none)."""
+    plan = plan_auto(SIZES, CO_RESIDENT, [0, 1, 2, 3], COSTS, MACHINE, gpu_bytes=1536 + 2000, host_bytes=3048, nvme_bytes=0, state_factor=2.0,
+                     blocks=BLOCKS, links=LINKS, activation_host_bytes=10**6)
+    assert plan.parameters.persistent == 4 and plan.parameters.placement.host_bytes == 0
+    assert plan.parameters.placement.gpu_bytes + plan.activations.peak_bytes <= 1536 + 2000
 
 
 def test_a_layout_adds_its_recomputes_and_the_link_time_its_swaps_share_with_the_parameters():

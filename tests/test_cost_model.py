@@ -73,6 +73,27 @@ def test_protrain_search_trades_persistent_units_for_buffers():
     assert candidates[0].persistent == 1 and by_count[1].prediction.exposed_seconds == pytest.approx(0)
 
 
+def test_protrain_search_keeps_units_resident_where_host_memory_cannot_hold_them_all():
+    """Four frozen units of 512 bytes, host memory for three (a home takes a 4 KiB page-aligned
+    slot), a GPU tier of 1,536 bytes. Streamed, all four need four slots: refused. One resident
+    leaves three at home beside 512 + two buffers (1,536) in the GPU tier: it fits. Two resident need 2,048 of the GPU
+    tier, and all four too. The search ended at the first refusal, so it called the model too
+    large for the machine."""
+    from offload_strategy.planning.placement import PlacementError, UnitSize
+    from offload_strategy.planning.protrain import search_persistent
+
+    sizes = [UnitSize(i, 512, 0) for i in range(4)]
+    costs = {i: UnitCost(512, 1.0, 2.0) for i in range(4)}
+    machine = Machine(h2d=512.0, d2h=512.0)
+    candidates = search_persistent(sizes, [[0], [1], [2], [3]], [0, 1, 2, 3], costs, machine, gpu_bytes=1536, host_bytes=3 * 4096,
+                                   nvme_bytes=0, state_factor=2.0)
+    assert [c.persistent for c in candidates] == [1]
+    assert candidates[0].placement.host_bytes <= 3 * 4096 and candidates[0].placement.gpu_bytes <= 1536
+    with pytest.raises(PlacementError, match="host_memory"):  # with host memory for two, no count fits: the first refusal
+        search_persistent(sizes, [[0], [1], [2], [3]], [0, 1, 2, 3], costs, machine, gpu_bytes=1536, host_bytes=2 * 4096, nvme_bytes=0,
+                          state_factor=2.0)
+
+
 def test_data_parallel_reduces_at_home_updates_owned_units_and_shares_them():
     units = [
         UnitCost(100, 1.0, 1.0, home=HOST, gradient_bytes=100, update_seconds=1.0, owned=True),

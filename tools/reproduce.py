@@ -36,6 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+# LoHan Table IV: the models its largest-model figures were searched over (GPT-3's shapes), billions
+LOHAN_SERIES = tuple(
+    (size, (f"model.config.n_layer={layers}", f"model.config.n_head={heads}", f"model.config.n_embd={width}"))
+    for size, layers, heads, width in ((6, 28, 32, 4096), (13, 40, 40, 5120), (30, 48, 56, 7168), (70, 80, 64, 8192), (135, 88, 88, 11264),
+                                       (175, 96, 96, 12288), (276, 112, 112, 14336), (412, 128, 128, 16384))
+)
+LOHAN_BATCH_1 = ("model=gpt3_175b", "model.config.n_positions=1024", "data=synthetic", "data.seq_len=1024", "data.batch_size=1")
 LOHAN_13B = ("model=gpt3_175b", "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40",
              "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090", "data=synthetic",
              "data.seq_len=1024")
@@ -73,6 +80,9 @@ class Point:
     # a ``forward_s`` point whose published compute time sets the GPU's achieved share of its peak
     # on that machine (then that point calibrates and is not counted)
     rate_from: Optional[str] = None
+    # ``largest_b`` over a paper's own list of models (size in billions, the overrides that make
+    # it), where the paper searched such a list: the largest of them that the auto plan holds
+    series: tuple[tuple[float, tuple[str, ...]], ...] = ()
 
 
 POINTS = (
@@ -81,12 +91,11 @@ POINTS = (
     Point("LH-11", "LoHan §III-C: forward compute 5.96 s, 13B, batch 32", "forward_s", 5.96, (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB"),
     Point("LH-9", "LoHan §III-B: 213 GB of activations, 13B, batch 32", "activations_gb", 213.0, (*LOHAN_13B, "data.batch_size=32"), "22GiB",
           nvme="40TB"),
-    Point("LH-1", "LoHan abstract: 276B trains on an RTX 4090 with 768 GB", "largest_b", 276.0,
-          ("model=gpt3_175b", "model.config.n_embd=14336", "model.config.n_layer=112", "model.config.n_head=112", "model.config.n_positions=1024",
-           "hardware=rtx4090", "data=synthetic", "data.seq_len=1024", "data.batch_size=1"), "22GiB", nvme="40TB"),
+    Point("LH-1", "LoHan abstract: 276B trains on an RTX 4090 with 768 GB", "largest_b", 276.0, (*LOHAN_BATCH_1, "hardware=rtx4090"), "22GiB",
+          nvme="40TB", series=LOHAN_SERIES, note="the largest of LoHan's Table IV models (6B to 412B) the auto plan holds, as LoHan searched"),
     Point("LH-3", "LoHan abstract: 175B trains on an RTX 4080 with 256 GB (a lower bound)", "largest_b", 175.0,
-          ("model=gpt3_175b", "model.config.n_positions=1024", "hardware=rtx4090", *RTX4080, "data=synthetic", "data.seq_len=1024",
-           "data.batch_size=1"), "15GiB", host="256GB", nvme="40TB", note="host budget the machine's whole 256 GB"),
+          (*LOHAN_BATCH_1, "hardware=rtx4090", *RTX4080), "15GiB", host="256GB", nvme="40TB", series=LOHAN_SERIES,
+          note="host budget the machine's whole 256 GB; the largest of LoHan's Table IV models the auto plan holds"),
     Point("PT-1a", "ProTrain Table 2: 34B on one RTX 3090 (384 GB)", "largest_b", 34.0, (*GPT2_W8192, "model.config.n_layer=42", "hardware=rtx3090"),
           "22GiB"),
     Point("PT-1b", "ProTrain Table 2: 37B on four RTX 3090 (384 GB)", "largest_b", 37.0, (*GPT2_W8192, "model.config.n_layer=46", "hardware=rtx3090"),
@@ -149,16 +158,16 @@ def shares_homes(point: Any) -> bool:
 
 def auto_row(point: Any, sim: Any, at: Setting) -> Any:
     """The joint search's row for the point's setting (rank 0's with several ranks)."""
-    from offload_strategy.planning.sharding import Sharding, assign_owners
+    sharding, owners = sim.rank_sharding(at.model, point.ranks, at.shared_homes)
+    return sim.compare_policies(at.model, point_machine(point, sim, at), at.gpu, at.host, at.nvme, sharding, owners)[-1]
 
+
+def point_machine(point: Any, sim: Any, at: Setting) -> Any:
+    """The step model's machine for a point's setting: its ranks, links and collectives."""
     network = None if point.network_gbps is None else point.network_gbps * 1e9
     host_network = None if point.host_network_gbps is None else point.host_network_gbps * 1e9
-    machine = sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes,
-                             host_network=host_network)
-    owners = assign_owners([s.trainable_bytes for s in at.model.sizes], point.ranks)
-    sharding = (Sharding(dict(enumerate(owners)), 0, point.ranks, gradients_sent=True, shared_homes=at.shared_homes, replicated_persistent=True)
-                if point.ranks > 1 else None)
-    return sim.compare_policies(at.model, machine, at.gpu, at.host, at.nvme, sharding, owners)[-1]
+    return sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes,
+                          host_network=host_network)
 
 
 def forward_seconds(model: Any) -> float:
@@ -168,8 +177,23 @@ def forward_seconds(model: Any) -> float:
 
 
 def _largest(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
-    depth, parameters = sim.largest_depth(at.model, at.gpu, at.host, at.nvme, ranks=point.ranks, shared_homes=at.shared_homes)
-    return parameters / 1e9, f"{depth} blocks"
+    if point.series:
+        return _largest_of_series(point, sim, efficiency)
+    depth, parameters, plan = sim.largest_depth(at.model, point_machine(point, sim, at), at.gpu, at.host, at.nvme, ranks=point.ranks,
+                                                shared_homes=at.shared_homes)
+    return parameters / 1e9, f"{depth} blocks" + (f", units {plan.homes}, blocks {plan.layout}" if plan is not None else "")
+
+
+def _largest_of_series(point: Point, sim: Any, efficiency: float) -> tuple[float, str]:
+    """The largest of the paper's models the auto plan holds, tried from the largest down."""
+    for size, overrides in sorted(point.series, reverse=True):
+        member = dataclasses.replace(point, overrides=(*point.overrides, *overrides))
+        at = setting(member, sim, efficiency)
+        row = auto_row(member, sim, at)
+        if row.fits:
+            beyond = " (the list's largest: a lower bound)" if size == max(s for s, _ in point.series) else ""
+            return size, f"{size:g}B{beyond}: {len(at.model.blocks)} blocks, units {row.homes}, blocks {row.layout}"
+    return 0.0, "none of the paper's models"
 
 
 def _activations(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
@@ -364,7 +388,8 @@ def command(point: Any) -> str:
     flags += [f"--host-network-gbps {point.host_network_gbps:g}"] if point.host_network_gbps else []
     flags += [f"--precision {point.precision}"] if point.precision != "bf16-true" else []
     batches = f"  # the fastest of data.batch_size={','.join(map(str, point.batches))}" if getattr(point, "batches", ()) else ""
-    return "python tools/simulate.py " + " ".join([*point.overrides, *flags]) + batches
+    published = [o for size, o in getattr(point, "series", ()) if size == point.published]  # the paper's own model of its list
+    return "python tools/simulate.py " + " ".join([*point.overrides, *(published[0] if published else ()), *flags]) + batches
 
 
 def figures_table(points: list[Point], sim: Any, rates: dict[str, float], efficiency: float) -> None:

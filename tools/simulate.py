@@ -65,6 +65,28 @@ class Model:
     parameters: int
     forward_flops: float = 0.0  # one forward's, attention's products included
 
+    def deeper(self, depth: int) -> "Model":
+        """This model with ``depth`` copies of its first block, units renumbered in execution
+        order (the units before the blocks, each copy's, the rest), for capacity searches. Its
+        ``units`` are left empty: the predictions need the sizes and costs only."""
+        first = self.block_units[0]
+        in_blocks = {i for units in self.block_units for i in units}
+        start = min(in_blocks)
+        before = [s.index for s in self.sizes if s.index not in in_blocks and s.index < start]
+        after = [s.index for s in self.sizes if s.index not in in_blocks and s.index > start]
+        order = [*before, *(i for _ in range(depth) for i in first), *after]
+        copy_of = [[len(before) + b * len(first) + k for k in range(len(first))] for b in range(depth)]
+        outside = {old: len(before) + depth * len(first) + k for k, old in enumerate(after)} | {old: k for k, old in enumerate(before)}
+        position = {old: k for k, old in enumerate(first)}
+        groups = [[outside[i] for i in g] for g in self.co_resident if not set(g) & in_blocks]
+        groups += [[copy[position[i]] for i in g] for copy in copy_of for g in self.co_resident if set(g) <= set(first)]
+        return dataclasses.replace(
+            self, units=[], costs=[self.costs[i] for i in order],
+            sizes=[dataclasses.replace(self.sizes[i], index=k) for k, i in enumerate(order)],
+            co_resident=groups, block_units=copy_of, blocks=[self.blocks[0]] * depth,
+            parameters=sum(self.costs[i].parameters for i in order), forward_flops=0.0,
+        )
+
 
 @dataclass(frozen=True)
 class Row:
@@ -139,12 +161,12 @@ def unit_costs(model: Model, owners: list[int]) -> dict:
     from offload_strategy.planning.cost_model import UnitCost
 
     return {
-        u.index: UnitCost(
-            nbytes=u.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds,
-            gradient_bytes=u.nbytes if any(p.requires_grad for p in u.params) else 0, update_seconds=c.update_seconds, owned=owners[u.index] == 0,
+        size.index: UnitCost(
+            nbytes=size.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds,
+            gradient_bytes=size.nbytes if c.trainable_bytes else 0, update_seconds=c.update_seconds, owned=owners[size.index] == 0,
             reduced_bytes=size.trainable_bytes,  # the runtime reduces the gradient its master is updated with
         )
-        for u, c, size in zip(model.units, model.costs, model.sizes)
+        for c, size in zip(model.costs, model.sizes)
     }
 
 
@@ -162,7 +184,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     from offload_strategy.planning.placement import GPU, NVME, PlacementError, place_units
 
     costs = unit_costs(model, owners)
-    order = [u.index for u in model.units]
+    order = [size.index for size in model.sizes]
     try:
         # every unit is updated as its gradients complete (one optimizer, no clipping or
         # accumulation), after its reduction to its owner under data parallelism; a rank keeps the
@@ -173,11 +195,11 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
         return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
     step_units = [
         dataclasses.replace(
-            costs[u.index], home=placement.home[u.index],
-            state_bytes=int(size.trainable_bytes * model.state_factor) if placement.home[u.index] == NVME else 0,
-            update_seconds=0.0 if placement.home[u.index] == GPU else costs[u.index].update_seconds,  # persistent units update in the GPU tier
+            costs[size.index], home=placement.home[size.index],
+            state_bytes=int(size.trainable_bytes * model.state_factor) if placement.home[size.index] == NVME else 0,
+            update_seconds=0.0 if placement.home[size.index] == GPU else costs[size.index].update_seconds,  # persistent units update in the GPU tier
         )
-        for u, size in zip(model.units, model.sizes)
+        for size in model.sizes
     ]
     buffers = sum(placement.device_slots.values())
     step = simulate_step(step_units, placement.device_slots, machine)
@@ -220,56 +242,84 @@ def fmt(n: float) -> str:
     return format_bytes(n)
 
 
-def largest_depth(model: Model, gpu: int, host: int, nvme: int, ranks: int = 1, shared_homes: bool = False) -> tuple[int, int]:
-    """The most blocks of this model's shape (and the parameters they make) that the budgets hold:
-    parameters, gradients and optimizer states placed as the strategy places them (with ``ranks``
-    data-parallel ranks, each keeping the states of the units it owns, and with ``shared_homes``
-    one copy of host homes for all of them), beside the activations of
-    every block checkpointed (the smallest layout without a swap path). Doubling, then bisection on
-    the block count."""
+def rank_sharding(model: Model, ranks: int, shared_homes: bool = False, replicated: bool = False) -> tuple[Any, list[int]]:
+    """Rank 0's sharding of ``model``'s states over ``ranks`` data-parallel ranks (None: one rank,
+    or every rank keeping every state) and each unit's owner: one optimizer, no accumulation or
+    clipping, so every backward reduces to the owners; persistent units replicated."""
+    from offload_strategy.planning.sharding import Sharding, assign_owners
+
+    owners = assign_owners([size.trainable_bytes for size in model.sizes], ranks)
+    sharding = (Sharding({size.index: owner for size, owner in zip(model.sizes, owners)}, 0, ranks, gradients_sent=True, shared_homes=shared_homes,
+                         replicated_persistent=True) if ranks > 1 and not replicated else None)
+    return sharding, owners
+
+
+def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ranks: int = 1, shared_homes: bool = False,
+                  replicated: bool = False) -> tuple[int, int, Optional[Row]]:
+    """The most blocks of this model's shape (and the parameters they make) for which the joint
+    search of the auto rows finds a plan within the budgets, and that plan's row. The search is
+    slow on deep models, so it runs between two cheap bounds: every block checkpointed beside the
+    parameters placed as the strategy places them (a depth that holds so without a swap path
+    holds, it is one of the search's layouts), and the parameters placed beside one block's
+    activations, the least any layout keeps in the GPU tier, with nothing counted for swaps' host
+    or NVMe room (no deeper model can hold). Doubling, then bisection on the block count."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
     from offload_strategy.planning.placement import PlacementError, place_units
-    from offload_strategy.planning.sharding import Sharding
 
     if not model.block_units or not model.blocks:
-        return 0, 0
-    first = model.block_units[0]
-    in_blocks = {i for units in model.block_units for i in units}
-    outside = [s for s in model.sizes if s.index not in in_blocks]
-    per_block = [model.sizes[i] for i in first]
-    block_params = sum(model.costs[i].parameters for i in first)
-    outside_params = sum(model.costs[s.index].parameters for s in outside)
-    users_outside = [g for g in model.co_resident if not set(g) & in_blocks]
-    users_block = [[first.index(i) for i in g] for g in model.co_resident if set(g) <= set(first)]
+        return 0, 0, None
 
-    def fits(depth: int) -> bool:
-        sizes = list(outside)
-        groups = [list(g) for g in users_outside]
-        for b in range(depth):
-            base = 10**9 + b * len(first)  # fresh indices for each copy, clear of the model's own
-            sizes += [dataclasses.replace(s, index=base + k) for k, s in enumerate(per_block)]
-            groups += [[base + k for k in g] for g in users_block]
-        activations = peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth)
+    def placed(deeper: Model, activations: int) -> bool:
         if activations >= gpu:
             return False
-        sharding = Sharding.balanced([s.index for s in sizes], [s.trainable_bytes for s in sizes], ranks, 0, gradients_sent=True,
-                                     shared_homes=shared_homes, replicated_persistent=True) if ranks > 1 else None
+        sharding, _ = rank_sharding(deeper, ranks, shared_homes, replicated)
         try:
-            place_units(sizes, groups, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme, state_factor=model.state_factor,
-                        sharding=sharding, gradients_until_update=True)
+            place_units(deeper.sizes, deeper.co_resident, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme,
+                        state_factor=deeper.state_factor, sharding=sharding, gradients_until_update=True)
         except PlacementError:
             return False
         return True
 
-    if not fits(1):
-        return 0, 0
-    low, high = 1, 2
-    while fits(high) and high < 1 << 20:
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low, outside_params + low * block_params
+    def checkpointed(depth: int) -> bool:
+        return placed(model.deeper(depth), peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth))
+
+    def at_most(depth: int) -> bool:
+        return placed(model.deeper(depth), model.blocks[0].activation_bytes)  # every layout materialises one block in backward
+
+    searched: dict[int, Optional[Row]] = {}
+
+    def planned(depth: int) -> bool:
+        if depth not in searched:
+            deeper = model.deeper(depth)
+            sharding, owners = rank_sharding(deeper, ranks, shared_homes, replicated)
+            row = compare_policies(deeper, machine, gpu, host, nvme, sharding, owners)[-1]
+            searched[depth] = row if row.fits else None
+        return searched[depth] is not None
+
+    low = _last_true(checkpointed, 1)
+    high = _last_true(at_most, max(low, 1)) + 1  # the first depth no plan can hold
+    found = _last_true(planned, low, high) if low and planned(low) else _last_true(planned, 1, max(low, 1) + 1)
+    if not found:
+        return 0, 0, None
+    return found, model.deeper(found).parameters, searched[found]
+
+
+def _last_true(holds: Any, low: int, high: Optional[int] = None) -> int:
+    """The largest n >= ``low`` with ``holds(n)``, for a predicate true up to some n and false
+    after (0 when ``holds(low)`` is false): doubling from ``low`` until it fails or reaches
+    ``high`` (exclusive, where the answer is known to lie below), then bisection."""
+    if low < 1 or not holds(low):
+        return 0
+    good, bad = low, high
+    while bad is None:
+        probe = good * 2
+        if probe >= 1 << 20:
+            return good
+        good, bad = (probe, None) if holds(probe) else (good, probe)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if holds(middle) else (good, middle)
+    return good
 
 
 def memferry_findings(model: Model) -> list[tuple[str, int, float, float, int]]:
@@ -476,7 +526,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from offload_strategy import parse_size
     from offload_strategy.config import compute_dtype
-    from offload_strategy.planning.sharding import Sharding, assign_owners
 
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
@@ -499,11 +548,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     shared = args.share_host_homes and args.ranks > 1
     machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states, host_network=host_network,
                          shared_homes=shared)
-    owners = assign_owners([size.trainable_bytes for size in model.sizes], args.ranks)
-    # rank 0 keeps the states of the units it owns only (None: every unit's, one rank or replicated);
-    # one optimizer, no accumulation or clipping: every backward reduces to the owners
-    sharding = (Sharding(dict(enumerate(owners)), 0, args.ranks, gradients_sent=True, shared_homes=shared, replicated_persistent=True)
-                if args.ranks > 1 and not args.replicate_states else None)
+    sharding, owners = rank_sharding(model, args.ranks, shared, args.replicate_states)
     compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
@@ -519,10 +564,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")
     all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners)
-    depth, parameters = largest_depth(model, max(budgets), host, nvme, ranks=1 if args.replicate_states else args.ranks, shared_homes=shared)
-    if depth:
+    depth, parameters, plan = largest_depth(model, machine, max(budgets), host, nvme, ranks=args.ranks, shared_homes=shared,
+                                            replicated=args.replicate_states)
+    if depth and plan is not None:
         print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "
-              f"{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), every block checkpointed.")
+              f"{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), as the auto rows plan it: "
+              f"units {plan.homes}, blocks {plan.layout} (keep/ckpt/swap), {plan.seconds:.2f} s per step.")
     else:
         print(f"\nNot even one block of this model fits GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}.")
 

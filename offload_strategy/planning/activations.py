@@ -119,17 +119,16 @@ def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
       back the swapped block below it (the runtime prefetches one swap block ahead).
     """
     held = [c.activation_bytes if p == KEEP else c.input_bytes if p == CHECKPOINT else 0 for c, p in zip(costs, layout)]
-    swapped = [i for i, p in enumerate(layout) if p in (SWAP_HOST, SWAP_NVME)]
-    in_flight = max((costs[i].activation_bytes for i in swapped), default=0)
+    in_flight = max((c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME)), default=0)
     peak = sum(held) + in_flight
     below = 0
+    swapped_below = 0  # the nearest swapped block below j: what a swapped block j prefetches
     for j, (cost, policy) in enumerate(zip(costs, layout)):
-        prefetch = 0
-        if policy in (SWAP_HOST, SWAP_NVME):
-            lower = [i for i in swapped if i < j]
-            prefetch = costs[lower[-1]].activation_bytes if lower else 0
-        peak = max(peak, below + cost.activation_bytes + prefetch)
+        swapped = policy in (SWAP_HOST, SWAP_NVME)
+        peak = max(peak, below + cost.activation_bytes + (swapped_below if swapped else 0))
         below += held[j]
+        if swapped:
+            swapped_below = cost.activation_bytes
     return peak
 
 
@@ -153,12 +152,23 @@ def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links
     return t_forward + t_backward
 
 
+LAYOUT_COUNTS = 128  # block counts tried per policy: every count up to this many blocks, evenly spaced ones beyond
+
+
+def _counts(most: int, stride: int) -> list[int]:
+    return sorted({*range(0, most + 1, stride), most})
+
+
 def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int):
     """Every interleaved layout (swapped, checkpointed counts) that has a path for its swaps, as
-    (layout, peak bytes, predicted seconds, blocks managed)."""
+    (layout, peak bytes, predicted seconds, blocks managed). Beyond ``LAYOUT_COUNTS`` blocks the
+    counts are evenly spaced (with every block swapped or checkpointed kept), as ProTrain's
+    search tries a small set of them: each layout costs time linear in the blocks, so the full
+    search would grow with their cube."""
     n = len(costs)
-    for n_swap in range(n + 1):
-        for n_checkpoint in range(n - n_swap + 1):
+    stride = -(-n // LAYOUT_COUNTS)  # 1 up to LAYOUT_COUNTS blocks
+    for n_swap in _counts(n, stride):
+        for n_checkpoint in _counts(n - n_swap, stride):
             layout = split_swaps(costs, interleaved_layout(n, n_swap, n_checkpoint), host_bytes)
             if SWAP_NVME in layout and links.nvme_write <= 0:
                 continue

@@ -128,6 +128,14 @@ class _FrontVisit:
 
     def __call__(self, activation_host_bytes: int) -> _Visited:
         front = layout_frontier(self.blocks, self.links, activation_host_bytes)
+        if front and self.gpu_bytes - front[0].peak_bytes >= self.smallest[0]:
+            # the layout with the smallest peak leaves the parameters the most of the GPU tier:
+            # where host memory or NVMe cannot hold them there, they cannot beside any layout
+            try:
+                self.parameters(self.gpu_bytes - front[0].peak_bytes)
+            except PlacementError as error:
+                if error.tier is not Tier.GPU:
+                    return _Visited(None, error, None, front)
         fastest_parameters: Optional[PlacementCandidate] = None  # with the whole GPU tier: a bound for every split
         best: Optional[AutoPlan] = None
         elsewhere: Optional[PlacementError] = None
