@@ -14,7 +14,7 @@ from torch import nn
 from offload_strategy import HardwareSpec
 from offload_strategy.config import parse_size
 from offload_strategy.hardware.specs import known_hardware
-from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_blocks, analytic_units, cpu_update_rate
+from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_compute, analytic_units, cpu_update_rate
 from offload_strategy.runtime.units import build_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def test_block_costs_from_a_meta_forward_by_hand():
     with torch.device("meta"):
         model = nn.Sequential(Block(), Block())
         x = torch.zeros(2, 3, 4)
-    costs = analytic_blocks(model, list(model), lambda: model(x).sum(), TOY, efficiency=0.5)
+    costs = analytic_compute(model, list(model), lambda: model(x).sum(), TOY, efficiency=0.5).blocks
     assert len(costs) == 2
     for cost in costs:
         # saved: the linear's 6 x 4 fp32 input (96 bytes) and relu's 6 x 4 output (96); never the weight
@@ -130,7 +130,7 @@ def test_block_costs_from_a_meta_forward_by_hand():
         assert cost.input_bytes == 96  # what a checkpoint keeps
         # 2 x 6 tokens x 16 weights = 192 FLOPs at 1,000 FLOP/s x 0.5
         assert cost.forward_seconds == pytest.approx(192 / 500)
-    assert analytic_blocks(model, [], lambda: None, TOY) == []
+    assert analytic_compute(model, [], lambda: None, TOY).blocks == []
 
 
 def test_memory_bound_work_is_priced_at_the_memory_bandwidth_by_hand():
@@ -138,7 +138,7 @@ def test_memory_bound_work_is_priced_at_the_memory_bandwidth_by_hand():
     bytes moved, at 80% of 1,000 bytes/s = 0.24 s beside the matrix product's 192 FLOPs at 500
     FLOP/s (0.384 s). The matrix product and the views around it move nothing here. Outside the
     blocks, the sum reads the last output (96 bytes) and writes one float: 100 bytes, 0.125 s."""
-    from offload_strategy.profiling.analytic import GPU_MEMORY_SHARE, analytic_compute
+    from offload_strategy.profiling.analytic import GPU_MEMORY_SHARE
 
     assert GPU_MEMORY_SHARE == 0.8
     with torch.device("meta"):
@@ -150,7 +150,7 @@ def test_memory_bound_work_is_priced_at_the_memory_bandwidth_by_hand():
     assert compute.outside_forward_seconds == pytest.approx(100 / 800)
     assert compute.forward_flops == 2 * 192
     # without a known memory bandwidth the memory-bound work is not priced, as before
-    assert [c.forward_seconds for c in analytic_blocks(model, list(model), lambda: model(x).sum(), TOY)] == pytest.approx([0.384] * 2)
+    assert [c.forward_seconds for c in analytic_compute(model, list(model), lambda: model(x).sum(), TOY).blocks] == pytest.approx([0.384] * 2)
 
 
 def test_time_no_parameter_accounts_for_goes_to_the_units_beside_it_by_hand():
@@ -190,7 +190,7 @@ def test_attention_counts_as_a_fused_kernel_by_hand():
     with torch.device("meta"):
         model = nn.Sequential(Attention(), Attention())
         x = torch.zeros(1, 2, 4, 8, requires_grad=True)  # batch 1, 2 heads, 4 positions, head size 8
-    cost = analytic_blocks(model, list(model), lambda: model(x).sum(), TOY, efficiency=0.5)[0]
+    cost = analytic_compute(model, list(model), lambda: model(x).sum(), TOY, efficiency=0.5).blocks[0]
     # query, key, value and output of 1 x 2 x 4 x 8 fp32 (256 bytes each) and a 1 x 2 x 4 fp32 log-sum-exp;
     # never the 4 x 4 score matrix of each head
     assert cost.activation_bytes == 4 * 256 + 32

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from experiments.models import build_causal_lm  # noqa: E402
 from offload_strategy.hardware import known_hardware  # noqa: E402
-from offload_strategy.profiling.analytic import analytic_blocks  # noqa: E402
+from offload_strategy.profiling.analytic import analytic_compute  # noqa: E402
 from offload_strategy.runtime.activations import find_blocks  # noqa: E402
 
 WIDTH, HEADS, LAYERS = 256, 4, 2
@@ -68,7 +68,7 @@ def estimated(family: str, batch: int, seq: int) -> int:
     with torch.device("meta"):
         model = build(family)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    costs = analytic_blocks(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"))
+    costs = analytic_compute(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090")).blocks
     return costs[0].activation_bytes
 
 

@@ -31,7 +31,7 @@ with the width squared, so narrow models lose a larger share of their step to it
 :func:`attach_unattributed` spreads each block's time beyond its units' matrix products
 (attention's and this) over the block's units, so that the step model computes for as long.
 
-Block activations (:func:`analytic_blocks`) come from one forward of the model on the meta device:
+Block activations (:func:`analytic_compute`) come from one forward of the model on the meta device:
 what autograd saves inside each block (parameters excluded, as the runtime's accounting does; each
 storage once, however many operations save it or views of it), the
 block's input (what a checkpoint keeps), and the FLOPs the block runs (attention included), all
@@ -217,20 +217,6 @@ def analytic_compute(
     outside_moved = meter.traffic.total - sum(meter.moved)
     total_flops = meter.counter.get_total_flops() + sum(meter.fused)
     return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)), total_flops)
-
-
-def analytic_blocks(
-    model: nn.Module,
-    blocks: Sequence[nn.Module],
-    forward: Callable[[], Any],
-    hardware: HardwareSpec,
-    dtype: str = "bf16",
-    efficiency: float = 0.5,
-) -> list[BlockCost]:
-    """Each block's activation bytes, input bytes and forward time (:func:`analytic_compute`)."""
-    if not blocks:
-        return []
-    return analytic_compute(model, blocks, forward, hardware, dtype=dtype, efficiency=efficiency).blocks
 
 
 def attach_unattributed(
