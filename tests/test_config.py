@@ -104,7 +104,18 @@ def test_every_known_machine_is_complete():
         assert spec.name == name
         assert spec.gpu_memory >= 16 * 2**30 and spec.host_memory >= spec.gpu_memory
         assert spec.h2d_gbps and spec.d2h_gbps and spec.cpu_cores > 0
+        assert spec.gpu_memory_gbps and spec.gpu_memory_gbps > 5 * spec.h2d_gbps  # memory-bound work is priced for every one
         assert spec.source, f"{name} cites no source"
+
+
+def test_a_probed_gpu_borrows_its_datasheet_memory_bandwidth():
+    """A probed machine takes the peaks its GPU's datasheet gives, the memory bandwidth among them
+    (an A100 with 40 GB is the 40 GB card's 1,555 GB/s, not the 80 GB one's 2,039)."""
+    from offload_strategy.hardware.probe import _borrowed_figures
+
+    assert _borrowed_figures("NVIDIA A100-SXM4-80GB", 80 * 2**30)["gpu_memory_gbps"] == 2039.0
+    assert _borrowed_figures("NVIDIA A100-SXM4-40GB", 40 * 2**30)["gpu_memory_gbps"] == 1555.0
+    assert _borrowed_figures("an unknown card", 8 * 2**30)["gpu_memory_gbps"] is None
 
 
 def test_probe_and_resolve():

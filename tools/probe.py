@@ -111,7 +111,32 @@ def cuda_rows(nbytes: int, repeat: int) -> list[tuple[str, str, str]]:
 
         run()  # warm-up: context, first-touch
         rows.append((name, f"{best_gbps(nbytes, run, repeat):.2f}", f"{torch.cuda.get_device_name()}, {format_bytes(nbytes)} (torch pin_memory)"))
+    rows.append(gpu_memory_row(device, repeat))
     return rows
+
+
+def gpu_memory_row(device: torch.Tensor, repeat: int) -> tuple[str, str, str]:
+    """A copy within GPU memory, which reads and writes every byte: what the step model's
+    memory-bound work runs at, beside the datasheet figure it prices with."""
+    from offload_strategy.hardware.probe import probe_hardware
+    from offload_strategy.profiling.analytic import GPU_MEMORY_SHARE
+
+    other = torch.empty_like(device)
+
+    def run() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        other.copy_(device)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    run()
+    rate = best_gbps(2 * device.numel(), run, repeat)
+    datasheet = probe_hardware().gpu_memory_gbps
+    against = (f"{rate / datasheet:.0%} of the datasheet's {datasheet:g} GB/s; the step model prices memory-bound work at {GPU_MEMORY_SHARE:.0%}"
+               if datasheet else "no datasheet figure known for this GPU (+hardware.gpu_memory_gbps= to price it)")
+    return ("GPU memory (copy: read + write)", f"{rate:.1f}", f"{format_bytes(device.numel())} copied within the GPU; {against}")
 
 
 def measure(work: Path, size: int, workers: int, repeat: int) -> list[tuple[str, str, str]]:

@@ -80,8 +80,9 @@ def _borrowed_figures(gpu_name: str, gpu_memory: int) -> dict[str, Any]:
                 "gpu_fp32_tflops": spec.gpu_fp32_tflops,
                 "h2d_gbps": spec.h2d_gbps,
                 "d2h_gbps": spec.d2h_gbps,
+                "gpu_memory_gbps": spec.gpu_memory_gbps,
             }
-    return {"gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "gpu_fp32_tflops": None, "h2d_gbps": None, "d2h_gbps": None}
+    return {"gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "gpu_fp32_tflops": None, "h2d_gbps": None, "d2h_gbps": None, "gpu_memory_gbps": None}
 
 
 def probe_hardware(**overrides: Any) -> HardwareSpec:
