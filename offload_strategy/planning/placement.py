@@ -118,14 +118,19 @@ def _slot_minimums(units: Sequence[UnitSize], co_resident: Sequence[Sequence[int
         return {}
     size = {u.index: align(u.nbytes, DEVICE_SLOT_ALIGNMENT) for u in units if u.index in candidates}
     largest = max(size.values())
-    groups = [set(group) & candidates for group in co_resident]
-    together = max((len(g) for g in groups), default=1)
-    spare = 1 if prefetch else 0
-    uniform = {largest: max(together, 1) + spare}
+    together = 1  # the most candidates one group uses at once
     by_size: Counter[int] = Counter()
-    for group in groups:
-        for s, n in Counter(size[i] for i in group).items():
+    for group in co_resident:
+        if len(group) == 1:  # most modules use one unit: a fast path for models of thousands
+            if group[0] in size:
+                by_size[size[group[0]]] = max(by_size[size[group[0]]], 1)
+            continue
+        members = {i for i in group if i in size}
+        together = max(together, len(members))
+        for s, n in Counter(size[i] for i in members).items():
             by_size[s] = max(by_size[s], n)
+    spare = 1 if prefetch else 0
+    uniform = {largest: together + spare}
     by_size[largest] += spare
     if sum(s * c for s, c in by_size.items()) < sum(s * c for s, c in uniform.items()):
         return dict(by_size)
