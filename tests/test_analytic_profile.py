@@ -315,3 +315,34 @@ def test_the_step_model_computes_for_as_long_as_the_blocks_and_the_rest_take():
     assert sum(c.backward_seconds for c in model.costs) == pytest.approx(2 * whole, rel=1e-9)
     peak = known_hardware("a100_80g").peak_flops("bf16")
     assert whole > 1.05 * model.forward_flops / (peak * 0.5)  # a tiny model's step is largely memory-bound
+
+
+def test_the_largest_model_is_the_deepest_the_auto_search_plans():
+    """``Model.deeper`` repeats the first block with its units renumbered in execution order, and
+    the largest model is the depth the auto rows' search plans within the budgets while one block
+    more does not (a tiny GPT-2 in a 20 MiB host budget without NVMe)."""
+    from offload_strategy import parse_size
+    from tools import simulate as sim
+    from tools.reproduce import Point, point_machine, setting
+
+    point = Point("tiny", "", "largest_b", 1.0, ("model=gpt2_tiny", "hardware=rtx3090", "data=synthetic", "data.seq_len=64", "data.batch_size=2"),
+                  "64MiB", host="20MiB")
+    at = setting(point, sim, 0.5)
+    model = at.model
+    deeper = model.deeper(7)
+    n_block = len(model.block_units[0])
+    assert len(deeper.blocks) == 7 and [s.index for s in deeper.sizes] == list(range(len(deeper.sizes)))
+    assert len(deeper.sizes) == len(model.sizes) + (7 - len(model.blocks)) * n_block
+    assert deeper.block_units[1] == [i + n_block for i in deeper.block_units[0]]
+    assert all(0 <= i < len(deeper.sizes) for group in deeper.co_resident for i in group)
+    per_block = sum(model.costs[i].parameters for i in model.block_units[0])
+    assert deeper.parameters == model.parameters + (7 - len(model.blocks)) * per_block
+
+    machine = point_machine(point, sim, at)
+    depth, parameters, plan = sim.largest_depth(model, machine, at.gpu, parse_size("20MiB"), 0)
+    assert depth > 0 and plan is not None and plan.fits and parameters == model.deeper(depth).parameters
+
+    def planned(d: int) -> bool:
+        return sim.compare_policies(model.deeper(d), machine, at.gpu, parse_size("20MiB"), 0, None, [0] * len(model.deeper(d).sizes))[-1].fits
+
+    assert planned(depth) and not planned(depth + 1)
