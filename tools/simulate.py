@@ -258,11 +258,12 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
                   replicated: bool = False) -> tuple[int, int, Optional[Row]]:
     """The most blocks of this model's shape (and the parameters they make) for which the joint
     search of the auto rows finds a plan within the budgets, and that plan's row. The search is
-    slow on deep models, so it runs between two cheap bounds: every block checkpointed beside the
-    parameters placed as the strategy places them (a depth that holds so without a swap path
-    holds, it is one of the search's layouts), and the parameters placed beside one block's
-    activations, the least any layout keeps in the GPU tier, with nothing counted for swaps' host
-    or NVMe room (no deeper model can hold). Doubling, then bisection on the block count."""
+    slow on deep models, so it runs from two cheap placements: every block checkpointed beside
+    the parameters placed first-use, the first guess (the search may hold more, with swaps, or
+    less, keeping a prefix of units resident; where it does not plan that depth it is bisected
+    below it), and the parameters placed beside one block's activations, the least any layout
+    keeps in the GPU tier, with nothing counted for swaps' host or NVMe room (the bound above).
+    Doubling, then bisection on the block count."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
     from offload_strategy.planning.placement import PlacementError, place_units
 

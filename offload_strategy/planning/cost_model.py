@@ -257,7 +257,7 @@ class _Step:
             u = self.units[i]
             ready = self.fetch(i) if u.home != GPU and i not in resident else 0.0
             self.compute = max(self.compute, ready) + u.backward_seconds
-            owned = u.owned or not self.sharded or (u.home == GPU and self.machine.replicated_persistent)
+            owned = u.owned or not self.sharded or self._replicated(u)
             if u.home == GPU:
                 gpu_ready = max(gpu_ready, self._reduce(u, self.compute))
                 gpu_updates += u.update_seconds if owned else 0.0
@@ -270,11 +270,15 @@ class _Step:
         self.gpu_updates = gpu_updates
         return max(self.compute, gpu_ready)
 
+    def _replicated(self, u: UnitCost) -> bool:
+        """A persistent unit under sharded states that every rank all-reduces and updates."""
+        return self.sharded and self.machine.replicated_persistent and u.home == GPU
+
     def _reduce(self, u: UnitCost, ready: float) -> float:
         """When the unit's gradients, ready at ``ready``, are reduced across ranks (then, on one rank)."""
         if self.machine.world_size > 1 and u.gradient_bytes:
             share = self.reduce_share
-            if u.home == GPU and self.sharded and self.machine.replicated_persistent:
+            if self._replicated(u):
                 share *= 2  # an all-reduce: every rank updates the unit
             nbytes = (u.gradient_bytes if u.reduced_bytes is None else u.reduced_bytes) * share
             calls = u.tensors * self.machine.collective_latency
@@ -308,8 +312,8 @@ class _Step:
         units, ranks = self.units, self.machine.world_size
         share, latency = (ranks - 1) / ranks, self.machine.collective_latency
         apart = self.machine.host_network is not None  # else one link carries both
-        shared, replicated = self.machine.shared_homes, self.machine.replicated_persistent
-        sent = [u for u in units if u.gradient_bytes and not (shared and u.home == HOST) and not (replicated and u.home == GPU)]
+        shared = self.machine.shared_homes
+        sent = [u for u in units if u.gradient_bytes and not (shared and u.home == HOST) and not self._replicated(u)]
         if shared and any(u.gradient_bytes and u.home == HOST for u in units):
             end += latency  # the barrier after the owners' writes to the shared homes
         persistent = [u.nbytes for u in sent if u.home == GPU or not apart]
