@@ -38,10 +38,10 @@ def _model() -> nn.Module:
 
 def fabric_train(
     strategy: Union[str, L.fabric.strategies.Strategy], steps: int = 5, *, accumulate: int = 1, max_norm: Optional[float] = None,
-    clip_val: Optional[float] = None, precision: str = "32-true", save: Optional[Path] = None, load: Optional[Path] = None,
+    clip_val: Optional[float] = None, precision: str = "32-true", save: Optional[Path] = None, load: Optional[Path] = None, accelerator: str = "cpu",
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """The loop a Fabric user writes; returns the losses, the final weights and the Fabric object."""
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+    fabric = L.Fabric(accelerator=accelerator, devices=1, strategy=strategy, precision=precision)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, optimizer = fabric.setup(model, optimizer)
@@ -52,7 +52,7 @@ def fabric_train(
     losses = []
     for step in range(state["step"], steps):
         for micro in range(accumulate):
-            batch = batches[step * accumulate + micro]
+            batch = fabric.to_device(batches[step * accumulate + micro])
             loss = model(input_ids=batch, labels=batch).loss / accumulate
             fabric.backward(loss)
             losses.append(loss.item())
