@@ -76,8 +76,9 @@ class _Step:
     args: tuple
     kwargs: dict
     chain: tuple = ()
-    rng: Optional[torch.Tensor] = None  # the default generator's state before it
+    rng: Optional[torch.Tensor] = None  # the state before it of the default generator of the device it draws on
     generators: tuple = ()  # (generator, state) for generators passed explicitly
+    draws_on: torch.device = torch.device("cpu")
 
 
 @dataclass
@@ -89,29 +90,52 @@ class Recipe:
     create: Optional[_Step] = None  # None: torch.empty
     steps: list[_Step] = field(default_factory=list)
     source: Optional[Callable[[], torch.Tensor]] = None  # a loaded weight, read when needed
+    # where plain construction would have made it: on a GPU root, Lightning builds under
+    # ``torch.device("cuda")``, so initialisation draws from the GPU's generator, with its kernels
+    device: torch.device = torch.device("cpu")
 
     def compute_into(self, target: torch.Tensor) -> None:
         """Write the value into ``target`` (any device and dtype; converted as ``copy_`` does)."""
         if self.source is not None:
             target.copy_(self.source())
             return
-        direct = target.device.type == "cpu" and target.dtype == self.dtype and target.is_contiguous()
-        value = target if direct else torch.empty(self.shape, dtype=self.dtype)
-        saved = torch.random.get_rng_state()
-        try:
+        direct = target.device == self.device and target.dtype == self.dtype and target.is_contiguous()
+        value = target if direct else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with _generator_kept(self.device):
             if self.create is not None:
                 value.copy_(_replay(self.create, None))
             for step in self.steps:
                 _replay(step, _through(value, step.chain))
-        finally:
-            torch.random.set_rng_state(saved)
         if not direct:
             target.copy_(value)
 
 
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.random.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.random.set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _generator_kept(device: torch.device) -> Iterator[None]:
+    """A replay sets the generators back to each recorded state; afterwards they are where they were."""
+    devices = [_HOST] if device.type == "cpu" else [_HOST, device]
+    saved = [_rng_state(d) for d in devices]
+    try:
+        yield
+    finally:
+        for d, state in zip(devices, saved):
+            _set_rng_state(d, state)
+
+
 def _replay(step: _Step, view: Optional[torch.Tensor]) -> Any:
     if step.rng is not None:
-        torch.random.set_rng_state(step.rng)
+        _set_rng_state(step.draws_on, step.rng)
     for generator, state in step.generators:
         generator.set_state(state)
     with torch._C.DisableTorchFunctionSubclass():
@@ -167,12 +191,13 @@ class DeferredParameters:
         return sum(r.shape.numel() * r.dtype.itemsize for r in self.recipes.values())
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Parameters registered inside are deferred (see the module docstring)."""
+    def recording(self, draw: torch.device = _HOST) -> Iterator[None]:
+        """Parameters registered inside are deferred (see the module docstring). ``draw``: the device
+        plain construction would build on, whose generator and kernels initialisation uses."""
         if self._recording:
             yield
             return
-        recorder = _Recorder(self)
+        recorder = _Recorder(self, draw)
         original = nn.Module.register_parameter
 
         def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
@@ -268,17 +293,18 @@ class _Recorder(TorchFunctionMode):
     """Sees every torch call while a model is built: notes what factories made, records writes
     to deferred parameters, tracks views of them, and materializes any that are read."""
 
-    def __init__(self, registry: DeferredParameters) -> None:
+    def __init__(self, registry: DeferredParameters, draw: torch.device = _HOST) -> None:
         super().__init__()
         self.registry = registry
+        self.draw = draw
         self.creations: dict[int, _Creation] = {}  # data_ptr -> how that tensor was made
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, tuple]] = {}  # id(meta view) -> (view, param, chain)
-        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=draw)
 
     def __exit__(self, *exc: Any) -> Any:
         self.creations.clear()
         self.views.clear()
-        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=self.draw)
         return super().__exit__(*exc)
 
     # -- parameters registered ----------------------------------------------------------------------
@@ -294,7 +320,7 @@ class _Recorder(TorchFunctionMode):
         if (creation.shape, creation.dtype, creation.version) != (param.shape, param.dtype, param._version):
             return
         create = None if creation.step.func is torch.empty else creation.step
-        recipe = Recipe(param.shape, param.dtype, create)
+        recipe = Recipe(param.shape, param.dtype, create, device=self.draw)
         with torch.no_grad():
             param.data = nan_placeholder(param, _HOST)  # its memory goes, before it is tracked
         registry.recipes[id(param)] = recipe
@@ -330,10 +356,17 @@ class _Recorder(TorchFunctionMode):
     def _untracked(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = getattr(func, "__name__", "")
         factory = name in _FACTORIES and getattr(func, "__module__", "") == "torch"
-        rng = torch.random.get_rng_state() if factory and name in _RANDOM_FACTORIES else None
+        random = factory and name in _RANDOM_FACTORIES
+        draws_on = _HOST
+        if random and self.draw.type != "cpu" and "device" not in kwargs and "generator" not in kwargs:
+            # drawn where plain construction draws, kept in host memory like every other factory's result
+            kwargs, draws_on = {**kwargs, "device": self.draw}, self.draw
+        rng = _rng_state(draws_on) if random else None
         out = func(*args, **kwargs)
+        if draws_on.type != "cpu":
+            out = out.cpu()
         if factory and isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.numel() > 0:
-            step = _Step(func, args, kwargs, rng=rng, generators=_generator_states(kwargs))
+            step = _Step(func, args, kwargs, rng=rng, generators=_generator_states(kwargs), draws_on=draws_on)
             self.creations[out.data_ptr()] = _Creation(step, StorageWeakRef(out.untyped_storage()), out.shape, out.dtype, out._version)
         return out
 
@@ -355,9 +388,9 @@ class _Recorder(TorchFunctionMode):
         root = self._root(target)
         chain = self._chain(target)
         name = _name(func)
-        rng = None if name in _DETERMINISTIC_WRITES else torch.random.get_rng_state()
+        rng = None if name in _DETERMINISTIC_WRITES else _rng_state(self.draw)
         recipe = self.registry.recipes[id(root)]
-        recipe.steps.append(_Step(func, tuple(args[1:]), dict(kwargs), chain, rng, _generator_states(kwargs)))
+        recipe.steps.append(_Step(func, tuple(args[1:]), dict(kwargs), chain, rng, _generator_states(kwargs), self.draw))
         if rng is not None:  # draw from the generator exactly as plain construction does
             with torch._C.DisableTorchFunctionSubclass():
                 func(_through(self._scratch(recipe.shape, recipe.dtype), chain), *args[1:], **kwargs)
@@ -367,7 +400,7 @@ class _Recorder(TorchFunctionMode):
         parameter leaves freed blocks in the allocator's arenas (docs/benchmarks.md)."""
         nbytes = shape.numel() * dtype.itemsize
         if self.scratch.numel() < nbytes:
-            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.draw)
         return self.scratch[:nbytes].view(dtype).view(shape)
 
     def _set_data(self, func: Any, args: tuple) -> Any:

@@ -236,7 +236,9 @@ class TieredCore:
         """Models built here (``configure_model``, ``trainer.init_module()``) take no memory for
         their parameters: each is computed in its home once placed, to the bit what plain
         construction gives (deferred.py)."""
-        building = self.deferred.recording() if self.policy.name != "none" else contextlib.nullcontext()
+        root = self.lightning.root_device
+        # initialisation draws where plain construction would: on a GPU root, from the GPU's generator
+        building = self.deferred.recording(root if root.type == "cuda" else torch.device("cpu")) if self.policy.name != "none" else contextlib.nullcontext()
         if not self.places_parameters_itself():
             with building, plain():
                 yield

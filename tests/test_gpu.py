@@ -47,6 +47,13 @@ def test_the_default_policy_on_a_gpu_searches_a_plan_and_matches_plain(tmp_path)
         torch.testing.assert_close(weights[name].cpu(), plain_weights[name].cpu(), rtol=1e-4, atol=1e-5)
 
 
+class Where(__import__("lightning").Callback):
+    arena = ""
+
+    def on_train_batch_end(self, trainer, *args):
+        self.arena = trainer.strategy.engine.arena.device.type
+
+
 def _max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
 
@@ -68,13 +75,14 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
     total = param_bytes(gpt2_4l)
     gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + 2**20
     strategy = TieredStrategy(policy=name, gpu_memory=gpu, host_memory=int(6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
-    losses, weights, trainer = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, accelerator="gpu", precision=precision)
+    where = Where()
+    losses, weights, _ = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, accelerator="gpu", precision=precision, extra_callbacks=(where,))
     plain_losses, plain_weights, _ = plain_on_gpu[precision]
     diff = _max_weight_diff(weights, plain_weights)
     record_property("max_weight_diff", diff)
     record_property("bit_identical", losses == plain_losses and diff == 0.0)
     record_property("metrics", {k: v for k, v in strategy.metrics().items() if k.startswith(("units/", "link/", "optimizer/"))})
-    assert strategy.engine is not None and strategy.engine.arena.device.type == "cuda"
+    assert where.arena == "cuda"
     rel, atol = (1e-5, 1e-5) if precision == "32-true" else (2e-3, 1e-3)
     assert losses == pytest.approx(plain_losses, rel=rel)
     for k in plain_weights:
@@ -86,8 +94,22 @@ def test_fabric_on_a_gpu_trains_as_plain():
     from tests.test_fabric import fabric_train
 
     plain_losses, plain_weights, _ = fabric_train("auto", accelerator="cuda")
-    losses, weights, fabric = fabric_train(TieredFabricStrategy(policy=PARAMETERS_ONLY, gpu_memory="40KiB"), accelerator="cuda")
+    losses, weights, fabric = fabric_train(TieredFabricStrategy(policy=PARAMETERS_ONLY, gpu_memory="256KiB"), accelerator="cuda")
     assert fabric.strategy.metrics()["units/host"] > 0
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for k in plain_weights:
+        torch.testing.assert_close(weights[k].cpu(), plain_weights[k].cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_tiered_ddp_on_nccl_trains_as_ddp(tmp_path):
+    """One rank on NCCL: the process group, the reductions of offloaded units' gradients and the
+    sharded states run their CUDA path."""
+    from offload_strategy import TieredDDPStrategy
+
+    total = param_bytes(gpt2_4l)
+    plain_losses, plain_weights, _ = train("ddp", tmp_path / "plain", epochs=2, make_model=gpt2_4l, accelerator="gpu")
+    strategy = TieredDDPStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB", process_group_backend="nccl")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for k in plain_weights:
         torch.testing.assert_close(weights[k].cpu(), plain_weights[k].cpu(), rtol=1e-4, atol=1e-5)

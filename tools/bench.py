@@ -52,6 +52,8 @@ class Mode:
     wait_ms: float = 0.0
     homes: str = ""
     link_bytes: list[float] = field(default_factory=list)  # host -> GPU tier bytes per measured step
+    update_ms: list[float] = field(default_factory=list)  # the offloaded units' optimizer updates, per step
+    exposed_ms: list[float] = field(default_factory=list)  # the part of them the step waited for
 
 
 def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root: Path) -> None:
@@ -65,6 +67,9 @@ def run_once(mode: Mode, config: dict[str, Any], args: argparse.Namespace, root:
         mode.late += m.get("cache/late_hit_rate", 0.0) * n
         mode.misses += m.get("cache/miss_rate", 0.0) * n
         mode.wait_ms += m.get("cache/wait_total_ms", 0.0)
+        if "optimizer/update_ms" in m:
+            mode.update_ms.append(m["optimizer/update_ms"])
+            mode.exposed_ms.append(m.get("optimizer/exposed_ms", 0.0))
     moved = [m.get("link/h2d_bytes_total", 0.0) for m in timer.metrics[args.warmup :]]
     mode.link_bytes += [b - a for a, b in zip(moved, moved[1:])]
     if timer.metrics and "units/gpu" in timer.metrics[-1]:
@@ -182,15 +187,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nGPT-2 {args.layers} layers x {args.width} wide, {param_bytes / 4 / 1e6:.2f} M parameters ({format_bytes(param_bytes)} fp32), "
           f"batch {args.batch_size} x {args.seq_len}, precision {args.precision}, gpu_memory {format_bytes(gpu)}; median of {len(modes[0].times)} steps per mode "
           f"({args.repeats} interleaved runs of {args.steps} steps, {args.warmup} warm-up steps dropped)\n")
-    print("| mode | units gpu/host/nvme | step (ms) | vs lightning | hit | late hit | miss | wait per step (ms) | host->GPU per step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | units gpu/host/nvme | step (ms) | vs lightning | hit | late hit | miss | wait per step (ms) | host->GPU per step "
+          "| updates at home (ms) | of which exposed (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         step = statistics.median(mode.times)
         n = mode.requests
         cache = (f"{mode.hits / n:.1%} | {mode.late / n:.1%} | {mode.misses / n:.1%} | {mode.wait_ms / len(mode.times):.2f}"
                  if n else "- | - | - | -")
         moved = format_bytes(int(statistics.median(mode.link_bytes))) if mode.link_bytes else "-"
-        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} | {moved} |")
+        updates = f"{statistics.median(mode.update_ms):.1f} | {statistics.median(mode.exposed_ms):.1f}" if mode.update_ms else "- | -"
+        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} | {moved} | {updates} |")
     return 0
 
 
