@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -44,6 +44,20 @@ from .strategy_core import TieredCore, check_precision, exposes_core
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
+
+
+def _sync_module_states(module: nn.Module, host_group: Any) -> None:
+    """Rank 0's parameters and buffers to every rank (as DDP does at wrapping): those in host memory
+    over the gloo group, since NCCL moves GPU tensors only, the others over the default group."""
+    from torch.distributed.distributed_c10d import _get_default_group
+    from torch.distributed.utils import _sync_params_and_buffers
+
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    states = [t.detach() for name, t in (*module.named_parameters(), *module.named_buffers()) if name not in ignored]
+    for group, on_gpu in ((host_group, False), (_get_default_group(), True)):
+        tensors = [t for t in states if (t.device.type == "cuda") == on_gpu]
+        if tensors:
+            _sync_params_and_buffers(group, tensors, 250 * 2**20, 0)
 
 
 @exposes_core
@@ -115,7 +129,7 @@ class TieredDDPStrategy(DDPStrategy):
         if self.tiered.policy.name == "none":  # nothing is tiered: plain DDP
             return super().configure_ddp()
         assert self.model is not None
-        _sync_module_states(self.model)  # every rank starts from rank 0's parameters, as DDP does
+        _sync_module_states(self.model, self._ranks.process_groups()[0])  # every rank starts from rank 0's parameters, as DDP does
 
     @property
     @override

@@ -6,14 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_strategy import PRESETS, TieredStrategy
+from offload_strategy import PRESETS, PolicyConfig, TieredStrategy
 from tests.helpers import PARAMETERS_ONLY, train
-from tests.test_offload import gpt2_4l, param_bytes
+from tests.test_offload import GPT2_4L, gpt2_4l, param_bytes
 
 pytestmark = pytest.mark.gpu
 
 
-def test_offloaded_training_on_a_gpu_matches_plain(tmp_path):
+@pytest.mark.parametrize("gradients", ["direct", "copied"])
+def test_offloaded_training_on_a_gpu_matches_plain(gradients, tmp_path, record_property):
+    """Direct: autograd accumulates each offloaded gradient at its home through a view over pinned
+    host memory (GO-MemFerry), and the host update waits for the kernel; copied: through buffers."""
+    policy = PARAMETERS_ONLY if gradients == "direct" else {**PARAMETERS_ONLY, "gradient_reserve": 1.0}
     total = param_bytes(gpt2_4l)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     recorded = {}
@@ -23,14 +27,16 @@ def test_offloaded_training_on_a_gpu_matches_plain(tmp_path):
             engine = trainer.strategy.engine
             recorded["homes"] = {s.home for s in engine.states}
             recorded["arena"] = engine.arena.device.type
+            recorded["direct"] = len(engine.direct_gradients)
 
-    losses, weights, _ = train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
+    losses, weights, _ = train(TieredStrategy(policy=policy, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path / "tiered", epochs=2,
                                make_model=gpt2_4l, accelerator="gpu", extra_callbacks=(Where(),))
+    record_property("losses", [losses, plain_losses])
     assert recorded["arena"] == "cuda" and "host" in recorded["homes"]
+    assert (recorded["direct"] > 0) == (gradients == "direct")
     # cuBLAS may pick other kernels for other memory layouts: equal to within float32 rounding
     assert losses == pytest.approx(plain_losses, rel=1e-5)
-    for name in plain_weights:
-        torch.testing.assert_close(weights[name].cpu(), plain_weights[name].cpu(), rtol=1e-4, atol=1e-5)
+    _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
 
 
 def test_the_default_policy_on_a_gpu_searches_a_plan_and_matches_plain(tmp_path):
@@ -43,19 +49,39 @@ def test_the_default_policy_on_a_gpu_searches_a_plan_and_matches_plain(tmp_path)
     assert strategy.activation_plan is not None
     assert strategy.tiered.activations.gpu_parameter_bytes() + strategy.activation_plan.peak_bytes <= 2 * total
     assert losses == pytest.approx(plain_losses, rel=1e-5)
-    for name in plain_weights:
-        torch.testing.assert_close(weights[name].cpu(), plain_weights[name].cpu(), rtol=1e-4, atol=1e-5)
+    _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
 
 
 class Where(__import__("lightning").Callback):
     arena = ""
 
     def on_train_batch_end(self, trainer, *args):
-        self.arena = trainer.strategy.engine.arena.device.type
+        engine = trainer.strategy.engine
+        self.arena = engine.arena.device.type if engine is not None else "none"
 
 
-def _max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
+def _key_bias(name: str) -> slice:
+    """The attention keys' bias inside GPT-2's fused query/key/value bias. Softmax does not change
+    when every key moves by the same vector, so its true gradient is zero and autograd gives it
+    rounding noise; Adam divides that noise by its own size and moves it by up to the learning rate.
+    The host's AdamW rounds differently from CUDA's (fused multiply-adds), so from the second step
+    on these entries follow different noise: compared with the learning rate as the tolerance."""
+    width = GPT2_4L["n_embd"]
+    return slice(width, 2 * width) if name.endswith("attn.c_attn.bias") else slice(0, 0)
+
+
+def _weight_differences(weights: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], rtol: float, atol: float, steps: int, lr: float) -> dict[str, float]:
+    """Max |difference| per tensor; asserts closeness, the keys' bias to within lr per step."""
+    out = {}
+    for name, expected in plain.items():
+        got, expected = weights[name].float().cpu(), expected.float().cpu()
+        keys = _key_bias(name)
+        if keys.stop:
+            assert (got[keys] - expected[keys]).abs().max() <= lr * steps, name
+            got, expected = torch.cat([got[: keys.start], got[keys.stop :]]), torch.cat([expected[: keys.start], expected[keys.stop :]])
+        out[name] = float((got - expected).abs().max())
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +99,19 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
     run the same autocast ops, so only kernel choice can differ; bf16 rounding (2**-8) of one
     matmul that chose another kernel moves a loss by ~1e-3 at most over 12 steps."""
     total = param_bytes(gpt2_4l)
-    gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + 2**20
+    policy = PolicyConfig.coerce(name)
+    gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + {"auto": 400_000, "lohan": 400_000, "teraio": 800_000}.get(policy.activations, 0)
     strategy = TieredStrategy(policy=name, gpu_memory=gpu, host_memory=int(6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     where = Where()
     losses, weights, _ = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, accelerator="gpu", precision=precision, extra_callbacks=(where,))
     plain_losses, plain_weights, _ = plain_on_gpu[precision]
-    diff = _max_weight_diff(weights, plain_weights)
-    record_property("max_weight_diff", diff)
-    record_property("bit_identical", losses == plain_losses and diff == 0.0)
+    record_property("losses", [losses, plain_losses])
     record_property("metrics", {k: v for k, v in strategy.metrics().items() if k.startswith(("units/", "link/", "optimizer/"))})
     assert where.arena == "cuda"
     rel, atol = (1e-5, 1e-5) if precision == "32-true" else (2e-3, 1e-3)
     assert losses == pytest.approx(plain_losses, rel=rel)
-    for k in plain_weights:
-        torch.testing.assert_close(weights[k].cpu(), plain_weights[k].cpu(), rtol=10 * rel, atol=atol)
+    diffs = _weight_differences(weights, plain_weights, 10 * rel, atol, steps=len(losses), lr=1e-2)
+    record_property("max_weight_diffs", sorted(diffs.items(), key=lambda kv: -kv[1])[:3])
 
 
 def test_fabric_on_a_gpu_trains_as_plain():
@@ -97,8 +122,7 @@ def test_fabric_on_a_gpu_trains_as_plain():
     losses, weights, fabric = fabric_train(TieredFabricStrategy(policy=PARAMETERS_ONLY, gpu_memory="256KiB"), accelerator="cuda")
     assert fabric.strategy.metrics()["units/host"] > 0
     assert losses == pytest.approx(plain_losses, rel=1e-5)
-    for k in plain_weights:
-        torch.testing.assert_close(weights[k].cpu(), plain_weights[k].cpu(), rtol=1e-4, atol=1e-5)
+    _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
 
 
 def test_tiered_ddp_on_nccl_trains_as_ddp(tmp_path):
@@ -111,5 +135,4 @@ def test_tiered_ddp_on_nccl_trains_as_ddp(tmp_path):
     strategy = TieredDDPStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB", process_group_backend="nccl")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     assert losses == pytest.approx(plain_losses, rel=1e-5)
-    for k in plain_weights:
-        torch.testing.assert_close(weights[k].cpu(), plain_weights[k].cpu(), rtol=1e-4, atol=1e-5)
+    _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)

@@ -154,6 +154,14 @@ class Device(abc.ABC):
     def wait(self, event: Event) -> float:
         """Make later compute on :attr:`compute` see the copy's result; return seconds the host blocked."""
 
+    def compute_done(self) -> Event:
+        """An event that completes with the compute queued so far (on the emulated tier compute is
+        synchronous: already complete). The host waits on it before reading what a kernel wrote
+        into host memory through a direct-host-access view."""
+        event = Event(0)
+        event._finish(None)
+        return event
+
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Return once every queued copy has completed."""
@@ -307,6 +315,11 @@ class CudaDevice(Device):
             raise TypeError(f"{event!r} was not issued by a CudaDevice; wait on it with the device that issued it.")
         torch.cuda.current_stream(self.compute).wait_event(event.cuda_event)
         return 0.0
+
+    def compute_done(self) -> Event:
+        event = _CudaEvent(0)
+        event.cuda_event.record(torch.cuda.current_stream(self.compute))
+        return event
 
     def synchronize(self) -> None:
         for stream in self._streams.values():

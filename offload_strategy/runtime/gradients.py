@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..memory.dha import device_view
 from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from .context import EngineContext
 from .clipping import tensor_norms
@@ -18,6 +19,10 @@ from .gradient_buffers import GradientBuffers
 from .optimizer import LOOSE, UnitOptimizers
 from .state import Landing, UnitState
 from .units import PARAM_ALIGNMENT, master_dtype
+
+
+def _viewable(home: torch.Tensor, compute: torch.device) -> bool:
+    return compute.type != "cuda" or (home.is_pinned() and home.is_contiguous())
 
 
 def clip_by_value(grads: Iterable[Optional[torch.Tensor]], clip_value: Optional[float]) -> None:
@@ -62,7 +67,8 @@ class GradientPath:
         if grad is None or home is None:
             return None
         if s.unit.index in self.direct and grad.data_ptr() == home.data_ptr():
-            record.fresh = True  # already accumulated in place, at home
+            record.fresh = True  # accumulated in place, at home: on a GPU, by a kernel the host must wait for
+            record.event = self.ctx.device.compute_done()
         elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
             record.wait()
             record.event = self.ctx.device.copy_to_host(record.landing, grad)
@@ -184,14 +190,17 @@ class GradientPath:
         """Right before backward — after Lightning's ``zero_grad`` — make each direct unit's host
         buffer its parameter's ``.grad``, so autograd accumulates into it in place (GO-MemFerry);
         zeroed when a new accumulation starts."""
+        compute = self.ctx.device.compute
         for index in self.direct:
             s = self.ctx.states[index]
             for record, p in zip(s.grads, s.unit.params):
-                if record.home is None:
-                    continue
+                if record.home is None or not _viewable(record.home, compute):
+                    continue  # its gradients are copied home instead
                 if not record.fresh:
                     record.home.zero_()
-                p.grad = record.home
+                # autograd adds on the GPU, so the gradient must be a GPU tensor: a view over the
+                # pinned home whose writes cross the link (MemFerry's direct host access)
+                p.grad = device_view(record.home, compute)
 
     def unit_gradients(self, s: UnitState) -> list[torch.Tensor]:
         """The unit's gradients for this step, at the place where its update reads them."""
