@@ -70,17 +70,22 @@ def _key_bias(name: str) -> slice:
     return slice(width, 2 * width) if name.endswith("attn.c_attn.bias") else slice(0, 0)
 
 
-def _weight_differences(weights: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], rtol: float, atol: float, steps: int, lr: float) -> dict[str, float]:
-    """Max |difference| per tensor; asserts closeness, the keys' bias to within lr per step."""
-    out = {}
+def _weight_differences(
+    weights: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], rtol: float, atol: float, steps: int, lr: float, outliers: float = 0.0,
+) -> dict[str, float]:
+    """Max |difference| per tensor. Asserts closeness to (rtol, atol) for all but a share
+    ``outliers`` of the elements, and every element, the keys' bias too, within lr per step."""
+    out, far, count = {}, 0, 0
     for name, expected in plain.items():
         got, expected = weights[name].float().cpu(), expected.float().cpu()
+        assert (got - expected).abs().max() <= lr * steps, name
         keys = _key_bias(name)
         if keys.stop:
-            assert (got[keys] - expected[keys]).abs().max() <= lr * steps, name
             got, expected = torch.cat([got[: keys.start], got[keys.stop :]]), torch.cat([expected[: keys.start], expected[keys.stop :]])
         out[name] = float((got - expected).abs().max())
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        far += int((~torch.isclose(got, expected, rtol=rtol, atol=atol)).sum())
+        count += got.numel()
+    assert far <= outliers * count, f"{far} of {count} elements differ by more than rtol={rtol}, atol={atol}: {sorted(out.items(), key=lambda kv: -kv[1])[:3]}"
     return out
 
 
@@ -110,7 +115,9 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
     assert where.arena == "cuda"
     rel, atol = (1e-5, 1e-5) if precision == "32-true" else (2e-3, 1e-3)
     assert losses == pytest.approx(plain_losses, rel=rel)
-    diffs = _weight_differences(weights, plain_weights, 10 * rel, atol, steps=len(losses), lr=1e-2)
+    # bf16-mixed: a weight one rounding apart may round to another bf16 value in the forward, moving
+    # its gradient by up to 2**-8 relative, which Adam turns into up to a step for near-zero gradients
+    diffs = _weight_differences(weights, plain_weights, 10 * rel, atol, steps=len(losses), lr=1e-2, outliers=0.0 if precision == "32-true" else 1e-3)
     record_property("max_weight_diffs", sorted(diffs.items(), key=lambda kv: -kv[1])[:3])
 
 
