@@ -6,12 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_strategy.memory.dha import device_view
+from offload_strategy.memory.dha import can_view, device_view
 
 
 def test_on_the_emulated_tier_the_view_is_the_host_tensor():
     host = torch.arange(6, dtype=torch.float32)
     assert device_view(host, torch.device("cpu")) is host
+
+
+def test_what_can_be_viewed():
+    assert can_view(torch.zeros(4), torch.device("cpu"))  # off a GPU the view is the tensor itself
+    assert not can_view(torch.zeros(4), torch.device("cuda", 0))  # not pinned
 
 
 def test_a_cuda_view_needs_pinned_contiguous_memory():

@@ -30,6 +30,13 @@ class _HostArray:
         self.__cuda_array_interface__: dict[str, Any] = {"shape": shape, "typestr": typestr, "data": (pointer, False), "version": 3, "strides": None}
 
 
+def can_view(host: torch.Tensor, device: torch.device) -> bool:
+    """Whether :func:`device_view` takes ``host`` for ``device`` (anything, off a GPU)."""
+    if torch.device(device).type != "cuda":
+        return True
+    return host.device.type == "cpu" and host.is_pinned() and host.is_contiguous() and _CARRIED_AS.get(host.dtype, host.dtype) in _TYPESTR
+
+
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on ``device`` over ``host``'s memory, without a copy (see the module docstring)."""
     device = torch.device(device)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ..memory import Slot
+from ..memory.dha import can_view, device_view
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, align
 from .context import EngineContext, Phase
 from .metrics import HIT, LATE_HIT, MISS
@@ -44,6 +45,7 @@ class UnitCache:
         # Address of every GPU-tier buffer, to find which unit a saved tensor aliases by bisection.
         self.slot_starts = sorted([s.device_slot.tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in memory.device_pool.slots])
         self.slot_owner: dict[int, UnitState] = {s.device_slot.tensor.data_ptr(): s for s in persistent}
+        self.on_device_views: set[int] = set()  # host units evicted inside this step, pointing at views of their homes
 
     def new_step(self) -> None:
         self.recent.clear()
@@ -275,7 +277,7 @@ class UnitCache:
         s = self.ctx.states[index]
         if s.fetch is not None:
             self.complete(s)
-        self.ctx.bind(s, s.home_views if s.home == HOST else s.placeholders)
+        self.ctx.bind(s, self._away(s))
         s.bound = False
         del self.slot_owner[s.device_slot.tensor.data_ptr()]
         self.ctx.memory.device_pool.release(s.device_slot)
@@ -285,6 +287,26 @@ class UnitCache:
         for s in self.ctx.states:
             if s.home != GPU and s.device_slot is not None:
                 self.evict(s.unit.index)
+        for index in sorted(self.on_device_views):
+            s = self.ctx.states[index]
+            if s.device_slot is None:
+                self.ctx.bind(s, s.home_views)
+        self.on_device_views.clear()
+
+    def _away(self, s: UnitState) -> list[torch.Tensor]:
+        """What an evicted unit's parameters point at: NVMe units at placeholders, host units at
+        their homes, except inside a step on a GPU. There PyTorch drops a parameter's gradient
+        accumulator when its ``.data`` moves to another device, and a parameter used twice in one
+        graph (a tied embedding, evicted between its uses) would get two accumulators, each of which
+        completes the unit: an update on part of the gradient. So there they point at views of their
+        homes from the GPU (direct host access): the same values, on the same device."""
+        if s.home != HOST:
+            return s.placeholders
+        compute = self.ctx.device.compute
+        if not self.ctx.step.active or compute.type != "cuda" or not all(can_view(v, compute) for v in s.home_views):
+            return s.home_views
+        self.on_device_views.add(s.unit.index)
+        return [device_view(v, compute) for v in s.home_views]
 
 
 def _fetch_done(fetch: Fetch) -> bool:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..memory.dha import device_view
+from ..memory.dha import can_view, device_view
 from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from .context import EngineContext
 from .clipping import tensor_norms
@@ -19,10 +19,6 @@ from .gradient_buffers import GradientBuffers
 from .optimizer import LOOSE, UnitOptimizers
 from .state import Landing, UnitState
 from .units import PARAM_ALIGNMENT, master_dtype
-
-
-def _viewable(home: torch.Tensor, compute: torch.device) -> bool:
-    return compute.type != "cuda" or (home.is_pinned() and home.is_contiguous())
 
 
 def clip_by_value(grads: Iterable[Optional[torch.Tensor]], clip_value: Optional[float]) -> None:
@@ -194,7 +190,7 @@ class GradientPath:
         for index in self.direct:
             s = self.ctx.states[index]
             for record, p in zip(s.grads, s.unit.params):
-                if record.home is None or not _viewable(record.home, compute):
+                if record.home is None or not can_view(record.home, compute):
                     continue  # its gradients are copied home instead
                 if not record.fresh:
                     record.home.zero_()
