@@ -619,7 +619,7 @@ class TieredCore:
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
         if not emulated:
-            return frozenset()  # direct writes from a CUDA device need host views it does not map yet
+            return frozenset()  # the CUDA path (GradientPath.attach_direct through views of the homes) has not run on a GPU yet
         reserve = self.policy.gradient_reserve or 0.0
         offloaded = [u for u in sizes if placement.home[u.index] != GPU and u.trainable_bytes]
         bandwidth = machine_from_spec(self.hardware, nvme=False).d2h

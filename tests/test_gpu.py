@@ -13,11 +13,9 @@ from tests.test_offload import GPT2_4L, gpt2_4l, param_bytes
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("gradients", ["direct", "copied"])
-def test_offloaded_training_on_a_gpu_matches_plain(gradients, tmp_path, record_property):
-    """Direct: autograd accumulates each offloaded gradient at its home through a view over pinned
-    host memory (GO-MemFerry), and the host update waits for the kernel; copied: through buffers."""
-    policy = PARAMETERS_ONLY if gradients == "direct" else {**PARAMETERS_ONLY, "gradient_reserve": 1.0}
+def test_offloaded_training_on_a_gpu_matches_plain(tmp_path, record_property):
+    """The smallest GPU tier, every unit streamed from host memory, updates during backward."""
+    policy = PARAMETERS_ONLY
     total = param_bytes(gpt2_4l)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     recorded = {}
@@ -38,7 +36,7 @@ def test_offloaded_training_on_a_gpu_matches_plain(gradients, tmp_path, record_p
     # the tied embedding, evicted between its two uses, once got a second gradient accumulator
     # (its .data had moved to host memory and back) and was updated on each half of its gradient
     assert not recorded["updated twice"]
-    assert (recorded["direct"] > 0) == (gradients == "direct")
+    record_property("direct gradients", recorded["direct"])
     # cuBLAS may pick other kernels for other memory layouts: equal to within float32 rounding
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
