@@ -7,7 +7,7 @@ The step model prices an offloaded unit's update at ``CPU_PARAMS_PER_S_PER_CORE`
 second per core, bounded by what the memory channels move at 28 bytes per fp32 parameter
 (``profiling/analytic.py::cpu_update_rate``), and data-parallel ranks on one machine share its cores
 and channels (``HardwareSpec.rank_share``). This measures each: fused ``AdamW`` steps (what the
-runtime runs per unit for the experiments' optimizer) over ``--params`` fp32 parameters on one
+runtime runs for units in host memory on a GPU machine; torch's default kernel beside it) over ``--params`` fp32 parameters on one
 thread, on every core, and in ``--ranks`` processes at once with an equal share of the cores each;
 the memory channels as the traffic of a large copy (its bytes read plus written). Prints one
 table: measured G parameters/s, the model's figure for the same cores and channels, and the ratio.
@@ -33,12 +33,13 @@ from offload_strategy.config import HardwareSpec, parse_size  # noqa: E402
 from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, cpu_update_rate  # noqa: E402
 
 
-def adam_rate(params: int, threads: int, repeat: int) -> float:
-    """Parameters per second of fused AdamW steps over ``params`` fp32 parameters on ``threads`` threads."""
+def adam_rate(params: int, threads: int, repeat: int, fused: bool = True) -> float:
+    """Parameters per second of AdamW steps over ``params`` fp32 parameters on ``threads`` threads:
+    the fused kernel (what units in host memory run on a GPU machine), or torch's default (foreach)."""
     torch.set_num_threads(threads)
     weight = torch.randn(params)
     weight.grad = torch.randn(params)
-    optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=True)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
     optimizer.step()  # the states are made and faulted in: not timed
     best = float("inf")
     for _ in range(repeat):
@@ -100,6 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [
         ("AdamW, 1 thread", adam_rate(params, 1, args.repeat), model_rate(1, gbps)),
         (f"AdamW, {cores} threads", adam_rate(params, cores, args.repeat), model_rate(cores, gbps)),
+        (f"AdamW, default kernel (foreach), {cores} threads", adam_rate(params, cores, args.repeat, fused=False), model_rate(cores, gbps)),
         (f"AdamW per rank, {args.ranks} ranks at once, {share} threads each", ranks_rate(params, args.ranks, share, args.repeat),
          model_rate(share, gbps / args.ranks)),
     ]

@@ -139,12 +139,17 @@ class UnitOptimizers:
         facade: torch.optim.Optimizer,
         units: Sequence[tuple[int, list[nn.Parameter], list[torch.Tensor]]],
         managed: Optional[set[int]] = None,
+        host_settings: Optional[dict[str, Any]] = None,
     ) -> None:
         """``units``: (unit index, its trainable parameters, their masters) for every unit;
-        ``managed``: ids of every parameter the engine places (others in the facade are loose)."""
+        ``managed``: ids of every parameter the engine places (others in the facade are loose);
+        ``host_settings``: hyperparameters that replace the facade's in the inner optimizers of
+        units whose masters are in host memory (``host_implementation``)."""
         check_per_parameter(facade)
         check_steps_each_parameter_alone(facade)
         self.facade = facade
+        self.host_settings = dict(host_settings or {})
+        self.on_host: set[int] = set()  # unit indices whose inner optimizer takes host_settings
         self.step_kwargs: dict[str, Any] = {}  # the user's keyword arguments to this step (optimizer.step(**kwargs))
         self.managed = managed if managed is not None else {id(p) for _, params, _ in units for p in params}
         self.slots: dict[int, UnitSlot] = {}
@@ -172,8 +177,12 @@ class UnitOptimizers:
         g = self._group_of_param[id(p)]
         slot = self.slots.get(unit_index) if unit_index != LOOSE else self.loose
         hyper = {k: v for k, v in self.facade.param_groups[g].items() if k != "params"}
+        if slot is None and unit_index != LOOSE and master.device.type == "cpu" and self.host_settings:
+            self.on_host.add(unit_index)
+        settings = self.host_settings if unit_index in self.on_host else {}
+        hyper.update(settings)
         if slot is None:
-            inner = type(self.facade)([{**hyper, "params": [master]}], **_constructor_defaults(self.facade))
+            inner = type(self.facade)([{**hyper, "params": [master]}], **{**_constructor_defaults(self.facade), **settings})
             slot = UnitSlot(unit_index, [], [], [], inner, [g])
             if unit_index == LOOSE:
                 self.loose = slot
@@ -206,9 +215,10 @@ class UnitOptimizers:
 
     def sync_hyperparameters(self, slot: UnitSlot) -> None:
         """Copy what schedulers and users changed on the facade (lr, weight decay, ...) to the unit."""
+        kept = self.host_settings if slot.unit_index in self.on_host else {}
         for inner_group, g in zip(slot.inner.param_groups, slot.inner_groups):
             for key, value in self.facade.param_groups[g].items():
-                if key != "params":
+                if key != "params" and key not in kept:
                     inner_group[key] = value
 
     def step(self, unit_index: int) -> None:
@@ -417,6 +427,25 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     if start == 0 and storage.nbytes() == nbytes:
         return t
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage[start : start + nbytes], 0, t.shape, t.stride())
+
+
+# Optimizers whose fused CPU kernel computes the same update as their default one, up to float32
+# rounding: one pass over parameters, gradients and states instead of one per operation.
+_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def host_implementation(optimizer: torch.optim.Optimizer, exact: bool) -> dict[str, Any]:
+    """The settings for units updated in host memory. ``exact``: the run must match plain
+    training bit for bit (on the emulated GPU tier, where plain runs the same optimizer on the same
+    CPU), so nothing changes. On a GPU plain updates on the GPU, and no host kernel rounds as it
+    does; there the fused CPU kernel (about 5x the default's rate on two cores, docs/benchmarks.md)
+    runs where the class has one and the user did not ask for a differentiable step."""
+    if exact or type(optimizer) not in _FUSED_ON_CPU or any(g.get("differentiable") for g in optimizer.param_groups):
+        return {}
+    settings = {"fused": True, "foreach": False}
+    if "capturable" in optimizer.defaults:
+        settings["capturable"] = False  # a CUDA-graph setting: host tensors are never captured
+    return {k: v for k, v in settings.items() if k in optimizer.defaults}
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from .context import EngineContext
 from .gradients import GradientPath, clip_by_value
 from .nvme_pipeline import NvmeUpdatePipeline
 from .nvme_states import NvmeOptimizerStates
-from .optimizer import LOOSE, UnitOptimizers, UnitSlot, grads_on
+from .optimizer import LOOSE, UnitOptimizers, UnitSlot, grads_on, host_implementation
 from .speculation import SpeculativeUpdates
 from .state import UnitState
 from .worker import UpdateWorker
@@ -70,7 +70,8 @@ class UnitUpdater:
             if not trainable or not self.owns(s.unit.index):
                 continue
             units.append((s.unit.index, [p for _, p in trainable], [self.master_for(s, i, p) for i, p in trainable]))
-        unit_optimizers = UnitOptimizers(facade, units, managed=set(self.ctx.param_slot))
+        host = host_implementation(facade, exact=self.ctx.device.is_emulated)
+        unit_optimizers = UnitOptimizers(facade, units, managed=set(self.ctx.param_slot), host_settings=host)
         for index, slot in unit_optimizers.slots.items():
             if self.ctx.states[index].home == NVME:  # the master's first value is on NVMe with the parameter
                 unit_optimizers.stale.update(id(m) for position, m in enumerate(slot.masters) if slot.widened(position))
