@@ -32,16 +32,21 @@ lint: env
 	$(PY) -m mypy
 
 # The wheels a GPU machine's image lacks (it has torch, lightning, transformers and psutil), for
-# CPython 3.12 on x86-64 Linux, into .whl/ (ignored by git, carried with the checkout); the one
-# published only as source is built into a wheel here.
+# CPython 3.12 on x86-64 Linux, into .whl/ (ignored by git, carried with the checkout); those
+# published only as source are built into wheels here (DeepSpeed with its native ops left to
+# compile on the GPU machine, where nvcc and ninja are).
 WHEELS   ?= .whl
 DEVICE_PY ?= 3.12
 device-wheels: env
 	mkdir -p $(WHEELS)
 	$(PY) -m pip wheel --quiet --no-deps -w $(WHEELS) "antlr4-python3-runtime==4.9.3"
+	DS_BUILD_OPS=0 $(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(WHEELS) "deepspeed==0.19.8"
 	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(DEVICE_PY) --implementation cp \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
 	  --find-links $(WHEELS) -d $(WHEELS) "hydra-core==1.3.8" "omegaconf==2.3.1" "wandb==0.31.0" "antlr4-python3-runtime==4.9.3"
+	# their other needs (torch, numpy, einops, ...) are in the image: without them, not a CUDA torch of several GB
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(DEVICE_PY) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform any --find-links $(WHEELS) -d $(WHEELS) "hjson==3.1.0" "torchao==0.18.0"
 
 # On a GPU machine, with the system's Python (no virtual environment is made there): README, "Running on a GPU".
 OUT  ?= gpu-check

@@ -3,16 +3,18 @@
 # the machine's image lacks come with the checkout (`make device-wheels`, folder .whl/), and every
 # result lands in one folder. README, "Running on a GPU".
 #
-#   tools/gpu_check.sh OUT [all|tests|probe|bench]     (make gpu-check OUT=... PART=...)
+#   tools/gpu_check.sh OUT [all|tests|probe|bench|peers]     (make gpu-check OUT=... PART=...)
 #
 # At most seven files, none in a subfolder (what a lent device machine returns). Parts, each under
 # its own time limit so that `all` stays inside eight minutes on an H100:
 #   tests  pytest -m gpu (JUnit XML): every preset against plain Lightning on the GPU, Fabric, devices
 #   probe  tools/probe.py: pinned host <-> GPU copies and the disk under OUT
 #   bench  tools/bench.py --accelerator gpu: plain Lightning beside the tiered modes on the GPU
+#   peers  (not in all: a call of its own, about nine minutes) tools/compare_peers.py: GPT-2 XL at a
+#          16 GiB cap under tiered, FSDP CPU offload, torchao and DeepSpeed
 set -uo pipefail
 
-OUT=${1:?"usage: tools/gpu_check.sh OUT [all|tests|probe|bench]"}
+OUT=${1:?"usage: tools/gpu_check.sh OUT [all|tests|probe|bench|peers]"}
 PART=${2:-all}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -45,6 +47,9 @@ fi
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # its output joins environment.txt: the device returns 8 files at most
     timeout 120 "$PY" -m pip install --no-index --find-links .whl hydra-core omegaconf antlr4-python3-runtime wandb >>"$OUT/environment.txt" 2>&1 \
         || { echo "installing the carried wheels failed (see $OUT/environment.txt)"; status=1; }
+    # the peers apart: where one of them does not install, the checks above still run
+    timeout 120 "$PY" -m pip install --no-index --find-links .whl deepspeed torchao >>"$OUT/environment.txt" 2>&1 \
+        || echo "DeepSpeed or torchao did not install: their rows of the peers part will say so (see $OUT/environment.txt)"
 fi
 
 # a hung test stops alone (pytest-timeout is in the GPU image; not needed elsewhere)
@@ -56,6 +61,10 @@ esac
 case $PART in all|probe)
     run probe 60 "$PY" tools/probe.py --path "$OUT/probe-disk" --size 512MiB
     rm -rf "$OUT/probe-disk" ;;
+esac
+case $PART in peers)  # DeepSpeed compiles its CPU Adam on first use (about a minute)
+    run peers 560 "$PY" tools/compare_peers.py --model gpt2_xl --cap 16GiB --steps 6 --warmup 2 --row-timeout 150 --nvme-path "$OUT" \
+        --rows lightning tiered tiered_zero3_offload fsdp_offload torchao_offload deepspeed_offload deepspeed_zero3_offload ;;
 esac
 case $PART in all|bench)  # a 150M-parameter GPT-2: big enough that copies and host updates show beside compute
     run bench 150 "$PY" tools/bench.py --accelerator gpu --layers 12 --width 1024 --batch-size 8 --seq-len 256 --steps 12 --warmup 3 \
