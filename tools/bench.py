@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -184,12 +185,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 run_once(mode, config, args, Path(root))
 
     base = statistics.median(modes[0].times)
+    h2d = pinned_h2d_gbps() if args.accelerator == "gpu" else None
     print(f"\nGPT-2 {args.layers} layers x {args.width} wide, {param_bytes / 4 / 1e6:.2f} M parameters ({format_bytes(param_bytes)} fp32), "
           f"batch {args.batch_size} x {args.seq_len}, precision {args.precision}, gpu_memory {format_bytes(gpu)}; median of {len(modes[0].times)} steps per mode "
           f"({args.repeats} interleaved runs of {args.steps} steps, {args.warmup} warm-up steps dropped)\n")
+    if h2d:
+        print(f"roofline bound of a mode: the largest of plain Lightning's step, its host->GPU bytes at the measured {h2d:.1f} GB/s "
+              "(pinned, one direction), and its updates at home\n")
     print("| mode | units gpu/host/nvme | step (ms) | vs lightning | hit | late hit | miss | wait per step (ms) | host->GPU per step "
-          "| updates at home (ms) | of which exposed (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| updates at home (ms) | of which exposed (ms) | bound / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         step = statistics.median(mode.times)
         n = mode.requests
@@ -197,8 +202,33 @@ def main(argv: Optional[list[str]] = None) -> int:
                  if n else "- | - | - | -")
         moved = format_bytes(int(statistics.median(mode.link_bytes))) if mode.link_bytes else "-"
         updates = f"{statistics.median(mode.update_ms):.1f} | {statistics.median(mode.exposed_ms):.1f}" if mode.update_ms else "- | -"
-        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} | {moved} | {updates} |")
+        print(f"| {mode.name} | {mode.homes or '-'} | {step * 1e3:.1f} | {step / base:.3f} | {cache} | {moved} | {updates} | {roofline(mode, base, h2d, step)} |")
     return 0
+
+
+def pinned_h2d_gbps(nbytes: int = 256 << 20, repeat: int = 3) -> float:
+    """Host -> GPU rate of one pinned copy, best of ``repeat``."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def roofline(mode: Mode, base: float, h2d: Optional[float], step: float) -> str:
+    """The mode's bound over its step: 1.00 runs at the hardware's limit for its placement."""
+    if not h2d:
+        return "-"
+    link = statistics.median(mode.link_bytes) / (h2d * 1e9) if mode.link_bytes else 0.0
+    updates = statistics.median(mode.update_ms) / 1e3 if mode.update_ms else 0.0
+    return f"{max(base, link, updates) / step:.2f}"
 
 
 if __name__ == "__main__":
