@@ -63,7 +63,7 @@ case $PART in all|probe)
     rm -rf "$OUT/probe-disk" ;;
 esac
 case $PART in peers)  # DeepSpeed compiles its CPU Adam on first use (about a minute)
-    run peers 560 "$PY" tools/compare_peers.py --model gpt2_xl --cap 16GiB --steps 6 --warmup 2 --row-timeout 150 --nvme-path "$OUT" \
+    run peers 560 "$PY" tools/compare_peers.py --model gpt2_xl --cap 16GiB --steps 6 --warmup 2 --row-timeout 120 --nvme-path "$OUT" \
         --rows lightning tiered tiered_zero3_offload fsdp_offload torchao_offload deepspeed_offload deepspeed_zero3_offload ;;
 esac
 case $PART in all|bench)  # a 150M-parameter GPT-2: big enough that copies and host updates show beside compute
