@@ -224,7 +224,7 @@ def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     assert "6.74 B parameters" in out
     # every figure the predictions rest on is printed, with the machine's own (LoHan's RTX 4090 testbed, 768 GB)
     assumptions = out.split("Assumptions:")[1].split("\n\n")[0]
-    for what in ("GPU compute: matrix products at 50%", "memory-bound work (element-wise, norms, the loss) at 80% of its 1008 GB/s", "host memory: 572.20 GiB, 80% of the machine's 715.26 GiB", "NVMe: 931.32 GiB", "host <-> GPU",
+    for what in ("GPU compute: matrix products at 50%", "memory-bound work (element-wise, norms, the loss) at 80% of its 1008 GB/s", "host memory: 679.49 GiB, 95% of the machine's 715.26 GiB", "NVMe: 931.32 GiB", "host <-> GPU",
                  "CPU optimizer: Adam", "bytes per parameter (bf16-true", "batch: 16 sequences x 128 tokens"):
         assert what in assumptions, (what, assumptions)
     rows = table(out, "| gpu_memory | policy")

@@ -18,7 +18,8 @@ the model is built on the meta device (no memory for its parameters, as ``tools/
 builds it), its units and blocks are costed from their shapes and the ``hardware`` spec, and the
 default policy's joint search (resident units, streaming buffers, block activation policies)
 runs within the job's budgets: ``strategy.gpu_memory`` (default: the spec's GPU memory),
-``strategy.host_memory`` (default: 80% of the spec's host memory) and ``strategy.nvme_memory``
+``strategy.host_memory`` (default: 95% of the spec's host memory, what the strategy finds
+available on an idle machine) and ``strategy.nvme_memory``
 (default: none). The budgets and every assumption are printed.
 """
 
@@ -104,10 +105,11 @@ def make(out: Path, steps: int, overrides: list[str]) -> None:
 def shapes_budgets(cfg: Any, hardware: Any) -> tuple[int, int, int]:
     """The job's budgets against the hardware spec's sizes (see the module docstring)."""
     from offload_strategy.config import Budget
+    from offload_strategy.hardware import AVAILABLE_SHARE
 
     strategy = cfg.strategy
     gpu = Budget.parse(strategy.gpu_memory, "strategy.gpu_memory").resolve(hardware.gpu_memory)
-    host = Budget.parse(strategy.host_memory, "strategy.host_memory").resolve(int(0.8 * hardware.host_memory))
+    host = Budget.parse(strategy.host_memory, "strategy.host_memory").resolve(int(AVAILABLE_SHARE * hardware.host_memory))
     nvme = Budget.parse(strategy.get("nvme_memory"), "strategy.nvme_memory").resolve(0)
     return gpu, host, nvme
 

@@ -54,11 +54,7 @@ A40 = ("hardware=l40s", "+hardware.gpu=NVIDIA_A40", "+hardware.gpu_memory=48GB",
        "+hardware.gpu_fp16_tflops=149.7", "+hardware.gpu_fp32_tflops=37.4", "+hardware.gpu_memory_gbps=696")
 RTX4080 = ("+hardware.gpu=NVIDIA_RTX_4080", "+hardware.gpu_memory=16GiB", "+hardware.gpu_bf16_tflops=97.5", "+hardware.gpu_fp16_tflops=97.5",
            "+hardware.gpu_fp32_tflops=48.7", "+hardware.gpu_memory_gbps=716.8")
-# The host budget where a point gives none: what the strategy takes by default (host_memory=None:
-# all that is available), on an idle machine its memory less what the OS and the training process
-# hold. The development machine, idle, has 97.8% of its 24 GiB available; 95% leaves the process
-# its few GB. One figure for every point, from no paper's number.
-AVAILABLE_SHARE = 0.95
+# A point without a host budget takes what the strategy finds available on an idle machine: AVAILABLE_SHARE (95%) of its memory.
 # ProTrain's four-GPU machines (§5.1): per rank a quarter of 95% of the host memory
 PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="91.2GB", ranks=4)
 PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="237.5GB", ranks=4, network_gbps=300)
@@ -147,6 +143,7 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
 
     from offload_strategy import parse_size
     from offload_strategy.config import compute_dtype
+    from offload_strategy.hardware import AVAILABLE_SHARE
 
     overrides = [*point.overrides, "logger=none", *([f"data.batch_size={batch}"] if batch else [])]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

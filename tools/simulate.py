@@ -45,6 +45,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 STATE_FACTOR = 2.0  # Adam: two states per parameter
+
+
+def _available_share() -> float:
+    """The host budget where none is given: what the strategy takes by default (hardware.AVAILABLE_SHARE)."""
+    from offload_strategy.hardware import AVAILABLE_SHARE
+
+    return AVAILABLE_SHARE
 TABLE4_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4)  # batch sizes of the ProTrain / LoHan study, relative to data.batch_size
 
 
@@ -469,7 +476,7 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
         f"GPU compute: matrix products at {args.efficiency:.0%} of the {hardware.gpu}'s dense {compute_dtype(args.precision)} peak, "
         f"{peak / 1e12:.0f} TFLOP/s (--efficiency; +hardware.gpu_{compute_dtype(args.precision)}_tflops=); {hbm}",
         f"GPU tier budgets: {', '.join(fmt(b) for b in budgets)} of its {fmt(hardware.gpu_memory)} (--gpu-memory)",
-        f"host memory: {fmt(host)}, 80% of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
+        f"host memory: {fmt(host)}, {_available_share():.0%} of the machine's {fmt(hardware.host_memory)} left to the run (--host-memory)",
         f"NVMe: {nvme_line}",
         f"host <-> GPU: {machine.h2d / 1e9:.1f} GB/s in, {machine.d2h / 1e9:.1f} GB/s out, what the link delivers (its datasheet rate times "
         f"the shares 10Cache measured, hardware/specs.py; +hardware.h2d_gbps=, +hardware.d2h_gbps=)",
@@ -506,7 +513,7 @@ def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-memory", nargs="*", default=None, help="GPU-tier budgets to compare (default: 25%%, 50%% and 90%% of the GPU)")
-    parser.add_argument("--host-memory", default=None, help="host budget (default: 80%% of the machine's)")
+    parser.add_argument("--host-memory", default=None, help="host budget (default: 95%% of the machine's, what the strategy finds available on an idle machine)")
     parser.add_argument("--nvme-memory", default="0", help="NVMe budget (default: none)")
     parser.add_argument("--precision", default="bf16-true", choices=["bf16-true", "bf16-mixed", "32-true"])
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (tiered_ddp); budgets are per rank")
@@ -539,7 +546,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     half = args.precision == "bf16-true"
     model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision))
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
-    host = parse_size(args.host_memory) if args.host_memory else int(0.8 * hardware.host_memory)
+    host = parse_size(args.host_memory) if args.host_memory else int(_available_share() * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
     network = None if args.network_gbps is None else args.network_gbps * 1e9  # None: the host link's
     host_network = None if args.host_network_gbps is None else args.host_network_gbps * 1e9

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from ..config import HardwareSpec
-from .probe import cpu_cores, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
+from .probe import AVAILABLE_SHARE, cpu_cores, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
 from .specs import KNOWN_MACHINES, known_hardware
 
 
@@ -27,6 +27,7 @@ def resolve_hardware(value: Union[str, HardwareSpec, Mapping[str, Any]]) -> Hard
 
 
 __all__ = [
+    "AVAILABLE_SHARE",
     "KNOWN_MACHINES",
     "HardwareSpec",
     "cpu_cores",
