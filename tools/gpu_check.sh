@@ -5,9 +5,10 @@
 #
 #   tools/gpu_check.sh OUT [all|tests|probe|bench|peers]     (make gpu-check OUT=... PART=...)
 #
-# At most seven files, none in a subfolder (what a lent device machine returns). Parts, each under
+# At most eight files, none in a subfolder (what a lent device machine returns). Parts, each under
 # its own time limit so that `all` stays inside eight minutes on an H100:
-#   tests  pytest -m gpu (JUnit XML): every preset against plain Lightning on the GPU, Fabric, devices
+#   tests  pytest -m gpu (JUnit XML): every preset against plain Lightning on the GPU, Fabric, devices;
+#          tools/gpu_equivalence.py: the first step that differs from plain, per configuration
 #   probe  tools/probe.py: pinned host <-> GPU copies and the disk under OUT
 #   bench  tools/bench.py --accelerator gpu: plain Lightning beside the tiered modes on the GPU
 #   peers  (not in all: a call of its own, about nine minutes) tools/compare_peers.py: GPT-2 XL at a
@@ -56,7 +57,8 @@ fi
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=90)
 case $PART in all|tests)  # every preset against plain Lightning on CUDA, fp32 and bf16-mixed; Fabric; pinned slabs; DHA views
-    run gpu-tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA "${per_test[@]}" --junitxml="$OUT/gpu-tests.xml" ;;
+    run gpu-tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA "${per_test[@]}" --junitxml="$OUT/gpu-tests.xml"
+    run equivalence 90 "$PY" tools/gpu_equivalence.py ;;
 esac
 case $PART in all|probe)
     run probe 60 "$PY" tools/probe.py --path "$OUT/probe-disk" --size 512MiB
