@@ -95,17 +95,21 @@ def _weight_differences(
 @pytest.fixture(scope="module")
 def plain_on_gpu(tmp_path_factory):
     return {precision: train("auto", tmp_path_factory.mktemp(f"plain-{precision}"), epochs=2, make_model=gpt2_4l, accelerator="gpu", precision=precision)
-            for precision in ("32-true", "bf16-mixed")}
+            for precision in ("32-true", "bf16-mixed", "16-mixed")}
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "none"])
+# every preset in fp32 and bf16-mixed; fp16 with loss scaling (the GradScaler beside the host
+# updates) on presets that update during backward, after it, and from NVMe
+CASES = [(n, p) for n in PRESETS if n != "none" for p in ("32-true", "bf16-mixed")] + [(n, "16-mixed") for n in ("auto", "zero3_offload", "zero_infinity")]
+
+
+@pytest.mark.parametrize(("name", "precision"), CASES)
 def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tmp_path, record_property):
     """Each preset on the real CUDA path (pinned slabs, copy streams, NVMe files, DHA views where the
     preset asks for them), beside plain Lightning on the same GPU. fp32: equal to float32 rounding
-    (cuBLAS may choose other kernels for other memory layouts). bf16-mixed: both keep fp32 masters and
-    run the same autocast ops, so only kernel choice can differ; bf16 rounding (2**-8) of one
-    matmul that chose another kernel moves a loss by ~1e-3 at most over 12 steps."""
+    (cuBLAS may choose other kernels for other memory layouts). Mixed precision: both keep fp32
+    masters and run the same autocast ops, so only kernel choice can differ; 16-bit rounding (2**-8
+    in bf16) of one matmul that chose another kernel moves a loss by ~1e-3 at most over 12 steps."""
     total = param_bytes(gpt2_4l)
     policy = PolicyConfig.coerce(name)
     gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + {"auto": 400_000, "lohan": 400_000, "teraio": 800_000}.get(policy.activations, 0)
