@@ -63,8 +63,9 @@ class GradientPath:
         if grad is None or home is None:
             return None
         if s.unit.index in self.direct and grad.data_ptr() == home.data_ptr():
-            record.fresh = True  # accumulated in place, at home: on a GPU, by a kernel the host must wait for
-            record.event = self.ctx.device.compute_done()
+            record.fresh = True  # accumulated in place, at home
+            if not self.ctx.device.is_emulated:  # by a kernel the host must wait for before reading
+                record.event = self.ctx.device.compute_done()
         elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
             record.wait()
             record.event = self.ctx.device.copy_to_host(record.landing, grad)
