@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -207,19 +206,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def pinned_h2d_gbps(nbytes: int = 256 << 20, repeat: int = 3) -> float:
-    """Host -> GPU rate of one pinned copy, best of ``repeat``."""
+    """Host -> GPU rate of one pinned copy, as tools/probe.py measures it."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+    from tools.probe import copy_gbps
+
+    return copy_gbps(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), repeat)
 
 
 def roofline(mode: Mode, base: float, h2d: Optional[float], step: float) -> str:
