@@ -133,6 +133,65 @@ def test_block_costs_from_a_meta_forward_by_hand():
     assert analytic_compute(model, [], lambda: None, TOY).blocks == []
 
 
+class NormedBlock(nn.Module):
+    """A matrix product, a norm and an activation: one op of each of autocast's kinds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(nn.functional.layer_norm(self.linear(x), (4,)))
+
+
+def test_mixed_precision_saves_autocasts_casts_by_hand():
+    """Under autocast (GPU op lists) the product runs on 16-bit casts of its fp32 input (2 x 3 x 4:
+    48 bytes) and weight (16 weights: 32 bytes), both saved for backward, the weight's being a new
+    tensor, not the parameter; the norm widens the 16-bit product (48 bytes) to fp32 and saves that
+    (96) with its mean and inverse deviation (6 fp32 each: 48); relu saves its fp32 output (96).
+    320 bytes, against 336 in fp32 (the input 96, the norm's input 96 and statistics 48, relu's 96)."""
+    from offload_strategy.profiling.analytic import Autocast
+
+    with torch.device("meta"):
+        model = nn.Sequential(NormedBlock(), NormedBlock())
+        x = torch.zeros(2, 3, 4, requires_grad=True)  # as inside a model: the product's input gets a gradient
+    mixed = analytic_compute(model, list(model), lambda: model(x).sum(), TOY, autocast=Autocast(torch.bfloat16)).blocks
+    assert mixed[0].activation_bytes == 48 + 32 + 96 + 48 + 96
+    assert analytic_compute(model, list(model), lambda: model(x).sum(), TOY).blocks[0].activation_bytes == 336
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        Autocast(torch.float32)
+
+
+def test_autocast_emulation_saves_what_a_real_autocast_forward_saves():
+    """On the CPU, with the CPU's op lists, the meta forward under ``Autocast`` saves the same
+    bytes as a real forward under ``torch.autocast`` (cast cache off, as Lightning enters it)."""
+    from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8), nn.LayerNorm(8), nn.Softmax(-1))
+
+    torch.manual_seed(0)
+    real_model = nn.Sequential(block(), block())
+    held: dict[int, torch.UntypedStorage] = {}
+    parameters = {id(p) for p in real_model.parameters()}
+    inside = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0] and id(t) not in parameters:
+            held.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        return t
+
+    real_model[0].register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    real_model[0].register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        real_model(torch.randn(2, 5, 8, requires_grad=True)).sum()
+    with torch.device("meta"):
+        model = nn.Sequential(block(), block())
+        x = torch.zeros(2, 5, 8, requires_grad=True)
+    estimate = analytic_compute(model, list(model), lambda: model(x).sum(), TOY, autocast=Autocast(torch.bfloat16, AUTOCAST_CPU)).blocks[0]
+    assert estimate.activation_bytes == sum(s.nbytes() for s in held.values()) > 0
+
+
 def test_memory_bound_work_is_priced_at_the_memory_bandwidth_by_hand():
     """Each block's relu reads the linear's 2 x 3 x 4 fp32 output (96 bytes) and writes as much: 192
     bytes moved, at 80% of 1,000 bytes/s = 0.24 s beside the matrix product's 192 FLOPs at 500

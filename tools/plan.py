@@ -142,7 +142,7 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     precision = str(cfg.trainer.get("precision", "32-true"))
     started = time.perf_counter()
     try:
-        model = build(cfg, hardware, precision in ("bf16-true", "16-true"), efficiency, dtype=compute_dtype(precision))
+        model = build(cfg, hardware, precision in ("bf16-true", "16-true"), efficiency, dtype=compute_dtype(precision), mixed=precision.endswith("-mixed"))
     except ValueError as error:  # a machine probed without a GPU has no peak to price compute at
         raise SystemExit(f"{error} --from-shapes prices compute from the spec: name a known machine (hardware=rtx4090, ...) "
                          f"or give its peak (+hardware.gpu_{compute_dtype(precision)}_tflops=...).") from None

@@ -18,7 +18,11 @@ say which where it is known. Kinds of point:
 - ``tflops``: model FLOPs (forward, backward twice forward, attention included) per second;
 - ``forward_s``: the GPU compute of one forward, without transfers;
 - ``activations_gb``: what the blocks save for backward (bf16, each storage once);
-- ``largest_b``: the largest model of the point's width the budgets hold (``simulate.largest_depth``).
+- ``largest_b``: the largest model of the point's width the budgets hold (``simulate.largest_depth``),
+  under whichever of the library's two mixed precisions holds more (``LARGEST_PRECISIONS``):
+  ``bf16-true`` keeps a 16-bit copy beside each fp32 master (with Adam 14 bytes a parameter at
+  home, 16-bit copies moved), ``bf16-mixed`` the fp32 parameters alone (12 bytes, moved in fp32,
+  cast on the GPU by autocast); a user after the largest model takes the one that holds it.
 """
 
 from __future__ import annotations
@@ -149,7 +153,8 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     hardware = instantiate(cfg.hardware).rank_share(point.ranks)  # each rank's share of the machine's CPU side
-    model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision))
+    model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision),
+                      mixed=point.precision.endswith("-mixed"))
     host = parse_size(point.host) if point.host else int(AVAILABLE_SHARE * hardware.host_memory)
     return Setting(model, hardware, parse_size(point.gpu), host, parse_size(point.nvme), shares_homes(point))
 
@@ -178,9 +183,10 @@ def forward_seconds(model: Any) -> float:
     return sum(b.forward_seconds for b in model.blocks) + sum(c.forward_seconds for i, c in enumerate(model.costs) if i not in inside)
 
 
-def _largest(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
+def _largest(point: Point, sim: Any, efficiency: float) -> tuple[float, str]:
     if point.series:
         return _largest_of_series(point, sim, efficiency)
+    at = setting(point, sim, efficiency)
     depth, parameters, plan = sim.largest_depth(at.model, point_machine(point, sim, at), at.gpu, at.host, at.nvme, ranks=point.ranks,
                                                 shared_homes=at.shared_homes)
     return parameters / 1e9, f"{depth} blocks" + (f", units {plan.homes}, blocks {plan.layout}" if plan is not None else "")
@@ -220,12 +226,23 @@ def _planned(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[fl
 
 GROUPS = {"step_s": "throughput and step time", "tokens_per_s": "throughput and step time", "tflops": "throughput and step time",
           "largest_b": "largest model", "activations_gb": "activation bytes"}
-KINDS = {"largest_b": _largest, "activations_gb": _activations, "forward_s": _forward, "step_s": _planned, "tokens_per_s": _planned,
+KINDS = {"activations_gb": _activations, "forward_s": _forward, "step_s": _planned, "tokens_per_s": _planned,
          "tflops": _planned}
 
 
+# mixed precisions a largest-model point is tried in (the module docstring)
+LARGEST_PRECISIONS = ("bf16-true", "bf16-mixed")
+
+
 def run(point: Point, sim: Any, efficiency: float) -> tuple[float, str]:
-    """The model's figure for ``point`` and what the plan was (the fastest batch where several)."""
+    """The model's figure for ``point`` and what the plan was (the fastest batch where several;
+    the larger model of the library's mixed precisions)."""
+    if point.kind == "largest_b":
+        tried = []
+        for precision in LARGEST_PRECISIONS:
+            size, plan = _largest(dataclasses.replace(point, precision=precision), sim, efficiency)
+            tried.append((size, f"{precision}: {plan}"))
+        return max(tried, key=lambda r: r[0])
     results = [KINDS[point.kind](point, sim, setting(point, sim, efficiency, batch), efficiency) for batch in point.batches or (None,)]
     return max(results, key=lambda r: -1.0 if math.isnan(r[0]) else r[0])
 
@@ -390,6 +407,8 @@ def command(point: Any) -> str:
     flags += [f"--host-network-gbps {point.host_network_gbps:g}"] if point.host_network_gbps else []
     flags += [f"--precision {point.precision}"] if point.precision != "bf16-true" else []
     batches = f"  # the fastest of data.batch_size={','.join(map(str, point.batches))}" if getattr(point, "batches", ()) else ""
+    if getattr(point, "kind", "") == "largest_b":
+        batches = f"  # and with --precision {LARGEST_PRECISIONS[1]}: the larger model counts"
     published = [o for size, o in getattr(point, "series", ()) if size == point.published]  # the paper's own model of its list
     return "python tools/simulate.py " + " ".join([*point.overrides, *(published[0] if published else ()), *flags]) + batches
 

@@ -110,12 +110,15 @@ class Row:
     note: str = ""
 
 
-def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None, dtype: Optional[str] = None) -> Model:
+def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None, dtype: Optional[str] = None,
+          mixed: bool = False) -> Model:
+    """The step model's view of ``cfg.model`` built on the meta device: 16-bit parameters where
+    ``half`` (``*-true``), fp32 ones computed under autocast in ``dtype`` where ``mixed``."""
     import torch
     from hydra.utils import instantiate
 
     from offload_strategy.planning.placement import UnitSize
-    from offload_strategy.profiling.analytic import analytic_compute, analytic_units, attach_unattributed
+    from offload_strategy.profiling.analytic import Autocast, analytic_compute, analytic_units, attach_unattributed
     from offload_strategy.runtime.activations import find_blocks
     from offload_strategy.runtime.units import build_units
 
@@ -131,7 +134,8 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     costs = analytic_units(units, users, batch * seq, hardware, dtype=dtype, efficiency=efficiency)
     blocks = find_blocks(module)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    compute = analytic_compute(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency)
+    autocast = Autocast(torch.float16 if dtype == "fp16" else torch.bfloat16) if mixed and dtype != "fp32" else None
+    compute = analytic_compute(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency, autocast=autocast)
     block_costs = compute.blocks
     inside = [{id(m) for m in block.modules()} for block in blocks]
     block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
@@ -357,7 +361,8 @@ def layer_kind(unit: Any) -> str:
     return "linear (GEMM)"
 
 
-def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int, dtype: Optional[str] = None) -> list[dict]:
+def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int, dtype: Optional[str] = None,
+                mixed: bool = False) -> list[dict]:
     """ProTrain Table 4 and LoHan's cases across batch sizes at one GPU budget: the auto plan's
     resident units and layout, and LoHan's curve (parameters streamed from host memory, LoHan's setting)."""
     from offload_strategy.planning.activations import CHECKPOINT, step_seconds
@@ -371,7 +376,7 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         batch = max(1, round(base * factor))
         if any(r["batch"] == batch for r in out):
             continue
-        model = build(cfg, hardware, half, efficiency, batch_size=batch, dtype=dtype)
+        model = build(cfg, hardware, half, efficiency, batch_size=batch, dtype=dtype, mixed=mixed)
         costs = unit_costs(model, [0] * len(model.units))
         order = [u.index for u in model.units]
         row: dict = {"batch": batch, "tokens": model.tokens}
@@ -461,10 +466,12 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
               if hardware.host_memory_gbps else "nothing (the memory bandwidth is not known)")
 
     peak = hardware.peak_flops(compute_dtype(args.precision))
-    per_param = "2 (bf16) in the GPU tier, 16 at home: an fp32 master, fp32 gradient and two fp32 Adam states" if args.precision == "bf16-true" \
-        else "4 (fp32, cast to bf16 as it is used) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states" \
+    gradient = "and its fp32 gradient (4) at home, or only in flight where host memory needs it (each unit updated as its gradients complete)"
+    per_param = f"2 (bf16) in the GPU tier; at home 14: the bf16 parameter, its fp32 master and two fp32 Adam states, {gradient}" \
+        if args.precision == "bf16-true" \
+        else f"4 (fp32, cast to bf16 on the GPU as it is used) in the GPU tier; at home 12: the parameter and two Adam states, {gradient}" \
         if args.precision == "bf16-mixed" \
-        else "4 (fp32) in the GPU tier, 16 at home: the parameter, its gradient and two Adam states"
+        else f"4 (fp32) in the GPU tier; at home 12: the parameter and two Adam states, {gradient}"
     source = f" ({hardware.source})" if hardware.source else ""
     hbm = (f"memory-bound work (element-wise, norms, the loss) at {GPU_MEMORY_SHARE:.0%} of its {hardware.gpu_memory_gbps:g} GB/s "
            f"(+hardware.gpu_memory_gbps=)" if hardware.gpu_memory_gbps
@@ -544,7 +551,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     machine_spec = instantiate(cfg.hardware)
     hardware = machine_spec.rank_share(args.ranks)  # each rank's cores, memory channels and host memory
     half = args.precision == "bf16-true"
-    model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision))
+    mixed = args.precision.endswith("-mixed")
+    model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision), mixed=mixed)
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
     host = parse_size(args.host_memory) if args.host_memory else int(_available_share() * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
@@ -599,7 +607,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             faster = "tie (the bytes cross once either way)" if abs(dha - on_gpu) <= 0.01 * on_gpu else "DHA" if dha < on_gpu else "on-GPU"
             print(f"| {kind} | {n} | {on_gpu * 1e3:.2f} | {dha * 1e3:.2f} | {faster} | {in_place} of {n} |")
         gpu = budgets[len(budgets) // 2]
-        study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme, dtype=compute_dtype(args.precision))
+        study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme, dtype=compute_dtype(args.precision), mixed=mixed)
         print(f"\nProTrain Table 4 and LoHan §IV-D across batch sizes, GPU tier {fmt(gpu)} (the auto plan; "
               "LoHan's curve with every parameter streamed from host memory, its setting)\n")
         explain(

@@ -10,6 +10,10 @@ alone (attention as the fused kernels a GPU runs), and on the CPU with real tens
 forward is run and every storage a block saves is counted once (parameters excluded, as the
 runtime does). The table gives the first block's bytes both ways, per token and hidden unit, and
 the estimate's error; the model's step planning prices activations with the estimate.
+``--precision bf16-mixed`` runs both forwards under mixed precision: the real one in
+``torch.autocast`` on the CPU (as Lightning's plugin enters it, without its cast cache), the meta one
+with ``profiling/analytic.py::Autocast`` given the CPU's op lists, which checks the emulation the
+step model runs with the GPU's lists.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import contextlib  # noqa: E402
 
+import torch  # noqa: E402
 
 from experiments.models import build_causal_lm  # noqa: E402
 from offload_strategy.hardware import known_hardware  # noqa: E402
-from offload_strategy.profiling.analytic import analytic_compute  # noqa: E402
+from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast, analytic_compute  # noqa: E402
 from offload_strategy.runtime.activations import find_blocks  # noqa: E402
 
 WIDTH, HEADS, LAYERS = 256, 4, 2
@@ -63,16 +68,18 @@ def build(family: str) -> torch.nn.Module:
     return build_causal_lm(family, CONFIGS[family])
 
 
-def estimated(family: str, batch: int, seq: int) -> int:
+def estimated(family: str, batch: int, seq: int, mixed: bool = False) -> int:
     """The first block's saved bytes, from shapes on the meta device."""
     with torch.device("meta"):
         model = build(family)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    costs = analytic_compute(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090")).blocks
+    autocast = Autocast(torch.bfloat16, AUTOCAST_CPU) if mixed else None
+    costs = analytic_compute(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"),
+                             autocast=autocast).blocks
     return costs[0].activation_bytes
 
 
-def measured(family: str, batch: int, seq: int) -> int:
+def measured(family: str, batch: int, seq: int, mixed: bool = False) -> int:
     """The first block's saved bytes in a real forward on the CPU, each storage once."""
     torch.manual_seed(0)
     model = build(family)
@@ -93,8 +100,9 @@ def measured(family: str, batch: int, seq: int) -> int:
         block.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
     ]
     ids = torch.randint(0, CONFIGS[family]["vocab_size"], (batch, seq))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if mixed else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             model(input_ids=ids, labels=ids).loss
     finally:
         for handle in handles:
@@ -102,10 +110,10 @@ def measured(family: str, batch: int, seq: int) -> int:
     return sum(s.nbytes() for s in held.values())
 
 
-def compare(families: list[str], batch: int, seq: int) -> list[dict[str, Any]]:
+def compare(families: list[str], batch: int, seq: int, mixed: bool = False) -> list[dict[str, Any]]:
     rows = []
     for family in families:
-        estimate, real = estimated(family, batch, seq), measured(family, batch, seq)
+        estimate, real = estimated(family, batch, seq, mixed), measured(family, batch, seq, mixed)
         rows.append({"family": family, "estimated": estimate, "measured": real, "error": estimate / real - 1.0, "per_sbh": batch * seq * WIDTH})
     return rows
 
@@ -115,11 +123,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--families", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     args = parser.parse_args(argv)
-    print(f"first block of each family, width {WIDTH}, {HEADS} heads, batch {args.batch} x {args.seq} tokens, fp32, torch {torch.__version__}\n")
+    mixed = args.precision == "bf16-mixed"
+    print(f"first block of each family, width {WIDTH}, {HEADS} heads, batch {args.batch} x {args.seq} tokens, {args.precision}, "
+          f"torch {torch.__version__}\n")
     print("| family | estimated (bytes) | measured on CPU (bytes) | estimated / (s·b·h) | measured / (s·b·h) | error |")
     print("|---|---|---|---|---|---|")
-    for r in compare(args.families, args.batch, args.seq):
+    for r in compare(args.families, args.batch, args.seq, mixed):
         print(f"| {r['family']} | {r['estimated']:,} | {r['measured']:,} | {r['estimated'] / r['per_sbh']:.1f} | "
               f"{r['measured'] / r['per_sbh']:.1f} | {r['error']:+.1%} |")
     return 0

@@ -39,20 +39,30 @@ from shapes without allocating anything. Attention through ``scaled_dot_product_
 counted as the fused kernels a GPU runs it with (FlashAttention): they save the query, key, value,
 output and one fp32 log-sum-exp per query row, never the sequence-squared score matrix that the
 meta device's reference path would save; their FLOPs are the two matrix products.
+
+Mixed precision (``bf16-mixed``, ``16-mixed``): ``torch.autocast`` casts nothing on the meta device,
+so :class:`Autocast` makes its casts above autograd, as autocast does: matrix products run on
+16-bit casts of their fp32 inputs (a parameter's cast is a new tensor autograd keeps for backward,
+2 bytes per weight of every product in a kept block), and reductions, norms, softmax and losses on
+fp32 casts of 16-bit inputs (PyTorch's "Autocast Op Reference" lists for CUDA; for the CPU's, which
+``tools/validate_activations.py`` checks the emulation against a real forward with, see
+``AUTOCAST_CPU``). The runtime counts the same casts: they are saved tensors outside its buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import HardwareSpec
@@ -185,11 +195,13 @@ def analytic_compute(
     hardware: HardwareSpec,
     dtype: str = "bf16",
     efficiency: float = 0.5,
+    autocast: Optional["Autocast"] = None,
 ) -> AnalyticCompute:
     """Each block's activation bytes, input bytes and forward time, and the forward time outside
     the blocks, from one call of ``forward`` (which runs ``model`` on meta-device inputs; see the
     module docstring): FLOPs at ``efficiency`` of the dense peak plus the memory-bound bytes at
-    ``GPU_MEMORY_SHARE`` of the memory bandwidth."""
+    ``GPU_MEMORY_SHARE`` of the memory bandwidth. ``autocast``: the forward runs under mixed
+    precision, its casts made by this mode."""
     peak = hardware.peak_flops(dtype)
     if not peak:
         raise ValueError(f"hardware {hardware.name!r} gives no {dtype} peak FLOP/s; set gpu_{dtype}_tflops to model it.")
@@ -198,7 +210,7 @@ def analytic_compute(
     def seconds(flops: float, moved: float) -> float:
         return flops / (peak * efficiency) + moved / bandwidth
 
-    meter = _BlockMeter(model, len(blocks))
+    meter = _BlockMeter(model, len(blocks), autocast)
     handles = []
     for index, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(meter.pre(index), with_kwargs=True))
@@ -206,7 +218,7 @@ def analytic_compute(
     reference = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = meter.attention
     try:
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), meter.counter, meter.traffic:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), meter.counter, meter.traffic, autocast or contextlib.nullcontext():
             forward()
     finally:
         torch.nn.functional.scaled_dot_product_attention = reference
@@ -256,7 +268,8 @@ class _BlockMeter:
     the bytes its memory-bound operations move, from hooks around the blocks, saved-tensor hooks
     and two dispatch modes over the forward."""
 
-    def __init__(self, model: nn.Module, count: int) -> None:
+    def __init__(self, model: nn.Module, count: int, autocast: Optional["Autocast"] = None) -> None:
+        self.autocast = autocast
         self.parameters = {id(p) for p in model.parameters()}
         self.saved, self.inputs, self.flops, self.moved = [0] * count, [0] * count, [0] * count, [0] * count
         self.fused = [0] * count  # fused attention's FLOPs, which the counter does not see
@@ -297,6 +310,8 @@ class _BlockMeter:
             # QK^T and PV: 2 FLOPs per multiply-add, over every query row and key
             self.fused[self.current[-1]] += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
         # the fused kernel reads the query, key and value and writes the output and the log-sum-exp
+        if self.autocast is not None:  # attention is one of autocast's matrix products
+            query, key, value = self.autocast.lower((query, key, value))
         self.traffic.total += 2 * _nbytes(query) + _nbytes(key) + _nbytes(value) + 4 * query.shape[:-1].numel()
         return _FusedAttention.apply(query, key, value)
 
@@ -345,3 +360,60 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         query, key, value, _, _ = ctx.saved_tensors
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+
+# torch.autocast's op lists by function name (PyTorch's "Autocast Op Reference"): what runs in the
+# 16-bit type, and what in fp32, on a GPU ...
+AUTOCAST_CUDA = (
+    frozenset({"__matmul__", "__rmatmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot", "conv1d", "conv2d",
+               "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "linear", "matmul", "mm", "mv", "prelu", "einsum",
+               "scaled_dot_product_attention"}),
+    frozenset({"__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+               "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv", "exp", "expm1",
+               "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax", "log10", "log1p", "log2",
+               "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist",
+               "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin",
+               "softplus", "sum", "renorm", "tan", "triplet_margin_loss"}),
+)
+# ... and on the CPU, whose fp32 list leaves norms, softmax and powers in the 16-bit type
+AUTOCAST_CPU = (
+    frozenset({"__matmul__", "__rmatmul__", "conv1d", "conv2d", "conv3d", "bmm", "mm", "baddbmm", "addmm", "addbmm", "linear", "matmul",
+               "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "scaled_dot_product_attention"}),
+    frozenset({"binary_cross_entropy", "cdist", "mse_loss", "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss", "poisson_nll_loss",
+               "smooth_l1_loss", "cross_entropy", "l1_loss", "huber_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss",
+               "multi_margin_loss", "kl_div", "multilabel_margin_loss", "binary_cross_entropy_with_logits", "prod", "trace"}),
+)
+
+
+class Autocast(TorchFunctionMode):
+    """``torch.autocast``'s casts where autocast makes none (meta tensors), above autograd as it
+    makes them, so that what autograd saves is the cast: an op of the 16-bit list gets its fp32
+    tensor arguments cast to ``dtype``, one of the fp32 list its 16-bit ones cast to fp32; an op
+    given an explicit ``dtype=`` is left alone, as autocast leaves it (see the module docstring).
+    ``lists``: the device's (lower, fp32) op names, ``AUTOCAST_CUDA`` or ``AUTOCAST_CPU``."""
+
+    def __init__(self, dtype: torch.dtype, lists: tuple[frozenset[str], frozenset[str]] = AUTOCAST_CUDA) -> None:
+        super().__init__()
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast runs in bfloat16 or float16, not {dtype}.")
+        self.dtype = dtype
+        self.lower_ops, self.fp32_ops = lists
+
+    def lower(self, tree: Any) -> Any:
+        """``tree`` with its fp32 tensors cast to the 16-bit type."""
+        return tree_map(lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, tree)
+
+    @staticmethod
+    def widen(tree: Any) -> Any:
+        """``tree`` with its 16-bit tensors cast to fp32."""
+        return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t, tree)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if kwargs.get("dtype") is None:
+            if name in self.lower_ops:
+                args, kwargs = self.lower((args, kwargs))
+            elif name in self.fp32_ops:
+                args, kwargs = self.widen((args, kwargs))
+        return func(*args, **kwargs)
