@@ -266,3 +266,23 @@ def test_in_flight_host_gradients_under_bf16_true_match_a_gradient_home_each(tmp
     assert losses == homes_losses
     assert_same_weights(homes_weights, weights)
     assert watch.seen[-1][3] == 43, "the gradients did not pass through the buffers"
+
+
+def test_bf16_mixed_holds_a_model_bf16_true_cannot_in_the_same_host_memory(tmp_path):
+    """What the largest-model points of tools/reproduce.py rest on: under bf16-mixed a host unit
+    keeps its fp32 parameters and Adam's states (12 bytes a parameter) with its gradients in flight,
+    under bf16-true a 16-bit copy beside each fp32 master too (14, and a 16-bit landing area). At
+    1.2 MiB of host memory the first trains bit for bit as plain Lightning does; the second is
+    refused, saying how much it needs."""
+    from offload_strategy import TieredStrategy
+    from tests.helpers import assert_same_weights
+    from tests.test_recipes import fit
+
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Deep, precision="bf16-mixed")
+    strategy = TieredStrategy(policy={"placement": "host", "activations": "keep"}, gpu_memory="1MiB", host_memory="1.2MiB")
+    losses, weights, _ = fit(strategy, tmp_path / "mixed", Deep, precision="bf16-mixed")
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    with pytest.raises(PlacementError, match=r"1\.23 MiB with gradients only in flight.* host_memory grants 1\.20 MiB"):
+        strategy = TieredStrategy(policy={"placement": "host", "activations": "keep"}, gpu_memory="1MiB", host_memory="1.2MiB")
+        fit(strategy, tmp_path / "true", Deep, precision="bf16-true")
