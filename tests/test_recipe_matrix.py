@@ -66,8 +66,53 @@ class ReusedBlock(Net):
         return self.head(self.norm(x))
 
 
+class Recurrent(Net):
+    """A two-layer LSTM: one module owns every layer's weights, which its kernel reads as a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(32, 32, num_layers=2, batch_first=True)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.rnn(self.embed(batch[:, :-1]))[0]))
+
+
+class TorchTransformer(Net):
+    """PyTorch's own encoder layers (their attention reads ``in_proj_weight`` directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.encoder(self.embed(batch[:, :-1]), is_causal=False)))
+
+
+class OwnCheckpoint(Net):
+    """The model checkpoints its blocks itself (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(lambda y, b=block: torch.tanh(b(y)), x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+class Parametrized(Net):
+    """Weight norm on every block and spectral norm (whose power-iteration buffers change in every
+    training forward) on the head: the modules' parameters live in parametrization lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            torch.nn.utils.parametrizations.weight_norm(block)
+        torch.nn.utils.parametrizations.spectral_norm(self.head)
+
+
 MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm("llama"), "bert": Bert, "t5": T5,
-          "cnn-batchnorm": ConvNet, "block-reused": ReusedBlock}
+          "cnn-batchnorm": ConvNet, "block-reused": ReusedBlock, "lstm": Recurrent, "torch-transformer": TorchTransformer,
+          "own-checkpoint": OwnCheckpoint, "weight-and-spectral-norm": Parametrized}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -161,7 +206,8 @@ def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
 # GPU tiers the default policy must offload in: the first steps run one placement, the fourth the
 # searched one with its activation layout (the engine replaced, or built, between two steps)
 DEFAULT_POLICY_TIERS = {"gpt2": "400KiB", "opt": "250KiB", "llama": "400KiB", "bert": "250KiB", "t5": "250KiB",
-                        "cnn-batchnorm": "250KiB", "block-reused": "100KiB"}
+                        "cnn-batchnorm": "250KiB", "block-reused": "100KiB", "lstm": "200KiB", "torch-transformer": "200KiB",
+                        "own-checkpoint": "100KiB", "weight-and-spectral-norm": "100KiB"}
 
 
 def assert_like_plain_under_the_default_policy(tmp_path: Path, make: Any, gpu_memory: str, steps: int = 7, **kwargs: Any) -> None:

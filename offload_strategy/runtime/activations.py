@@ -150,8 +150,17 @@ class ActivationPolicies:
     def is_parameter(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.param_storages
 
+    def _under_users_hooks(self) -> bool:
+        """Saved-tensor hooks other than the ones block policies stand in for are on top: the
+        user's own checkpoint or ``save_on_cpu`` around this block decides what it saves. Hooks
+        pushed inside would take the block's tensors from them, and a non-reentrant checkpoint's
+        recomputation, which runs without ours, would then save tensors its forward did not."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        hooks = top(False) if top is not None else None
+        return hooks is not None and (self.outer is None or tuple(hooks) != tuple(self.outer))
+
     def _swapped(self, index: int, destination: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or self.swap is None:
+        if not torch.is_grad_enabled() or self.swap is None or self._under_users_hooks():
             return forward(*args, **kwargs)
         with self.swap.hooks(index, destination):
             return forward(*args, **kwargs)
@@ -202,8 +211,8 @@ class ActivationPolicies:
         return self.profile is not None and len(self._done) == len(self.blocks)
 
     def _counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or self.profile is None or 0 in self._done:
-            return forward(*args, **kwargs)
+        if not torch.is_grad_enabled() or self.profile is None or 0 in self._done or self._under_users_hooks():
+            return forward(*args, **kwargs)  # (under the user's hooks the block keeps nothing of its own to count)
         outer = self.outer
 
         def pack(t: torch.Tensor) -> Any:
