@@ -187,6 +187,7 @@ class TieredCore:
         self._steps_done = 0  # training steps whose optimizers stepped, counted as the next begins
         self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
         self._fitted_trainable: Optional[set[int]] = None  # the parameters that fitted the GPU tier without an engine
+        self._recomputed_known: set[int] = set()  # blocks the model recomputes itself, as the planner knows them
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -337,10 +338,12 @@ class TieredCore:
             for u in units
         ]
         inside = [{id(m) for m in block.modules()} for block in self.activations.blocks]
+        block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
         wait_on_nvme = recipe.gradients_wait_on_nvme()
         return ModelUnits(
-            sizes=sizes, names=[u.name for u in units], co_resident=[[u.index for u in used] for used in users.values()],
-            block_units=[sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside],
+            sizes=sizes, names=[u.name for u in units],
+            co_resident=[[u.index for u in used] for used in users.values()] + [block_units[i] for i in sorted(self._recomputed_blocks())],
+            block_units=block_units,
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
             sharding=self.ranks.sharding(sizes, recipe.training and recipe.every_backward_reduces_to_owners()),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
@@ -641,6 +644,7 @@ class TieredCore:
         if stepped:
             self._keep_timing()
         warm = stepped and self._steps_done >= WARM_UP_STEPS + TIMED_STEPS
+        self._note_blocks_the_model_recomputes()
         if planner.searching and planner.phase is PlanPhase.INITIAL and warm and self.engine is not None:
             self._search_placement(recipe)
         if self.activations.profiled and warm:
@@ -654,6 +658,32 @@ class TieredCore:
             self._replace_engine(recipe, gpu_bytes=gpu_bytes, may_fit=engine is None)
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
+
+    def _recomputed_blocks(self) -> set[int]:
+        """Blocks the model recomputes in backward itself (its own activation checkpointing): those
+        seen so far, and those whose ``gradient_checkpointing`` flag says so (Hugging Face's layers)."""
+        flagged = {i for i, block in enumerate(self.activations.blocks) if getattr(block, "gradient_checkpointing", False) is True}
+        return self._recomputed_known | flagged
+
+    def _note_blocks_the_model_recomputes(self) -> None:
+        """Blocks whose units ran again in the last backward though this runtime kept their
+        activations: the model's own checkpoint recomputed them, and uses each one's units together
+        then, so the plans to come keep room for them (the engine in place held them already,
+        through the step that showed it)."""
+        planner, engine = self.planner, self.engine
+        if planner is None or planner.model is None or engine is None:
+            return
+        recomputed, model = engine.take_recomputed(), planner.model
+        seen = {i for i, (units, policy) in enumerate(zip(model.block_units, self.activations.policies))
+                if policy != BlockPolicy.CHECKPOINT and recomputed.intersection(units)}
+        known = self._recomputed_blocks()
+        new = sorted(seen - known)
+        if not new:
+            return
+        self._recomputed_known |= set(new)
+        planner.model = replace(model, co_resident=[*model.co_resident, *(model.block_units[i] for i in new)])
+        rank_zero_info(f"tiered: the model recomputes {len(known) + len(new)} of its {len(model.block_units)} blocks in backward itself "
+                       f"(its own activation checkpointing): plans keep each one's units together")
 
     def _keep_timing(self) -> None:
         """After each step before planning: the blocks are timed again (the warm steps' times,

@@ -36,6 +36,17 @@ def causal_lm(family: str) -> Any:
     return lambda: CausalLM(family, TINY[family], lr=1e-2, weight_decay=0.1)
 
 
+class CheckpointingGPT2(CausalLM):
+    """Hugging Face's own activation checkpointing on every layer, as ``gradient_checkpointing_enable()`` sets it."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt2", TINY["gpt2"], lr=1e-2, weight_decay=0.1)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.gradient_checkpointing_enable()
+
+
 class Bert(L.LightningModule):
     """A masked language model (every token its own label), with BERT's tied output embedding."""
 
@@ -112,7 +123,7 @@ class Parametrized(Net):
 
 MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm("llama"), "bert": Bert, "t5": T5,
           "cnn-batchnorm": ConvNet, "block-reused": ReusedBlock, "lstm": Recurrent, "torch-transformer": TorchTransformer,
-          "own-checkpoint": OwnCheckpoint, "weight-and-spectral-norm": Parametrized}
+          "own-checkpoint": OwnCheckpoint, "weight-and-spectral-norm": Parametrized, "gpt2-own-checkpointing": CheckpointingGPT2}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -207,7 +218,7 @@ def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
 # searched one with its activation layout (the engine replaced, or built, between two steps)
 DEFAULT_POLICY_TIERS = {"gpt2": "400KiB", "opt": "250KiB", "llama": "400KiB", "bert": "250KiB", "t5": "250KiB",
                         "cnn-batchnorm": "250KiB", "block-reused": "100KiB", "lstm": "200KiB", "torch-transformer": "200KiB",
-                        "own-checkpoint": "100KiB", "weight-and-spectral-norm": "100KiB"}
+                        "own-checkpoint": "100KiB", "weight-and-spectral-norm": "100KiB", "gpt2-own-checkpointing": "400KiB"}
 
 
 def assert_like_plain_under_the_default_policy(tmp_path: Path, make: Any, gpu_memory: str, steps: int = 7, **kwargs: Any) -> None:
@@ -237,3 +248,34 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recipe_under_the_default_policy(tmp_path, recipe):
     assert_like_plain_under_the_default_policy(tmp_path, gpu_memory="100KiB", **RECIPES[recipe])
+
+
+def test_blocks_the_model_recomputes_itself_are_planned_with_their_units_together(tmp_path):
+    """A block whose units run again in backward though this runtime kept its activations is
+    recomputed by the model's own checkpoint, which holds all its units at once: the planner is told
+    (every block here, the first seen in the profiled step, the others once the plan kept them) and
+    its later placements keep each block's units together, as for a block it checkpoints itself."""
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", OwnCkptWide, steps=7)
+    strategy = TieredStrategy(gpu_memory="150KiB", host_memory="1GiB")
+    losses, weights, _ = fit(strategy, tmp_path / "tiered", OwnCkptWide, steps=7)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    core = strategy.tiered
+    assert core._recomputed_blocks() == {0, 1, 2, 3}
+    model = core.planner.model
+    assert all(units in model.co_resident for units in model.block_units) and all(len(units) == 2 for units in model.block_units)
+    assert strategy.metrics().get("units/host", 0) > 0
+
+
+class OwnCkptWide(Net):
+    """Blocks of two linear layers, each block checkpointed by the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32)) for _ in range(4))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))

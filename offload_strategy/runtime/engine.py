@@ -153,6 +153,9 @@ class TieredEngine:
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         self.activation_bytes = 0  # saved for backward by the last forward (parameters excluded)
+        # units whose modules ran again in a backward (a checkpoint's recomputation, this runtime's
+        # or the model's own), gathered until the strategy takes them (``take_recomputed``)
+        self.recomputed_units: set[int] = set()
         self.memory: Optional[TierMemory] = None
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
@@ -383,7 +386,7 @@ class TieredEngine:
     # -- hooks --------------------------------------------------------------------------------------
 
     def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "_UnitHook":
-        step, states, cache, timer = self.ctx.step, self.states, self.cache, self.timer
+        step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             recomputing = torch._C._current_autograd_node() is not None
@@ -397,6 +400,7 @@ class TieredEngine:
                 cache.request(i)
                 if recomputing and torch.is_grad_enabled():
                     states[i].recompute_pinned = True  # a forward that backward recomputes
+                    recomputed.add(i)
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             for i in fetched:
@@ -420,6 +424,7 @@ class TieredEngine:
             # first forward only): held like every unit of a recomputed block
             self.cache.request(s.unit.index)
             s.recompute_pinned = True
+            self.recomputed_units.add(s.unit.index)
             return
         self.cache.touch(s.unit.index)
 
@@ -539,6 +544,12 @@ class TieredEngine:
     def end_backward(self) -> None:
         """The strategy's backward returned: the last unit's backward interval ends."""
         self.timer.end_backward()
+
+    def take_recomputed(self) -> set[int]:
+        """The units recomputed in backward since the last call."""
+        taken = set(self.recomputed_units)
+        self.recomputed_units.clear()
+        return taken
 
     def attach_direct_gradients(self) -> None:
         self.gradients.attach_direct()
