@@ -342,8 +342,8 @@ class TieredCore:
         wait_on_nvme = recipe.gradients_wait_on_nvme()
         return ModelUnits(
             sizes=sizes, names=[u.name for u in units],
-            co_resident=[[u.index for u in used] for used in users.values()] + [block_units[i] for i in sorted(self._recomputed_blocks())],
-            block_units=block_units,
+            co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units,
+            recomputed_by_model=frozenset(self._recomputed_blocks()),
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
             sharding=self.ranks.sharding(sizes, recipe.training and recipe.every_backward_reduces_to_owners()),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
@@ -375,6 +375,7 @@ class TieredCore:
             self._fitted_trainable = {id(p) for p in model.parameters() if p.requires_grad}
             return None
         _refuse_compiled_modules(model)
+        _refuse_sparse_gradients(model, units, placement)
         return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters, recipe)
 
     def _everything_fits(self, placement: Placement, gpu_bytes: int, recipe: Rules) -> str:
@@ -681,7 +682,7 @@ class TieredCore:
         if not new:
             return
         self._recomputed_known |= set(new)
-        planner.model = replace(model, co_resident=[*model.co_resident, *(model.block_units[i] for i in new)])
+        planner.model = replace(model, recomputed_by_model=model.recomputed_by_model | set(new))
         rank_zero_info(f"tiered: the model recomputes {len(known) + len(new)} of its {len(model.block_units)} blocks in backward itself "
                        f"(its own activation checkpointing): plans keep each one's units together")
 
@@ -1018,6 +1019,21 @@ def _refuse_compiled_modules(model: torch.nn.Module) -> None:
             f"storages, which the strategy swaps between tiers at every fetch, so it would recompile at each one or fail. "
             f"Compile only code that owns no parameters (attention or activation functions), raise gpu_memory so that nothing "
             f"is offloaded, or leave the model uncompiled."
+        )
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module, units: list[Any], placement: Placement) -> None:
+    """An embedding with ``sparse=True`` gives sparse gradients, which an offloaded unit's dense
+    gradient home cannot hold; its optimizer (``SparseAdam``) would then fail at the first step."""
+    offloaded = {id(p) for u in units if placement.home[u.index] != GPU for p in u.params}
+    sparse = [name for name, module in model.named_modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+              and module.weight.requires_grad and id(module.weight) in offloaded]
+    if sparse:
+        raise ValueError(
+            f"{sparse[0]!r} is an embedding with sparse=True whose weight is offloaded ({len(sparse)} such module(s)): its gradients are "
+            f"sparse, and an offloaded unit's gradients are kept in a dense buffer at its home, so SparseAdam would refuse them. Set "
+            f"sparse=False (with a dense optimizer such as Adam), or raise gpu_memory so that the embedding stays in the GPU tier."
         )
 
 

@@ -263,7 +263,8 @@ def test_blocks_the_model_recomputes_itself_are_planned_with_their_units_togethe
     core = strategy.tiered
     assert core._recomputed_blocks() == {0, 1, 2, 3}
     model = core.planner.model
-    assert all(units in model.co_resident for units in model.block_units) and all(len(units) == 2 for units in model.block_units)
+    assert model.recomputed_by_model == {0, 1, 2, 3} and all(units in model.together for units in model.block_units)
+    assert all(len(units) == 2 for units in model.block_units)
     assert strategy.metrics().get("units/host", 0) > 0
 
 
@@ -279,3 +280,26 @@ class OwnCkptWide(Net):
         for block in self.blocks:
             x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
         return self.head(self.norm(x))
+
+
+class OwnCkptInnerGroups(Net):
+    """The model checkpoints groups of six layers that are not the blocks this runtime finds (it
+    finds the six layers of a group as the repeated blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]) for _ in range(4))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.tanh(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
+        return self.head(self.norm(x))
+
+
+def test_a_recomputation_the_gpu_tier_cannot_hold_stops_the_step_with_the_reason(tmp_path):
+    """A recomputed group of units the plan could not know of and the GPU tier cannot hold at once
+    stops training with what to do, never trains on a wrong buffer."""
+    strategy = TieredStrategy(gpu_memory="90KiB", host_memory="1GiB")
+    with pytest.raises(RuntimeError, match=r"every module of the recomputed block\) need more than gpu_memory holds; raise gpu_memory"):
+        fit(strategy, tmp_path / "tiered", OwnCkptInnerGroups, steps=7)

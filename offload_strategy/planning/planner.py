@@ -79,6 +79,15 @@ class ModelUnits:
     # stall of a few of them in the profiled step is held to their group's median
     work: Sequence[Hashable] = ()
     tensors: Optional[Sequence[int]] = None  # per unit, its trainable tensors (each reduced on its own across ranks)
+    # blocks the model recomputes in backward itself (its own activation checkpointing), each
+    # holding all its units at once then, whatever this runtime does with its activations
+    recomputed_by_model: frozenset[int] = frozenset()
+
+    @property
+    def together(self) -> list[list[int]]:
+        """The unit sets used together whatever the activation layout: each module's, and each
+        block's that the model recomputes itself."""
+        return [*self.co_resident, *(self.block_units[i] for i in sorted(self.recomputed_by_model))]
 
 
 @dataclass(frozen=True)
@@ -123,8 +132,9 @@ class Planner:
         checkpointed block's recompute holds views of all its units until their gradients are in,
         each checkpointed block's (every block's with ``every_block``)."""
         model = self.units
-        blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy == BlockPolicy.CHECKPOINT]
-        return [*model.co_resident, *blocks]
+        blocks = [units for i, (units, policy) in enumerate(zip(model.block_units, block_policies))
+                  if (every_block or policy == BlockPolicy.CHECKPOINT) and i not in model.recomputed_by_model]
+        return [*model.together, *blocks]
 
     # -- phase 1: placing ---------------------------------------------------------------------------
 
@@ -196,6 +206,13 @@ class Planner:
         sizes = self.units.sizes
         block = max((sum(sizes[i].nbytes for i in units) for units in self.units.block_units), default=0)
         profiling = " (activations='auto' checkpoints every block but the first in its profiling step)" if activations_auto else ""
+        if self.units.recomputed_by_model:
+            return (
+                f"The model checkpoints {len(self.units.recomputed_by_model)} of its blocks itself (Hugging Face's gradient_checkpointing, "
+                f"or its own torch.utils.checkpoint), and each recomputation holds all of a block's parameters in the GPU tier, "
+                f"{format_bytes(block)} for the largest; below that, turn the model's own checkpointing off (policy.activations='auto' "
+                f"then checkpoints or swaps blocks where the GPU tier needs it)."
+            )
         return (
             f"Checkpointed blocks recompute with all their parameters in the GPU tier, {format_bytes(block)} for the largest block"
             f"{profiling}; below that, keep or swap the blocks' activations instead (policy.activations='swap_host')."
@@ -222,7 +239,7 @@ class Planner:
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(
-            model.sizes, model.co_resident, order, costs, machine, gpu_bytes=budgets.gpu, host_bytes=budgets.host,
+            model.sizes, model.together, order, costs, machine, gpu_bytes=budgets.gpu, host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, sharding=model.sharding,
             gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
