@@ -187,7 +187,7 @@ class TieredCore:
         self._steps_done = 0  # training steps whose optimizers stepped, counted as the next begins
         self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
         self._fitted_trainable: Optional[set[int]] = None  # the parameters that fitted the GPU tier without an engine
-        self._recomputed_known: set[int] = set()  # blocks the model recomputes itself, as the planner knows them
+        self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -343,7 +343,7 @@ class TieredCore:
         return ModelUnits(
             sizes=sizes, names=[u.name for u in units],
             co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units,
-            recomputed_by_model=frozenset(self._recomputed_blocks()),
+            recomputed_by_model=self._recomputed_groups(users, block_units),
             state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
             sharding=self.ranks.sharding(sizes, recipe.training and recipe.every_backward_reduces_to_owners()),
             gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
@@ -660,11 +660,16 @@ class TieredCore:
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
 
-    def _recomputed_blocks(self) -> set[int]:
-        """Blocks the model recomputes in backward itself (its own activation checkpointing): those
-        seen so far, and those whose ``gradient_checkpointing`` flag says so (Hugging Face's layers)."""
-        flagged = {i for i, block in enumerate(self.activations.blocks) if getattr(block, "gradient_checkpointing", False) is True}
-        return self._recomputed_known | flagged
+    def _recomputed_groups(self, users: Any, block_units: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+        """The units of each layer the model recomputes in backward itself (its own activation
+        checkpointing): Hugging Face's layers whose ``gradient_checkpointing`` flag is set (a T5's
+        decoder layers too, which are not the blocks found), and the blocks seen recomputed."""
+        groups = {tuple(block_units[i]) for i in self._recomputed_known}
+        for layer in self.context.module.modules():
+            if getattr(layer, "gradient_checkpointing", False) is True and any(c.__name__ == "GradientCheckpointingLayer" for c in type(layer).__mro__):
+                inside = {id(m) for m in layer.modules()}
+                groups.add(tuple(sorted({u.index for module, used in users.items() if id(module) in inside for u in used})))
+        return tuple(sorted(g for g in groups if g))
 
     def _note_blocks_the_model_recomputes(self) -> None:
         """Blocks whose units ran again in the last backward though this runtime kept their
@@ -677,14 +682,14 @@ class TieredCore:
         recomputed, model = engine.take_recomputed(), planner.model
         seen = {i for i, (units, policy) in enumerate(zip(model.block_units, self.activations.policies))
                 if policy != BlockPolicy.CHECKPOINT and recomputed.intersection(units)}
-        known = self._recomputed_blocks()
-        new = sorted(seen - known)
+        new = sorted(i for i in seen - self._recomputed_known if tuple(model.block_units[i]) not in model.recomputed_by_model)
+        self._recomputed_known |= seen
         if not new:
             return
-        self._recomputed_known |= set(new)
-        planner.model = replace(model, recomputed_by_model=model.recomputed_by_model | set(new))
-        rank_zero_info(f"tiered: the model recomputes {len(known) + len(new)} of its {len(model.block_units)} blocks in backward itself "
-                       f"(its own activation checkpointing): plans keep each one's units together")
+        groups = tuple(sorted({*model.recomputed_by_model, *(tuple(model.block_units[i]) for i in new)}))
+        planner.model = replace(model, recomputed_by_model=groups)
+        rank_zero_info(f"tiered: the model recomputes {len(groups)} of its layers in backward itself (its own activation checkpointing): "
+                       f"plans keep each one's units together")
 
     def _keep_timing(self) -> None:
         """After each step before planning: the blocks are timed again (the warm steps' times,

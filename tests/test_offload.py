@@ -354,7 +354,7 @@ def test_activation_checkpointing_recomputes_with_offloaded_parameters(tmp_path)
     assert_same_weights(plain_weights, weights)
     # a GPU tier too small for a whole recomputed block (and a buffer to prefetch into) is refused
     # at set-up with the reason: the layers' gradient_checkpointing flag says the model recomputes them
-    with pytest.raises(PlacementError, match="The model checkpoints 4 of its blocks itself"):
+    with pytest.raises(PlacementError, match="The model checkpoints 4 of its layers itself"):
         train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.5 * total), host_memory="1GiB"), tmp_path / "small", epochs=1, make_model=make)
 
 

@@ -79,15 +79,15 @@ class ModelUnits:
     # stall of a few of them in the profiled step is held to their group's median
     work: Sequence[Hashable] = ()
     tensors: Optional[Sequence[int]] = None  # per unit, its trainable tensors (each reduced on its own across ranks)
-    # blocks the model recomputes in backward itself (its own activation checkpointing), each
-    # holding all its units at once then, whatever this runtime does with its activations
-    recomputed_by_model: frozenset[int] = frozenset()
+    # the units of each layer the model recomputes in backward itself (its own activation
+    # checkpointing), all held at once then, whatever this runtime does with the activations
+    recomputed_by_model: tuple[tuple[int, ...], ...] = ()
 
     @property
     def together(self) -> list[list[int]]:
         """The unit sets used together whatever the activation layout: each module's, and each
-        block's that the model recomputes itself."""
-        return [*self.co_resident, *(self.block_units[i] for i in sorted(self.recomputed_by_model))]
+        layer's that the model recomputes itself."""
+        return [*self.co_resident, *(list(units) for units in self.recomputed_by_model)]
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,7 @@ class Planner:
         checkpointed block's recompute holds views of all its units until their gradients are in,
         each checkpointed block's (every block's with ``every_block``)."""
         model = self.units
-        blocks = [units for i, (units, policy) in enumerate(zip(model.block_units, block_policies))
-                  if (every_block or policy == BlockPolicy.CHECKPOINT) and i not in model.recomputed_by_model]
+        blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy == BlockPolicy.CHECKPOINT]
         return [*model.together, *blocks]
 
     # -- phase 1: placing ---------------------------------------------------------------------------
@@ -203,14 +202,15 @@ class Planner:
         return error
 
     def _checkpoint_note(self, activations_auto: bool) -> str:
-        sizes = self.units.sizes
+        sizes, recomputed = self.units.sizes, self.units.recomputed_by_model
         block = max((sum(sizes[i].nbytes for i in units) for units in self.units.block_units), default=0)
         profiling = " (activations='auto' checkpoints every block but the first in its profiling step)" if activations_auto else ""
-        if self.units.recomputed_by_model:
+        if recomputed:
+            layer = max(sum(sizes[i].nbytes for i in units) for units in recomputed)
             return (
-                f"The model checkpoints {len(self.units.recomputed_by_model)} of its blocks itself (Hugging Face's gradient_checkpointing, "
-                f"or its own torch.utils.checkpoint), and each recomputation holds all of a block's parameters in the GPU tier, "
-                f"{format_bytes(block)} for the largest; below that, turn the model's own checkpointing off (policy.activations='auto' "
+                f"The model checkpoints {len(recomputed)} of its layers itself (Hugging Face's gradient_checkpointing, or its own "
+                f"torch.utils.checkpoint), and each recomputation holds all of a layer's parameters in the GPU tier, "
+                f"{format_bytes(layer)} for the largest; below that, turn the model's own checkpointing off (policy.activations='auto' "
                 f"then checkpoints or swaps blocks where the GPU tier needs it)."
             )
         return (
