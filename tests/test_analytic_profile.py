@@ -405,3 +405,19 @@ def test_the_largest_model_is_the_deepest_the_auto_search_plans():
         return sim.compare_policies(model.deeper(d), machine, at.gpu, parse_size("20MiB"), 0, None, [0] * len(model.deeper(d).sizes))[-1].fits
 
     assert planned(depth) and not planned(depth + 1)
+
+
+def test_simulate_prices_bf16_mixed_blocks_as_autocast_keeps_them():
+    """Under ``bf16-mixed`` a block keeps what autocast saves: less than in fp32 (its products'
+    inputs are 16-bit casts), more than under ``bf16-true`` (norms and the residual stream stay
+    fp32, and each product saves a 16-bit copy of its weight). Before, the meta forward ran in fp32
+    and the mixed-precision rows counted the fp32 bytes."""
+    from tools import simulate as sim
+    from tools.reproduce import Point, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=a100_80g", "data=synthetic", "data.seq_len=128", "data.batch_size=4")
+    saved = {precision: setting(Point("tiny", "", "step_s", 1.0, overrides, "72GiB", precision=precision), sim, 0.5).model.blocks[0].activation_bytes
+             for precision in ("32-true", "bf16-mixed", "bf16-true")}
+    assert saved["bf16-true"] < saved["bf16-mixed"] < saved["32-true"]
+    weights = 12 * 256 * 256  # the tiny GPT-2's block: four 256-wide products, 12 x 256^2 weights, each cast to 2 bytes
+    assert saved["bf16-mixed"] - saved["bf16-true"] > 2 * weights
