@@ -43,7 +43,7 @@ from .profiling import StepProfile, fastest_timing
 from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
-from .runtime.optimizer import compact
+from .runtime.optimizer import compact, measured_state_factor
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
 from .strategy_activations import ActivationControl
@@ -98,8 +98,10 @@ def master_dtype_size(p: torch.Tensor, fp32_masters: bool) -> int:
 
 
 def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
-    """Bytes of optimizer state per trainable parameter byte (2 for Adam, unknown ones count 2)."""
-    return max((_STATE_FACTORS.get(type(o).__name__, 2.0) for o in optimizers), default=0.0)
+    """Bytes of optimizer state per trainable parameter byte: what one step of each optimizer's
+    class keeps on a stand-in (``measured_state_factor``: AdamW with ``amsgrad`` 3), never less than
+    the class's usual count (2 for Adam; unknown classes 2)."""
+    return max((max(_STATE_FACTORS.get(type(o).__name__, 2.0), measured_state_factor(o) or 0.0) for o in optimizers), default=0.0)
 
 
 class Ranks(Protocol):

@@ -164,6 +164,47 @@ def test_an_optimizer_without_state_on_nvme(tmp_path):
     assert_like_plain(tmp_path, "nvme", PlainSGD)
 
 
+class AmsgradAdamW(Net):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, amsgrad=True)
+
+
+class CenteredRMSprop(Net):
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3, centered=True, momentum=0.9)
+
+
+@pytest.mark.parametrize("make", [AmsgradAdamW, CenteredRMSprop])
+def test_optimizers_keeping_three_states_a_parameter_on_nvme(tmp_path, make):
+    """AdamW with amsgrad and RMSprop centered with momentum keep three states per parameter where
+    their classes usually keep two and one: the NVMe update buffers were sized for those and the
+    first update failed (no slot can hold the states). The factor is now measured on a stand-in."""
+    from offload_strategy.runtime.optimizer import measured_state_factor
+
+    assert measured_state_factor(make().configure_optimizers()) == 3.0
+    assert_like_plain(tmp_path, "nvme", make)
+
+
+def test_the_state_factor_is_measured_per_param_group():
+    """The most any group keeps: plain SGD none, SGD with momentum one, Adafactor's factored
+    moments a fraction (per row and column of a 64 x 64 stand-in); a class that cannot be stepped
+    on a stand-in gives None (the usual count is used)."""
+    from offload_strategy.runtime.optimizer import measured_state_factor
+
+    w, b = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))
+    assert measured_state_factor(torch.optim.SGD([w], lr=0.1)) == 0.0
+    assert measured_state_factor(torch.optim.SGD([{"params": [w]}, {"params": [b], "momentum": 0.9}], lr=0.1)) == 1.0
+    assert 0 < measured_state_factor(torch.optim.Adafactor([w], lr=0.1)) < 0.1
+
+    class ShapeBound(ScaledStep):  # works only on the shapes it was built for
+        def step(self, closure=None, scale=1.0):
+            if any(p.shape != (4, 4) for group in self.param_groups for p in group["params"]):
+                raise RuntimeError("built for 4 x 4 weights")
+            return super().step(closure, scale)
+
+    assert measured_state_factor(ShapeBound([w], lr=0.1)) is None
+
+
 class ScaledStep(torch.optim.Optimizer):
     """Per-parameter SGD defined outside torch, with a keyword its step takes."""
 
