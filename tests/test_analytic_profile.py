@@ -212,6 +212,19 @@ def test_memory_bound_work_is_priced_at_the_memory_bandwidth_by_hand():
     assert [c.forward_seconds for c in analytic_compute(model, list(model), lambda: model(x).sum(), TOY).blocks] == pytest.approx([0.384] * 2)
 
 
+def test_a_product_of_few_tokens_is_priced_at_the_bytes_it_moves_by_hand():
+    """The roofline's memory side for matrix products: one token through a 4 x 4 fp32 weight is 32
+    FLOPs (0.064 s at 500 FLOP/s) but moves the weight (64 bytes), the input and the output (16
+    each): 96 bytes at 800 bytes/s, 0.12 s, so the product takes 0.12 s; relu then moves 32 bytes
+    (0.04 s). Six tokens (the test above) are compute-bound: 192 FLOPs, 0.384 s, against 256 bytes, 0.32 s."""
+    with torch.device("meta"):
+        model = nn.Sequential(Block(), Block())
+        x = torch.zeros(1, 1, 4)
+    bandwidth = dataclasses.replace(TOY, gpu_memory_gbps=1e-6)  # 1,000 bytes/s, 800 of it reached
+    compute = analytic_compute(model, list(model), lambda: model(x).sum(), bandwidth, efficiency=0.5)
+    assert [c.forward_seconds for c in compute.blocks] == pytest.approx([0.12 + 0.04] * 2)
+
+
 def test_time_no_parameter_accounts_for_goes_to_the_units_beside_it_by_hand():
     """A block of 6 s whose units' products take 1 s and 3 s: the 2 s beyond them (attention's
     products, memory-bound work) go 0.5 s and 1.5 s to the units, twice that to their backward; a

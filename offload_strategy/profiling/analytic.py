@@ -28,6 +28,10 @@ priced). Backward moves twice what forward does, as its FLOPs are twice forward'
 is a fixed count of bytes per hidden unit (a block of Hugging Face's GPT-2 moves about 218 bytes
 per token per unit of width in bf16 with dropout on, Mistral's about 156) against FLOPs that grow
 with the width squared, so narrow models lose a larger share of their step to it than wide ones.
+A matrix product takes the longer of its FLOPs at ``efficiency`` and its operands' and result's
+bytes at the memory bandwidth: with many tokens the first (every point of the papers' tables),
+with few tokens against a large weight the second (a batch of a few tokens reads the whole weight
+for little arithmetic), which is how the step's efficiency falls with the batch.
 :func:`attach_unattributed` spreads each block's time beyond its units' matrix products
 (attention's and this) over the block's units, so that the step model computes for as long.
 
@@ -63,7 +67,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..config import HardwareSpec
 from ..planning.activations import BlockCost
@@ -211,6 +215,8 @@ def analytic_compute(
         return flops / (peak * efficiency) + moved / bandwidth
 
     meter = _BlockMeter(model, len(blocks), autocast)
+    if math.isfinite(bandwidth):
+        meter.traffic.rates = (peak * efficiency, bandwidth)
     handles = []
     for index, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(meter.pre(index), with_kwargs=True))
@@ -224,12 +230,13 @@ def analytic_compute(
         torch.nn.functional.scaled_dot_product_attention = reference
         for handle in handles:
             handle.remove()
-    costs = [BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=seconds(f + a, m))
-             for s, i, f, a, m in zip(meter.saved, meter.inputs, meter.flops, meter.fused, meter.moved)]
+    costs = [BlockCost(activation_bytes=s, input_bytes=i, forward_seconds=seconds(f + a, m) + e)
+             for s, i, f, a, m, e in zip(meter.saved, meter.inputs, meter.flops, meter.fused, meter.moved, meter.excess)]
     outside_flops = meter.counter.get_total_flops() - sum(meter.flops)
     outside_moved = meter.traffic.total - sum(meter.moved)
+    outside_excess = max(meter.traffic.excess - sum(meter.excess), 0.0)
     total_flops = meter.counter.get_total_flops() + sum(meter.fused)
-    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)), total_flops)
+    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops)
 
 
 def attach_unattributed(
@@ -272,6 +279,7 @@ class _BlockMeter:
         self.autocast = autocast
         self.parameters = {id(p) for p in model.parameters()}
         self.saved, self.inputs, self.flops, self.moved = [0] * count, [0] * count, [0] * count, [0] * count
+        self.excess = [0.0] * count  # seconds memory-bound matrix products take beyond their FLOPs
         self.fused = [0] * count  # fused attention's FLOPs, which the counter does not see
         # each block's saved storages: a tensor saved by several operations, or views of one
         # output (a fused projection split into query, key and value), hold its memory once
@@ -295,6 +303,7 @@ class _BlockMeter:
             self.inputs[index] = _nbytes(first) if first is not None else 0
             self.flops[index] -= self.counter.get_total_flops()
             self.moved[index] -= self.traffic.total
+            self.excess[index] -= self.traffic.excess
             self.current.append(index)
         return hook
 
@@ -302,6 +311,7 @@ class _BlockMeter:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             self.flops[index] += self.counter.get_total_flops()
             self.moved[index] += self.traffic.total
+            self.excess[index] += self.traffic.excess
             self.current.pop()
         return hook
 
@@ -323,16 +333,23 @@ _ALLOCATIONS = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_
 class _MemoryTraffic(TorchDispatchMode):
     """The bytes memory-bound operations move: each operation's tensor inputs and outputs once.
     Matrix products are priced by their FLOPs, and views and allocations move nothing; an
-    embedding lookup reads only the rows it returns."""
+    embedding lookup reads only the rows it returns. With ``rates`` (FLOP/s, bytes/s) a matrix
+    product that moves its operands for longer than it computes (few tokens against a large
+    weight: the roofline's memory side) adds the difference to ``excess``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.excess = 0.0
+        self.rates: Optional[tuple[float, float]] = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
-        if name in _MATRIX_PRODUCTS or name in _ALLOCATIONS:
+        if name in _MATRIX_PRODUCTS:
+            self._roofline(func, args, kwargs or {}, out)
+            return out
+        if name in _ALLOCATIONS:
             return out
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if name == "embedding":
@@ -344,6 +361,15 @@ class _MemoryTraffic(TorchDispatchMode):
             return out  # a view of an input
         self.total += sum(_nbytes(t) for t in (*inputs, *outputs))
         return out
+
+
+    def _roofline(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        count = flop_registry.get(func._overloadpacket)
+        if self.rates is None or count is None:
+            return
+        flop_rate, byte_rate = self.rates
+        moved = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+        self.excess += max(0.0, moved / byte_rate - count(*args, **kwargs, out_val=out) / flop_rate)
 
 
 class _FusedAttention(torch.autograd.Function):
