@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.models import CausalLM
 from offload_strategy import PRESETS, PolicyConfig, TieredStrategy
 from tests.helpers import PARAMETERS_ONLY, train
 from tests.test_offload import GPT2_4L, gpt2_4l, param_bytes
@@ -40,6 +41,31 @@ def test_the_default_policy_on_a_gpu_searches_a_plan_and_matches_plain(tmp_path)
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     assert strategy.activation_plan is not None
     assert strategy.tiered.activations.gpu_parameter_bytes() + strategy.activation_plan.peak_bytes <= 2 * total
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
+
+
+class ModelCheckpointedGPT2(CausalLM):
+    """Hugging Face's own checkpointing on every layer, reentrant or not."""
+
+    reentrant = False
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": self.reentrant})
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_models_own_checkpointing_on_a_gpu_trains_as_plain(tmp_path, reentrant, accelerator="gpu"):
+    """Each layer recomputed in backward by the model fetches its units again through the copy
+    stream; the default policy plans each layer's units together (their gradient_checkpointing flag)."""
+    make = type("Made", (ModelCheckpointedGPT2,), {"reentrant": reentrant})
+    build = lambda: make(family="gpt2", config=GPT2_4L, lr=1e-2, warmup_steps=2)  # noqa: E731
+    total = param_bytes(build)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=build, accelerator=accelerator)
+    strategy = TieredStrategy(gpu_memory=int(0.6 * total) + 400_000, host_memory="1GiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=build, accelerator=accelerator)
+    assert strategy.planner.model.recomputed_by_model and strategy.metrics().get("units/host", 0) > 0
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
 
