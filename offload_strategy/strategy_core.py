@@ -134,6 +134,10 @@ class Ranks(Protocol):
     def link_metrics(self) -> dict[str, float]:
         """What ``measure_links`` measured, as metrics."""
 
+    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The optimizers' state dicts with every rank's units in them, for placing the model again
+        (the units' owners may change with the placement)."""
+
 
 class OneProcess:
     """One device, one process: nothing is reduced or shared."""
@@ -163,6 +167,9 @@ class OneProcess:
 
     def link_metrics(self) -> dict[str, float]:
         return {}
+
+    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return states
 
 
 class TieredCore:
@@ -316,7 +323,8 @@ class TieredCore:
         (``block_policies``: the layout they will run beside, the one in place by default;
         ``may_fit``: everything may still fit, and no engine is needed)."""
         optimizers = self.lightning.optimizers
-        states = [optimizer.state_dict() for optimizer in optimizers]  # standard, exact: they move through these
+        # standard, exact: they move through these; with sharded states, each rank's units' too
+        states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self._timed = []  # another engine's units
         self._close_engine()
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)

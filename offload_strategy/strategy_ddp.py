@@ -332,6 +332,26 @@ class DataParallelRanks:
     def same_on_every_rank(self, choice: Any) -> Any:
         return self.strategy.broadcast(choice, src=0)
 
+    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Under sharded states each rank's optimizers hold its own units' states only, and a new
+        placement may give a unit another owner, or replicate it in the GPU tier on every rank:
+        every rank gets every rank's host-side states (a unit in the GPU tier is replicated, so each
+        rank keeps its own copy of those), and loads what it now holds. Every state passes through
+        every rank's host memory once, at a re-placement (after the profiled steps)."""
+        if not self.shard_states or self.strategy.world_size == 1 or not dist.is_initialized():
+            return states
+        mine = [{i: v for i, v in s["state"].items() if all(not torch.is_tensor(t) or t.device.type == "cpu" for t in v.values())} for s in states]
+        gathered: list[Any] = [None] * self.strategy.world_size
+        dist.all_gather_object(gathered, mine, group=self.process_groups()[2])
+        merged = []
+        for position, own in enumerate(states):
+            every: dict[Any, Any] = {}
+            for part in gathered:
+                every.update(part[position])
+            every.update(own["state"])  # this rank's copies of replicated units, on its own device
+            merged.append({"state": every, "param_groups": own["param_groups"]})
+        return merged
+
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         """``needs_all_gradients``: something other than the engine's clipping by norm reads every
         reduced gradient before the step."""

@@ -30,6 +30,14 @@ from tests.helpers import PARAMETERS_ONLY, LossRecorder, tiny_data  # noqa: E402
 GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 
 
+class HfCheckpointing(CausalLM):
+    """transformers' own activation checkpointing on every layer."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.gradient_checkpointing_enable()
+
+
 class RankBranch(CausalLM):
     """A head used on rank 0 only, and one used on no rank: DDP's unused-parameter cases."""
 
@@ -88,6 +96,8 @@ def main() -> None:
     parser.add_argument("--rank-branch", action="store_true", help="a model with parameters unused on some ranks")
     parser.add_argument("--layers", type=int, default=GPT2_4L["n_layer"], help="the model's transformer blocks")
     parser.add_argument("--default-policy", action="store_true", help="the default policy (placement and activations searched) with a GPU tier of twice the parameters")
+    parser.add_argument("--hf-checkpointing", action="store_true", help="transformers' own activation checkpointing on every layer")
+    parser.add_argument("--activations", default=None, help="with --default-policy: policy.activations (the placement still searched)")
     args = parser.parse_args()
 
     config = dict(GPT2_4L, n_layer=args.layers)
@@ -95,7 +105,7 @@ def main() -> None:
     host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
     budgets = dict(gpu_memory=int(args.gpu_factor * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
     if args.default_policy:
-        budgets = dict(gpu_memory=2 * total, host_memory=int(host * total))
+        budgets = dict(gpu_memory=2 * total, host_memory=int(host * total), **({"policy": {"activations": args.activations}} if args.activations else {}))
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":
@@ -106,7 +116,8 @@ def main() -> None:
         strategy = args.strategy
 
     L.seed_everything(7, verbose=False)
-    model = (RankBranch if args.rank_branch else CausalLM)(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
+    model = (RankBranch if args.rank_branch else HfCheckpointing if args.hf_checkpointing else CausalLM)(family="gpt2", config=config, lr=1e-2,
+                                                                                                        warmup_steps=2)
     recorder, metrics = LossRecorder(), Metrics()
     trainer = L.Trainer(
         strategy=strategy,

@@ -98,6 +98,31 @@ def test_two_ranks_with_the_default_policy_search_the_same_plan_and_match_ddp(ru
     assert_same_weights(load(plain_dir / "weights.pt"), load(out / "weights.pt"))
 
 
+def test_a_new_placement_that_gives_units_other_owners_keeps_their_optimizer_states(runs, tmp_path):
+    """The placement searched after the profiled steps (activations kept) moves units between the
+    GPU tier and host memory, and so between owners: a unit another rank owned, or one replicated
+    in the GPU tier now, needs the states its old owner kept. Each rank loaded only its own and the
+    others started afresh: the losses left DDP's at the step after the new placement."""
+    plain_dir, plain = runs["ddp"]
+    out = tmp_path / "search"
+    tiered = launch(out, "--strategy", "tiered_ddp", "--default-policy", "--activations", "keep")
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert_same_weights(load(plain_dir / "weights.pt"), load(out / "weights.pt"))
+
+
+def test_the_models_own_checkpointing_under_the_default_policy_matches_ddp(tmp_path):
+    """transformers' checkpointing on every layer, the default policy on two ranks: every plan
+    keeps each layer's units together (it stopped with no free GPU-tier buffer), and the ranks
+    train as DDP does through the new placement."""
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--hf-checkpointing", "--epochs", "2")
+    tiered = launch(tmp_path / "tiered", "--strategy", "tiered_ddp", "--hf-checkpointing", "--epochs", "2", "--default-policy")
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        assert tiered[rank]["metrics"]["units/host"] > 0
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered" / "weights.pt"))
+
+
 def test_sharded_states_halve_each_ranks_share(runs):
     _, tiered = runs["tiered_ddp"]
     _, single = runs["tiered"]
