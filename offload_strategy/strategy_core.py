@@ -770,8 +770,11 @@ class TieredCore:
             self.engine.begin_backward()
 
     def post_backward(self) -> None:
-        if self.engine is not None:
-            self.engine.end_backward()
+        engine = self.engine
+        if engine is not None:
+            engine.end_backward()
+            if engine.exchange is not None and not self.context.module.automatic_optimization:
+                engine.exchange.wait_all()  # the user's code reads gradients next (clipping, a check), as after DDP's backward
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
         module = model or self.context.module

@@ -70,7 +70,11 @@ class Recipe:
     def reductions_may_go_to_owners(self) -> bool:
         """Under sharded data parallelism, nothing needs every reduced gradient on every rank but
         Lightning's own clipping by norm, which the engine takes from each gradient's norm, the
-        owners' norms exchanged between the ranks (no loss scaling, no hook that reads gradients)."""
+        owners' norms exchanged between the ranks (no loss scaling, no hook that reads gradients).
+        Never under manual optimization: a backward may follow another before the step, and each
+        rank's gradients must then hold the earlier reductions, as DDP leaves them."""
+        if not self.trainer.lightning_module.automatic_optimization:
+            return False
         if not self.needs_all_gradients():
             return True
         return self.clips_by_norm() and not self.scales_loss and not gradient_hooks(self.trainer)

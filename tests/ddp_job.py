@@ -13,6 +13,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +37,24 @@ class HfCheckpointing(CausalLM):
     def configure_model(self) -> None:
         super().configure_model()
         self.model.gradient_checkpointing_enable()
+
+
+class ManualAccumulation(CausalLM):
+    """Manual optimization: two backward calls, then clipping by norm and the step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
 
 
 class RankBranch(CausalLM):
@@ -97,6 +116,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=GPT2_4L["n_layer"], help="the model's transformer blocks")
     parser.add_argument("--default-policy", action="store_true", help="the default policy (placement and activations searched) with a GPU tier of twice the parameters")
     parser.add_argument("--hf-checkpointing", action="store_true", help="transformers' own activation checkpointing on every layer")
+    parser.add_argument("--manual", action="store_true", help="manual optimization accumulating two backward calls, clipping by norm")
     parser.add_argument("--activations", default=None, help="with --default-policy: policy.activations (the placement still searched)")
     args = parser.parse_args()
 
@@ -116,8 +136,8 @@ def main() -> None:
         strategy = args.strategy
 
     L.seed_everything(7, verbose=False)
-    model = (RankBranch if args.rank_branch else HfCheckpointing if args.hf_checkpointing else CausalLM)(family="gpt2", config=config, lr=1e-2,
-                                                                                                        warmup_steps=2)
+    kind = RankBranch if args.rank_branch else HfCheckpointing if args.hf_checkpointing else ManualAccumulation if args.manual else CausalLM
+    model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
     recorder, metrics = LossRecorder(), Metrics()
     trainer = L.Trainer(
         strategy=strategy,

@@ -123,6 +123,21 @@ def test_the_models_own_checkpointing_under_the_default_policy_matches_ddp(tmp_p
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered" / "weights.pt"))
 
 
+def test_manual_optimization_accumulating_two_backward_calls_with_clipping_matches_ddp(tmp_path):
+    """Manual optimization backwards twice before clipping and stepping. Each reduction was left
+    in flight when the next training step began (the next backward added to the same tensors while
+    gloo still wrote them; the run also aborted at exit), the reductions went to the owners alone
+    (a rank then lost what it had accumulated for units it does not own), and the user's clipping
+    read gradients whose reductions had not landed: the losses left DDP's at the first step."""
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--manual", "--epochs", "2")
+    for args in ((), ("--nvme", str(tmp_path / "nvme_run" / "nvme"))):
+        out = tmp_path / ("nvme_run" if args else "host_run")
+        tiered = launch(out, "--strategy", "tiered_ddp", "--manual", "--epochs", "2", *args)
+        for rank in (0, 1):
+            assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank} {args}"
+        assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(out / "weights.pt"))
+
+
 def test_sharded_states_halve_each_ranks_share(runs):
     _, tiered = runs["tiered_ddp"]
     _, single = runs["tiered"]

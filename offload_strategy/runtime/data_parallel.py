@@ -19,7 +19,11 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
   they are sent: in a gradient buffer, not a home each (``gradient_buffers.py``). Clipping by norm
   takes each gradient's norm on its owner and exchanges the norms (``norm_inputs``). When
   something else needs every gradient on every rank first (fp16 loss scaling, a hook that reads
-  them), the reductions are all-reduces instead.
+  them), the reductions are all-reduces instead; so they are under manual optimization, whose
+  code may backward again before its step (each rank's gradients then hold the earlier
+  reductions, as DDP leaves them) and reads the gradients once its backward returns (the core
+  waits for every reduction then: ``wait_all``). A new backward waits for the last one's
+  reductions before its gradients add to the same tensors.
 - Collectives are matched by their order on each process group, so every rank issues them in one
   canonical order (units by decreasing index, the order backward mostly completes them): a unit
   that completes early waits for the ones before it. A unit not complete by the optimizer step
@@ -120,7 +124,14 @@ class GradientExchange:
         self._late_done = False
         for s in self.ctx.states:
             s.reduce_ready = False
-            s.reductions = []
+            # a backward without an optimizer step since (manual accumulation): its reductions must
+            # land before this one's gradients add to the same tensors
+            s.wait_reductions()
+
+    def wait_all(self) -> None:
+        """Every reduction this backward started has landed (user code is about to read gradients)."""
+        for s in self.ctx.states:
+            s.wait_reductions()
 
     def complete(self, s: UnitState) -> list[UnitState]:
         """Every gradient of ``s`` for this backward has arrived: reduce it in the canonical order.
