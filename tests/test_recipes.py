@@ -480,26 +480,17 @@ def test_a_compiled_block_is_refused_when_its_parameters_are_offloaded(tmp_path)
         fit(tiered("host", tmp_path), tmp_path, CompiledBlock)
 
 
-class SparseEmbedding(Net):
-    """An embedding with sparse gradients and SparseAdam for it, the rest with Adam (manual optimization)."""
+class SparseEmbedding(TwoOptimizers):
+    """An embedding with sparse gradients and SparseAdam for it, the rest with Adam, both stepped
+    after one backward (manual optimization)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(256, 32, sparse=True)
-        self.automatic_optimization = False
 
     def configure_optimizers(self):
         rest = [p for name, p in self.named_parameters() if not name.startswith("embed.")]
         return [torch.optim.SparseAdam(self.embed.parameters(), lr=1e-2), torch.optim.Adam(rest, lr=1e-2)]
-
-    def training_step(self, batch, batch_idx):
-        sparse, dense = self.optimizers()
-        sparse.zero_grad()
-        dense.zero_grad()
-        self.last_loss = self.loss(batch)
-        self.manual_backward(self.last_loss)
-        sparse.step()
-        dense.step()
 
 
 def test_an_offloaded_embedding_with_sparse_gradients_is_refused_at_set_up(tmp_path):
