@@ -625,6 +625,96 @@ def test_an_attribute_written_between_steps_reaches_its_fp32_master(tmp_path, pl
     assert 0.45 * before < after < 0.6 * before
 
 
+class GivesNewTensors(L.Callback):
+    """Gives parameters tensors of their own between steps (``p.data = t``): an attribute and a
+    max-norm constraint after the second step, every parameter after the fourth, as
+    re-initialisation and constraint code does."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            if batch_idx == 1:
+                pl_module.head.bias.data = torch.full_like(pl_module.head.bias, 0.1)
+                pl_module.embed.weight.data = torch.renorm(pl_module.embed.weight.data, 2, 0, 0.5)
+            if batch_idx == 3:
+                for p in pl_module.parameters():
+                    p.data = p.data * 0.9
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_parameters_given_new_tensors_between_steps_train_with_them(tmp_path, placement):
+    """The engine used to bind the parameter back to its home at the next fetch, dropping the new
+    tensor: training went on from the old values."""
+    assert_like_plain(tmp_path, placement, Net, callbacks=lambda: (GivesNewTensors(),))
+
+
+@pytest.mark.filterwarnings("ignore:parameter .* was given a tensor")
+@pytest.mark.parametrize(("placement", "lottery"), [("host", False), ("nvme", "once")])
+def test_model_pruning(tmp_path, placement, lottery):
+    """Lightning's ``ModelPruning`` re-registers each weight as ``weight_orig`` with a mask, resets
+    it to its initial values (``.data =``, the lottery ticket) and makes the pruning permanent at
+    the end (``.data =`` again): both replacements used to be lost."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def pruning() -> tuple:
+        every_epoch = {"use_lottery_ticket_hypothesis": False, "apply_pruning": True}
+        once = {"use_lottery_ticket_hypothesis": True, "apply_pruning": lambda epoch: epoch == 0}
+        return (ModelPruning("l1_unstructured", amount=0.3, parameter_names=["weight"], verbose=0, **(once if lottery else every_epoch)),)
+
+    plain, model = assert_like_plain(tmp_path, placement, Net, callbacks=pruning, steps=-1, max_epochs=3, limit_train_batches=2)
+    assert float((model.blocks[0].weight == 0).float().mean()) >= 0.3
+
+
+def test_a_new_tensor_that_shares_memory_is_taken_with_a_warning(tmp_path):
+    """Plain training would keep the parameter and the tensor sharing memory; the values are
+    taken, and the warning says the sharing is not kept."""
+
+    class Shares(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                self.kept = pl_module.head.weight.detach().clone() * 2
+                pl_module.head.weight.data = self.kept
+
+    with pytest.warns(UserWarning, match=r"'head.weight' was given a tensor .* whose memory another live tensor shares"):
+        fit(tiered("host", tmp_path), tmp_path, Net, callbacks=(Shares(),))
+
+
+def test_a_new_tensor_of_another_shape_is_refused(tmp_path):
+    class Grows(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.head.bias.data = torch.zeros(300)
+
+    with pytest.raises(ValueError, match=r"'head.bias' was given a tensor of shape \(300,\).*where it has shape \(256,\).*p.copy_"):
+        fit(tiered("host", tmp_path), tmp_path, Net, callbacks=(Grows(),))
+
+
+class NewTensorInStep(Net):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            self.blocks[1].weight.data = self.blocks[1].weight.data * 0.5
+        return self.loss(batch)
+
+
+def test_a_new_tensor_inside_a_training_step_is_refused_with_what_to_do(tmp_path):
+    with pytest.raises(RuntimeError, match=r"'blocks.1.weight' was given a new tensor .* inside a training step.*p.copy_"):
+        fit(tiered("host", tmp_path), tmp_path, NewTensorInStep)
+
+
+def test_a_new_tensor_between_steps_reaches_its_fp32_master(tmp_path):
+    class Halve(L.Callback):
+        norms: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            with torch.no_grad():
+                self.norms.append(float(pl_module.head.weight.float().norm()))
+                if batch_idx == 2:
+                    pl_module.head.weight.data = pl_module.head.weight.data * 0.5
+
+    halve = Halve()
+    fit(tiered("host", tmp_path), tmp_path, Net, callbacks=(halve,), precision="bf16-true")
+    before, after = halve.norms[2], halve.norms[3]
+    assert 0.45 * before < after < 0.6 * before
+
+
 class ReadsBetweenSteps(L.Callback):
     def __init__(self, how: str) -> None:
         self.how, self.values = how, []

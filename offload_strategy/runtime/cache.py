@@ -69,9 +69,11 @@ class UnitCache:
         """Make unit ``index`` resident in the GPU tier and bind its parameters there."""
         ctx = self.ctx
         s = ctx.states[index]
+        active = ctx.step.active
+        if active and s.bound_to:
+            _refuse_rebinding_inside_a_step(s, ctx.rebound(s))
         if s.home == GPU:
             return s.device_slot.tensor
-        active = ctx.step.active
         if active and not ctx.table.record(index):
             ctx.requests.out_of_order += 1
         if s.resident:
@@ -311,3 +313,16 @@ class UnitCache:
 
 def _fetch_done(fetch: Fetch) -> bool:
     return (fetch.nvme is None or fetch.nvme.done()) and fetch.event is not None and fetch.event.done()
+
+
+def _refuse_rebinding_inside_a_step(s: UnitState, rebound: dict[int, torch.Tensor]) -> None:
+    """A parameter given a tensor of its own inside a training step: the step has already placed
+    the unit (its fetch, its update), so the new value would be lost or overwritten."""
+    if rebound:
+        names = ", ".join(repr(s.unit.param_names[i]) for i in rebound)
+        raise RuntimeError(
+            f"parameter {names} was given a new tensor (`.data = ...`) inside a training step, where the tiered strategy "
+            f"has already placed its unit, so the new value would not be the one trained. Write the value in place "
+            f"(`with torch.no_grad(): p.copy_(value)`), or replace `.data` between steps (a callback's "
+            f"`on_train_batch_end` or `on_train_batch_start`), where the value is adopted."
+        )

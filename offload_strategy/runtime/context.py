@@ -76,6 +76,16 @@ class EngineContext:
             p.data = t
             if away:
                 mark_offloaded(p, self.offloaded_class, name)
+        s.bound_to = list(tensors)
+
+    @staticmethod
+    def rebound(s: UnitState) -> dict[int, torch.Tensor]:
+        """Positions of the unit's parameters that user code gave a tensor of its own
+        (``p.data = t``) since the engine bound them, with that tensor. Only addresses and shapes
+        are read, so a parameter at a placeholder is not lent."""
+        if len(s.bound_to) != len(s.unit.params):
+            return {}
+        return {i: p.data for i, (p, t) in enumerate(zip(s.unit.params, s.bound_to)) if not _same_tensor(p, t)}
 
     def read_home(self, s: UnitState) -> torch.Tensor:
         """A fresh host buffer holding an NVMe unit's bytes (from its kept copy, or from disk)."""
@@ -99,3 +109,5 @@ class EngineContext:
         return region[start : start + s.unit.nbytes]
 
 
+def _same_tensor(p: torch.Tensor, t: torch.Tensor) -> bool:
+    return p.data_ptr() == t.data_ptr() and p.shape == t.shape and p.stride() == t.stride() and p.dtype == t.dtype

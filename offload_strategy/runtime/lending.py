@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Callable, Optional
 
 import torch
 
-from ..planning.placement import HOST, NVME
+from ..planning.placement import GPU, HOST, NVME
 from .cache import UnitCache
 from .context import EngineContext
 from .nvme_states import NvmeOptimizerStates
@@ -33,9 +34,15 @@ class Lending:
 
     @torch.no_grad()
     def lend(self, s: UnitState) -> None:
+        """The unit holds its true values at home until taken back (see the module docstring);
+        parameters the user gave tensors of their own meanwhile keep those values."""
+        rebound = self._take_rebound(s)
+        if s.unit.index not in self.lent:
+            self._lend(s)
+        self._write_rebound(s, rebound)
+
+    def _lend(self, s: UnitState) -> None:
         index = s.unit.index
-        if index in self.lent:
-            return
         if s.device_slot is not None:
             self.cache.evict(index)  # a GPU-tier copy would take writes that never reach home
         if s.home == HOST:
@@ -66,9 +73,47 @@ class Lending:
             yield
 
     @torch.no_grad()
+    def adopt_rebound(self) -> None:
+        """Parameters user code gave tensors of their own (``p.data = t``: a re-initialisation, a
+        max-norm constraint, ``ModelPruning``'s reset to the initial weights) hold those values
+        where the engine keeps the parameter, as if written in place, and point there again; a
+        tensor of another shape or dtype is refused."""
+        for s in self.ctx.states:
+            if s.home == GPU:
+                self._write_rebound(s, self._take_rebound(s))
+            elif self.ctx.rebound(s):
+                self.lend(s)
+
+    def _take_rebound(self, s: UnitState) -> dict[int, torch.Tensor]:
+        """The tensors the user gave the unit's parameters; the parameters point where the engine
+        had them again, so that moving the unit moves them."""
+        rebound = self.ctx.rebound(s)
+        for i, value in rebound.items():
+            _check_rebound(s, i, value)
+        if rebound:
+            self.ctx.bind(s, s.bound_to)
+        return rebound
+
+    def _write_rebound(self, s: UnitState, rebound: dict[int, torch.Tensor]) -> None:
+        for i, value in rebound.items():
+            s.bound_to[i].copy_(value)
+            if _shares_memory_with_another_tensor(value):
+                warnings.warn(
+                    f"parameter {s.unit.param_names[i]!r} was given a tensor (`.data = ...`) whose memory another live tensor "
+                    f"shares. The tiered strategy takes its values, but the parameter does not go on sharing that memory as "
+                    f"it would in plain training, so later writes to either no longer show in the other. Lightning's "
+                    f"`ModelPruning` with `use_lottery_ticket_hypothesis=True` relies on this sharing from its second reset on "
+                    f"(docs/compatibility.md).",
+                    stacklevel=2,
+                )
+        if rebound:
+            self.updater.mark_masters_stale({id(s.unit.params[i]) for i in rebound})
+
+    @torch.no_grad()
     def take_back(self) -> None:
         """Units lent between steps return: what was written goes home, fp32 masters kept apart
         from a written 16-bit parameter take its new value, NVMe units point at placeholders again."""
+        self.adopt_rebound()
         lent_states, self.lent_states = self.lent_states, {}
         for index, (buffer, before) in lent_states.items():
             if torch.equal(buffer, before):
@@ -163,3 +208,19 @@ class _OneUnit:
             return states.views(unit, buffer)
 
         return compact(self._load(("states", unit), read)[position])
+
+
+def _check_rebound(s: UnitState, position: int, value: torch.Tensor) -> None:
+    bound = s.bound_to[position]
+    if value.shape != bound.shape or value.dtype != bound.dtype:
+        raise ValueError(
+            f"parameter {s.unit.param_names[position]!r} was given a tensor of shape {tuple(value.shape)} and {value.dtype} "
+            f"(`.data = ...`) where it has shape {tuple(bound.shape)} and {bound.dtype}; the tiered strategy keeps each "
+            f"parameter's shape and dtype for the whole run. Write values in place (`with torch.no_grad(): p.copy_(value)`), "
+            f"or change the model's shapes before `trainer.fit`."
+        )
+
+
+def _shares_memory_with_another_tensor(value: torch.Tensor) -> bool:
+    """``value``'s storage is held by more than ``value`` itself (and the storage object asked)."""
+    return torch._C._storage_Use_Count(value.untyped_storage()._cdata) > 2

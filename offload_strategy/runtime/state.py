@@ -83,6 +83,7 @@ class UnitState:
     recompute_pinned: bool = False
     updated: bool = False  # this step, already (during backward)
     bound: bool = False  # parameters currently point into device_slot
+    bound_to: list[torch.Tensor] = field(default_factory=list)  # per param: what the engine last pointed it at
     reduce_ready: bool = False  # data parallel: complete for this step, its reduction due in the canonical order
     reductions: list[Any] = field(default_factory=list)  # data parallel: its collectives in flight
     # an NVMe unit whose gradients live in a shared buffer from the first to the update (gradient_buffers.py)
