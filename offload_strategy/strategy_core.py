@@ -616,7 +616,7 @@ class TieredCore:
         sizes = {u.index: u for u in model.sizes}
         owns = model.sharding.owns if model.sharding is not None else None
         costs = costs_from_timing(
-            timing, [bool(s.unit.trainable) for s in engine.states], {i: u.trainable_bytes for i, u in sizes.items()}, owns, model.tensors,
+            timing, [bool(s.unit.trainable) for s in engine.states], {i: u.reduced_bytes for i, u in sizes.items()}, owns, model.tensors,
         )
         state_factor = self.planner.model.state_factor
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]

@@ -57,6 +57,14 @@ class ManualAccumulation(CausalLM):
         return loss
 
 
+class Sgd(CausalLM):
+    """Plain SGD, no momentum: one step under bf16-true gives DDP's weights exactly where the
+    reduced gradients are DDP's (its bf16 update rounds once from fp32, as an fp32 master's does)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
 class RankBranch(CausalLM):
     """A head used on rank 0 only, and one used on no rank: DDP's unused-parameter cases."""
 
@@ -118,6 +126,8 @@ def main() -> None:
     parser.add_argument("--hf-checkpointing", action="store_true", help="transformers' own activation checkpointing on every layer")
     parser.add_argument("--manual", action="store_true", help="manual optimization accumulating two backward calls, clipping by norm")
     parser.add_argument("--activations", default=None, help="with --default-policy: policy.activations (the placement still searched)")
+    parser.add_argument("--sgd", action="store_true", help="plain SGD instead of AdamW with warm-up")
+    parser.add_argument("--max-steps", type=int, default=-1)
     args = parser.parse_args()
 
     config = dict(GPT2_4L, n_layer=args.layers)
@@ -136,7 +146,8 @@ def main() -> None:
         strategy = args.strategy
 
     L.seed_everything(7, verbose=False)
-    kind = RankBranch if args.rank_branch else HfCheckpointing if args.hf_checkpointing else ManualAccumulation if args.manual else CausalLM
+    kinds = {RankBranch: args.rank_branch, HfCheckpointing: args.hf_checkpointing, ManualAccumulation: args.manual, Sgd: args.sgd}
+    kind = next((k for k, wanted in kinds.items() if wanted), CausalLM)
     model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
     recorder, metrics = LossRecorder(), Metrics()
     trainer = L.Trainer(
@@ -144,6 +155,7 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

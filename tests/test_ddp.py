@@ -262,6 +262,23 @@ def test_each_rank_keeps_the_fp32_masters_of_its_own_units_only(tmp_path):
     assert all(0 < h < every for h in held) and sum(held) == every, (held, every)
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_bf16_gradients_are_reduced_in_16_bits_as_ddp_reduces_them(tmp_path, tier):
+    """Under bf16-true the gradients of 16-bit parameters are reduced in bf16, as DDP reduces them,
+    though accumulated in fp32 for their masters: half the bytes between ranks, and one SGD step
+    (whose bf16 update rounds once from fp32, as an fp32 master's does) gives DDP's weights bit
+    for bit. They were reduced in fp32 before, which rounded the sums differently."""
+    nvme = ["--nvme", str(tmp_path / "nvme"), "--host-factor", "2.2"] if tier == "nvme" else []
+    recipe = ["--epochs", "1", "--max-steps", "1", "--sgd", "--precision", "bf16-true"]
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", *recipe)
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", *recipe, *nvme)
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        metrics = tiered[rank]["metrics"]
+        assert metrics[f"units/{tier}"] > 0 and (metrics["units/gpu"] > 0 or tier == "nvme"), metrics  # persistent units too
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+
+
 def _shared_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("offload_strategy-homes-*")} if Path("/dev/shm").is_dir() else set()
 

@@ -257,3 +257,12 @@ def test_ranks_sharing_host_homes_home_the_same_units_there():
     # rank 1 every unit (gradients 128, parameters 128, its states 64: 320)
     assert [i for i, h in place(0, False).home.items() if h == HOST] == [0, 6]
     assert set(place(1, False).home.values()) == {HOST}
+
+
+def test_a_reduction_moves_16_bit_gradients_in_16_bits():
+    """A unit of 100 bf16 parameters with fp32 masters keeps 400 bytes of fp32 gradients and a
+    200-byte landing area; its reduction moves the 200 bytes of bf16 the runtime reduces. Without
+    fp32 masters it moves its gradients as they are."""
+    assert UnitSize(0, nbytes=200, trainable_bytes=400, landing_bytes=200).reduced_bytes == 200
+    assert UnitSize(0, nbytes=400, trainable_bytes=400).reduced_bytes == 400
+    assert UnitSize(0, nbytes=200, trainable_bytes=0, landing_bytes=0).reduced_bytes == 0

@@ -253,6 +253,8 @@ RECIPES = {
     "base-finetuning": dict(make=recipes.FinetuneNet, callbacks=(recipes.Finetune(),), steps=9),
     "accumulation-and-clipping": dict(make=Net, accumulate_grad_batches=2, gradient_clip_val=0.05),
     "scheduler-per-epoch": dict(make=EpochScheduler, steps=14),
+    # the second replacement of parameters' tensors comes right before the engine is replaced
+    "new-tensors-between-steps": dict(make=Net, callbacks=(recipes.GivesNewTensors(),)),
 }
 
 

@@ -175,7 +175,7 @@ def unit_costs(model: Model, owners: list[int]) -> dict:
         size.index: UnitCost(
             nbytes=size.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds,
             gradient_bytes=size.nbytes if c.trainable_bytes else 0, update_seconds=c.update_seconds, owned=owners[size.index] == 0,
-            reduced_bytes=size.trainable_bytes,  # the runtime reduces the gradient its master is updated with
+            reduced_bytes=size.reduced_bytes,  # as the runtime reduces them: 16-bit gradients in 16 bits
         )
         for c, size in zip(model.costs, model.sizes)
     }

@@ -117,8 +117,8 @@ def costs_from_timing(
     time is inside its neighbours' (or the step's outside time), so it gets none here and the
     total stays what was measured; without any backward interval, backward is taken as twice
     forward. A unit not updated in the timed step is priced at the measured updates' rate per byte.
-    ``reduced``: per unit, the bytes its reduction across ranks moves (its trainable bytes in
-    their masters' dtype), where they differ from the parameters'; ``owns``: under sharded data
+    ``reduced``: per unit, the bytes its reduction across ranks moves (``UnitSize.reduced_bytes``),
+    where they differ from the parameters'; ``owns``: under sharded data
     parallelism, whether this rank updates a unit; ``tensors``: per unit, its trainable tensors."""
     measured_backward = bool(timing.backward_seconds)
     updated = [(timing.unit_bytes[i], t) for i, t in timing.update_seconds.items() if t > 0]

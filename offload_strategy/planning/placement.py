@@ -64,6 +64,12 @@ class UnitSize:
     # of an offloaded unit's gradient (at its home, or in a gradient buffer while in flight)
     landing_bytes: int = 0
 
+    @property
+    def reduced_bytes(self) -> int:
+        """What a data-parallel reduction of the unit's gradients moves: 16-bit gradients widened
+        for fp32 masters are reduced in 16 bits (as DDP reduces them), half their masters' bytes."""
+        return self.trainable_bytes // 2 if self.landing_bytes else self.trainable_bytes
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -8,7 +8,9 @@ by :class:`~offload_strategy.runtime.engine.TieredEngine`, carries it out:
   micro-batch that ends an accumulation, as DDP's ``no_sync`` does), asynchronously, while backward
   goes on; the unit's update waits for its reduction, so active gradient offloading (LoHan §IV-C)
   keeps running on each owner's CPU. Like DDP, each rank divides its gradient by the world size
-  and the ranks sum: for two ranks, bit-identical to DDP's all-reduce.
+  and the ranks sum: for two ranks, bit-identical to DDP's all-reduce. A 16-bit parameter's
+  gradient, accumulated in fp32 for its master, is reduced in its own dtype as DDP reduces it
+  (half the bytes; an offloaded unit's in its landing area), and widened back where it is used.
 - With sharded states the reduction goes to the unit's owner only (a reduce, the per-unit piece of
   ZeRO-2's reduce-scatter); the owner alone holds the unit's masters and optimizer states and
   updates it; after the step every owner broadcasts its updated units (the all-gather). Persistent
@@ -107,6 +109,23 @@ class Reduction(enum.Enum):
     ALL = "all"  # every rank gets every reduced gradient (something needs them all before the step)
 
 
+class _Widening:
+    """A reduction made in 16 bits whose sum, once waited for, is written into the fp32 gradient."""
+
+    def __init__(self, work: Any, narrow: torch.Tensor, wide: torch.Tensor) -> None:
+        self.work, self.narrow, self.wide = work, narrow, wide
+        self.done = False
+
+    def wait(self) -> None:
+        self.work.wait()
+        if not self.done:
+            self.wide.copy_(self.narrow)
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
 class GradientExchange:
     """Reductions of each unit's gradients and broadcasts of updated units, in one canonical order
     on every rank (see the module docstring)."""
@@ -145,17 +164,21 @@ class GradientExchange:
             started.append(ready)
         return started
 
-    def _launch(self, s: UnitState, grads: list[torch.Tensor]) -> None:
+    def _launch(self, s: UnitState, grads: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
         dp = self.dp
         owner = dp.owners[s.unit.index]
         to_owner = self.mode is Reduction.OWNER and dp.shard_states and not self.ctx.placement.replicated(s.unit.index)
-        for g in grads:
+        for g, narrow in grads:
             g.mul_(1.0 / dp.world_size)  # divided before the sum, as DDP's reducer does
-            group = dp.group_for(g)
+            reduced = g if narrow is None else narrow.copy_(g)
+            group = dp.group_for(reduced)
             if to_owner:
-                s.reductions.append(dist.reduce(g, dst=owner, group=group, async_op=True))
+                work = dist.reduce(reduced, dst=owner, group=group, async_op=True)
             else:
-                s.reductions.append(dist.all_reduce(g, group=group, async_op=True))
+                work = dist.all_reduce(reduced, group=group, async_op=True)
+            # the sum widens back for the fp32 master where it is used (not on a rank that only sent it)
+            needed = narrow is not None and (not to_owner or owner == dp.rank)
+            s.reductions.append(_Widening(work, narrow, g) if needed else work)
         if to_owner and owner != dp.rank and s.transient_gradients:
             self.gradients.buffers.sent(s)  # not needed here once sent: its buffer goes back then
 

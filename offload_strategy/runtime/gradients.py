@@ -199,17 +199,27 @@ class GradientPath:
                 # pinned home whose writes cross the link (MemFerry's direct host access)
                 p.grad = device_view(record.home, compute)
 
-    def unit_gradients(self, s: UnitState) -> list[torch.Tensor]:
-        """The unit's gradients for this step, at the place where its update reads them."""
+    def unit_gradients(self, s: UnitState) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The unit's gradients for this step, at the place where its update reads them, each with
+        a tensor of its parameter's 16-bit dtype to reduce it in (None: reduced as it is). A
+        16-bit parameter's gradient is reduced in 16 bits, as DDP reduces it, though accumulated
+        in fp32 for its master: an offloaded one's in its landing area, a persistent one's in a
+        copy made now."""
         if s.home == GPU:
-            grads = [self.persistent.get(id(p), p.grad) for p in s.unit.trainable]
-            return [g for g in grads if g is not None]
-        out = []
+            out = []
+            for p in s.unit.trainable:
+                widened = self.persistent.get(id(p))
+                if widened is not None:
+                    out.append((widened, torch.empty_like(widened, dtype=p.dtype)))
+                elif p.grad is not None:
+                    out.append((p.grad, None))
+            return out
+        pairs = []
         for record, p in zip(s.grads, s.unit.params):
             if p.requires_grad and record.home is not None and record.fresh:
-                record.wait()  # the copy from the GPU tier has landed
-                out.append(record.home)
-        return out
+                record.wait()  # the copy from the GPU tier has landed (and been widened)
+                pairs.append((record.home, record.landing))
+        return pairs
 
     def for_update(self, s: UnitState, positions: list[int]) -> list[Optional[torch.Tensor]]:
         """An offloaded unit's gradients once complete (reduced, landed), clipped by value where asked."""
