@@ -130,10 +130,52 @@ class Parametrized(Net):
         torch.nn.utils.parametrizations.spectral_norm(self.head)
 
 
+class Mixtral(L.LightningModule):
+    """A mixture of experts (8 experts, 2 per token, the router's auxiliary loss in the loss):
+    which experts get tokens, and so which receive gradients, changes from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.02,
+        )
+        self.model = MixtralForCausalLM(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[:, :-1], labels=batch[:, 1:].contiguous()).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Bart(L.LightningModule):
+    """An encoder-decoder whose encoder, decoder and head share one embedding, with the head's
+    ``final_logits_bias`` buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BartConfig, BartForConditionalGeneration
+
+        config = BartConfig(
+            vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        )
+        self.model = BartForConditionalGeneration(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[:, :8], decoder_input_ids=batch[:, 8:-1], labels=batch[:, 9:].contiguous()).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm("llama"), "bert": Bert, "t5": T5,
           "cnn-batchnorm": ConvNet, "block-reused": ReusedBlock, "lstm": Recurrent, "torch-transformer": TorchTransformer,
           "own-checkpoint": OwnCheckpoint, "weight-and-spectral-norm": Parametrized, "gpt2-own-checkpointing": CheckpointingGPT2,
-          "t5-own-checkpointing": CheckpointingT5}
+          "t5-own-checkpointing": CheckpointingT5, "mixtral": Mixtral, "bart": Bart}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -229,7 +271,7 @@ def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
 DEFAULT_POLICY_TIERS = {"gpt2": "400KiB", "opt": "250KiB", "llama": "400KiB", "bert": "250KiB", "t5": "250KiB",
                         "cnn-batchnorm": "250KiB", "block-reused": "100KiB", "lstm": "200KiB", "torch-transformer": "200KiB",
                         "own-checkpoint": "100KiB", "weight-and-spectral-norm": "100KiB", "gpt2-own-checkpointing": "400KiB",
-                        "t5-own-checkpointing": "400KiB"}
+                        "t5-own-checkpointing": "400KiB", "mixtral": "1000KiB", "bart": "300KiB"}
 
 
 def assert_like_plain_under_the_default_policy(tmp_path: Path, make: Any, gpu_memory: str, steps: int = 7, **kwargs: Any) -> None:
