@@ -22,6 +22,7 @@ from .config import BudgetLike, HardwareSpec, PolicyConfig, StateDictType
 from .planning.planner import TierBudgets
 from .strategy_context import TieredOptions, one_device
 from .strategy_core import MemoryBudgetError, OneProcess, TieredCore, check_precision, exposes_core
+from .strategy_recipe import reads_gradients_after_backward
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -145,7 +146,9 @@ class TieredStrategy(SingleDeviceStrategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
-        self.tiered.pre_backward()
+        module = self.lightning_module
+        assert module is not None
+        self.tiered.pre_backward(hooks_after=reads_gradients_after_backward(module.trainer))
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

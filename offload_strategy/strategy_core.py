@@ -763,13 +763,32 @@ class TieredCore:
             if engine is not None:
                 engine.end_eval_step()
 
-    def pre_backward(self) -> None:
+    def pre_backward(self, hooks_after: bool = False) -> None:
+        """``hooks_after``: code runs right after this backward (``on_after_backward``, from the
+        precision plugin's ``post_backward``) and sees the gradients there."""
         self.activations.refuse_unfitting()
         if self.engine is not None:
             self.engine.attach_direct_gradients()
             self.engine.begin_backward()
+            if hooks_after:
+                self._expose_gradients_to_hooks_after(self.engine, self.lightning.precision_plugin)
+
+    @staticmethod
+    def _expose_gradients_to_hooks_after(engine: TieredEngine, plugin: Any) -> None:
+        """Lightning's ``Strategy.backward`` runs the hooks in the plugin's ``post_backward``, after
+        autograd and before the strategy's own: for that one call, offloaded gradients sit on their
+        parameters' ``.grad`` (``TieredEngine.gradients_exposed``)."""
+        original = type(plugin).post_backward.__get__(plugin)
+
+        def post_backward(tensor: torch.Tensor, module: Any) -> Any:
+            plugin.__dict__.pop("post_backward", None)
+            with engine.gradients_exposed():
+                return original(tensor, module)
+
+        plugin.post_backward = post_backward
 
     def post_backward(self) -> None:
+        self.lightning.precision_plugin.__dict__.pop("post_backward", None)  # a backward that failed left it
         engine = self.engine
         if engine is not None:
             engine.end_backward()

@@ -40,6 +40,7 @@ from .runtime.data_parallel import DataParallel, Reduction, collective_latency, 
 from .runtime.shared_homes import SHARED_MEMORY_DIR, shared_memory_available
 from .strategy_context import TieredOptions
 from .strategy_core import TieredCore, check_precision, exposes_core
+from .strategy_recipe import reads_gradients_after_backward
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -177,7 +178,9 @@ class TieredDDPStrategy(DDPStrategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
-        self.tiered.pre_backward()
+        module = self.lightning_module
+        assert module is not None
+        self.tiered.pre_backward(hooks_after=reads_gradients_after_backward(module.trainer))
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -167,7 +167,14 @@ def gradient_hooks(trainer: "pl.Trainer") -> bool:
     """User code runs between backward and the step: it must see plain training's gradients and weights."""
     module = trainer.lightning_module
     overridden = is_overridden("configure_gradient_clipping", module) or is_overridden("on_before_optimizer_step", module)
-    return overridden or any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in _callbacks(trainer))
+    hooks = ("on_before_optimizer_step", "on_after_backward")
+    return overridden or reads_gradients_after_backward(trainer) or any(is_overridden(h, c, Callback) for h in hooks for c in _callbacks(trainer))
+
+
+def reads_gradients_after_backward(trainer: "pl.Trainer") -> bool:
+    """``on_after_backward`` in the module or a callback: it sees (and may change) the gradients."""
+    hooked = any(is_overridden("on_after_backward", callback, Callback) for callback in _callbacks(trainer))
+    return hooked or is_overridden("on_after_backward", trainer.lightning_module)
 
 
 def _callbacks(trainer: "pl.Trainer") -> list[Callback]:

@@ -56,6 +56,7 @@ def _step_over_every_gradient(
         if scaler is not None:
             scaler.unscale_(gradients)
         _before_optimizer_step(trainer, optimizer)
+        gradients.take_back_replaced()
         if model.automatic_optimization:  # as Lightning's precision plugins do: the module's hook clips
             _configure_gradient_clipping(trainer, gradients)
         if scaler is None:

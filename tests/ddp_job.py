@@ -65,6 +65,18 @@ class Sgd(CausalLM):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class ChangesGradientsAfterBackward(CausalLM):
+    """``on_after_backward`` halves every gradient in place and clamps the last layer norm's."""
+
+    def on_after_backward(self) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+        norm = self.model.transformer.ln_f.weight
+        if norm.grad is not None:
+            norm.grad = norm.grad.clamp(-1e-3, 1e-3)
+
+
 class RankBranch(CausalLM):
     """A head used on rank 0 only, and one used on no rank: DDP's unused-parameter cases."""
 
@@ -127,6 +139,7 @@ def main() -> None:
     parser.add_argument("--manual", action="store_true", help="manual optimization accumulating two backward calls, clipping by norm")
     parser.add_argument("--activations", default=None, help="with --default-policy: policy.activations (the placement still searched)")
     parser.add_argument("--sgd", action="store_true", help="plain SGD instead of AdamW with warm-up")
+    parser.add_argument("--after-backward", action="store_true", help="on_after_backward changes the gradients")
     parser.add_argument("--max-steps", type=int, default=-1)
     args = parser.parse_args()
 
@@ -146,7 +159,8 @@ def main() -> None:
         strategy = args.strategy
 
     L.seed_everything(7, verbose=False)
-    kinds = {RankBranch: args.rank_branch, HfCheckpointing: args.hf_checkpointing, ManualAccumulation: args.manual, Sgd: args.sgd}
+    kinds = {RankBranch: args.rank_branch, HfCheckpointing: args.hf_checkpointing, ManualAccumulation: args.manual, Sgd: args.sgd,
+             ChangesGradientsAfterBackward: args.after_backward}
     kind = next((k for k, wanted in kinds.items() if wanted), CausalLM)
     model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
     recorder, metrics = LossRecorder(), Metrics()

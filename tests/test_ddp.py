@@ -279,6 +279,19 @@ def test_bf16_gradients_are_reduced_in_16_bits_as_ddp_reduces_them(tmp_path, tie
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_gradients_changed_in_on_after_backward_match_ddp(tmp_path, tier):
+    """``on_after_backward`` sees the reduced gradients on ``p.grad``, as after DDP's backward,
+    and what it changes is what is stepped."""
+    nvme = ["--nvme", str(tmp_path / "nvme"), "--host-factor", "3.0"] if tier == "nvme" else []
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", "--after-backward")
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--after-backward", *nvme)
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        assert tiered[rank]["metrics"][f"units/{tier}"] > 0
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+
+
 def _shared_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("offload_strategy-homes-*")} if Path("/dev/shm").is_dir() else set()
 

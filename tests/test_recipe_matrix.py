@@ -297,6 +297,7 @@ RECIPES = {
     "scheduler-per-epoch": dict(make=EpochScheduler, steps=14),
     # the second replacement of parameters' tensors comes right before the engine is replaced
     "new-tensors-between-steps": dict(make=Net, callbacks=(recipes.GivesNewTensors(),)),
+    "gradients-changed-after-backward": dict(make=recipes.ChangesGradientsAfterBackward),
 }
 
 

@@ -715,6 +715,41 @@ def test_a_new_tensor_between_steps_reaches_its_fp32_master(tmp_path):
     assert 0.45 * before < after < 0.6 * before
 
 
+class ChangesGradientsAfterBackward(Net):
+    """``on_after_backward`` scales every gradient in place, replaces the head's and drops the
+    norm's, as gradient surgery does."""
+
+    def on_after_backward(self) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+        self.head.weight.grad = self.head.weight.grad.clamp(-0.01, 0.01)
+        self.norm.bias.grad = None
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_changed_in_on_after_backward(tmp_path, placement, accumulate):
+    """Offloaded gradients used to be away from ``p.grad`` there (and, with nothing else waiting,
+    already applied): the hook saw None and changed nothing."""
+    assert_like_plain(tmp_path, placement, ChangesGradientsAfterBackward, accumulate_grad_batches=accumulate)
+
+
+class ReplacesGradientsBeforeStep(Net):
+    def on_before_optimizer_step(self, optimizer) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.clamp(-0.01, 0.01)
+        self.norm.bias.grad = None
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_gradients_replaced_in_on_before_optimizer_step(tmp_path, placement):
+    """A tensor put in ``p.grad`` before the step is the gradient stepped (and clipped), ``None``
+    skips the parameter; the engine used to step the gradient at home regardless."""
+    assert_like_plain(tmp_path, placement, ReplacesGradientsBeforeStep, gradient_clip_val=0.05)
+
+
 class ReadsBetweenSteps(L.Callback):
     def __init__(self, how: str) -> None:
         self.how, self.values = how, []

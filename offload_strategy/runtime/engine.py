@@ -545,6 +545,27 @@ class TieredEngine:
         """The strategy's backward returned: the last unit's backward interval ends."""
         self.timer.end_backward()
 
+    @contextlib.contextmanager
+    def gradients_exposed(self) -> Iterator[None]:
+        """Offloaded parameters' gradients on their ``.grad`` for user code run right after
+        backward (``on_after_backward``), as plain training leaves them: in place changes reach
+        the gradients at home, a tensor put in ``.grad`` replaces its gradient, ``None`` drops it."""
+        if self.exchange is not None:
+            self.exchange.wait_all()  # reduced, as DDP's backward leaves them
+        given = []
+        for s in self.states:
+            direct = s.unit.index in self.gradients.direct
+            for i, p in enumerate(s.unit.params):
+                home = self.gradients.expose(s, i, p)
+                if home is not None:
+                    given.append((s, i, p, home, direct))
+        try:
+            yield
+        finally:
+            for s, i, p, home, direct in given:
+                if not self.gradients.take_back_exposed(s, i, p, home) or not direct:
+                    p.grad = None  # a unit accumulating at home keeps its home as ``.grad`` for the next backward
+
     def take_recomputed(self) -> set[int]:
         """The units recomputed in backward since the last call."""
         taken = set(self.recomputed_units)
@@ -682,15 +703,22 @@ class TieredEngine:
             self.exchange.reduce_late_units()
         holders: list[torch.Tensor] = []
         attached: list[torch.Tensor] = []
+        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor]] = []  # offloaded: (unit, position, parameter, master)
         for p in unit_optimizers.order:
-            self._hold_gradient(unit_optimizers, p, holders, attached)
+            self._hold_gradient(unit_optimizers, p, holders, attached, given)
+
+        def take_back_replaced() -> None:
+            for s, i, p, master in given:
+                if not self.gradients.take_back_exposed(s, i, p, master.grad):
+                    master.grad = None  # dropped by the hook: neither clipped nor stepped
+
         try:
-            yield GradientView(holders, lambda: self.step(optimizer, closure_result, **kwargs))
+            yield GradientView(holders, lambda: self.step(optimizer, closure_result, **kwargs), take_back_replaced)
         finally:
             for tensor in attached:
                 tensor.grad = None
 
-    def _hold_gradient(self, unit_optimizers: UnitOptimizers, p: torch.Tensor, holders: list, attached: list) -> None:
+    def _hold_gradient(self, unit_optimizers: UnitOptimizers, p: torch.Tensor, holders: list, attached: list, given: list) -> None:
         """The tensor carrying ``p``'s gradient in a gradient view (and those given a ``.grad``)."""
         found = unit_optimizers.slot_of.get(id(p))
         if found is None:
@@ -721,6 +749,8 @@ class TieredEngine:
             if master.grad is not None and p.grad is None and (p.device, p.dtype) == (master.grad.device, master.grad.dtype):
                 p.grad = master.grad  # hooks before the step read ``p.grad`` as in plain training
                 attached.append(p)
+            if master.grad is not None and p.grad is not None and p.grad.data_ptr() == master.grad.data_ptr():
+                given.append((s, self.ctx.param_slot[id(p)][1], p, master))
         holders.append(master)
         attached.append(master)
 

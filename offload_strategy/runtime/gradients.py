@@ -221,6 +221,39 @@ class GradientPath:
                 pairs.append((record.home, record.landing))
         return pairs
 
+    def expose(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """An offloaded parameter's gradient so far, on ``p.grad`` for user code between backward
+        and the step (None where it cannot be: none yet, on NVMe, another device or dtype). A
+        gradient accumulated in place at home is there already."""
+        record = s.grads[i] if s.home != GPU else None
+        if record is None or not p.requires_grad or record.home is None or not record.fresh or record.spilled:
+            return None
+        record.wait()
+        if p.grad is not None:
+            return record.home if p.grad.data_ptr() == record.home.data_ptr() else None
+        if (record.home.device, record.home.dtype) != (p.device, p.dtype):
+            return None
+        p.grad = record.home
+        return record.home
+
+    def take_back_exposed(self, s: UnitState, i: int, p: torch.Tensor, given: torch.Tensor) -> bool:
+        """User code had ``p.grad`` (``given``, the gradient at home): a tensor it put there
+        instead is what the gradient is now, and ``None`` drops it, as in plain training. Returns
+        whether the parameter still has a gradient."""
+        current = p.grad
+        if current is None:
+            s.grads[i].fresh = False
+            return False
+        if current.data_ptr() != given.data_ptr():
+            if current.shape != given.shape:
+                raise ValueError(
+                    f"the gradient of {s.unit.param_names[i]!r} was replaced by a tensor of shape {tuple(current.shape)}, "
+                    f"where the parameter has shape {tuple(given.shape)}."
+                )
+            given.copy_(current)
+            p.grad = given
+        return True
+
     def for_update(self, s: UnitState, positions: list[int]) -> list[Optional[torch.Tensor]]:
         """An offloaded unit's gradients once complete (reduced, landed), clipped by value where asked."""
         s.wait_reductions()

@@ -32,9 +32,11 @@ class GradientView:
     """Parameters with their gradients attached, shaped like an optimizer for torch's GradScaler
     and clipping utilities; ``step()`` runs the engine's update."""
 
-    def __init__(self, params: list[torch.Tensor], step: Callable[[], None]) -> None:
+    def __init__(self, params: list[torch.Tensor], step: Callable[[], None], take_back_replaced: Callable[[], None] = lambda: None) -> None:
         self.param_groups = [{"params": params}]
         self._step = step
+        # after hooks that may have put tensors of their own in ``p.grad`` (or None): those count
+        self.take_back_replaced = take_back_replaced
 
     @property
     def params(self) -> list[torch.Tensor]:
