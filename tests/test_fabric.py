@@ -296,3 +296,33 @@ def test_zero_grad_between_backward_and_step_discards_gradients_at_home_too():
     """Fabric's optimizer wrapper calls the class's zero_grad: it reaches the engine's, which drops
     the gradients waiting in host memory (before, they were added to the next batch's)."""
     assert_same_run(_linear_stack("auto", _skipping_odd_batches, 5), _linear_stack(_tiered(), _skipping_odd_batches, 5))
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+@pytest.mark.parametrize("how", ["in-place", "torch-clip"])
+def test_gradients_the_loop_changes_between_backward_and_the_step(tmp_path, placement, how):
+    """The user's loop reads and changes ``p.grad`` after ``fabric.backward`` (halving it in place,
+    or torch's own ``clip_grad_norm_`` over the parameters): offloaded gradients used to be away
+    from ``p.grad`` there, so the loop changed nothing and trained on."""
+
+    def train(strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+        model, optimizer = fabric.setup(*(lambda m: (m, torch.optim.AdamW(m.parameters(), lr=1e-2)))(_model()))
+        losses = []
+        for batch in _batches(4):
+            loss = model(input_ids=batch, labels=batch).loss
+            fabric.backward(loss)
+            losses.append(loss.item())
+            if how == "in-place":
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.strategy.teardown()
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    policy = dict(policy="zero_infinity", nvme_path=tmp_path / "nvme") if placement == "nvme" else dict(policy="zero3_offload")
+    assert_same(train("auto"), train(TieredFabricStrategy(gpu_memory="160KiB", **policy)))

@@ -550,6 +550,15 @@ class TieredEngine:
         """Offloaded parameters' gradients on their ``.grad`` for user code run right after
         backward (``on_after_backward``), as plain training leaves them: in place changes reach
         the gradients at home, a tensor put in ``.grad`` replaces its gradient, ``None`` drops it."""
+        given = self.expose_gradients()
+        try:
+            yield
+        finally:
+            self.take_back_gradients(given)
+
+    def expose_gradients(self) -> list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]]:
+        """Offloaded gradients on ``.grad`` until :meth:`take_back_gradients` (before the next
+        backward, and before the step)."""
         if self.exchange is not None:
             self.exchange.wait_all()  # reduced, as DDP's backward leaves them
         given = []
@@ -559,12 +568,12 @@ class TieredEngine:
                 home = self.gradients.expose(s, i, p)
                 if home is not None:
                     given.append((s, i, p, home, direct))
-        try:
-            yield
-        finally:
-            for s, i, p, home, direct in given:
-                if not self.gradients.take_back_exposed(s, i, p, home) or not direct:
-                    p.grad = None  # a unit accumulating at home keeps its home as ``.grad`` for the next backward
+        return given
+
+    def take_back_gradients(self, given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]]) -> None:
+        for s, i, p, home, direct in given:
+            if not self.gradients.take_back_exposed(s, i, p, home) or not direct:
+                p.grad = None  # a unit accumulating at home keeps its home as ``.grad`` for the next backward
 
     def take_recomputed(self) -> set[int]:
         """The units recomputed in backward since the last call."""
