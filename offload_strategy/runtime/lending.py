@@ -1,7 +1,8 @@
 """Parameters and optimizer states read or written by user code between steps (a callback, a
 logger, an EMA, a checkpoint): they hold their true values at home, where writes are kept. Host
 units are bound there already; an NVMe unit is *lent* — read into a host buffer until the next
-step, optimizer step or checkpoint takes it back, and written home if it changed.
+step, optimizer step or checkpoint takes it back, and written home if it changed. A tensor user
+code gives a parameter (``p.data = t``) counts as a write of its values there.
 """
 
 from __future__ import annotations
@@ -222,5 +223,7 @@ def _check_rebound(s: UnitState, position: int, value: torch.Tensor) -> None:
 
 
 def _shares_memory_with_another_tensor(value: torch.Tensor) -> bool:
-    """``value``'s storage is held by more than ``value`` itself (and the storage object asked)."""
-    return torch._C._storage_Use_Count(value.untyped_storage()._cdata) > 2
+    """``value``'s storage is held by more than ``value`` itself (and the storage object asked);
+    False where this torch cannot say."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(value.untyped_storage()._cdata) > 2
