@@ -754,12 +754,13 @@ class TieredEngine:
                 return
             master.grad = self.gradients.persistent[id(p)]  # a 16-bit parameter's fp32 gradient, on its master
         else:
-            master.grad = s.grads[self.ctx.param_slot[id(p)][1]].value()
-            if master.grad is not None and p.grad is None and (p.device, p.dtype) == (master.grad.device, master.grad.dtype):
-                p.grad = master.grad  # hooks before the step read ``p.grad`` as in plain training
-                attached.append(p)
-            if master.grad is not None and p.grad is not None and p.grad.data_ptr() == master.grad.data_ptr():
-                given.append((s, self.ctx.param_slot[id(p)][1], p, master))
+            i = self.ctx.param_slot[id(p)][1]
+            master.grad = s.grads[i].value()
+            had_none = p.grad is None
+            if master.grad is not None and self.gradients.expose(s, i, p) is not None:  # hooks before the step read ``p.grad``
+                given.append((s, i, p, master))
+                if had_none:
+                    attached.append(p)
         holders.append(master)
         attached.append(master)
 
