@@ -12,7 +12,7 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from torch import nn
 
@@ -133,6 +133,61 @@ class GanStyle(TwoOptimizers):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_zero_grad_of_an_optimizer_that_did_not_step_drops_its_gradients(tmp_path, placement):
     assert_like_plain(tmp_path, placement, GanStyle)
+
+
+class MuonAndAdamW(TwoOptimizers):
+    """Manual optimization as Muon is used: Muon for the blocks' weight matrices, AdamW for the
+    rest, so that each block's weight and bias (one unit) are in different optimizers."""
+
+    def configure_optimizers(self):
+        matrices = [p for n, p in self.named_parameters() if n.startswith("blocks") and p.dim() == 2]
+        rest = [p for n, p in self.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
+        return torch.optim.Muon(matrices, lr=2e-2), torch.optim.AdamW(rest, lr=1e-2)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_unit_whose_parameters_two_optimizers_step(tmp_path, placement):
+    # each optimizer's states of one NVMe unit used to share one file: the second overwrote the
+    # first's layout, whose states were then read as NaN from the third step on
+    assert_like_plain(tmp_path, placement, MuonAndAdamW)
+
+
+def _resume_from_step_4(strategy: Any, resume_strategy: Any, root: Path, precision: str) -> dict[str, torch.Tensor]:
+    kwargs: dict[str, Any] = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                  num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root, precision=precision)
+    L.seed_everything(7, verbose=False)
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=2)
+    L.Trainer(strategy=strategy, max_steps=4, callbacks=[checkpoints], **kwargs).fit(MuonAndAdamW(), datamodule=tiny_data())
+    L.seed_everything(7, verbose=False)
+    model = MuonAndAdamW()
+    L.Trainer(strategy=resume_strategy, max_steps=8, enable_checkpointing=False, **kwargs).fit(
+        model, datamodule=tiny_data(), ckpt_path=str(root / "ckpt" / "last.ckpt"))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_unit_two_optimizers_step_resumes_on_nvme_with_its_fp32_masters(tmp_path):
+    """Under bf16-true the fp32 masters are stored with the states: both optimizers' masters and
+    states of a unit come back from the checkpoint into its one NVMe file (host memory agrees)."""
+    host = _resume_from_step_4(tiered("host", tmp_path / "h1"), tiered("host", tmp_path / "h2"), tmp_path / "host", "bf16-true")
+    nvme = _resume_from_step_4(tiered("nvme", tmp_path / "n1"), tiered("nvme", tmp_path / "n2"), tmp_path / "nvme", "bf16-true")
+    assert_same_weights(host, nvme)
+
+
+class MatricesOnly(Net):
+    """One optimizer over the blocks' weight matrices; the biases, embedding, norm and head still
+    require gradients but nothing steps them (their gradients add up, as in plain training)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for n, p in self.named_parameters() if n.startswith("blocks") and p.dim() == 2], lr=1e-2)
+
+
+def test_parameters_no_optimizer_steps_beside_ones_it_does_on_nvme(tmp_path):
+    # a unit updated during backward stayed counted as on the worker while a bias no optimizer
+    # steps held its gradient buffer, so the next backward waited for it forever
+    plain, model = assert_like_plain(tmp_path, "nvme", MatricesOnly)
+    L.seed_everything(7, verbose=False)
+    initial = MatricesOnly()
+    assert torch.equal(model.blocks[0].bias, initial.blocks[0].bias) and not torch.equal(model.blocks[0].weight, initial.blocks[0].weight)
 
 
 class WithScale(Net):

@@ -104,6 +104,13 @@ class GradientBuffers:
             if s.unit.index in self.held:
                 self.submitted.add(s.unit.index)
 
+    def settled(self, s: UnitState) -> None:
+        """The unit's update ran: its buffer is off the worker, even where it stays held (a
+        parameter no optimizer steps keeps accumulating its gradient, as in plain training)."""
+        with self.changed:
+            self.submitted.discard(s.unit.index)
+            self.changed.notify_all()
+
     def release(self, s: UnitState) -> None:
         """The unit's gradients are consumed (updated, sent, or forgotten): its buffer goes back."""
         if self.sending.pop(s.unit.index, None) is not None:

@@ -318,8 +318,13 @@ class GradientPath:
             self.done_with(s)
 
     def done_with(self, s: UnitState) -> None:
-        """A unit's gradients are consumed: a transient buffer goes back once none is fresh."""
-        if s.transient_gradients and self.buffers.holds(s) and not any(r.fresh for r in s.grads):
+        """A unit's gradients are consumed: a transient buffer goes back once none is fresh (one
+        of a parameter no optimizer steps stays, off the worker)."""
+        if not (s.transient_gradients and self.buffers.holds(s)):
+            return
+        if any(r.fresh for r in s.grads):
+            self.buffers.settled(s)
+        else:
             self.buffers.release(s)
 
     def start(self, s: UnitState, i: int, p: torch.Tensor) -> None:

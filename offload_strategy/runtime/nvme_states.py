@@ -7,6 +7,10 @@ the tensors the optimizer creates at its first step, so any per-parameter optimi
 states (Adam's step count) stay in memory: they are a few bytes and the optimizer may keep them
 on the CPU whatever the parameter's device.
 
+A unit whose parameters several optimizers hold (Muon for the weight matrices, AdamW for the
+biases) keeps every optimizer's states in its one file, each entry knowing its optimizer: an
+update of one loads and writes the others' unchanged.
+
 Under ``*-true`` precisions the fp32 master of each low-precision parameter is stored with its
 states (key ``None`` in the layout): it is read and written at the same times, and an update reads
 and writes the low-precision copy, which is what forward fetches, beside it.
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -29,6 +33,7 @@ from .units import PARAM_ALIGNMENT
 
 @dataclass(frozen=True)
 class _Entry:
+    optimizer: torch.optim.Optimizer
     param: nn.Parameter
     key: Optional[str]  # None: the master itself
     shape: tuple[int, ...]
@@ -39,6 +44,15 @@ class _Entry:
     def nbytes(self) -> int:
         return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
 
+    def value(self) -> torch.Tensor:
+        return self.param.data if self.key is None else self.optimizer.state[self.param][self.key]
+
+    def set(self, value: torch.Tensor) -> None:
+        if self.key is None:
+            self.param.data = value
+        else:
+            self.optimizer.state[self.param][self.key] = value
+
 
 class NvmeOptimizerStates:
     """The NVMe side of the optimizer states, unit by unit."""
@@ -47,8 +61,8 @@ class NvmeOptimizerStates:
         self.store = store
         self.layouts: dict[int, list[_Entry]] = {}
         self.sizes: dict[int, int] = {}
-        self.owners: dict[int, torch.optim.Optimizer] = {}  # the optimizer holding each unit's states
         self.placeholders: dict[int, list[torch.Tensor]] = {}  # made once: dropping states allocates nothing
+        self.loaded: set[int] = set()  # units whose entries hold their values in memory, not placeholders
 
     @staticmethod
     def _file(unit: int) -> str:
@@ -63,21 +77,26 @@ class NvmeOptimizerStates:
 
     def matches(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> bool:
         """The learnt layout still holds every state tensor (an optimizer may add some at a later step)."""
-        stored = {(id(e.param), e.key) for e in self.layouts[unit] if e.key is not None}
+        stored = {(id(e.param), e.key) for e in self.layouts[unit] if e.key is not None and e.optimizer is optimizer}
         return stored == {(id(p), key) for p in params for key in self._tensor_states(optimizer, p)}
 
     def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter], masters: Sequence[bool] = ()) -> int:
         """Record where each non-scalar state tensor of ``params`` goes in the unit's buffer, and
-        each param itself where ``masters`` says so (fp32 masters); return the buffer's size."""
+        each param itself where ``masters`` says so (fp32 masters), after the entries of other
+        optimizers holding parameters of the unit; return the buffer's size."""
+        others = self._others_in_memory(optimizer, unit)
         entries, offset = [], 0
+        for e in others:
+            entries.append(replace(e, offset=offset))
+            offset = align(offset + e.nbytes, PARAM_ALIGNMENT)
         for p, stored in zip(params, masters):
             if stored:
-                entries.append(_Entry(p, None, tuple(p.shape), p.dtype, offset))
+                entries.append(_Entry(optimizer, p, None, tuple(p.shape), p.dtype, offset))
                 offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
         for p in params:
             for key, value in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    entries.append(_Entry(p, key, tuple(value.shape), value.dtype, offset))
+                    entries.append(_Entry(optimizer, p, key, tuple(value.shape), value.dtype, offset))
                     offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
         if not entries:
             # nothing to store (SGD without momentum, or no gradient yet for a module first used
@@ -86,17 +105,40 @@ class NvmeOptimizerStates:
             return 0
         self.layouts[unit] = entries
         self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
-        self.owners[unit] = optimizer
         self.placeholders[unit] = [torch.full((1,), float("nan"), dtype=e.dtype).expand(e.shape) for e in entries]
+        self.loaded.add(unit)
         return self.sizes[unit]
+
+    def _others_in_memory(self, optimizer: torch.optim.Optimizer, unit: int) -> list[_Entry]:
+        """The unit's entries of other optimizers, each holding a tensor of its own (a copy of a
+        loaded one, else the file's value), so that a new layout keeps them."""
+        others = [e for e in self.layouts.get(unit, []) if e.optimizer is not optimizer]
+        if not others:
+            return []
+        if unit in self.loaded:
+            values = [e.value().clone() for e in others]
+        else:
+            buffer = torch.empty(self.sizes[unit], dtype=torch.uint8)
+            self.read(unit, buffer).result()
+            stored = dict(zip(map(id, self.layouts[unit]), self.views(unit, buffer)))
+            values = [stored[id(e)] for e in others]
+        for e, value in zip(others, values):
+            e.set(value)
+        return others
+
+    def own(self, unit: int) -> None:
+        """Every entry of a loaded unit holds a copy of its own, so that the buffer it was loaded
+        into can go back before the unit's states are laid out again."""
+        if unit in self.loaded:
+            for entry in self.layouts[unit]:
+                entry.set(entry.value().clone())
 
     def views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]
 
     def current_values(self, unit: int) -> list[torch.Tensor]:
         """What each entry of the unit's layout points at now (placeholders between steps)."""
-        optimizer = self.owners[unit]
-        return [e.param.data if e.key is None else optimizer.state[e.param][e.key] for e in self.layouts[unit]]
+        return [e.value() for e in self.layouts[unit]]
 
     def read(self, unit: int, buffer: torch.Tensor) -> Any:
         """Start reading the unit's states into ``buffer``; a Future."""
@@ -106,19 +148,15 @@ class NvmeOptimizerStates:
         """Read the unit's states into ``buffer`` (unless already read there) and let its optimizer use them in place."""
         if read:
             self.read(unit, buffer).result()
-        optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self.views(unit, buffer)):
-            if entry.key is None:
-                entry.param.data = view
-            else:
-                optimizer.state[entry.param][entry.key] = view
+            entry.set(view)
+        self.loaded.add(unit)
 
     def save(self, unit: int, buffer: torch.Tensor, wait: bool = True) -> Any:
         """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from
         memory; with ``wait=False`` the write's Future is returned and ``buffer`` must stay untouched until it is done."""
-        optimizer = self.owners[unit]
         for entry, view in zip(self.layouts[unit], self.views(unit, buffer)):
-            value = entry.param.data if entry.key is None else optimizer.state[entry.param][entry.key]
+            value = entry.value()
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)
         written = self.store.write(self._file(unit), buffer[: self.sizes[unit]])
@@ -132,12 +170,9 @@ class NvmeOptimizerStates:
         self._drop(unit)
 
     def _drop(self, unit: int) -> None:
-        optimizer = self.owners[unit]
         for entry, placeholder in zip(self.layouts[unit], self.placeholders[unit]):
-            if entry.key is None:
-                entry.param.data = placeholder
-            else:
-                optimizer.state[entry.param][entry.key] = placeholder
+            entry.set(placeholder)
+        self.loaded.discard(unit)
 
     @contextlib.contextmanager
     def materialized(self, skip: frozenset[int] = frozenset()) -> Iterator[None]:
@@ -159,5 +194,6 @@ class NvmeOptimizerStates:
 
     def forget(self, unit: int) -> None:
         """The unit has no states on NVMe (any file it had is stale)."""
-        for table in (self.layouts, self.sizes, self.owners, self.placeholders):
+        for table in (self.layouts, self.sizes, self.placeholders):
             table.pop(unit, None)
+        self.loaded.discard(unit)

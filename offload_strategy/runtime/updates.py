@@ -322,10 +322,7 @@ class UnitUpdater:
         size holds them."""
         widened = [slot.widened(position) for position in range(len(slot.masters))]
         if states is not None:  # the optimizer added states: own the loaded ones, then a larger buffer
-            for master, wide in zip(slot.masters, widened):
-                if wide:
-                    master.data = master.data.clone()
-            _own_states(slot.inner, slot.masters)
+            self.nvme_states.own(s.unit.index)
             (self.pipeline.pool if on_worker else self.ctx.memory.staging_pool).release(states)
             states = None
         if self.nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
@@ -375,10 +372,3 @@ def _step_masters(
 
 def _state_bytes(slot: UnitSlot) -> int:
     return sum(t.numel() * t.element_size() for m in slot.masters for t in slot.inner.state.get(m, {}).values() if torch.is_tensor(t))
-
-
-def _own_states(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
-    for m in masters:
-        for key, value in optimizer.state.get(m, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                optimizer.state[m][key] = value.clone()
