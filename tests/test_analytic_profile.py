@@ -80,11 +80,11 @@ def test_the_cpu_optimizer_is_bounded_by_the_memory_channels_by_hand():
 def test_data_parallel_ranks_share_the_machines_cpu_by_hand():
     """ProTrain's four A100s share 112 cores, 614.4 GB/s of memory channels and 1 TB: with four
     ranks each has 28 cores (22.4 G parameters/s), 153.6 GB/s (153.6 / 30 = 5.12 G bf16
-    parameters/s: the channels bind) and 250 GB. Eight ranks share as four do (four GPUs per
+    parameters/s: the channels bind) and 256 GiB of its 1 TiB. Eight ranks share as four do (four GPUs per
     machine, the others on other machines); a spec that is already one GPU's share is not split."""
     a100 = known_hardware("a100_80g")
     share = a100.rank_share(4)
-    assert (share.cpu_cores, share.host_memory_gbps, share.host_memory) == (28, pytest.approx(153.6), 250 * 10**9)
+    assert (share.cpu_cores, share.host_memory_gbps, share.host_memory) == (28, pytest.approx(153.6), 256 * 2**30)
     assert cpu_update_rate(share, copy_bytes=2) == pytest.approx(153.6e9 / 30)
     assert cpu_update_rate(a100, copy_bytes=2) == pytest.approx(614.4e9 / 30)  # one rank: the whole machine
     assert a100.rank_share(8) == share and a100.rank_share(1) is a100
@@ -294,9 +294,9 @@ def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "6.74 B parameters" in out
-    # every figure the predictions rest on is printed, with the machine's own (LoHan's RTX 4090 testbed, 768 GB)
+    # every figure the predictions rest on is printed, with the machine's own (LoHan's RTX 4090 testbed, 768 GiB)
     assumptions = out.split("Assumptions:")[1].split("\n\n")[0]
-    for what in ("GPU compute: matrix products at 50%", "memory-bound work (element-wise, norms, the loss) at 80% of its 1008 GB/s", "host memory: 679.49 GiB, 95% of the machine's 715.26 GiB", "NVMe: 931.32 GiB", "host <-> GPU",
+    for what in ("GPU compute: matrix products at 50%", "memory-bound work (element-wise, norms, the loss) at 80% of its 1008 GB/s", "host memory: 729.60 GiB, 95% of the machine's 768.00 GiB", "NVMe: 931.32 GiB", "host <-> GPU",
                  "CPU optimizer: Adam", "bytes per parameter (bf16-true", "batch: 16 sequences x 128 tokens"):
         assert what in assumptions, (what, assumptions)
     rows = table(out, "| gpu_memory | policy")

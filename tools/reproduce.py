@@ -60,8 +60,8 @@ RTX4080 = ("+hardware.gpu=NVIDIA_RTX_4080", "+hardware.gpu_memory=16GiB", "+hard
            "+hardware.gpu_fp32_tflops=48.7", "+hardware.gpu_memory_gbps=716.8")
 # A point without a host budget takes what the strategy finds available on an idle machine: AVAILABLE_SHARE (95%) of its memory.
 # ProTrain's four-GPU machines (§5.1): per rank a quarter of 95% of the host memory
-PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="91.2GB", ranks=4)
-PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="237.5GB", ranks=4, network_gbps=300)
+PT_4X3090: dict[str, Any] = dict(gpu="22GiB", host="91.2GiB", ranks=4)
+PT_4XA100: dict[str, Any] = dict(gpu="72GiB", host="243.2GiB", ranks=4, network_gbps=300)
 
 
 @dataclass(frozen=True)
@@ -99,16 +99,16 @@ POINTS = (
     Point("LH-1", "LoHan abstract: 276B trains on an RTX 4090 with 768 GB", "largest_b", 276.0, (*LOHAN_BATCH_1, "hardware=rtx4090"), "22GiB",
           nvme="40TB", series=LOHAN_SERIES, note="the largest of LoHan's Table IV models (6B to 412B) the auto plan holds, as LoHan searched"),
     Point("LH-3", "LoHan abstract: 175B trains on an RTX 4080 with 256 GB (a lower bound)", "largest_b", 175.0,
-          (*LOHAN_BATCH_1, "hardware=rtx4090", *RTX4080), "15GiB", host="256GB", nvme="40TB", series=LOHAN_SERIES,
-          note="host budget the machine's whole 256 GB; the largest of LoHan's Table IV models the auto plan holds"),
+          (*LOHAN_BATCH_1, "hardware=rtx4090", *RTX4080), "15GiB", host="256GiB", nvme="40TB", series=LOHAN_SERIES,
+          note="host budget the machine's whole 256 GiB; the largest of LoHan's Table IV models the auto plan holds"),
     Point("PT-1a", "ProTrain Table 2: 34B on one RTX 3090 (384 GB)", "largest_b", 34.0, (*GPT2_W8192, "model.config.n_layer=42", "hardware=rtx3090"),
           "22GiB"),
     Point("PT-1b", "ProTrain Table 2: 37B on four RTX 3090 (384 GB)", "largest_b", 37.0, (*GPT2_W8192, "model.config.n_layer=46", "hardware=rtx3090"),
-          "22GiB", host="91.2GB", ranks=4, note="host per rank: a quarter of 95% of 384 GB"),
+          "22GiB", host="91.2GiB", ranks=4, note="host per rank: a quarter of 95% of 384 GiB"),
     Point("PT-1c", "ProTrain Table 2: 75B on one A100 80GB (1 TB)", "largest_b", 75.0, (*GPT2_W8192, "model.config.n_layer=93", "hardware=a100_80g"),
           "72GiB"),
     Point("PT-1d", "ProTrain Table 2: 87B on four A100 80GB (1 TB)", "largest_b", 87.0, (*GPT2_W8192, "model.config.n_layer=108", "hardware=a100_80g"),
-          "72GiB", host="237.5GB", ranks=4, note="host per rank: a quarter of 95% of 1 TB"),
+          "72GiB", host="243.2GiB", ranks=4, note="host per rank: a quarter of 95% of 1 TiB"),
     Point("PT-6a", "ProTrain Table 3: Mistral-7B, 4 A100, best batch", "tokens_per_s", 11060.92,
           ("model=mistral_7b", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024"), **PT_4XA100, batches=(8, 16, 32)),
     Point("PT-6b", "ProTrain Table 3: GPT-2 10B, 4 A100, best batch", "tokens_per_s", 8266.40, (*GPT2_10B, "hardware=a100_80g"), **PT_4XA100, batches=(8, 16, 32)),
@@ -120,7 +120,7 @@ POINTS = (
     Point("PT-14", "ProTrain §5.3.1: GPT-2 10B, 4 RTX 3090, 2,493 tokens/s", "tokens_per_s", 2493.0, (*GPT2_10B, "hardware=rtx3090"), **PT_4X3090, batches=(4, 8, 16)),
     Point("PT-22", "ProTrain §5.4: GPT 175B, 16 A100 (4 nodes, 100 Gb/s), batch 256", "tokens_per_s", 2218.70,
           ("model=gpt3_175b", "model.config.n_positions=1024", "hardware=a100_80g", "data=synthetic", "data.seq_len=1024", "data.batch_size=16"),
-          "72GiB", host="237.5GB", ranks=16, machines=4, network_gbps=12.5),
+          "72GiB", host="243.2GiB", ranks=16, machines=4, network_gbps=12.5),
     Point("TC-1", "10Cache Table 5: BERT, batch 128, A40, CPU-GPU: 381.70 ms", "step_s", 0.3817,
           ("model=gpt2_small", "model.config.vocab_size=30522", "model.config.n_positions=512", *A40, "data=synthetic", "data.seq_len=128",
            "data.batch_size=128"), "44GB", host="200GB", note="BERT-base's shapes as a 12 x 768 GPT-2",

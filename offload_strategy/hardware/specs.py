@@ -10,7 +10,9 @@ core figures with fp32 accumulation, from the vendor datasheets and architecture
 fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults;
 the GPU memory bandwidth is the datasheet's (memory-bound kernels reach a share of it,
 ``profiling.analytic.GPU_MEMORY_SHARE``).
-Host memory, cores and SSDs are those of the testbed each spec is named after; the host memory
+Host memory, cores and SSDs are those of the testbed each spec is named after, the memory in
+binary units: DRAM modules come in powers of two, so a server sold with "384 GB" has twelve 32 GiB
+modules, 384 GiB (JEDEC's capacity "GB" is 2**30 bytes); the host memory
 bandwidth is the theoretical peak of its CPUs' memory channels (channels x transfer rate x 8 bytes,
 from the CPU datasheets). A spec is either one GPU's share of a larger machine (the DGX ones) or
 a whole machine with ``gpus`` GPUs, whose data-parallel ranks share its CPU side
@@ -79,7 +81,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_fp16_tflops=312.0,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="256GB",  # 10Cache Table 3: AMD EPYC 7763 (64 cores), 256 GB, 3 TB Samsung NVMe
+            host_memory="256GiB",  # 10Cache Table 3: AMD EPYC 7763 (64 cores), 256 GB, 3 TB Samsung NVMe
             cpu_cores=64,
             nvme_count=1,
             nvme_read_gbps=2.36,  # 10Cache Table 1 (measured, NVMe on PCIe 4.0 x4)
@@ -97,7 +99,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_fp16_tflops=312.0,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,  # ProTrain §5 testbed: PCIe 4 (31.5 GB/s on paper)
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="1TB",  # ProTrain §5: Xeon Platinum 8480+ (112 cores), 1 TB DRAM
+            host_memory="1TiB",  # ProTrain §5: Xeon Platinum 8480+ (112 cores), 1 TB DRAM
             cpu_cores=112,
             nvme_count=0,
             host_memory_gbps=614.4,  # 2x Xeon Platinum 8480+: 8 channels of DDR5-4800 each
@@ -114,7 +116,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_fp16_tflops=165.2,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="768GB",  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
+            host_memory="768GiB",  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
             cpu_cores=52,
             nvme_count=12,  # LoHan Table III: 12x Intel P5510 3.84 TB
             nvme_read_gbps=12 * 6.5 * ARRAY_READ_SHARE,  # P5510 datasheet: 6.5 GB/s read, 3.4 GB/s write per drive
@@ -132,7 +134,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_fp16_tflops=71.0,
             h2d_gbps=PCIE3_X16 * H2D_SHARE,  # ProTrain §5 testbed: PCIe 3 (15.8 GB/s on paper)
             d2h_gbps=PCIE3_X16 * D2H_SHARE,
-            host_memory="384GB",  # ProTrain §5: Xeon Silver 4214R (24 cores), 384 GB
+            host_memory="384GiB",  # ProTrain §5: Xeon Silver 4214R (24 cores), 384 GB
             cpu_cores=24,
             nvme_count=0,
             host_memory_gbps=230.4,  # 2x Xeon Silver 4214R: 6 channels of DDR4-2400 each
@@ -149,7 +151,7 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             gpu_fp16_tflops=362.05,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="256GB",  # 10Cache Table 3: 2x Xeon Silver 4314 (32 cores), 256 GB, 2 TB NVMe
+            host_memory="256GiB",  # 10Cache Table 3: 2x Xeon Silver 4314 (32 cores), 256 GB, 2 TB NVMe
             cpu_cores=32,
             nvme_count=1,
             nvme_read_gbps=2.36,  # 10Cache Table 1 (measured)
