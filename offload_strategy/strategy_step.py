@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.trainer import call
 
 from .runtime.engine import TieredEngine
-from .strategy_recipe import Recipe
+from .strategy_recipe import Recipe, gradient_hooks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -52,7 +52,7 @@ def _step_over_every_gradient(
     engine's view of them, then the step over every unit."""
     trainer = model.trainer
     scaler = getattr(recipe.precision, "scaler", None)
-    with engine.gradient_view(optimizer, closure_result, **kwargs) as gradients:
+    with engine.gradient_view(optimizer, closure_result, copies_for_hooks=gradient_hooks(trainer), **kwargs) as gradients:
         if scaler is not None:
             scaler.unscale_(gradients)
         _before_optimizer_step(trainer, optimizer)

@@ -793,6 +793,76 @@ def test_gradients_replaced_in_on_before_optimizer_step(tmp_path, placement):
     assert_like_plain(tmp_path, placement, ReplacesGradientsBeforeStep, gradient_clip_val=0.05)
 
 
+# 16-bit parameters whose gradients the engine accumulates in fp32 for their masters (bf16-true)
+PLACEMENTS_16_BIT = {"host": lambda root: tiered("host", root), "nvme": lambda root: tiered("nvme", root),
+                     "resident": lambda root: TieredStrategy(gpu_memory="64MiB", host_memory="1GiB")}  # every unit persistent
+
+
+class FirstGradients(L.Callback):
+    def __init__(self) -> None:
+        self.seen: dict[str, Optional[torch.Tensor]] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.seen:
+            self.seen = {n: None if p.grad is None else p.grad.clone() for n, p in pl_module.named_parameters()}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS_16_BIT))
+def test_hooks_see_every_16_bit_gradient_as_plain_training_has_it(tmp_path, placement):
+    """Under bf16-true the engine keeps a 16-bit parameter's gradient in fp32 for its master; hooks
+    reading ``p.grad`` (gradient-norm logging, clipping of one's own) used to find None for every
+    parameter, resident or not. They now see it in the parameter's dtype: at the first step the
+    same tensors as plain training's."""
+    plain, tiered_run = FirstGradients(), FirstGradients()
+    fit("auto", tmp_path / "plain", Net, steps=1, callbacks=(plain,), precision="bf16-true")
+    fit(PLACEMENTS_16_BIT[placement](tmp_path), tmp_path / "tiered", Net, steps=1, callbacks=(tiered_run,), precision="bf16-true")
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in tiered_run.seen.values())
+    assert_same_weights(plain.seen, tiered_run.seen)
+
+
+class HalvesGradients(Net):
+    """SGD at twice the rate over gradients halved in ``on_after_backward``; with ``drops``, the
+    norm's bias loses its gradient before the step."""
+
+    lr, drops = 0.2, False
+
+    def on_after_backward(self) -> None:
+        for p in self.parameters():
+            p.grad.mul_(0.5)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.drops:
+            self.norm.bias.grad = None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class SameStepUnhooked(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class HalvesAndDrops(HalvesGradients):
+    drops = True
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS_16_BIT))
+def test_16_bit_gradients_changed_by_hooks_reach_the_fp32_masters(tmp_path, placement):
+    """Halving every bf16 gradient in place is exact, so SGD at twice the rate after it steps the
+    fp32 masters exactly as SGD unhooked does; a gradient set to None is not stepped (one step:
+    every other parameter as unhooked)."""
+    def run(make: Callable[[], L.LightningModule], name: str, steps: int) -> dict[str, torch.Tensor]:
+        return fit(PLACEMENTS_16_BIT[placement](tmp_path / name), tmp_path / f"{name}-run", make, steps=steps, precision="bf16-true")[1]
+
+    assert_same_weights(run(SameStepUnhooked, "unhooked", 3), run(HalvesGradients, "halved", 3))
+    unhooked, dropped = run(SameStepUnhooked, "unhooked-1", 1), run(HalvesAndDrops, "dropped", 1)
+    L.seed_everything(7, verbose=False)
+    initial = Net().to(torch.bfloat16)
+    assert torch.equal(dropped["norm.bias"], initial.norm.bias) and not torch.equal(unhooked["norm.bias"], initial.norm.bias)
+    assert_same_weights({k: v for k, v in unhooked.items() if k != "norm.bias"}, {k: v for k, v in dropped.items() if k != "norm.bias"})
+
+
 class ReadsBetweenSteps(L.Callback):
     def __init__(self, how: str) -> None:
         self.how, self.values = how, []

@@ -703,22 +703,26 @@ class TieredEngine:
         return [s.home_views[self.ctx.param_slot[id(p)][1]] for p in unit_optimizers.slots[unit_index].params]
 
     @contextlib.contextmanager
-    def gradient_view(self, optimizer: torch.optim.Optimizer, closure_result: Any = None, **kwargs: Any) -> Iterator[GradientView]:
+    def gradient_view(
+        self, optimizer: torch.optim.Optimizer, closure_result: Any = None, *, copies_for_hooks: bool = False, **kwargs: Any,
+    ) -> Iterator[GradientView]:
         """Every gradient of ``optimizer``'s parameters, attached to tensors in the facade's order,
         for what needs them all at once: loss-scale unscaling and overflow checks, clipping by norm.
-        Its ``step()`` runs the engine's update (so a GradScaler can skip it)."""
+        Its ``step()`` runs the engine's update (so a GradScaler can skip it). ``copies_for_hooks``:
+        user hooks read ``p.grad``, so gradients held in fp32 for 16-bit parameters are shown there
+        as 16-bit copies (``GradientPath.expose``)."""
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
         if self.exchange is not None:
             self.exchange.reduce_late_units()
         holders: list[torch.Tensor] = []
         attached: list[torch.Tensor] = []
-        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor]] = []  # offloaded: (unit, position, parameter, master)
+        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (unit, position, parameter, master, on p.grad)
         for p in unit_optimizers.order:
-            self._hold_gradient(unit_optimizers, p, holders, attached, given)
+            self._hold_gradient(unit_optimizers, p, holders, attached, given, copies_for_hooks)
 
         def take_back_replaced() -> None:
-            for s, i, p, master in given:
-                if not self.gradients.take_back_exposed(s, i, p, master.grad):
+            for s, i, p, master, exposed in given:
+                if not self.gradients.take_back_exposed(s, i, p, exposed):
                     master.grad = None  # dropped by the hook: neither clipped nor stepped
 
         try:
@@ -727,7 +731,9 @@ class TieredEngine:
             for tensor in attached:
                 tensor.grad = None
 
-    def _hold_gradient(self, unit_optimizers: UnitOptimizers, p: torch.Tensor, holders: list, attached: list, given: list) -> None:
+    def _hold_gradient(
+        self, unit_optimizers: UnitOptimizers, p: torch.Tensor, holders: list, attached: list, given: list, copies: bool,
+    ) -> None:
         """The tensor carrying ``p``'s gradient in a gradient view (and those given a ``.grad``)."""
         found = unit_optimizers.slot_of.get(id(p))
         if found is None:
@@ -743,9 +749,10 @@ class TieredEngine:
         s = self.states[slot.unit_index]
         s.wait_reductions()
         master = slot.masters[position]
-        if s.home != GPU and s.grads[self.ctx.param_slot[id(p)][1]].spilled:
+        i = self.ctx.param_slot[id(p)][1]
+        if s.home != GPU and s.grads[i].spilled:
             raise RuntimeError(
-                f"the gradient of {s.unit.param_names[self.ctx.param_slot[id(p)][1]]!r} waits on NVMe, but this step needs every "
+                f"the gradient of {s.unit.param_names[i]!r} waits on NVMe, but this step needs every "
                 f"gradient in memory at once (loss scaling, or a hook before the optimizer step); set-up planned otherwise."
             )
         if s.home == GPU:
@@ -754,13 +761,13 @@ class TieredEngine:
                 return
             master.grad = self.gradients.persistent[id(p)]  # a 16-bit parameter's fp32 gradient, on its master
         else:
-            i = self.ctx.param_slot[id(p)][1]
             master.grad = s.grads[i].value()
-            had_none = p.grad is None
-            if master.grad is not None and self.gradients.expose(s, i, p) is not None:  # hooks before the step read ``p.grad``
-                given.append((s, i, p, master))
-                if had_none:
-                    attached.append(p)
+        had_none = p.grad is None
+        exposed = self.gradients.expose(s, i, p, copies) if master.grad is not None else None
+        if exposed is not None:  # hooks before the step read ``p.grad``
+            given.append((s, i, p, master, exposed))
+            if had_none:
+                attached.append(p)
         holders.append(master)
         attached.append(master)
 

@@ -221,38 +221,61 @@ class GradientPath:
                 pairs.append((record.home, record.landing))
         return pairs
 
-    def expose(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """An offloaded parameter's gradient so far, on ``p.grad`` for user code between backward
-        and the step (None where it cannot be: none yet, on NVMe, another device or dtype). A
-        gradient accumulated in place at home is there already."""
-        record = s.grads[i] if s.home != GPU else None
-        if record is None or not p.requires_grad or record.home is None or not record.fresh or record.spilled:
+    def expose(self, s: UnitState, i: int, p: torch.Tensor, copy: bool = True) -> Optional[torch.Tensor]:
+        """A parameter's gradient so far, on ``p.grad`` for user code between backward and the
+        step (None where it cannot be: none yet, on NVMe, another device). A gradient accumulated
+        in place at home is there already. A 16-bit parameter's gradient accumulated in fp32 for
+        its master is shown (``copy``) as a copy in the parameter's dtype, as plain training has
+        it; what user code writes to the copy is taken back (:meth:`take_back_exposed`)."""
+        held = self._held(s, i, p)
+        if held is None or not p.requires_grad:
+            return None
+        if p.grad is not None:
+            return held if p.grad.data_ptr() == held.data_ptr() else None
+        if held.device != p.device or (held.dtype != p.dtype and not copy):
+            return None
+        p.grad = held if held.dtype == p.dtype else held.to(p.dtype)
+        return p.grad
+
+    def _held(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where the parameter's gradient so far is held apart from ``p.grad``: at an offloaded
+        unit's home, or in fp32 beside a persistent 16-bit parameter (None: nowhere apart)."""
+        if s.home == GPU:
+            return self.persistent.get(id(p))
+        record = s.grads[i]
+        if record.home is None or not record.fresh or record.spilled:
             return None
         record.wait()
-        if p.grad is not None:
-            return record.home if p.grad.data_ptr() == record.home.data_ptr() else None
-        if (record.home.device, record.home.dtype) != (p.device, p.dtype):
-            return None
-        p.grad = record.home
         return record.home
 
-    def take_back_exposed(self, s: UnitState, i: int, p: torch.Tensor, given: torch.Tensor) -> bool:
-        """User code had ``p.grad`` (``given``, the gradient at home): a tensor it put there
-        instead is what the gradient is now, and ``None`` drops it, as in plain training. Returns
-        whether the parameter still has a gradient."""
+    def take_back_exposed(self, s: UnitState, i: int, p: torch.Tensor, exposed: torch.Tensor) -> bool:
+        """User code had ``p.grad`` (``exposed``, by :meth:`expose`): a tensor it put there instead
+        is what the gradient is now, a 16-bit copy it changed in place is written back, and
+        ``None`` drops the gradient, as in plain training. Returns whether the parameter still has
+        a gradient."""
+        held = self.persistent.get(id(p)) if s.home == GPU else s.grads[i].home
         current = p.grad
-        if current is None:
-            s.grads[i].fresh = False
+        if current is None or held is None:
+            self.drop(s, i, p)
             return False
-        if current.data_ptr() != given.data_ptr():
-            if current.shape != given.shape:
+        if current.data_ptr() != exposed.data_ptr():
+            if current.shape != held.shape:
                 raise ValueError(
                     f"the gradient of {s.unit.param_names[i]!r} was replaced by a tensor of shape {tuple(current.shape)}, "
-                    f"where the parameter has shape {tuple(given.shape)}."
+                    f"where the parameter has shape {tuple(held.shape)}."
                 )
-            given.copy_(current)
-            p.grad = given
+            held.copy_(current)
+            p.grad = exposed if exposed.data_ptr() == held.data_ptr() else None
+        elif exposed.dtype != held.dtype and not torch.equal(exposed, held.to(exposed.dtype)):
+            held.copy_(exposed)  # changed in place: its 16-bit values, as plain training would step
         return True
+
+    def drop(self, s: UnitState, i: int, p: torch.Tensor) -> None:
+        """The parameter's gradient is gone (set to None by user code): neither clipped nor stepped."""
+        if s.home == GPU:
+            self.persistent.pop(id(p), None)
+        else:
+            s.grads[i].fresh = False
 
     def for_update(self, s: UnitState, positions: list[int]) -> list[Optional[torch.Tensor]]:
         """An offloaded unit's gradients once complete (reduced, landed), clipped by value where asked."""
