@@ -253,7 +253,7 @@ class GradientPath:
         is what the gradient is now, a 16-bit copy it changed in place is written back, and
         ``None`` drops the gradient, as in plain training. Returns whether the parameter still has
         a gradient."""
-        held = self.persistent.get(id(p)) if s.home == GPU else s.grads[i].home
+        held = self._held(s, i, p)
         current = p.grad
         if current is None or held is None:
             self.drop(s, i, p)
