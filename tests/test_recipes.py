@@ -210,6 +210,22 @@ def test_a_tensor_the_model_does_not_register_is_updated(tmp_path, placement):
     assert model.scale.item() == plain.scale.item() != 1.0
 
 
+
+class LogitScale(Net):
+    """A 0-d parameter (CLIP's learned temperature), read as an attribute in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, batch):
+        return super().forward(batch) * self.logit_scale
+
+
+def test_a_0_d_parameter_on_nvme(tmp_path):
+    plain, model = assert_like_plain(tmp_path, "nvme", LogitScale)
+    assert model.logit_scale.item() == plain.logit_scale.item() != 2.0
+
 class PlainSGD(Net):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -17,7 +17,7 @@ from .context import EngineContext
 from .clipping import tensor_norms
 from .gradient_buffers import GradientBuffers
 from .optimizer import LOOSE, UnitOptimizers
-from .state import Landing, UnitState
+from .state import Landing, UnitState, one_element
 from .units import PARAM_ALIGNMENT, master_dtype
 
 
@@ -315,7 +315,7 @@ class GradientPath:
         grad = self.persistent.get(id(p), p.grad) if s.home == GPU else s.grads[i].value()
         if grad is None:
             return None
-        stand_in = torch.empty((1,), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        stand_in = one_element(0.0, grad.shape, grad.dtype, grad.device)
         stand_in.grad = grad
         return stand_in
 

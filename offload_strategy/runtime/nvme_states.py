@@ -28,6 +28,7 @@ from torch import nn
 
 from ..memory.nvme import NvmeStore
 from ..planning.placement import HOST_SLOT_ALIGNMENT, align
+from .state import one_element
 from .units import PARAM_ALIGNMENT
 
 
@@ -105,7 +106,7 @@ class NvmeOptimizerStates:
             return 0
         self.layouts[unit] = entries
         self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
-        self.placeholders[unit] = [torch.full((1,), float("nan"), dtype=e.dtype).expand(e.shape) for e in entries]
+        self.placeholders[unit] = [one_element(float("nan"), e.shape, e.dtype) for e in entries]
         self.loaded.add(unit)
         return self.sizes[unit]
 

@@ -105,8 +105,13 @@ class UnitState:
             work.wait()
 
 
+def one_element(fill: float, shape: torch.Size, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+    """One element seen with ``shape``: right shape, dtype and device, no memory. A 0-d element,
+    so that it expands to any shape, a 0-d one (a scalar parameter, a step count) included."""
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
+
+
 def nan_placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # One element expanded to the parameter's shape: right shape, dtype and device, no memory
-    # (NaN, so that a value read by mistake shows; 0 for integer parameters).
+    # NaN, so that a value read by mistake shows; 0 for integer parameters
     fill = float("nan") if p.dtype.is_floating_point or p.dtype.is_complex else 0
-    return torch.full((1,), fill, dtype=p.dtype, device=device).expand(p.shape)
+    return one_element(fill, p.shape, p.dtype, device)

@@ -24,7 +24,7 @@ from .nvme_pipeline import NvmeUpdatePipeline
 from .nvme_states import NvmeOptimizerStates
 from .optimizer import LOOSE, UnitOptimizers, UnitSlot, grads_on, host_implementation
 from .speculation import SpeculativeUpdates
-from .state import UnitState
+from .state import UnitState, one_element
 from .worker import UpdateWorker
 
 
@@ -90,7 +90,7 @@ class UnitUpdater:
             s.master_views[i].copy_(s.home_views[i])
             return s.master_views[i]
         # NVMe: bound to the unit's host copy (or its stored master) for each update, to a placeholder between
-        idle = torch.full((1,), float("nan"), dtype=s.master_dtypes[i]).expand(p.shape)
+        idle = one_element(float("nan"), p.shape, s.master_dtypes[i])
         master = idle.view(idle.shape)
         self.idle_masters[id(master)] = idle
         return master
