@@ -28,6 +28,10 @@ def tiered(placement: str, root: Path, **policy: Any) -> TieredStrategy:
     return TieredStrategy(policy={"placement": placement, "activations": "keep", **policy}, gpu_memory="1MiB", host_memory="1GiB", **nvme)
 
 
+PLACEMENTS_16_BIT = {"host": lambda root: tiered("host", root), "nvme": lambda root: tiered("nvme", root),
+                     "resident": lambda root: TieredStrategy(gpu_memory="64MiB", host_memory="1GiB")}  # every unit persistent
+
+
 class Net(L.LightningModule):
     """Embedding, four residual blocks, a norm and a head; AdamW over two param groups."""
 
@@ -662,6 +666,62 @@ def test_weights_written_between_steps_reach_the_fp32_masters(tmp_path, placemen
     assert 0.45 * before < after < 0.6 * before
 
 
+# -- writing parameters inside the step ---------------------------------------------------------------
+
+
+class MaxNormEmbedding(Net):
+    """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place, in every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32, max_norm=1.0)
+
+
+class ConstrainedInStep(Net):
+    """A weight constraint applied to the parameters themselves under ``torch.no_grad()`` at the
+    start of every training step (parameters iterated: none is fetched for it)."""
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            for p in self.blocks.parameters():
+                p.clamp_(-0.05, 0.05)
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize("make", [MaxNormEmbedding, ConstrainedInStep], ids=["max_norm_embedding", "constraint_in_step"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_parameters_written_in_place_inside_the_step(tmp_path, placement, make):
+    """A unit's GPU-tier copy written in place goes home before its eviction or update; one written
+    at home after its copy was fetched is fetched again (lost, or overwritten, before)."""
+    assert_like_plain(tmp_path, placement, make)
+
+
+class ResetInForward(Net):
+    """A gate the forward sets to 1 in place before using it; the optimizer does not move it
+    (learning rate 0), so only the write decides its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.full((32,), 2.0))
+
+    def forward(self, batch):
+        with torch.no_grad():
+            self.gate.fill_(1.0)
+        return self.head(self.norm(self.embed(batch[:, :-1]) * self.gate))
+
+    def configure_optimizers(self):
+        rest = [p for n, p in self.named_parameters() if n != "gate"]
+        return torch.optim.SGD([{"params": rest}, {"params": [self.gate], "lr": 0.0}], lr=0.1)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS_16_BIT))
+def test_a_write_inside_the_step_reaches_the_fp32_master(tmp_path, placement):
+    """Under bf16-true the update starts from the fp32 master: a value written to the 16-bit
+    parameter in forward is what the master holds from then on, as plain training keeps it."""
+    _, weights, _ = fit(PLACEMENTS_16_BIT[placement](tmp_path), tmp_path / "run", ResetInForward, steps=3, precision="bf16-true")
+    assert torch.equal(weights["gate"], torch.ones(32, dtype=torch.bfloat16))
+
+
 class WriteAttributes(L.Callback):
     """Writes weights read as module attributes after every step, as a weight-decay or
     re-initialisation callback does, once in place and once through ``.data``."""
@@ -810,9 +870,6 @@ def test_gradients_replaced_in_on_before_optimizer_step(tmp_path, placement):
 
 
 # 16-bit parameters whose gradients the engine accumulates in fp32 for their masters (bf16-true)
-PLACEMENTS_16_BIT = {"host": lambda root: tiered("host", root), "nvme": lambda root: tiered("nvme", root),
-                     "resident": lambda root: TieredStrategy(gpu_memory="64MiB", host_memory="1GiB")}  # every unit persistent
-
 
 class FirstGradients(L.Callback):
     def __init__(self) -> None:

@@ -90,6 +90,8 @@ class UnitCache:
         ctx.requests.add(kind, waited)
         ctx.step.stalled_seconds += waited
         if not s.bound:
+            if ctx.note_writes(s) and s.home == HOST:  # written at home after this copy was fetched
+                s.device_slot.tensor[: s.unit.nbytes].copy_(ctx.home_bytes(s))
             ctx.bind(s, s.unit.views(s.device_slot.tensor))
             s.bound = True
         if not self.recent or self.recent[-1] != index:
@@ -279,11 +281,27 @@ class UnitCache:
         s = self.ctx.states[index]
         if s.fetch is not None:
             self.complete(s)
+        self.keep_writes(s)
         self.ctx.bind(s, self._away(s))
         s.bound = False
         del self.slot_owner[s.device_slot.tensor.data_ptr()]
         self.ctx.memory.device_pool.release(s.device_slot)
         s.device_slot = None
+
+    @torch.no_grad()
+    def keep_writes(self, s: UnitState) -> None:
+        """User code wrote the unit's GPU-tier copy in place (``EngineContext.note_writes``): its
+        values go home now, before its eviction or an update at home would lose them."""
+        if not (self.ctx.note_writes(s) and s.bound and s.device_slot is not None and s.home != GPU):
+            return
+        nbytes = s.unit.nbytes
+        copy = s.device_slot.tensor[:nbytes]
+        if s.home == HOST:
+            self.ctx.home_bytes(s).copy_(copy)
+            return
+        buffer = torch.empty(align(nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+        buffer[:nbytes].copy_(copy)
+        self.ctx.write_home(s, buffer)
 
     def evict_all(self) -> None:
         for s in self.ctx.states:

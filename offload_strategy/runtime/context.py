@@ -70,6 +70,7 @@ class EngineContext:
 
     def bind(self, s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
         """Point the unit's parameters at ``tensors`` (its placeholders: marked offloaded)."""
+        self.note_writes(s)
         away = bool(s.placeholders) and tensors is s.placeholders
         for p, name, t in zip(s.unit.params, s.unit.param_names, tensors):
             mark_present(p)
@@ -77,6 +78,23 @@ class EngineContext:
             if away:
                 mark_offloaded(p, self.offloaded_class, name)
         s.bound_to = list(tensors)
+        s.bound_versions = [p._version for p in s.unit.params]
+
+    @staticmethod
+    def note_writes(s: UnitState) -> bool:
+        """Whether user code wrote one of the unit's parameters in place since the engine pointed it
+        (``nn.Embedding(max_norm=...)`` renormalises its weight in every forward; a constraint
+        applied under ``torch.no_grad()`` inside the training step). Such writes move the
+        parameter's version counter; they are recorded in ``s.written`` so that fp32 masters kept
+        apart take the written values before the next update. A write through ``p.data`` moves no
+        counter and is not seen."""
+        if len(s.bound_versions) != len(s.unit.params):
+            return False
+        written = {i for i, (p, v) in enumerate(zip(s.unit.params, s.bound_versions)) if p._version != v}
+        if written:
+            s.written |= written
+            s.bound_versions = [p._version for p in s.unit.params]
+        return bool(written)
 
     @staticmethod
     def rebound(s: UnitState) -> dict[int, torch.Tensor]:

@@ -449,6 +449,7 @@ class TieredEngine:
     def _gradients_complete(self, s: UnitState) -> None:
         """Every gradient of ``s`` for this backward has arrived: reduced across ranks first, where
         there are ranks; updated now, where the step allows (LoHan §IV-C)."""
+        self.cache.keep_writes(s)  # written in forward (a max-norm embedding): home before an update there
         exchange = self.exchange
         ready = exchange.complete(s) if exchange is not None and exchange.mode is not None else [s]
         if self.ctx.step.update_in_backward:

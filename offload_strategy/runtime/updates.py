@@ -95,6 +95,12 @@ class UnitUpdater:
         self.idle_masters[id(master)] = idle
         return master
 
+    def _take_written(self, s: UnitState) -> frozenset[int]:
+        """Ids of the unit's parameters user code wrote in place since its last update."""
+        self.ctx.note_writes(s)
+        positions, s.written = s.written, set()
+        return frozenset(id(s.unit.params[i]) for i in positions)
+
     def mark_masters_stale(self, written: Optional[set[int]] = None) -> None:
         """Parameters (``written``: those ids; None: all) were written from outside the step: fp32
         masters kept apart from them take the written values before their next update (masters
@@ -218,6 +224,7 @@ class UnitUpdater:
         """Update a unit whose parameters, states and masters stay in the GPU tier."""
         slot = unit_optimizers.slots[s.unit.index]
         s.wait_reductions()
+        written = self._take_written(s)
         if not s.widened:
             clip_by_value([p.grad for p in slot.params], self.ctx.step.clip_value)
             unit_optimizers.step(s.unit.index)
@@ -225,7 +232,7 @@ class UnitUpdater:
             persistent = self.gradients.persistent
             grads = [persistent.get(id(p)) if slot.widened(k) else p.grad for k, p in enumerate(slot.params)]
             clip_by_value(grads, self.ctx.step.clip_value)
-            _step_masters(unit_optimizers, slot, grads, [p.data for p in slot.params])
+            _step_masters(unit_optimizers, slot, grads, [p.data for p in slot.params], written=written)
         self._remember_state_bytes(s, slot)
 
     def update_offloaded(
@@ -243,16 +250,17 @@ class UnitUpdater:
                 self.pipeline.start_reads(read_next)
         self.gradients.restore(s)
         grads = self.gradients.for_update(s, positions)
+        written = self._take_written(s)
         if s.home == NVME:
             known = self.nvme_states.known(s.unit.index)
             params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
         if speculation is not None:
-            _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies))
+            _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
             self._remember_state_bytes(s, slot)
             return
-        _step_masters(unit_optimizers, slot, grads, copies)
+        _step_masters(unit_optimizers, slot, grads, copies, written=written)
         for i in positions:
             s.grads[i].fresh = False
         self.gradients.done_with(s)
@@ -353,12 +361,14 @@ class UnitUpdater:
 
 def _step_masters(
     unit_optimizers: UnitOptimizers, slot: UnitSlot, grads: list, copies: list[torch.Tensor], before: Optional[Callable[[], None]] = None,
+    written: frozenset[int] = frozenset(),
 ) -> None:
     """One unit's inner step on its masters; ``copies`` are the tensors forward computes with (the
     masters themselves, or the 16-bit copies of fp32 masters, refreshed after); ``before``: called
-    with the masters current, right before the step."""
+    with the masters current, right before the step. ``written``: ids of parameters user code wrote
+    in place inside the step; an fp32 master takes a written copy's values where they changed it."""
     for position, master in enumerate(slot.masters):
-        if id(master) in unit_optimizers.stale:
+        if id(master) in unit_optimizers.stale or (id(slot.params[position]) in written and _changed(copies[position], master)):
             master.copy_(copies[position])
             unit_optimizers.stale.discard(id(master))
     if before is not None:
@@ -368,6 +378,12 @@ def _step_masters(
     for position, master in enumerate(slot.masters):
         if slot.widened(position) and grads[position] is not None:
             copies[position].copy_(master)
+
+
+def _changed(copy: torch.Tensor, master: torch.Tensor) -> bool:
+    """A 16-bit copy no longer holds its fp32 master's value (a write that changed nothing leaves
+    the master its precision)."""
+    return copy.dtype != master.dtype and not torch.equal(copy, master.to(copy.dtype))
 
 
 def _state_bytes(slot: UnitSlot) -> int:
