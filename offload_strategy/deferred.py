@@ -261,7 +261,7 @@ class DeferredParameters:
         for p in list(self.params.values()):
             self.materialize(p, device)
 
-    def _lend(self, p: torch.Tensor) -> bool:
+    def _lend(self, p: torch.Tensor, hands_out: bool = False) -> bool:
         if id(p) not in self.recipes:
             return False
         self.materialize(p)

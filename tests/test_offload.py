@@ -182,10 +182,12 @@ def test_steady_state_hit_rate_with_host_offload(tmp_path):
     recorder = Recorder()
     strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.4 * total), host_memory="1GiB")
     train(strategy, tmp_path / "tiered", epochs=4, make_model=gpt2_4l, extra_callbacks=(recorder,))
-    steady = recorder.metrics[3:]
-    hits = sum(m["cache/hit_rate"] * m["cache/requests"] for m in steady) / sum(m["cache/requests"] for m in steady)
+    steady = recorder.metrics[3:]  # each step's own counts
+    prefetched = 1 - sum(m["cache/miss_rate"] * m["cache/requests"] for m in steady) / sum(m["cache/requests"] for m in steady)
     assert recorder.homes["host"] > 0
-    assert hits >= 0.95, f"steady-state hit rate {hits:.3f}"
+    # the step's first unit is fetched when its forward asks for it (what the training step writes
+    # at home before its forward must be in the copy), so it is a miss; the others were prefetched
+    assert prefetched >= 0.95, f"steady-state share of requests prefetched {prefetched:.3f}"
 
 
 def test_metrics_reach_the_logger(tmp_path):

@@ -291,8 +291,12 @@ class UnitCache:
     @torch.no_grad()
     def keep_writes(self, s: UnitState) -> None:
         """User code wrote the unit's GPU-tier copy in place (``EngineContext.note_writes``): its
-        values go home now, before its eviction or an update at home would lose them."""
-        if not (self.ctx.note_writes(s) and s.bound and s.device_slot is not None and s.home != GPU):
+        values go home now, before its eviction or an update at home would lose them. So does a
+        copy whose ``.data`` user code took (writes through it leave no trace)."""
+        written = self.ctx.note_writes(s) or bool(s.handed_out)
+        s.written |= s.handed_out
+        s.handed_out = set()
+        if not (written and s.bound and s.device_slot is not None and s.home != GPU):
             return
         nbytes = s.unit.nbytes
         copy = s.device_slot.tensor[:nbytes]

@@ -387,8 +387,11 @@ class TieredEngine:
 
     def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "_UnitHook":
         step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
+        lending = self.lending
 
         def pre_hook(module: nn.Module, args: Any) -> None:
+            if lending.lent and any(i in lending.lent for i in fetched):
+                lending.take_back()  # written after an optimizer step, before this forward (manual optimization)
             recomputing = torch._C._current_autograd_node() is not None
             if step.phase is Phase.BACKWARD and not recomputing:
                 step.phase = Phase.FORWARD  # another forward in the same step (manual optimization)
@@ -428,12 +431,17 @@ class TieredEngine:
             return
         self.cache.touch(s.unit.index)
 
-    def _lend_parameter(self, p: torch.Tensor) -> bool:
+    def _lend_parameter(self, p: torch.Tensor, hands_out: bool) -> bool:
         """A parameter at a placeholder is read as a value: as if read as an attribute (between steps
-        its unit is lent at home, inside a step fetched); False where that cannot be done."""
+        its unit is lent at home, inside a step fetched); False where that cannot be done.
+        ``hands_out`` (``p.data``) inside a step: what the caller may write through it counts as
+        written (a lent unit's writes are found by comparison when it is taken back)."""
         if self._closed or id(p) not in self.ctx.param_slot:
             return False
         self._on_read(p)
+        if hands_out and self.ctx.step.active:
+            s, i = self.ctx.param_slot[id(p)]
+            s.handed_out.add(i)
         return type(p) is nn.Parameter
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -534,8 +542,9 @@ class TieredEngine:
         if profile:
             self.ctx.table.start_recording()
         else:
+            # no prefetch before the first forward: a unit fetched now would miss what the training
+            # step writes at home before it (a constraint applied through ``p.data``)
             self.ctx.table.restart()
-            self.cache.prefetch()
 
     def begin_backward(self) -> None:
         """The strategy's backward starts: forward's last interval (the head and the loss) ends."""

@@ -47,17 +47,18 @@ class OffloadedParameter(nn.Parameter):
     parameters' names, so that nothing of the engine lands in a parameter's ``__dict__`` (which
     copies and pickles of the module would carry)."""
 
-    lend: Callable[[torch.Tensor], bool] = staticmethod(lambda p: False)
+    lend: Callable[[torch.Tensor, bool], bool] = staticmethod(lambda p, hands_out: False)
     names: dict[int, str] = {}
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "__repr__" and isinstance(args[0], OffloadedParameter) and not cls.lend(args[0]):
+        if getattr(func, "__name__", "") == "__repr__" and isinstance(args[0], OffloadedParameter) and not cls.lend(args[0], False):
             return f"OffloadedParameter({cls.names.get(id(args[0]))}, shape={tuple(args[0].shape)}, dtype={args[0].dtype}: at home on NVMe)"
         if not _reads_no_values(func):
+            hands_out = _hands_out_memory(func)
             for p in _offloaded_in((*args, *kwargs.values())):
-                if isinstance(p, OffloadedParameter) and not type(p).lend(p):
+                if isinstance(p, OffloadedParameter) and not type(p).lend(p, hands_out):
                     raise OffloadedParameterError(_message(func, type(p).names.get(id(p), "?")))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -67,9 +68,10 @@ class OffloadedParameter(nn.Parameter):
         return self.__deepcopy__(memo)
 
 
-def offloaded_class(lend: Callable[[torch.Tensor], bool]) -> type[OffloadedParameter]:
-    """The class an engine gives parameters at placeholders; ``lend(p)`` gives ``p`` its true
-    value, or says it cannot."""
+def offloaded_class(lend: Callable[[torch.Tensor, bool], bool]) -> type[OffloadedParameter]:
+    """The class an engine gives parameters at placeholders; ``lend(p, hands_out)`` gives ``p`` its
+    true value, or says it cannot (``hands_out``: the caller gets the value's memory as a tensor
+    with its own version counter, ``p.data``, so its writes leave no trace on ``p``)."""
     return type("OffloadedParameter", (OffloadedParameter,), {"lend": staticmethod(lend), "names": {}})
 
 
@@ -94,6 +96,10 @@ def _reads_no_values(func: Any) -> bool:
         # `.grad` is its own tensor; `.data` and everything else would hand out the placeholder
         return attribute in _METADATA_ATTRIBUTES or (name == "__set__" and attribute in ("grad", "requires_grad"))
     return name in _METADATA_CALLS
+
+
+def _hands_out_memory(func: Any) -> bool:
+    return getattr(func, "__name__", "") == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
 
 
 def _offloaded_in(values: tuple) -> list[torch.Tensor]:
