@@ -934,15 +934,16 @@ class FirstGradients(L.Callback):
             self.seen = {n: None if p.grad is None else p.grad.clone() for n, p in pl_module.named_parameters()}
 
 
+@pytest.mark.parametrize("make", [Net, MatricesOnly], ids=["every_parameter_stepped", "some_stepped_by_no_optimizer"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS_16_BIT))
-def test_hooks_see_every_16_bit_gradient_as_plain_training_has_it(tmp_path, placement):
+def test_hooks_see_every_16_bit_gradient_as_plain_training_has_it(tmp_path, placement, make):
     """Under bf16-true the engine keeps a 16-bit parameter's gradient in fp32 for its master; hooks
     reading ``p.grad`` (gradient-norm logging, clipping of one's own) used to find None for every
-    parameter, resident or not. They now see it in the parameter's dtype: at the first step the
-    same tensors as plain training's."""
+    parameter, resident or not, and then for those no optimizer steps. They now see it in the
+    parameter's dtype: at the first step the same tensors as plain training's."""
     plain, tiered_run = FirstGradients(), FirstGradients()
-    fit("auto", tmp_path / "plain", Net, steps=1, callbacks=(plain,), precision="bf16-true")
-    fit(PLACEMENTS_16_BIT[placement](tmp_path), tmp_path / "tiered", Net, steps=1, callbacks=(tiered_run,), precision="bf16-true")
+    fit("auto", tmp_path / "plain", make, steps=1, callbacks=(plain,), precision="bf16-true")
+    fit(PLACEMENTS_16_BIT[placement](tmp_path), tmp_path / "tiered", make, steps=1, callbacks=(tiered_run,), precision="bf16-true")
     assert all(g is not None and g.dtype == torch.bfloat16 for g in tiered_run.seen.values())
     assert_same_weights(plain.seen, tiered_run.seen)
 

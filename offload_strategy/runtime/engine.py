@@ -729,6 +729,7 @@ class TieredEngine:
         given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (unit, position, parameter, master, on p.grad)
         for p in unit_optimizers.order:
             self._hold_gradient(unit_optimizers, p, holders, attached, given, copies_for_hooks)
+        unstepped = self._expose_unstepped() if copies_for_hooks and self.exchange is None else []
 
         def take_back_replaced() -> None:
             for s, i, p, master, exposed in given:
@@ -740,6 +741,23 @@ class TieredEngine:
         finally:
             for tensor in attached:
                 tensor.grad = None
+            self.take_back_gradients(unstepped)
+
+    def _expose_unstepped(self) -> list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]]:
+        """Parameters no optimizer steps, their gradients (adding up since the first backward, as
+        plain training leaves them) on ``.grad`` for hooks before the step where the engine holds
+        them apart (at an offloaded unit's home, in fp32 beside a 16-bit parameter), as after
+        backward (:meth:`expose_gradients`)."""
+        stepped = {id(p) for unit_optimizers in self.updater.optimizers.values() for p in unit_optimizers.order}
+        given = []
+        for s in self.states:
+            direct = s.unit.index in self.gradients.direct
+            for i, p in enumerate(s.unit.params):
+                if id(p) not in stepped:
+                    home = self.gradients.expose(s, i, p)
+                    if home is not None:
+                        given.append((s, i, p, home, direct))
+        return given
 
     def _hold_gradient(
         self, unit_optimizers: UnitOptimizers, p: torch.Tensor, holders: list, attached: list, given: list, copies: bool,
