@@ -13,12 +13,15 @@ import lightning as L
 import torch
 from torch import nn
 
+from offload_strategy.profiling.analytic import routed_shares
+
 # family name -> transformers config class
 FAMILIES = {
     "gpt2": "GPT2Config",
     "opt": "OPTConfig",
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
+    "mixtral": "MixtralConfig",
 }
 
 
@@ -54,7 +57,7 @@ class CausalLM(L.LightningModule):
     strategy can decide where the weights are created.
 
     Args:
-        family: ``gpt2``, ``opt``, ``llama`` or ``mistral``.
+        family: ``gpt2``, ``opt``, ``llama``, ``mistral`` or ``mixtral``.
         config: keyword arguments of the family's ``transformers`` config.
         name: a short name for tables and logs.
         lr, weight_decay, betas, warmup_steps: AdamW with linear warm-up and cosine decay to 10%.
@@ -89,15 +92,22 @@ class CausalLM(L.LightningModule):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def active_parameters(self) -> int:
+        """Parameters each token multiplies: all of them, except in a mixture of experts, where a
+        token meets only the experts its router picks (Mixtral-8x7B: 12.9 B of 46.7 B)."""
+        shares = routed_shares(self.modules())
+        return round(sum(p.numel() * shares.get(id(p), 1.0) for p in self.parameters()))
+
     def flops_per_token(self, seq_len: int, backward: bool = True) -> int:
         """Matmul FLOPs per token: 2N forward (4N more with backward) plus attention scores.
 
         The standard estimate (Kaplan et al. 2020; PaLM appendix B): 6N + 12·L·H·T per token for a
-        training step, N parameters, L layers, hidden size H, sequence length T.
+        training step, N (active) parameters, L layers, hidden size H, sequence length T.
         """
         assert self.model is not None
         layers, hidden = _shape(self.model.config)
-        per_token = 2 * self.num_parameters + 4 * layers * hidden * seq_len
+        per_token = 2 * self.active_parameters + 4 * layers * hidden * seq_len
         return per_token * 3 if backward else per_token
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,27 @@ class Block(nn.Module):
         return torch.relu(self.linear(x))
 
 
+@pytest.mark.parametrize("experts, top_k", [(4, 2), (8, 2), (4, 4)])
+def test_a_mixture_of_experts_counts_the_experts_each_token_meets_by_hand(experts, top_k):
+    """Mixtral's experts are stacked matrices a grouped product multiplies by the rows routed to
+    each: 8 tokens, hidden 16, intermediate 32. Each token meets ``top_k`` experts, each
+    2 x (64 x 16 + 16 x 32) = 3,072 FLOPs: 8 x top_k x 3,072, whatever the number of experts
+    (before: the unit counted every expert for every token, the forward none)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        vocab_size=50, num_local_experts=experts, num_experts_per_tok=top_k)
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    units, users = build_units(model)
+    (unit,) = [c for c in analytic_units(units, users, tokens=8, hardware=TOY) if c.name.endswith("experts")]
+    assert unit.forward_flops == 8 * top_k * 3072
+    x = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    # the rest by hand: per token 2 x (16x16 + 16x8 + 16x8 + 16x16 query/key/value/output, 16 x experts router, 16x50 head),
+    # and attention's two products, 2 x 2 heads x 8 x 8 x 8 each
+    rest = 8 * 2 * (256 + 128 + 128 + 256 + 16 * experts + 800) + 2 * 2 * 2 * 8 * 8 * 8
+    assert analytic_compute(model, list(model.model.layers), lambda: model(x), TOY).forward_flops == rest + 8 * top_k * 3072
+
+
 def test_block_costs_from_a_meta_forward_by_hand():
     with torch.device("meta"):
         model = nn.Sequential(Block(), Block())

@@ -28,6 +28,7 @@ PUBLISHED_MILLIONS = {
     "llama_1b": 1236,
     "llama_7b": 6738,
     "mistral_7b": 7242,
+    "mixtral_8x7b": 46703,
     "llama_70b": 70000,
     "gpt3_175b": 175000,
 }
@@ -61,7 +62,11 @@ def test_model_configs_build_the_published_shapes(name, tmp_path):
         module.configure_model()
     millions = module.num_parameters / 1e6
     assert millions == pytest.approx(PUBLISHED_MILLIONS[name], rel=0.02)
-    assert module.flops_per_token(128) > 6 * module.num_parameters
+    assert module.flops_per_token(128) > 6 * module.active_parameters
+    if name.startswith("mixtral"):  # 2 of 8 experts a token: 12.9 B active parameters
+        assert module.active_parameters / 1e9 == pytest.approx(12.9, rel=0.01)
+    else:
+        assert module.active_parameters == module.num_parameters
 
 
 @pytest.mark.parametrize("name", options("data"))

@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -67,7 +67,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
 from ..config import HardwareSpec
 from ..planning.activations import BlockCost
@@ -120,9 +120,10 @@ def analytic_units(
             multiplies[u.index] += 1
     link = hardware.h2d_gbps * 1e9 if hardware.h2d_gbps else UNKNOWN_LINK
     reads = dha_read_bytes(units, users, tokens)
+    routed = routed_shares(users)
     out = []
     for u in units:
-        matrix = sum(p.numel() for p in u.params if p.dim() >= 2)
+        matrix = sum(p.numel() * routed.get(id(p), 1.0) for p in u.params if p.dim() >= 2)
         flops = 2.0 * matrix * tokens * multiplies[u.index]
         forward = flops / (peak * efficiency)
         trainable = sum(p.numel() for p in u.trainable)
@@ -143,6 +144,23 @@ def analytic_units(
             )
         )
     return out
+
+
+def routed_shares(modules: Iterable[nn.Module]) -> dict[int, float]:
+    """id(parameter) -> the share of it each token multiplies, for a mixture of experts' stacked
+    expert matrices (leading dimension ``num_experts``): a token meets ``top_k`` of them, the
+    ``top_k`` its router (a module with ``top_k`` and the same ``num_experts``) sends it to."""
+    modules = list(modules)
+    top_k = {m.num_experts: m.top_k for m in modules if isinstance(getattr(m, "top_k", None), int) and isinstance(getattr(m, "num_experts", None), int)}
+    shares = {}
+    for module in modules:
+        experts = getattr(module, "num_experts", None)
+        if experts not in top_k or getattr(module, "top_k", None) is not None:
+            continue  # not an experts module, or the router itself (every token meets all of it)
+        for p in module.parameters(recurse=False):
+            if p.dim() >= 3 and p.shape[0] == experts:
+                shares[id(p)] = top_k[experts] / experts
+    return shares
 
 
 def cpu_update_rate(hardware: HardwareSpec, copy_bytes: int = 0) -> float:
@@ -285,7 +303,7 @@ class _BlockMeter:
         # output (a fused projection split into query, key and value), hold its memory once
         self.held: list[dict[int, Any]] = [{} for _ in range(count)]
         self.current: list[int] = []  # the block running now (innermost last)
-        self.counter = FlopCounterMode(display=False)
+        self.counter = FlopCounterMode(display=False, custom_mapping=_COUNTED_APART)
         self.traffic = _MemoryTraffic()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -326,7 +344,21 @@ class _BlockMeter:
         return _FusedAttention.apply(query, key, value)
 
 
-_MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution"}
+_MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution", "_grouped_mm"}
+
+
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``torch._grouped_mm`` (mixture-of-experts layers: rows routed to experts, each
+    multiplied by its expert's matrix only), which torch's counter leaves out: every output element
+    is one dot product over the contraction. With a 2-D second operand the groups split the
+    contraction, so each output row and column still meets it once per group."""
+    contraction = a_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out_shape[-2] * out_shape[-1] * contraction
+    return 2 * math.prod(out_shape) * contraction
+
+
+_COUNTED_APART = {torch.ops.aten._grouped_mm: grouped_mm_flops}
 _ALLOCATIONS = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
 
 
@@ -364,12 +396,17 @@ class _MemoryTraffic(TorchDispatchMode):
 
 
     def _roofline(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        count = flop_registry.get(func._overloadpacket)
+        count = flop_registry.get(func._overloadpacket) or _counted_apart(func._overloadpacket)
         if self.rates is None or count is None:
             return
         flop_rate, byte_rate = self.rates
         moved = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
         self.excess += max(0.0, moved / byte_rate - count(*args, **kwargs, out_val=out) / flop_rate)
+
+
+def _counted_apart(op: Any) -> Optional[Callable[..., int]]:
+    formula = _COUNTED_APART.get(op)
+    return None if formula is None else shape_wrapper(formula)
 
 
 class _FusedAttention(torch.autograd.Function):
