@@ -76,17 +76,7 @@ class UnitCache:
             return s.device_slot.tensor
         if active and not ctx.table.record(index):
             ctx.requests.out_of_order += 1
-        if s.resident:
-            kind, waited = HIT, 0.0
-        elif s.fetch is not None:
-            kind = LATE_HIT if not _fetch_done(s.fetch) else HIT
-            waited = self.complete(s)
-        else:
-            kind = MISS
-            start = time.perf_counter()
-            self._start_fetch(s, evict=True)
-            self.complete(s)
-            waited = time.perf_counter() - start
+        kind, waited = self._make_resident(s, active)
         ctx.requests.add(kind, waited)
         ctx.step.stalled_seconds += waited
         if not s.bound:
@@ -97,12 +87,29 @@ class UnitCache:
         if not self.recent or self.recent[-1] != index:
             self.recent.append(index)
         if active:
-            s.pins += 1  # what is prefetched now must not push out what was just asked for
-            try:
-                self.prefetch()
-            finally:
-                s.pins -= 1
+            self._prefetch_beside(s)
         return s.device_slot.tensor
+
+    def _make_resident(self, s: UnitState, active: bool) -> tuple[str, float]:
+        """The unit's copy in the GPU tier, waited for: how it was found there, and the wait."""
+        if s.resident:
+            return HIT, 0.0
+        if s.fetch is not None:
+            kind = LATE_HIT if not _fetch_done(s.fetch) else HIT
+            return kind, self.complete(s)
+        start = time.perf_counter()
+        self._start_fetch(s, evict=True)
+        if active:
+            self._prefetch_beside(s)  # the next units' copies start now, not once this one has landed
+        self.complete(s)
+        return MISS, time.perf_counter() - start
+
+    def _prefetch_beside(self, s: UnitState) -> None:
+        s.pins += 1  # what is prefetched now must not push out what was just asked for
+        try:
+            self.prefetch()
+        finally:
+            s.pins -= 1
 
     def touch(self, index: int) -> None:
         """A read outside a hooked forward: fetch now, and keep the unit while a few others come
