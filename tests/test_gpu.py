@@ -151,6 +151,17 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
     record_property("max_weight_diffs", sorted(diffs.items(), key=lambda kv: -kv[1])[:3])
 
 
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_a_gan_stepping_twice_in_its_training_step_on_a_gpu_trains_as_plain(tmp_path, placement):
+    """Manual optimization: the critic runs forward again after its step (and its weights are
+    clipped through ``.data``); those forwards must compute with GPU-tier copies."""
+    from tests import test_recipes as recipes
+
+    plain_losses, _, _ = recipes.fit("auto", tmp_path / "plain", recipes.WeightClippingWgan, accelerator="gpu")
+    losses, _, _ = recipes.fit(recipes.tiered(placement, tmp_path), tmp_path / "tiered", recipes.WeightClippingWgan, accelerator="gpu")
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+
+
 def test_fabric_on_a_gpu_trains_as_plain():
     from offload_strategy import TieredFabricStrategy
     from tests.test_fabric import fabric_train

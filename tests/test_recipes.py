@@ -70,13 +70,14 @@ class Losses(L.Callback):
 
 
 def fit(
-    strategy: Any, root: Path, make: Callable[[], L.LightningModule], steps: int = 6, callbacks: tuple = (), **trainer_kwargs: Any
+    strategy: Any, root: Path, make: Callable[[], L.LightningModule], steps: int = 6, callbacks: tuple = (), accelerator: str = "cpu",
+    **trainer_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], L.LightningModule]:
     L.seed_everything(7, verbose=False)
     model = make()
     losses = Losses()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        strategy=strategy, accelerator=accelerator, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         default_root_dir=root, callbacks=[losses, *callbacks], **{"limit_val_batches": 0, **trainer_kwargs},
     )
@@ -716,7 +717,7 @@ class WeightClippingWgan(L.LightningModule):
     def training_step(self, batch, batch_idx):
         opt_g, opt_c = self.optimizers()
         real = self.real[batch[:, 0]]
-        z = torch.randn(real.shape[0], 16, generator=torch.Generator().manual_seed(batch_idx))
+        z = torch.randn(real.shape[0], 16, generator=torch.Generator().manual_seed(batch_idx)).to(real.device)
         if self.clip_at == "start":
             self.clip()
         critic_loss = -self.critic(real).mean() + self.critic(self.gen(z).detach()).mean()
@@ -748,6 +749,30 @@ def test_wgan_weight_clipping_through_data(tmp_path, placement, make):
     out its ``.data`` inside the step writes its copy home; one lent after the critic's update is
     taken back before the generator's forward uses it (each trained to other values before)."""
     assert_like_plain(tmp_path, placement, make)
+
+
+class CriticForwardsSeen(WeightClippingWgan):
+    """Records, at each forward of the critic's first layer, whether its weight is its unit's
+    GPU-tier copy."""
+
+    def on_train_start(self) -> None:
+        self.in_gpu_tier: list[bool] = []
+        engine = self.trainer.strategy.engine
+
+        def seen(module, args, output):
+            s, position = engine.ctx.param_slot[id(module.weight)]
+            copy = s.unit.views(s.device_slot.tensor)[position] if s.device_slot is not None else None
+            self.in_gpu_tier.append(copy is not None and module.weight.data_ptr() == copy.data_ptr())
+
+        self.critic[0].register_forward_hook(seen)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_forwards_after_an_optimizer_step_inside_the_training_step_compute_in_the_gpu_tier(tmp_path, placement):
+    """Manual optimization: the generator's loss runs the critic after the critic's step. That
+    forward ran as if between steps (units lent at home): on a GPU, with host tensors."""
+    _, _, model = fit(tiered(placement, tmp_path), tmp_path / "run", CriticForwardsSeen, steps=4)  # two batches: two steps each
+    assert len(model.in_gpu_tier) == 6 and all(model.in_gpu_tier)
 
 
 class ResetInForward(Net):

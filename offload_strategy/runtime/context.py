@@ -34,6 +34,7 @@ class StepState:
     """The step in progress, as the engine sets it at its boundaries."""
 
     active: bool = False  # inside a training or evaluation step: the prefetch table applies
+    in_training_step: bool = False  # the training step's code runs (after an optimizer step too, under manual optimization)
     phase: Phase = Phase.FORWARD
     update_in_backward: bool = False  # this backward ends a step: units update as their gradients complete
     clip_value: Optional[float] = None  # gradient clipping by value, applied per unit

@@ -387,11 +387,9 @@ class TieredEngine:
 
     def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "_UnitHook":
         step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
-        lending = self.lending
 
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if lending.lent and any(i in lending.lent for i in fetched):
-                lending.take_back()  # written after an optimizer step, before this forward (manual optimization)
+            self._before_forward(fetched)
             recomputing = torch._C._current_autograd_node() is not None
             if step.phase is Phase.BACKWARD and not recomputing:
                 step.phase = Phase.FORWARD  # another forward in the same step (manual optimization)
@@ -478,8 +476,12 @@ class TieredEngine:
     @contextlib.contextmanager
     def saved_tensor_hooks(self) -> Iterator[None]:
         """Active around a training step's forward; see the module docstring."""
-        with torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved):
-            yield
+        self.ctx.step.in_training_step = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved):
+                yield
+        finally:
+            self.ctx.step.in_training_step = False
 
     def pack_saved(self, t: torch.Tensor) -> Any:
         if t.device != self._arena_device or t.untyped_storage().data_ptr() != self._arena_storage:
@@ -545,6 +547,20 @@ class TieredEngine:
             # no prefetch before the first forward: a unit fetched now would miss what the training
             # step writes at home before it (a constraint applied through ``p.data``)
             self.ctx.table.restart()
+
+    def _before_forward(self, fetched: list[int]) -> None:
+        """A module's forward starts: what user code wrote at home since the last step's end is
+        taken back first."""
+        if not self.ctx.step.active and self.ctx.step.in_training_step:
+            self._resume_step()  # a forward after an optimizer step, inside the training step (manual optimization)
+        elif self.lending.lent and any(i in self.lending.lent for i in fetched):
+            self.lending.take_back()  # written between steps, before this forward
+
+    def _resume_step(self) -> None:
+        """The training step goes on after an optimizer step (manual optimization): what user code
+        wrote meanwhile goes home, and units are fetched into the GPU tier again, not lent."""
+        self.lending.take_back()
+        self.ctx.step.active = True
 
     def begin_backward(self) -> None:
         """The strategy's backward starts: forward's last interval (the head and the loss) ends."""
