@@ -162,6 +162,19 @@ def test_a_gan_stepping_twice_in_its_training_step_on_a_gpu_trains_as_plain(tmp_
     assert losses == pytest.approx(plain_losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_a_callback_running_the_model_between_steps_on_a_gpu(tmp_path, placement):
+    """A forward outside the steps (a callback logging predictions) computes with GPU-tier copies,
+    not with the homes' host tensors."""
+    from tests import test_recipes as recipes
+
+    plain_losses, _, _ = recipes.fit("auto", tmp_path / "plain", recipes.Net, callbacks=(recipes.ForwardInCallback(),), accelerator="gpu")
+    seen = recipes.ForwardInCallback()
+    losses, _, _ = recipes.fit(recipes.tiered(placement, tmp_path), tmp_path / "tiered", recipes.Net, callbacks=(seen,), accelerator="gpu")
+    assert all(seen.in_gpu_tier) and all(seen.home_after)
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+
+
 def test_fabric_on_a_gpu_trains_as_plain():
     from offload_strategy import TieredFabricStrategy
     from tests.test_fabric import fabric_train

@@ -775,6 +775,43 @@ def test_forwards_after_an_optimizer_step_inside_the_training_step_compute_in_th
     assert len(model.in_gpu_tier) == 6 and all(model.in_gpu_tier)
 
 
+class ForwardInCallback(L.Callback):
+    """Runs the model on the batch after every step (as a callback logging predictions does), and
+    records whether the first block computed with its GPU-tier copy, and whether every unit was
+    back home once the forward returned."""
+
+    def __init__(self) -> None:
+        self.in_gpu_tier: list[bool] = []
+        self.home_after: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None:
+            with torch.no_grad():
+                pl_module(batch)
+            return
+
+        def seen(module, args, output):
+            s, position = engine.ctx.param_slot[id(module.weight)]
+            copy = s.unit.views(s.device_slot.tensor)[position] if s.device_slot is not None else None
+            self.in_gpu_tier.append(copy is not None and module.weight.data_ptr() == copy.data_ptr())
+
+        handle = pl_module.blocks[0].register_forward_hook(seen)
+        with torch.no_grad():
+            pl_module(batch)
+        handle.remove()
+        self.home_after.append(all(s.device_slot is None for s in engine.states if s.home != "gpu"))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_forward_a_callback_runs_between_steps_computes_in_the_gpu_tier(tmp_path, placement):
+    """Such a forward found its parameters at their homes (lent): on a GPU, host tensors beside
+    inputs on the GPU. It now fetches like an evaluation step, and leaves every unit home after."""
+    seen = ForwardInCallback()
+    assert_like_plain(tmp_path, placement, Net, callbacks=lambda: (seen,))
+    assert len(seen.in_gpu_tier) == 6 and all(seen.in_gpu_tier) and all(seen.home_after)
+
+
 class ResetInForward(Net):
     """A gate the forward sets to 1 in place before using it; the optimizer does not move it
     (learning rate 0), so only the write decides its value."""

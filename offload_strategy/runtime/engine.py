@@ -45,6 +45,7 @@ from .cache import UnitCache
 from .context import EngineContext, Phase
 from .clipping import clip_coefficient, total_norm
 from .data_parallel import DataParallel, GradientExchange, Reduction
+from .forwards import ForwardsBetweenSteps, UnitHook
 from .gradient_buffers import GradientBuffers
 from .gradients import GradientPath
 from .lending import Lending
@@ -81,24 +82,6 @@ class _WatchedParameters(dict):
     def __reduce__(self) -> Any:
         # copies and pickles of the module (EMA, checkpoints) get a plain dict, not the engine
         return (dict, (dict(self),))
-
-
-class _UnitHook:
-    """A module hook of the engine. A copy of the module (an EMA's ``deepcopy``) gets a hook that
-    does nothing: the copy's parameters are its own, not the engine's."""
-
-    def __init__(self, call: Any) -> None:
-        self.call = call
-
-    def __call__(self, *args: Any) -> Any:
-        return self.call(*args)
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _no_hook
-
-
-def _no_hook(*args: Any) -> None:
-    return None
 
 
 @dataclass(frozen=True)
@@ -194,6 +177,7 @@ class TieredEngine:
         self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots))
         self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, self._owns)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
+        self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending)
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
         self.timer = StepTimer(ctx.step, [s.unit.name for s in states], [s.unit.nbytes for s in states])
         self.speculation = SpeculativeUpdates()
@@ -339,6 +323,8 @@ class TieredEngine:
         for module in users:
             self._watched.append((module, module._parameters))
             module._parameters = _WatchedParameters(module._parameters, self._on_read)
+        placed = set(self.ctx.param_slot)
+        self._hooks.extend(self.forwards.install(m for m in self.model.modules() if any(id(p) in placed for p in m.parameters())))
 
     def _hook_gradient(self, s: UnitState, i: int, p: torch.Tensor) -> None:
         if s.home != GPU:
@@ -385,7 +371,7 @@ class TieredEngine:
 
     # -- hooks --------------------------------------------------------------------------------------
 
-    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "_UnitHook":
+    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "UnitHook":
         step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
 
         def pre_hook(module: nn.Module, args: Any) -> None:
@@ -407,8 +393,8 @@ class TieredEngine:
             for i in fetched:
                 states[i].pins -= 1
 
-        hook = _UnitHook(pre_hook)
-        hook.post_hook = _UnitHook(post_hook)  # type: ignore[attr-defined]
+        hook = UnitHook(pre_hook)
+        hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
         return hook
 
     def _on_read(self, p: torch.Tensor) -> None:
