@@ -175,6 +175,22 @@ def test_a_callback_running_the_model_between_steps_on_a_gpu(tmp_path, placement
     assert losses == pytest.approx(plain_losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_hooks_see_every_gradient_on_a_gpu(tmp_path, placement, precision):
+    """``on_before_optimizer_step`` reads ``p.grad`` of every parameter, offloaded ones included, as
+    on the CPU (where the homes and the parameters share a device)."""
+    from tests import test_recipes as recipes
+
+    plain, tiered = recipes.FirstGradients(), recipes.FirstGradients()
+    recipes.fit("auto", tmp_path / "plain", recipes.Net, steps=1, callbacks=(plain,), accelerator="gpu", precision=precision)
+    recipes.fit(recipes.tiered(placement, tmp_path), tmp_path / "tiered", recipes.Net, steps=1, callbacks=(tiered,), accelerator="gpu", precision=precision)
+    missing = [name for name, grad in tiered.seen.items() if grad is None]
+    assert not missing, f"hooks found no gradient for {missing}"
+    for name, grad in plain.seen.items():
+        torch.testing.assert_close(tiered.seen[name].float().cpu(), grad.float().cpu(), rtol=1e-4, atol=1e-5)
+
+
 def test_fabric_on_a_gpu_trains_as_plain():
     from offload_strategy import TieredFabricStrategy
     from tests.test_fabric import fabric_train
