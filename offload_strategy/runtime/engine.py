@@ -375,7 +375,6 @@ class TieredEngine:
         step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
 
         def pre_hook(module: nn.Module, args: Any) -> None:
-            self._before_forward(fetched)
             recomputing = torch._C._current_autograd_node() is not None
             if step.phase is Phase.BACKWARD and not recomputing:
                 step.phase = Phase.FORWARD  # another forward in the same step (manual optimization)
@@ -533,20 +532,6 @@ class TieredEngine:
             # no prefetch before the first forward: a unit fetched now would miss what the training
             # step writes at home before it (a constraint applied through ``p.data``)
             self.ctx.table.restart()
-
-    def _before_forward(self, fetched: list[int]) -> None:
-        """A module's forward starts: what user code wrote at home since the last step's end is
-        taken back first."""
-        if not self.ctx.step.active and self.ctx.step.in_training_step:
-            self._resume_step()  # a forward after an optimizer step, inside the training step (manual optimization)
-        elif self.lending.lent and any(i in self.lending.lent for i in fetched):
-            self.lending.take_back()  # written between steps, before this forward
-
-    def _resume_step(self) -> None:
-        """The training step goes on after an optimizer step (manual optimization): what user code
-        wrote meanwhile goes home, and units are fetched into the GPU tier again, not lent."""
-        self.lending.take_back()
-        self.ctx.step.active = True
 
     def begin_backward(self) -> None:
         """The strategy's backward starts: forward's last interval (the head and the loss) ends."""

@@ -1,8 +1,11 @@
-"""Module forwards outside the steps: user code that runs the model between steps (a callback
-generating samples at an epoch's end, logging predictions on a fixed batch) computes as an
-evaluation step does, with every unit it uses fetched into the GPU tier, and once its outermost
-forward returns every parameter points at its home again, as between steps. Without this such a
-forward found its parameters at their homes, in host memory: on a GPU, tensors on the wrong device.
+"""Module forwards while no step is active: user code that runs the model between steps (a
+callback generating samples at an epoch's end, logging predictions on a fixed batch), and, under
+manual optimization, the training step's forwards after an optimizer step. They compute as a
+step does, with every unit they use fetched into the GPU tier, after what user code wrote meanwhile
+went home. Between steps, once the outermost forward returns every parameter points at its home
+again; inside the training step the step goes on until the next optimizer step. Without this such
+forwards found their parameters lent at their homes, in host memory: on a GPU, tensors on the
+wrong device.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def _no_hook(*args: Any) -> None:
 
 
 class ForwardsBetweenSteps:
+    """Counts the forwards of modules holding placed parameters (see the module docstring)."""
+
     def __init__(self, ctx: EngineContext, cache: UnitCache, lending: Lending) -> None:
         self.ctx, self.cache, self.lending = ctx, cache, lending
         self.depth = 0  # forwards of hooked modules in progress
@@ -53,10 +58,10 @@ class ForwardsBetweenSteps:
 
     def enter(self, module: nn.Module, args: Any) -> None:
         step = self.ctx.step
-        if self.depth == 0 and not step.active and not step.in_training_step:
-            self.lending.take_back()  # what user code wrote between steps goes home first
+        if not step.active:
+            self.lending.take_back()  # what user code wrote meanwhile goes home first
             step.active = True
-            self.running = True
+            self.running = self.depth == 0 and not step.in_training_step
         self.depth += 1
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
