@@ -13,6 +13,7 @@ device, which trains exactly as Lightning's single-device strategy does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import tempfile
 import weakref
@@ -197,6 +198,7 @@ class TieredCore:
         self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
         self._fitted_trainable: Optional[set[int]] = None  # the parameters that fitted the GPU tier without an engine
         self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
+        self._exposed: list[Any] = []  # gradients on ``.grad`` for the user's code between backward and the step
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -274,6 +276,24 @@ class TieredCore:
         plain(trainer)
         self.place_module(self.recipe(trainer))
         _refuse_weight_averaging_on_nvme(trainer, self.engine)
+        plugin = trainer.precision_plugin
+        plugin.clip_gradients = functools.partial(self.clip_gradients, type(plugin).clip_gradients.__get__(plugin))  # type: ignore[method-assign]
+
+    def clip_gradients(self, plain: Callable[..., None], optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """Lightning's ``clip_gradients`` (the precision plugin's) called by the training step's own
+        code under manual optimization: it clips the engine's gradients where they are held, fp32
+        sums of 16-bit parameters included (as the automatic step clips them, with no 16-bit
+        copies), through a gradient view; the automatic step gives it that view already."""
+        engine = self.engine
+        if engine is None or self.context.module.automatic_optimization or not clip_val or clip_val <= 0:
+            return plain(optimizer, clip_val, gradient_clip_algorithm)  # the automatic step clips through its own view
+        exposed = bool(self._exposed)
+        self.before_users_step()
+        with engine.gradient_view(getattr(optimizer, "optimizer", optimizer)) as gradients:
+            plain(gradients, clip_val, gradient_clip_algorithm)
+        if exposed:
+            self._exposed = engine.expose_gradients()  # the step's code may read the clipped gradients
+        return None
 
     def resolve(self) -> None:
         """The hardware (probed when "auto") and each tier's budget, before anything is placed."""
@@ -721,12 +741,13 @@ class TieredCore:
         """A training step's forward (``run``), between the planner's decisions and the engine's
         step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
+        self.take_back_exposed()  # before the engine may be replaced
         self._plan_between_steps(rules)
         self.prediction.step_begins()
         self.activations.begin_block_forward()
         engine = self.engine
         if engine is None:
-            with self.activations.counting_saved():
+            with _torch_func_explained(), self.activations.counting_saved():
                 return run()
         speculate = rules.updates_may_run_ahead_of_clipping()
         if speculate:
@@ -738,8 +759,11 @@ class TieredCore:
             speculate=speculate,
         )
         self._profiled = True
-        with engine.saved_tensor_hooks():
-            return run()
+        try:
+            with _torch_func_explained(), engine.saved_tensor_hooks():
+                return run()
+        finally:
+            self.take_back_exposed()  # manual optimization's backward without a step leaves them to the next
 
     def _clips_norm_first(self, recipe: Rules) -> bool:
         """This step's clipping by norm is the engine's (gradients may wait on NVMe, or units were
@@ -767,6 +791,7 @@ class TieredCore:
         """``hooks_after``: code runs right after this backward (``on_after_backward``, from the
         precision plugin's ``post_backward``) and sees the gradients there."""
         self.activations.refuse_unfitting()
+        self.take_back_exposed()  # autograd adds to what the user left there
         if self.engine is not None:
             self.engine.attach_direct_gradients()
             self.engine.begin_backward()
@@ -787,13 +812,32 @@ class TieredCore:
 
         plugin.post_backward = post_backward
 
-    def post_backward(self) -> None:
+    def post_backward(self, expose: bool = False) -> None:
+        """``expose``: the user's own code runs between this backward and the step (manual
+        optimization, a Fabric loop) and may read, clip or replace gradients there, as after
+        plain backward: until the next backward, step or training step, offloaded gradients are
+        on their parameters' ``.grad`` (``TieredEngine.expose_gradients``)."""
         self.lightning.precision_plugin.__dict__.pop("post_backward", None)  # a backward that failed left it
         engine = self.engine
         if engine is not None:
             engine.end_backward()
-            if engine.exchange is not None and not self.context.module.automatic_optimization:
-                engine.exchange.wait_all()  # the user's code reads gradients next (clipping, a check), as after DDP's backward
+            if expose:
+                self._exposed = engine.expose_gradients()  # reduced first under data parallelism, as DDP's backward leaves them
+
+    def take_back_exposed(self) -> None:
+        """What the user's code did to exposed gradients reaches the engine's (see :meth:`post_backward`)."""
+        engine, exposed = self.engine, self._exposed
+        self._exposed = []
+        if engine is not None and exposed:
+            engine.take_back_gradients(exposed)
+
+    def before_users_step(self) -> None:
+        """Right before an optimizer step or clipping the user's code asked for (manual
+        optimization, Fabric): exposed gradients taken back, and gradients the code put on
+        ``.grad`` without a backward taken in."""
+        self.take_back_exposed()
+        if self.engine is not None:
+            self.engine.adopt_gradients_set_by_hand()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
         module = model or self.context.module
@@ -805,6 +849,8 @@ class TieredCore:
             result = plain(optimizer, closure, model, **kwargs)
         else:
             closure_result = closure()  # forward and backward
+            if not self.context.module.automatic_optimization:
+                self.before_users_step()
             engine, recipe = self.engine, self.recipe(module.trainer)
             assert engine is not None
             result = tiered_optimizer_step(engine, recipe, self._clips_norm_first(recipe), optimizer, closure_result, module, **kwargs)
@@ -820,6 +866,7 @@ class TieredCore:
     def step_optimizer(self, optimizer: torch.optim.Optimizer, plain: Callable[[], Any], **kwargs: Any) -> Any:
         """``optimizer``'s step over every unit where it lives, for a loop that ran forward and
         backward itself (Fabric's): nothing runs between backward and the step here."""
+        self.before_users_step()
         engine = self.engine
         if engine is None:
             result = plain()
@@ -914,6 +961,8 @@ class TieredCore:
             )
 
     def teardown(self) -> None:
+        self.take_back_exposed()  # never left on ``.grad`` over memory the engine frees
+        self.lightning.precision_plugin.__dict__.pop("clip_gradients", None)
         self.activations.close()
         try:
             self._close_engine()
@@ -1159,3 +1208,21 @@ def exposes_core(cls: type) -> type:
     for name, path in PUBLIC.items():
         setattr(cls, name, Delegated(path))
     return cls
+
+
+@contextlib.contextmanager
+def _torch_func_explained() -> Iterator[None]:
+    """``torch.func``'s transforms that differentiate refuse to start under saved-tensor hooks,
+    and a training step's forward runs under the strategy's: say so, and what works instead."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "torch.func" not in str(error) or "saved tensor hooks" not in str(error):
+            raise
+        raise RuntimeError(
+            "torch.func.grad (or vjp, jacrev, hessian) was called inside a training step, and strategy='tiered' runs the "
+            "step's forward under saved-tensor hooks (they fetch offloaded parameters back for backward and count the "
+            "activations the blocks keep), which torch.func refuses. Inside the training step use torch.autograd.grad "
+            "(with torch.func.functional_call for other weights, as MAML does; per-sample gradients one sample at a time); "
+            "torch.func's transforms work outside the training step (validation, callbacks)."
+        ) from error

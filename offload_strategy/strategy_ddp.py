@@ -184,7 +184,9 @@ class TieredDDPStrategy(DDPStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.tiered.post_backward()
+        module = self.lightning_module
+        assert module is not None
+        self.tiered.post_backward(expose=not module.automatic_optimization)  # the training step's own code reads them next
         super().post_backward(closure_loss)
 
     @override

@@ -179,7 +179,6 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         self._state = _FabricState(self)
         self.tiered = TieredCore(options, self._state, OneProcess())
         self._rules = FabricRules(training=False)
-        self._exposed: list[Any] = []  # offloaded gradients on ``.grad`` between backward and the step
         self._placed: Optional[nn.Module] = None
         self._parallel_devices: Optional[list[torch.device]] = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision=precision)
@@ -269,24 +268,12 @@ class TieredFabricStrategy(SingleDeviceStrategy):
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        self._take_back_gradients()  # autograd adds to what the user left there
         self.tiered.pre_backward()
         super().backward(tensor, module, *args, **kwargs)
-        self.tiered.post_backward()
-        engine = self.tiered.engine
-        if engine is not None:
-            # the user's loop may read or change gradients before the step, as after plain backward
-            self._exposed = engine.expose_gradients()
-
-    def _take_back_gradients(self) -> None:
-        engine, exposed = self.tiered.engine, self._exposed
-        self._exposed = []
-        if engine is not None and exposed:
-            engine.take_back_gradients(exposed)
+        self.tiered.post_backward(expose=True)  # the user's loop may read or change gradients before the step
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self._take_back_gradients()
         if kwargs.get("closure") is not None and self.tiered.engine is not None:
             raise RuntimeError(
                 "strategy='tiered' steps each unit of the model where it lives, and an optimizer closure (LBFGS) would run "
@@ -299,7 +286,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        self._take_back_gradients()
+        self.tiered.before_users_step()
         engine = self.tiered.engine
         if engine is None:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
@@ -309,7 +296,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: Union[float, int]) -> None:
-        self._take_back_gradients()
+        self.tiered.before_users_step()
         engine = self.tiered.engine
         if engine is None:
             return super().clip_gradients_value(module, optimizer, clip_val)
@@ -333,7 +320,6 @@ class TieredFabricStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        self._take_back_gradients()  # never left on ``.grad`` over memory the engine frees
         self.tiered.teardown()
         super().teardown()
 

@@ -38,6 +38,7 @@ def _cache(compute: str, active: bool, states: list) -> UnitCache:
     cache.ctx = SimpleNamespace(device=SimpleNamespace(compute=torch.device(compute)), step=SimpleNamespace(active=active), states=states,
                                 bind=lambda s, tensors: bound.__setitem__(s.unit.index, tensors))
     cache.on_device_views = set()
+    cache.held = set()
     cache.bound = bound  # what each unit was bound to, for the test
     return cache
 

@@ -191,6 +191,37 @@ def test_hooks_see_every_gradient_on_a_gpu(tmp_path, placement, precision):
         torch.testing.assert_close(tiered.seen[name].float().cpu(), grad.float().cpu(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("make", ["ClipsItsOwnGradients", "GradientsByHand"])
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_manual_optimization_handling_its_own_gradients_on_a_gpu(tmp_path, placement, make):
+    """After ``manual_backward`` offloaded gradients are at home in host memory while the
+    parameters are on the GPU: the training step's code reads and clips them through views of
+    the homes; gradients it sets by hand are taken home before the step."""
+    from tests import test_recipes as recipes
+
+    module = getattr(recipes, make)
+    plain_losses, _, plain = recipes.fit("auto", tmp_path / "plain", module, accelerator="gpu")
+    losses, _, model = recipes.fit(recipes.tiered(placement, tmp_path), tmp_path / "tiered", module, accelerator="gpu")
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert getattr(model, "norms", []) == pytest.approx(getattr(plain, "norms", []), rel=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_gradients_taken_outside_the_training_step_on_a_gpu(tmp_path, placement):
+    """An adversarial attack in validation and input gradients in a callback, with units evicted
+    in every forward: the backward fetches them again (on a GPU a parameter left at its home
+    would be a host tensor)."""
+    from tests import test_recipes as recipes
+
+    kwargs = dict(steps=4, limit_val_batches=1, val_check_interval=2, accelerator="gpu")
+    plain_cb, tiered_cb = recipes.InputGradients(), recipes.InputGradients()
+    plain_losses, _, plain = recipes.fit("auto", tmp_path / "plain", recipes.AdversarialValidation, callbacks=(plain_cb,), **kwargs)
+    losses, _, model = recipes.fit(recipes.streamed(placement, tmp_path), tmp_path / "tiered", recipes.AdversarialValidation, callbacks=(tiered_cb,), **kwargs)
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert [x for t in model.seen for x in t] == pytest.approx([x for t in plain.seen for x in t], rel=1e-4)
+    assert [x for t in tiered_cb.seen for x in t] == pytest.approx([x for t in plain_cb.seen for x in t], rel=1e-4)
+
+
 def test_fabric_on_a_gpu_trains_as_plain():
     from offload_strategy import TieredFabricStrategy
     from tests.test_fabric import fabric_train

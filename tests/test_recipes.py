@@ -1280,3 +1280,209 @@ def test_without_prefetch_the_gpu_tier_needs_no_buffer_for_the_next_unit(tmp_pat
                              tmp_path / "tiered", make, steps=4)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+# -- the training step's own code and gradients ----------------------------------------------------
+
+COPIED_HOME = {"gradient_reserve": 1.0}  # offloaded gradients produced in the GPU tier and copied home, as on a GPU
+
+
+class ClipsItsOwnGradients(Net):
+    """Manual optimization as GAN and RL code writes it: the gradients' norm logged after
+    ``manual_backward``, then clipped by norm with Lightning's ``clip_gradients`` and by value
+    with torch's ``clip_grad_value_`` over ``self.parameters()``, then the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.last_loss = self.loss(batch)
+        self.manual_backward(self.last_loss)
+        self.norms.append(float(torch.stack([p.grad.norm() for p in self.parameters()]).norm()))
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        torch.nn.utils.clip_grad_value_(self.parameters(), 0.001)
+        opt.step()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_manual_optimization_reads_and_clips_the_gradients_after_manual_backward(tmp_path, placement):
+    """Where gradients are copied home (every offloaded unit on a GPU), the training step's own
+    code found ``p.grad`` None after ``manual_backward``: reading it failed, and clipping clipped
+    nothing (``clip_grad_value_`` failed). They are now on ``.grad`` until the step, as after
+    plain backward."""
+    plain, model = assert_like_plain(tmp_path, placement, ClipsItsOwnGradients, policy=COPIED_HOME)
+    assert model.norms == plain.norms
+
+
+class GradientsByHand(Net):
+    """Manual optimization with gradients that no backward accumulates: ``torch.autograd.grad``'s
+    results put on ``.grad`` by hand (as per-sample-gradient and estimator code does), then the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.last_loss = self.loss(batch)
+        params = list(self.parameters())
+        for p, g in zip(params, torch.autograd.grad(self.last_loss, params)):
+            p.grad = g * 0.5
+        opt.step()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_gradients_put_on_grad_by_hand_are_stepped(tmp_path, placement):
+    """The offloaded units' updates read their gradients at home, where no backward had put
+    them: the step used none, silently."""
+    assert_like_plain(tmp_path, placement, GradientsByHand, policy=COPIED_HOME)
+
+
+class Maml(Net):
+    """MAML's inner step: fast weights from ``torch.autograd.grad`` (second order), the outer loss
+    computed with them through ``torch.func.functional_call``."""
+
+    def training_step(self, batch, batch_idx):
+        params = dict(self.named_parameters())
+        target = batch[:, 1:].flatten()
+        inner = nn.functional.cross_entropy(torch.func.functional_call(self, params, (batch,)).flatten(0, 1), target)
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        fast = {name: p - 0.1 * g for (name, p), g in zip(params.items(), grads)}
+        return nn.functional.cross_entropy(torch.func.functional_call(self, fast, (batch,)).flatten(0, 1), target)
+
+
+def test_checkpointed_blocks_recompute_with_the_weights_functional_call_gave_them(tmp_path):
+    """A checkpointed block recomputed its forward in backward with the module's own parameters,
+    where the forward had run with ``functional_call``'s fast weights: other gradients, silently
+    (and the default policy checkpoints blocks in its first steps)."""
+    assert_like_plain(tmp_path, "host", Maml, policy={"activations": "checkpoint"}, steps=3)
+
+
+class PerSampleWithTorchFunc(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        params = {name: p.detach() for name, p in self.named_parameters()}
+
+        def loss(params: dict, x: torch.Tensor) -> torch.Tensor:
+            out = torch.func.functional_call(self, params, (x[None],))
+            return nn.functional.cross_entropy(out.flatten(0, 1), x[None, 1:].flatten())
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, batch)
+
+
+def test_torch_func_grad_inside_the_training_step_says_what_to_use_instead(tmp_path):
+    with pytest.raises(RuntimeError, match=r"torch.func.grad .* inside a training step.*use torch.autograd.grad"):
+        fit(tiered("host", tmp_path), tmp_path, PerSampleWithTorchFunc, steps=1)
+
+
+# -- gradients taken outside the training step -----------------------------------------------------
+
+
+def streamed(placement: str, root: Path) -> TieredStrategy:
+    """A GPU tier of three buffers for the seven units: every forward evicts units it used."""
+    nvme = {"nvme_path": str(root / "nvme"), "nvme_memory": "1GiB"} if placement == "nvme" else {}
+    policy = {"placement": placement, "activations": "keep", **COPIED_HOME}
+    return TieredStrategy(policy=policy, gpu_memory="110KiB", host_memory="1GiB", **nvme)
+
+
+class AdversarialValidation(Net):
+    """Validation under a three-step sign-gradient attack on the embeddings (``torch.enable_grad``
+    inside ``validation_step``), and ``torch.func.grad`` of the loss over the weights there."""
+
+    def validation_step(self, batch, batch_idx):
+        target = batch[:, 1:].flatten()
+        with torch.enable_grad():
+            x = self.embed(batch[:, :-1]).detach()
+            delta = torch.zeros_like(x, requires_grad=True)
+            for _ in range(3):
+                h = x + delta
+                for block in self.blocks:
+                    h = h + torch.tanh(block(h))
+                loss = nn.functional.cross_entropy(self.head(self.norm(h)).flatten(0, 1), target)
+                (g,) = torch.autograd.grad(loss, delta)
+                delta = (delta + 0.01 * g.sign()).detach().requires_grad_()
+        weights = {name: p.detach().clone() for name, p in self.named_parameters()}
+        grads = torch.func.grad(lambda w: nn.functional.cross_entropy(torch.func.functional_call(self, w, (batch,)).flatten(0, 1), target))(weights)
+        self.seen.append((float(loss), float(torch.stack([g.norm() for g in grads.values()]).norm())))
+
+    def on_fit_start(self) -> None:
+        self.seen: list[tuple[float, ...]] = []
+
+
+class InputGradients(L.Callback):
+    """After every step, gradients of the model's outputs over its inputs, as saliency and
+    attribution callbacks take them: ``torch.autograd.grad`` once the forward has returned, and
+    ``torch.func``'s ``grad``, ``vmap`` and ``jacrev`` over modules with their own weights."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, ...]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        x = torch.ones(2, 32, requires_grad=True)
+        (saliency,) = torch.autograd.grad(pl_module.head(pl_module.norm(x)).pow(2).sum(), x)
+        grad = torch.func.grad(lambda h: pl_module.head(pl_module.norm(h)).pow(2).sum())(torch.ones(2, 32))
+        vmapped = torch.func.vmap(lambda b: pl_module(b[None]).sum())(batch)
+        jacobian = torch.func.jacrev(lambda h: pl_module.blocks[1](h))(torch.ones(32))
+        self.seen.append(tuple(float(t.detach().norm()) for t in (saliency, grad, vmapped, jacobian)))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_gradients_taken_outside_the_training_step_are_plain_trainings(tmp_path, placement):
+    """Before: a backward after units were evicted read their parameters at their homes, at NVMe
+    placeholders (NaN) or, in validation, wherever eviction had left them (other losses, silently);
+    a ``torch.func`` transform rebinding parameters inside it crashed the process."""
+    callbacks = lambda: (InputGradients(),)  # noqa: E731
+    kwargs = dict(steps=4, limit_val_batches=1, val_check_interval=2)
+    plain_losses, plain_weights, plain = fit("auto", tmp_path / "plain", AdversarialValidation, callbacks=callbacks(), **kwargs)
+    losses, weights, model = fit(streamed(placement, tmp_path), tmp_path / "tiered", AdversarialValidation, callbacks=callbacks(), **kwargs)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert model.seen == plain.seen and len(model.seen) == 2
+    seen = [c for c in model.trainer.callbacks if isinstance(c, InputGradients)][0].seen
+    assert seen == [c for c in plain.trainer.callbacks if isinstance(c, InputGradients)][0].seen and len(seen) == 4
+
+
+class DetachedForFunctionalCall(Net):
+    def training_step(self, batch, batch_idx):
+        weights = {name: p.detach().requires_grad_() for name, p in self.named_parameters()}
+        return self.loss(batch) + torch.func.functional_call(self, weights, (batch,)).sum() * 0.0
+
+
+def test_functional_call_given_views_of_streamed_copies_is_refused(tmp_path):
+    """``p.detach()`` of a parameter at its unit's GPU-tier copy is a view of a buffer other units
+    reuse as the forward goes on: the forward computed with their weights, silently."""
+    with pytest.raises(RuntimeError, match=r"was given a view of a GPU-tier buffer.*p\.detach\(\)\.clone\(\)"):
+        fit(streamed("nvme", tmp_path), tmp_path, DetachedForFunctionalCall, steps=1)
+
+
+class ClipsWithLightning(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.last_loss = self.loss(batch)
+        self.manual_backward(self.last_loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_clip_gradients_under_manual_optimization_clips_as_the_automatic_step_does(tmp_path, placement):
+    """Under ``bf16-true`` Lightning's ``clip_gradients`` called by the training step clips the
+    fp32 gradients the engine holds, as ``gradient_clip_val`` does under automatic optimization
+    (it used to clip 16-bit copies, and on a GPU would find no gradient at all for offloaded units)."""
+    manual_losses, manual, _ = fit(tiered(placement, tmp_path, **COPIED_HOME), tmp_path / "manual", ClipsWithLightning, steps=4, precision="bf16-true")
+    losses, weights, _ = fit(tiered(placement, tmp_path, **COPIED_HOME), tmp_path / "auto", Net, steps=4, precision="bf16-true", gradient_clip_val=0.05)
+    assert manual_losses == losses
+    assert_same_weights(weights, manual)

@@ -14,6 +14,7 @@ first, checkpointed ones next, kept ones last) comes from ``planning/activations
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -294,4 +295,53 @@ class WrappedForward:
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)  # evaluation: nothing to save or recompute
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    block = getattr(forward, "__self__", None)
+    if not isinstance(block, nn.Module):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    tensors = _module_tensors(block)
+
+    def recompute_as_run(*args: Any, **kwargs: Any) -> Any:
+        with _tensors_as(tensors):
+            return forward(*args, **kwargs)
+
+    return checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
+
+
+ModuleTensors = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]
+
+
+def _module_tensors(block: nn.Module) -> ModuleTensors:
+    """The tensors a block's modules hold as parameters and buffers right now."""
+    return [(m, dict(m._parameters), dict(m._buffers)) for m in block.modules()]
+
+
+@contextlib.contextmanager
+def _tensors_as(tensors: ModuleTensors) -> Any:
+    """A checkpointed block recomputes in backward with the tensors its forward ran with.
+    ``torch.func.functional_call`` (MAML's fast weights, ``torch.func``'s stateless calls) swaps
+    other tensors into a module only for the call, so the recomputation, after it returned,
+    would otherwise use the module's own parameters and give other gradients, silently."""
+    now = _module_tensors(tensors[0][0]) if tensors else []
+    same = len(now) == len(tensors) and all(
+        m is n and _same_entries(ps, nps) and _same_entries(bs, nbs) for (m, ps, bs), (n, nps, nbs) in zip(tensors, now)
+    )
+    if same:
+        yield
+        return
+    _put(tensors)
+    try:
+        yield
+    finally:
+        _put(now)
+
+
+def _same_entries(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+
+
+def _put(tensors: ModuleTensors) -> None:
+    for module, params, buffers in tensors:
+        module._parameters.clear()
+        module._parameters.update(params)
+        module._buffers.clear()
+        module._buffers.update(buffers)

@@ -46,6 +46,16 @@ class UnitCache:
         self.slot_starts = sorted([s.device_slot.tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in memory.device_pool.slots])
         self.slot_owner: dict[int, UnitState] = {s.device_slot.tensor.data_ptr(): s for s in persistent}
         self.on_device_views: set[int] = set()  # host units evicted inside this step, pointing at views of their homes
+        self.held: set[int] = set()  # units a torch.func transform's backward reads (see hold)
+
+    def hold(self, index: int) -> None:
+        """Inside a ``torch.func`` transform that differentiates (``grad``, ``vjp``, ``jacrev``:
+        saved-tensor hooks are off there), a unit a module used stays in the GPU tier until every
+        unit goes home: the transform's backward reads the parameters as they were saved, not
+        through the engine."""
+        if index not in self.held:
+            self.held.add(index)
+            self.ctx.states[index].pins += 1
 
     def new_step(self) -> None:
         self.recent.clear()
@@ -315,6 +325,9 @@ class UnitCache:
         self.ctx.write_home(s, buffer)
 
     def evict_all(self) -> None:
+        for index in self.held:
+            self.ctx.states[index].pins -= 1
+        self.held.clear()
         for s in self.ctx.states:
             if s.home != GPU and s.device_slot is not None:
                 self.evict(s.unit.index)

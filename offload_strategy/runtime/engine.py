@@ -45,7 +45,7 @@ from .cache import UnitCache
 from .context import EngineContext, Phase
 from .clipping import clip_coefficient, total_norm
 from .data_parallel import DataParallel, GradientExchange, Reduction
-from .forwards import ForwardsBetweenSteps, UnitHook
+from .forwards import ForwardsBetweenSteps, UnitHook, outside_transforms
 from .gradient_buffers import GradientBuffers
 from .gradients import GradientPath
 from .lending import Lending
@@ -82,6 +82,20 @@ class _WatchedParameters(dict):
     def __reduce__(self) -> Any:
         # copies and pickles of the module (EMA, checkpoints) get a plain dict, not the engine
         return (dict, (dict(self),))
+
+
+def _storage_address(t: torch.Tensor) -> Optional[int]:
+    """Where ``t``'s storage starts (None: a tensor without one, as a torch.func transform's wrapper)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _units_held_by(module: nn.Module, indices: list[int], states: list[UnitState]) -> set[int]:
+    """Those of ``indices`` one of whose parameters ``module`` holds right now."""
+    held = {id(p) for p in dict.values(module._parameters)}
+    return {i for i in indices if any(id(p) in held for p in states[i].unit.params)}
 
 
 @dataclass(frozen=True)
@@ -177,7 +191,7 @@ class TieredEngine:
         self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots))
         self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, self._owns)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
-        self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending)
+        self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending, (self.pack_saved, self.unpack_saved))
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
         self.timer = StepTimer(ctx.step, [s.unit.name for s in states], [s.unit.nbytes for s in states])
         self.speculation = SpeculativeUpdates()
@@ -375,6 +389,7 @@ class TieredEngine:
         step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
 
         def pre_hook(module: nn.Module, args: Any) -> None:
+            self._refuse_stale_aliases(module)
             recomputing = torch._C._current_autograd_node() is not None
             if step.phase is Phase.BACKWARD and not recomputing:
                 step.phase = Phase.FORWARD  # another forward in the same step (manual optimization)
@@ -382,8 +397,13 @@ class TieredEngine:
                 states[i].pins += 1
             if timer.timing is not None and step.phase is Phase.FORWARD and not recomputing:
                 timer.module_starts(indices[0])
+            # a torch.func transform differentiates: units whose parameters the module holds now
+            # (functional_call may have swapped in others) stay for its backward
+            held = _units_held_by(module, fetched, states) if not torch._C._autograd._saved_tensors_hooks_is_enabled() else ()
             for i in fetched:
                 cache.request(i)
+                if i in held:
+                    cache.hold(i)
                 if recomputing and torch.is_grad_enabled():
                     states[i].recompute_pinned = True  # a forward that backward recomputes
                     recomputed.add(i)
@@ -396,10 +416,30 @@ class TieredEngine:
         hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
         return hook
 
+    def _refuse_stale_aliases(self, module: nn.Module) -> None:
+        """``torch.func.functional_call`` swapped tensors into ``module`` that are views of a
+        streamed unit's GPU-tier copy (``p.detach()`` of parameters while their unit was there):
+        other units' weights land in that buffer as the forward goes on, so computing with them
+        would be wrong, silently."""
+        for name, t in dict.items(module._parameters):
+            if t is None or id(t) in self.ctx.param_slot or not isinstance(t, torch.Tensor) or t.device != self._arena_device:
+                continue
+            if _storage_address(t) == self._arena_storage and self.cache.owner(t.data_ptr()) is not None:
+                raise RuntimeError(
+                    f"{type(module).__name__}.{name} was given a view of a GPU-tier buffer (``p.detach()`` of a parameter strategy='tiered' "
+                    f"streams, taken while its unit was in the GPU tier); other units' weights land in that buffer as the forward goes on. "
+                    f"Give torch.func.functional_call the parameters themselves (``dict(model.named_parameters())``; gradients through "
+                    f"torch.autograd.grad) or copies (``p.detach().clone()``)."
+                )
+
     def _on_read(self, p: torch.Tensor) -> None:
         s = self._streamed.get(id(p))
         if s is None:
             return
+        with outside_transforms():
+            self._read(s)
+
+    def _read(self, s: UnitState) -> None:
         if not self.ctx.step.active:
             self.lending.lend(s)
             return
@@ -483,11 +523,13 @@ class TieredEngine:
     def unpack_saved(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedRef):
             return packed
-        self.ctx.step.phase = Phase.BACKWARD
-        self.backward_log.append(time.perf_counter())
-        self.timer.unpacked(packed.unit)
+        self.forwards.backward_starts()  # of a graph built between steps: nothing more to record
+        if not self.forwards.running:
+            self.ctx.step.phase = Phase.BACKWARD
+            self.backward_log.append(time.perf_counter())
+            self.timer.unpacked(packed.unit)
+            self.states[packed.unit].used_in_backward = True
         buffer = self.cache.request(packed.unit)
-        self.states[packed.unit].used_in_backward = True
         typed = buffer.view(packed.dtype)
         element = typed.element_size()
         # as_strided's offset counts from the start of the storage, not of the view
@@ -506,6 +548,7 @@ class TieredEngine:
         ``speculate``: clipping by norm is all that keeps them from it, so host units are updated
         then anyway, taken back if the norm says so (``speculation.py``).
         ``reduce``: under data parallelism, how this backward's gradients are reduced; None accumulates."""
+        self.forwards.settle()
         self.lending.take_back()
         step = self.ctx.step
         step.phase = Phase.FORWARD
@@ -571,6 +614,26 @@ class TieredEngine:
         for s, i, p, home, direct in given:
             if not self.gradients.take_back_exposed(s, i, p, home) or not direct:
                 p.grad = None  # a unit accumulating at home keeps its home as ``.grad`` for the next backward
+
+    def adopt_gradients_set_by_hand(self) -> None:
+        """Gradients the user's code put on ``.grad`` without a backward (``p.grad = g``: per-sample
+        gradients from ``torch.func``, ``torch.autograd.grad``'s results, an estimate of its own)
+        are taken in as if autograd had accumulated them, where the engine holds gradients apart
+        from ``.grad`` (offloaded units, fp32 sums of 16-bit ones). Call with no gradient exposed.
+        Under data parallelism they are left alone: DDP reduces no gradient set by hand either."""
+        if self.exchange is not None:
+            return
+        for s in self.states:
+            for i, p in enumerate(s.unit.params):
+                if p.grad is None or not p.requires_grad:
+                    continue
+                if s.home == GPU:
+                    if s.master_dtypes[i] != p.dtype:
+                        self._on_persistent_grad(p)
+                    continue
+                home = s.grads[i].home
+                if home is None or p.grad.data_ptr() != home.data_ptr():  # at home already: accumulated there in place
+                    self._on_grad(p)
 
     def take_recomputed(self) -> set[int]:
         """The units recomputed in backward since the last call."""
@@ -790,10 +853,12 @@ class TieredEngine:
 
     def stand_in_readers(self) -> dict[int, Callable[[], torch.Tensor]]:
         """NVMe units' placeholders -> functions reading their true values (sharded checkpoints)."""
+        self.forwards.settle()
         return self.lending.stand_in_readers()
 
     def materialized(self, writeback: bool = False) -> contextlib.AbstractContextManager:
         """Every parameter holds its true value in a real tensor for the duration (checkpoints)."""
+        self.forwards.settle()
         return self.lending.materialized(writeback)
 
     def close(

@@ -223,17 +223,24 @@ class GradientPath:
 
     def expose(self, s: UnitState, i: int, p: torch.Tensor, copy: bool = True) -> Optional[torch.Tensor]:
         """A parameter's gradient so far, on ``p.grad`` for user code between backward and the
-        step (None where it cannot be: none yet, on NVMe, another device). A gradient accumulated
-        in place at home is there already. A 16-bit parameter's gradient accumulated in fp32 for
-        its master is shown (``copy``) as a copy in the parameter's dtype, as plain training has
-        it; what user code writes to the copy is taken back (:meth:`take_back_exposed`)."""
+        step (None where it cannot be: none yet, on NVMe). A gradient accumulated in place at home
+        is there already; one at home in pinned host memory while the parameter is on the GPU is
+        shown as a view of it from the GPU (writes cross the link). A 16-bit parameter's gradient
+        accumulated in fp32 for its master is shown (``copy``) as a copy in the parameter's dtype,
+        as plain training has it, where it is on the parameter's device (on the GPU such copies
+        would take memory the plan does not hold); what user code writes to the copy is taken back
+        (:meth:`take_back_exposed`)."""
         held = self._held(s, i, p)
         if held is None or not p.requires_grad:
             return None
         if p.grad is not None:
             return held if p.grad.data_ptr() == held.data_ptr() else None
-        if held.device != p.device or (held.dtype != p.dtype and not copy):
+        if held.dtype != p.dtype and (not copy or held.device != p.device):
             return None
+        if held.device != p.device:
+            if not can_view(held, p.device):
+                return None
+            held = device_view(held, p.device)
         p.grad = held if held.dtype == p.dtype else held.to(p.dtype)
         return p.grad
 
@@ -258,6 +265,8 @@ class GradientPath:
         if current is None or held is None:
             self.drop(s, i, p)
             return False
+        if exposed.device != held.device and s.home != GPU:
+            s.grads[i].event = self.ctx.device.compute_done()  # GPU kernels wrote home through the view: the update waits for them
         if current.data_ptr() != exposed.data_ptr():
             if current.shape != held.shape:
                 raise ValueError(
