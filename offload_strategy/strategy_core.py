@@ -687,6 +687,13 @@ class TieredCore:
             gpu_bytes = planner.gpu_given if engine is not None else self.budgets.gpu if self.budgets is not None else None
             assert gpu_bytes is not None  # the engine's placement, or the budget the first placement had
             self._replace_engine(recipe, gpu_bytes=gpu_bytes, may_fit=engine is None)
+        engine = self.engine
+        if stepped and engine is not None and {id(o) for o in self.lightning.optimizers} != set(engine.unit_optimizers):
+            # a callback gave the trainer other optimizers (``trainer.optimizers = [...]``): their
+            # states may take another size, and the old ones' units must not step again
+            rank_zero_info("tiered: the trainer's optimizers were replaced; placing the model again with the new ones' states")
+            assert planner.gpu_given is not None  # the engine's placement
+            self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
 

@@ -1486,3 +1486,21 @@ def test_clip_gradients_under_manual_optimization_clips_as_the_automatic_step_do
     losses, weights, _ = fit(tiered(placement, tmp_path, **COPIED_HOME), tmp_path / "auto", Net, steps=4, precision="bf16-true", gradient_clip_val=0.05)
     assert manual_losses == losses
     assert_same_weights(weights, manual)
+
+
+class SwitchToSgd(L.Callback):
+    """Gives the trainer another optimizer after the second step, as a schedule moving from Adam to
+    SGD does (``trainer.optimizers = [...]``)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2 and isinstance(trainer.optimizers[0], torch.optim.AdamW):
+            trainer.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.05, momentum=0.9)]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_optimizers_replaced_by_a_callback_step_the_model_from_then_on(tmp_path, placement):
+    """The first backward after the switch updated the offloaded units with the old optimizer
+    (the only one the engine knew then), silently; on NVMe the new states did not fit the files
+    and buffers laid out for the old ones' and the step stopped. The model is now placed again
+    with the new optimizers."""
+    assert_like_plain(tmp_path, placement, Net, callbacks=lambda: (SwitchToSgd(),))
