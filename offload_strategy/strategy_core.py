@@ -768,9 +768,12 @@ class TieredCore:
         self._profiled = True
         try:
             with _torch_func_explained(), engine.saved_tensor_hooks():
-                return run()
+                result = run()
         finally:
             self.take_back_exposed()  # manual optimization's backward without a step leaves them to the next
+        if recipe is None and not self.context.module.automatic_optimization:
+            engine.end_manual_training_step()
+        return result
 
     def _clips_norm_first(self, recipe: Rules) -> bool:
         """This step's clipping by norm is the engine's (gradients may wait on NVMe, or units were

@@ -1504,3 +1504,48 @@ def test_optimizers_replaced_by_a_callback_step_the_model_from_then_on(tmp_path,
     and buffers laid out for the old ones' and the step stopped. The model is now placed again
     with the new optimizers."""
     assert_like_plain(tmp_path, placement, Net, callbacks=lambda: (SwitchToSgd(),))
+
+
+class OptimizerInBackward(Net):
+    """The optimizer step fused into backward, as PyTorch's tutorial and GaLore's layer-wise
+    updates do it: an AdamW per parameter stepped by a post-accumulate-grad hook, no optimizer
+    for Lightning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return None
+
+    def on_fit_start(self) -> None:
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in self.parameters()}
+
+        def step(p: torch.Tensor) -> None:
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        for p in self.parameters():
+            p.register_post_accumulate_grad_hook(step)
+
+    def training_step(self, batch, batch_idx):
+        self.last_loss = self.loss(batch)
+        self.manual_backward(self.last_loss)
+
+
+class GradientStatistics(Net):
+    """Automatic optimization with a post-accumulate-grad hook recording each gradient's norm."""
+
+    def on_fit_start(self) -> None:
+        self.norms: list[float] = []
+        for p in self.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: self.norms.append(float(p.grad.norm())))
+
+
+@pytest.mark.parametrize("make", [OptimizerInBackward, GradientStatistics])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_users_post_accumulate_grad_hooks_see_the_gradients(tmp_path, placement, make):
+    """The engine's hook, registered first, moved each gradient home and left ``p.grad`` None
+    before the user's hooks ran: their steps stepped nothing, their statistics failed."""
+    plain, model = assert_like_plain(tmp_path, placement, make, policy=COPIED_HOME, max_epochs=1, limit_train_batches=6)
+    assert getattr(model, "norms", None) == getattr(plain, "norms", None)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..hardware.device import Device
 from ..memory.nvme import NvmeStore
@@ -142,7 +143,8 @@ class TieredEngine:
         self.states = states
         # the parameters whose gradients and optimizer states the placement planned room for
         self._planned_trainable = {id(p) for u in units for p in u.trainable}
-        self._grad_hooked: set[int] = set()  # id(param) of every parameter whose gradients the engine receives
+        # id(param) -> the engine's hook receiving its gradients (None: a persistent parameter's go nowhere apart)
+        self._grad_hooks: dict[int, Optional[RemovableHandle]] = {}
         self._hooks: list[Any] = []
         self._watched: list[tuple[nn.Module, dict]] = []
         self._closed = False
@@ -341,11 +343,17 @@ class TieredEngine:
         self._hooks.extend(self.forwards.install(m for m in self.model.modules() if any(id(p) in placed for p in m.parameters())))
 
     def _hook_gradient(self, s: UnitState, i: int, p: torch.Tensor) -> None:
-        if s.home != GPU:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        elif self.gradients.needs_persistent_hook(s, i):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_persistent_grad))
-        self._grad_hooked.add(id(p))
+        on_grad = self._on_grad if s.home != GPU else self._on_persistent_grad if self.gradients.needs_persistent_hook(s, i) else None
+        self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(on_grad) if on_grad is not None else None
+
+    def _keep_gradient_hook_last(self, s: UnitState, i: int, p: torch.Tensor) -> None:
+        """User code's own post-accumulate hooks on a parameter (an optimizer step fused into
+        backward, GaLore's layer-wise updates, gradient statistics) see ``p.grad`` as plain training
+        has it: the engine's hook, which moves the gradient home, runs after them."""
+        handle, hooks = self._grad_hooks.get(id(p)), p._post_accumulate_grad_hooks
+        if handle is not None and hooks and next(reversed(hooks)) != handle.id:
+            handle.remove()
+            self._hook_gradient(s, i, p)
 
     def _register_optimizer(self, facade: torch.optim.Optimizer) -> UnitOptimizers:
         unit_optimizers = self.updater.build(facade)
@@ -371,9 +379,11 @@ class TieredEngine:
         optimizer's newly added or unfrozen parameters join their unit's inner optimizer."""
         for s in self.states:
             for i, p in enumerate(s.unit.params):
-                if p.requires_grad and id(p) not in self._grad_hooked:
+                if p.requires_grad and id(p) not in self._grad_hooks:
                     self.gradients.start(s, i, p)
                     self._hook_gradient(s, i, p)
+                elif p.requires_grad:
+                    self._keep_gradient_hook_last(s, i, p)
         updater = self.updater
         for unit_optimizers in updater.optimizers.values():
             for p in unit_optimizers.missing():
@@ -707,6 +717,14 @@ class TieredEngine:
             self.cache.drop_host_copy(s)  # updated from its file: a copy kept in a staging buffer is stale
         updater.update_loose(unit_optimizers)
 
+    def end_manual_training_step(self) -> None:
+        """Manual optimization's training step returned. What it fetched since its last optimizer
+        step (forwards after that step, micro-batches it accumulates, updates its own hooks made
+        in backward) goes home, as after an optimizer step; gradients stay where they wait."""
+        if self.ctx.step.active:
+            self.ctx.step.active = False
+            self.cache.evict_all()
+
     def end_eval_step(self) -> None:
         """An evaluation step ended: as after a training step, every parameter points at its home,
         so that what callbacks read and write between steps (an EMA swapping weights in and out
@@ -905,6 +923,10 @@ class TieredEngine:
             raise errors[0]
 
     def _remove_hooks(self) -> None:
+        for grad_hook in self._grad_hooks.values():
+            if grad_hook is not None:
+                grad_hook.remove()
+        self._grad_hooks.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
