@@ -4,6 +4,7 @@ refusal at set-up that names the recipe and what to do."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -1549,3 +1550,55 @@ def test_the_users_post_accumulate_grad_hooks_see_the_gradients(tmp_path, placem
     before the user's hooks ran: their steps stepped nothing, their statistics failed."""
     plain, model = assert_like_plain(tmp_path, placement, make, policy=COPIED_HOME, max_epochs=1, limit_train_batches=6)
     assert getattr(model, "norms", None) == getattr(plain, "norms", None)
+
+
+class ResetsAdam(Net):
+    """Resets the optimizer's states before the fourth step, as warm restarts and pruning
+    schedules do: ``state.clear()``, a new ``state`` mapping, or one parameter's entry replaced
+    and another's deleted."""
+
+    how = "clear"
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx != 3:
+            return
+        optimizer = self.trainer.optimizers[0]
+        if self.how == "clear":
+            optimizer.state.clear()
+        elif self.how == "new mapping":
+            optimizer.state = collections.defaultdict(dict)
+        else:
+            optimizer.state[self.blocks[1].weight] = {}
+            del optimizer.state[self.head.weight]
+
+
+@pytest.mark.parametrize("how", ["clear", "new mapping", "some entries"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_optimizer_states_reset_by_user_code(tmp_path, placement, how):
+    """A new mapping was ignored (the units kept their states); on NVMe a cleared state stopped
+    the next update (the unit's file layout still named the removed states)."""
+    make = type("Resets", (ResetsAdam,), {"how": how})
+    assert_like_plain(tmp_path, placement, make)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_optimizer_states_are_live_after_resuming(tmp_path, placement):
+    """Loading the optimizer's state dict (a resume) left its ``state`` an empty mapping: a
+    callback found no moments there, and what it wrote reached no update."""
+
+    def trainer(strategy: Any, root: Path, steps: int, callbacks: list) -> L.Trainer:
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=root, callbacks=callbacks)
+
+    def resumed(strategy: Any, resume: Any, root: Path) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+        L.seed_everything(7, verbose=False)
+        trainer(strategy, root, 3, [ModelCheckpoint(dirpath=root / "ckpt", save_last=True)]).fit(Net(), datamodule=tiny_data())
+        L.seed_everything(7, verbose=False)
+        model, losses, states = Net(), Losses(), OptimizerStates()
+        trainer(resume, root, 7, [losses, states]).fit(model, datamodule=tiny_data(), ckpt_path=str(root / "ckpt" / "last.ckpt"))
+        return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}, states.norms
+
+    plain = resumed("auto", "auto", tmp_path / "plain")
+    ours = resumed(tiered(placement, tmp_path / "a"), tiered(placement, tmp_path / "b"), tmp_path / "tiered")
+    assert ours[0] == plain[0] and ours[2] == plain[2] and len(ours[2]) == 4
+    assert_same_weights(plain[1], ours[1])

@@ -364,13 +364,19 @@ class TieredEngine:
             unit_optimizers.after_slot_load = updater.adopt_states
             unit_optimizers.set_master = updater.set_master
             unit_optimizers.lend_states = self.lending.lend_states
+            nvme_states = self.nvme_states
+            unit_optimizers.states_replaced = lambda unit_index, master: nvme_states.drop_entries(
+                unit_index, unit_optimizers.slots[unit_index].inner if unit_index in unit_optimizers.slots else None, master,
+            )
         return unit_optimizers
 
     def _ensure_unit_optimizers(self, optimizer: torch.optim.Optimizer) -> UnitOptimizers:
         if id(optimizer) not in self.updater.optimizers:
             self._register_optimizer(optimizer)
         self.sync_trainable()
-        return self.updater.optimizers[id(optimizer)]
+        unit_optimizers = self.updater.optimizers[id(optimizer)]
+        unit_optimizers.adopt_replaced_state()
+        return unit_optimizers
 
     @torch.no_grad()
     def sync_trainable(self) -> None:
@@ -579,6 +585,8 @@ class TieredEngine:
             s.recompute_pinned = False
         if train:
             self.sync_trainable()
+            for unit_optimizers in self.updater.optimizers.values():
+                unit_optimizers.adopt_replaced_state()  # before backward's updates use the states
         if profile:
             self.ctx.table.start_recording()
         else:

@@ -193,6 +193,20 @@ class NvmeOptimizerStates:
         if self.learn(optimizer, unit, params, masters):
             self.save(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
 
+    def drop_entries(self, unit: int, optimizer: Optional[torch.optim.Optimizer], param: torch.Tensor) -> None:
+        """User code removed or replaced ``param``'s states in ``optimizer`` (``optimizer.state.clear()``,
+        a fresh dict): the file no longer holds them, and the unit's next update lays its states
+        out again with what the optimizer then holds. An fp32 master kept with them stays."""
+        layout = self.layouts.get(unit)
+        if layout is None or optimizer is None:
+            return
+        keep = [k for k, e in enumerate(layout) if e.key is None or e.optimizer is not optimizer or e.param is not param]
+        if not keep:
+            self.forget(unit)
+        elif len(keep) < len(layout):
+            self.layouts[unit] = [layout[k] for k in keep]
+            self.placeholders[unit] = [self.placeholders[unit][k] for k in keep]
+
     def forget(self, unit: int) -> None:
         """The unit has no states on NVMe (any file it had is stale)."""
         for table in (self.layouts, self.sizes, self.placeholders):

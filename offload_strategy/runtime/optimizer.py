@@ -271,7 +271,24 @@ class UnitOptimizers:
 
     # -- state dict in the facade's standard format --------------------------------------------------
 
+    def adopt_replaced_state(self) -> None:
+        """User code gave the facade a ``state`` mapping of its own (``optimizer.state =
+        defaultdict(dict)``, which resets Adam's moments): the unit optimizers take what it holds,
+        nothing for the parameters it lacks, and the facade shows their live states again."""
+        replaced = self.facade.state
+        if replaced is self.live:
+            return
+        self.facade.state = self.live  # type: ignore[assignment]
+        for slot in self.all_slots():
+            for p, master in zip(slot.params, slot.masters):
+                if p in replaced:
+                    self.live[p] = replaced[p]
+                elif master in slot.inner.state:
+                    del slot.inner.state[master]
+                    self.states_replaced(slot.unit_index, master)
+
     def state_dict(self, materialize: Callable[[], contextlib.AbstractContextManager]) -> dict[str, Any]:
+        self.adopt_replaced_state()
         with materialize():
             state: dict[int, dict[str, Any]] = {}
             for index, p in enumerate(self.order):
@@ -303,8 +320,10 @@ class UnitOptimizers:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.facade.param_groups):
             raise ValueError(f"the state dict has {len(groups)} param groups, the optimizer {len(self.facade.param_groups)}.")
-        # hyperparameters (lr, initial_lr, ...) go to the facade, as torch does
+        # hyperparameters (lr, initial_lr, ...) go to the facade, as torch does; its ``state`` stays
+        # the live view (torch's load gives it a new mapping, which would read as a reset)
         torch.optim.Optimizer.load_state_dict(self.facade, {"state": {}, "param_groups": groups})
+        self.facade.state = self.live  # type: ignore[assignment]
         saved = state_dict["state"]  # read per parameter: a sharded checkpoint's is read from disk on access
         saved_key = {int(k): k for k in saved}
         index_of = {id(p): i for i, p in enumerate(self.order)}
@@ -345,7 +364,8 @@ class UnitOptimizers:
         self._materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # what reading a unit's states needs first (the engine lends an NVMe unit's states)
         self.lend_states: Callable[[int], None] = lambda unit_index: None
-        self.facade.state = LiveState(self)  # type: ignore[assignment]
+        self.live = LiveState(self)
+        self.facade.state = self.live  # type: ignore[assignment]
         units = self
 
         def state_dict(facade: torch.optim.Optimizer) -> dict[str, Any]:
@@ -365,6 +385,9 @@ class UnitOptimizers:
         self.facade.zero_grad = types.MethodType(zero_grad, self.facade)  # type: ignore[method-assign]
         # each unit's loaded states, before the next unit's are read (the engine offloads NVMe units')
         self.after_slot_load: Callable[[UnitSlot], None] = lambda slot: None
+        # user code removed or replaced a master's states (``optimizer.state.clear()``): where they
+        # were kept apart (an NVMe unit's file), that place no longer holds them
+        self.states_replaced: Callable[[int, torch.Tensor], None] = lambda unit_index, master: None
         # where a loaded fp32 master goes: into the master's memory (an NVMe unit's master has
         # none between updates, so the engine binds it to the value until it offloads it)
         self.set_master: Callable[[torch.Tensor, torch.Tensor], None] = lambda master, value: master.copy_(value)
@@ -420,10 +443,12 @@ class LiveState(MutableMapping):
         state, master, unit_index = self._locate(p)
         self.units.lend_states(unit_index)
         state[master] = value
+        self.units.states_replaced(unit_index, master)
 
     def __delitem__(self, p: Any) -> None:
-        state, master, _ = self._locate(p)
+        state, master, unit_index = self._locate(p)
         del state[master]
+        self.units.states_replaced(unit_index, master)
 
     def __iter__(self) -> Iterator[Any]:
         for slot in self.units.all_slots():
