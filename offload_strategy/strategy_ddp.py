@@ -210,6 +210,10 @@ class TieredDDPStrategy(DDPStrategy):
         self.tiered.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
 
     @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self.tiered.load_optimizer_state_dict(checkpoint, super().load_optimizer_state_dict)
+
+    @override
     def teardown(self) -> None:
         self.tiered.teardown()
         super().teardown()
