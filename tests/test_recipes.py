@@ -1288,14 +1288,21 @@ def test_without_prefetch_the_gpu_tier_needs_no_buffer_for_the_next_unit(tmp_pat
 COPIED_HOME = {"gradient_reserve": 1.0}  # offloaded gradients produced in the GPU tier and copied home, as on a GPU
 
 
-class ClipsItsOwnGradients(Net):
+class Manual(Net):
+    """The recipe model under manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class ClipsItsOwnGradients(Manual):
     """Manual optimization as GAN and RL code writes it: the gradients' norm logged after
     ``manual_backward``, then clipped by norm with Lightning's ``clip_gradients`` and by value
     with torch's ``clip_grad_value_`` over ``self.parameters()``, then the step."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.automatic_optimization = False
         self.norms: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -1319,13 +1326,9 @@ def test_manual_optimization_reads_and_clips_the_gradients_after_manual_backward
     assert model.norms == plain.norms
 
 
-class GradientsByHand(Net):
+class GradientsByHand(Manual):
     """Manual optimization with gradients that no backward accumulates: ``torch.autograd.grad``'s
     results put on ``.grad`` by hand (as per-sample-gradient and estimator code does), then the step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -1364,10 +1367,8 @@ def test_checkpointed_blocks_recompute_with_the_weights_functional_call_gave_the
     assert_like_plain(tmp_path, "host", Maml, policy={"activations": "checkpoint"}, steps=3)
 
 
-class PerSampleWithTorchFunc(Net):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
+class PerSampleWithTorchFunc(Manual):
+    """Per-sample gradients as torch.func's tutorial takes them, inside the training step."""
 
     def training_step(self, batch, batch_idx):
         params = {name: p.detach() for name, p in self.named_parameters()}
@@ -1464,10 +1465,8 @@ def test_functional_call_given_views_of_streamed_copies_is_refused(tmp_path):
         fit(streamed("nvme", tmp_path), tmp_path, DetachedForFunctionalCall, steps=1)
 
 
-class ClipsWithLightning(Net):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
+class ClipsWithLightning(Manual):
+    """Lightning's ``clip_gradients`` called by the training step between backward and the step."""
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -1507,14 +1506,10 @@ def test_optimizers_replaced_by_a_callback_step_the_model_from_then_on(tmp_path,
     assert_like_plain(tmp_path, placement, Net, callbacks=lambda: (SwitchToSgd(),))
 
 
-class OptimizerInBackward(Net):
+class OptimizerInBackward(Manual):
     """The optimizer step fused into backward, as PyTorch's tutorial and GaLore's layer-wise
     updates do it: an AdamW per parameter stepped by a post-accumulate-grad hook, no optimizer
     for Lightning."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     def configure_optimizers(self):
         return None
