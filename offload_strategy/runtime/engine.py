@@ -452,6 +452,9 @@ class TieredEngine:
         s = self._streamed.get(id(p))
         if s is None:
             return
+        if torch._C._functorch.peek_interpreter_stack() is None:  # every attribute read of a streamed parameter: kept cheap
+            self._read(s)
+            return
         with outside_transforms():
             self._read(s)
 
