@@ -10,7 +10,8 @@ is the core's: when no layout fits beside them, ``choose_layout`` names the byte
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
@@ -34,8 +35,9 @@ def _unchanged(t: Any) -> Any:
 class ActivationControl:
     """See the module docstring."""
 
-    def __init__(self, context: TieredContext) -> None:
+    def __init__(self, context: TieredContext, largest_on_every_rank: Callable[[int], int] = lambda n: n) -> None:
         self.context = context
+        self._largest_on_every_rank = largest_on_every_rank  # under data parallelism, one batch size decides every rank's layout
         self.policies_in_use: Optional[ActivationPolicies] = None  # made at set-up
         self.swap_store: Optional[NvmeStore] = None
         self._swap_device: Optional[Device] = None
@@ -44,6 +46,10 @@ class ActivationControl:
         self.costs: list[BlockCost] = []  # ... from these block costs
         self.plan_links: Optional[Links] = None  # ... and these links
         self.saved_bytes = 0  # kept for backward by the last forward, without an engine
+        self.planned_input_bytes = 0  # the first block's input the layout in place was planned for
+        self.grown_costs: Optional[list[BlockCost]] = None  # a batch outgrew every layout beside the parameters as placed
+        self._growth_hook: Optional[Any] = None
+        self._in_training_step = False
 
     def start(self, module: torch.nn.Module, setting: Union[str, Sequence[str]]) -> None:
         self.policies_in_use = ActivationPolicies(module, setting, self.context.policy.block_class)
@@ -143,6 +149,7 @@ class ActivationControl:
         self.plan_links = self.links()
         activations.apply(plan.layout)
         self.attach_swap_if_needed()
+        self._watch_growth()
         counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
         # the search's prediction covers the parameters' traffic too: one prediction per plan
         priced = "searched with the placement above" if plan is self.searched else f"predicted {plan.seconds * 1e3:.1f} ms per step"
@@ -197,8 +204,77 @@ class ActivationControl:
                          engine.home_region.untyped_storage().data_ptr()}
         activations.param_storages.clear()
         activations.param_storages.update(storages)
+        self._in_training_step = True
         if activations.swap is not None:
             activations.swap.begin_forward()
+
+    def end_training_step(self) -> None:
+        self._in_training_step = False
+
+    # -- batches larger than the layout was planned for --------------------------------------------------
+
+    def _watch_growth(self) -> None:
+        """Once a layout is in place, the first block's training forwards are watched: a batch
+        whose blocks take larger inputs than the ones the layout was planned for (a longer
+        sequence under dynamic padding, a larger batch than the profiled ones) is laid out again
+        before any other block saves anything, rather than overflowing the GPU tier mid-run."""
+        self._unwatch_growth()
+        activations = self.policies_in_use
+        if activations is None or not activations.blocks or not self.costs:
+            return
+        self.planned_input_bytes = max(c.input_bytes for c in self.costs)
+        self._growth_hook = activations.blocks[0].register_forward_pre_hook(self._check_growth, with_kwargs=True)
+
+    def _unwatch_growth(self) -> None:
+        if self._growth_hook is not None:
+            self._growth_hook.remove()
+            self._growth_hook = None
+
+    def _check_growth(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if not self._in_training_step or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            return  # evaluation, or the recomputation of a checkpointed block in backward
+        size = self._largest_on_every_rank(sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a)))
+        if self.planned_input_bytes > 0 and size > self.planned_input_bytes:
+            self._lay_out_for(size)
+
+    def _lay_out_for(self, input_bytes: int) -> None:
+        """The layout for a batch whose first block takes ``input_bytes``: the measured blocks'
+        costs scaled by the growth of their inputs (activations grow in proportion to batch size
+        times sequence length), in what the parameters as placed leave of the GPU tier. When no
+        layout fits there, this step runs the one with the least peak that fits beside the
+        parameters' smallest share, and the parameters are placed again before the next
+        (``grown_costs``); when none fits even there, the run stops with the minimum."""
+        activations, planner = self.policies_in_use, self.context.planner
+        assert activations is not None and planner is not None and activations.planner is not None
+        growth = input_bytes / self.planned_input_bytes
+        costs = [replace(c, activation_bytes=round(c.activation_bytes * growth), input_bytes=round(c.input_bytes * growth),
+                         forward_seconds=c.forward_seconds * growth) for c in self.costs]
+        links, host = self.links(), self.host_left()
+        try:
+            plan = planner.layout_beside(costs, links, activations.planner, self.gpu_parameter_bytes(), host)
+            then = ""
+        except ValueError:
+            measured = f"scaled from the measured blocks to a batch whose blocks' inputs are {growth:.2f}x theirs"
+            planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured)
+            plan = planner.layout_beside(costs, links, activations.planner, planner.smallest_parameter_share(activations.policies), host)
+            self.grown_costs = costs
+            then = (f"; no layout fits beside the parameters' {format_bytes(self.gpu_parameter_bytes())} of the GPU tier, so this "
+                    f"step may exceed it, and the parameters are placed again before the next")
+        self.costs, self.plan, self.searched, self.planned_input_bytes = costs, plan, None, input_bytes
+        activations.apply(plan.layout)
+        if activations.swaps and activations.swap is None:
+            self._attach_swap()
+            assert activations.swap is not None
+            activations.swap.begin_forward()
+        rank_zero_info(
+            f"tiered: a batch whose blocks take {growth:.2f}x the inputs the activation layout was planned for: laid out again as "
+            f"{' '.join(BlockPolicy(p).letter for p in plan.layout)}, peak {format_bytes(plan.peak_bytes)} of activations "
+            f"in the GPU tier{then}."
+        )
+
+    def take_grown_costs(self) -> Optional[list[BlockCost]]:
+        costs, self.grown_costs = self.grown_costs, None
+        return costs
 
     @contextlib.contextmanager
     def counting_saved(self) -> Iterator[None]:
@@ -280,6 +356,7 @@ class ActivationControl:
 
     def close(self) -> None:
         """Block policies off and the swap detached."""
+        self._unwatch_growth()
         self._detach_swap()
         if self.policies_in_use is not None:
             self.policies_in_use.remove()

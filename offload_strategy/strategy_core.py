@@ -33,6 +33,7 @@ from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictTy
 from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
+from .planning.activations import BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
@@ -120,6 +121,9 @@ class Ranks(Protocol):
     def same_on_every_rank(self, choice: Any) -> Any:
         """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
 
+    def largest_on_every_rank(self, value: int) -> int:
+        """The largest of every rank's ``value`` (each rank's batch may differ)."""
+
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
 
@@ -154,6 +158,9 @@ class OneProcess:
     def same_on_every_rank(self, choice: Any) -> Any:
         return choice
 
+    def largest_on_every_rank(self, value: int) -> int:
+        return value
+
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         return None
 
@@ -181,7 +188,7 @@ class TieredCore:
         self.options = options
         self.ranks = ranks
         self.context = TieredContext(options, lightning, hardware=options.hardware if isinstance(options.hardware, HardwareSpec) else None)
-        self.activations = ActivationControl(self.context)
+        self.activations = ActivationControl(self.context, ranks.largest_on_every_rank)
         self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
         self._plan: Optional[PlanFile] = None
         self._optimizer_stepped = False
@@ -562,19 +569,22 @@ class TieredCore:
         if resident is not None:  # beside the layout searched with it, not the profiling step's
             self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None)
 
-    def _plan_activations(self, recipe: Rules) -> None:
+    def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
         policy and it is put in place. When no layout fits beside the parameters' share of the GPU
         tier, the parameters are placed again in the share the planner names (the optimizer states
-        move through their standard state dicts, exactly) and the layout is chosen for what remains."""
-        activations = self.activations
-        costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
+        move through their standard state dicts, exactly) and the layout is chosen for what remains.
+        ``costs``: the blocks' costs scaled to a larger batch than the profiled ones."""
+        activations, grown = self.activations, costs is not None
+        if costs is None:
+            costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
         parameter_bytes = activations.choose_layout(costs)
         if parameter_bytes is not None:
             budgets = self.context.budgets
             assert budgets is not None
+            measured = "of the largest batch so far" if grown else "measured in the first training steps"
             rank_zero_info(
-                f"tiered: the activations measured in the first training steps do not fit beside the parameters' current share of "
+                f"tiered: the activations {measured} do not fit beside the parameters' current share of "
                 f"gpu_memory={format_bytes(budgets.gpu)}: the parameters are placed again in {format_bytes(parameter_bytes)} of it, "
                 f"the rest is the activations'."
             )
@@ -680,6 +690,9 @@ class TieredCore:
             self._search_placement(recipe)
         if self.activations.profiled and warm:
             self._plan_activations(recipe)
+        grown = self.activations.take_grown_costs()
+        if grown is not None:  # a batch outgrew every layout beside the parameters as placed
+            self._plan_activations(recipe, grown)
         engine = self.engine
         # without an engine gradients wait in plain tensors until the step: placed only after it
         if self._trainable_grew() and (stepped or (engine is not None and not self._profiled)):
@@ -752,6 +765,12 @@ class TieredCore:
         self._plan_between_steps(rules)
         self.prediction.step_begins()
         self.activations.begin_block_forward()
+        try:
+            return self._run_training_step(run, rules, manual=recipe is None and not self.context.module.automatic_optimization)
+        finally:
+            self.activations.end_training_step()
+
+    def _run_training_step(self, run: Callable[[], Any], rules: Rules, manual: bool) -> Any:
         engine = self.engine
         if engine is None:
             with _torch_func_explained(), self.activations.counting_saved():
@@ -771,7 +790,7 @@ class TieredCore:
                 result = run()
         finally:
             self.take_back_exposed()  # manual optimization's backward without a step leaves them to the next
-        if recipe is None and not self.context.module.automatic_optimization:
+        if manual:
             engine.end_manual_training_step()
         return result
 

@@ -341,6 +341,13 @@ class DataParallelRanks:
     def same_on_every_rank(self, choice: Any) -> Any:
         return self.strategy.broadcast(choice, src=0)
 
+    def largest_on_every_rank(self, value: int) -> int:
+        if self.strategy.world_size == 1 or not dist.is_initialized():
+            return value
+        largest = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.process_groups()[2])
+        return int(largest.item())
+
     def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Under sharded states each rank's optimizers hold its own units' states only, and a new
         placement may give a unit another owner, or replicate it in the GPU tier on every rank:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -49,14 +49,18 @@ class Stack(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(strategy: Any, root: Path, batch: int, steps: int = 4) -> Stack:
+def fit(strategy: Any, root: Path, batch: int, steps: int = 4, sizes: Optional[list[int]] = None, callbacks: tuple = ()) -> Stack:
+    """``sizes``: one batch size per step instead (``batch`` and ``steps`` then unused)."""
     L.seed_everything(3, verbose=False)
     model = Stack()
     model.losses = []
-    data = DataLoader(TensorDataset(torch.randn(batch * steps, 64), torch.randn(batch * steps, 1)), batch_size=batch)
+    sizes = sizes or [batch] * steps
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    samples = TensorDataset(torch.randn(sum(sizes), 64), torch.randn(sum(sizes), 1))
+    data = DataLoader(samples, batch_sampler=[list(range(a, a + n)) for a, n in zip(starts, sizes)])
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=len(sizes), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, callbacks=list(callbacks),
     )
     trainer.fit(model, data)
     return model
@@ -128,3 +132,65 @@ def test_a_run_told_everything_fits_hears_why_the_units_move_when_the_activation
     assert said[0].startswith("tiered: everything fits") and "unless the activations the first training step measures" in said[0]
     assert said[1].startswith("tiered: the activations measured in the first training steps do not fit"), said
     assert re.search(r"placed again in [\d.]+ (KiB|MiB) of it", said[1]) and "host" in said[2]
+
+
+class HeldInTheGpuTier(L.Callback):
+    """Each step's batch, the activations its forward kept in the GPU tier, and the parameters' share of it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        tiered = trainer.strategy.tiered
+        saved = int(trainer.strategy.metrics()["activations/saved_bytes"])
+        self.steps.append((len(batch[0]), saved, tiered.activations.gpu_parameter_bytes()))
+
+
+def test_a_batch_larger_than_the_profiled_ones_is_laid_out_again_before_its_blocks_save(tmp_path, caplog):
+    """Dynamic padding, or a larger batch later: the first steps (batch 16) are profiled and the
+    blocks laid out for them (two keep, beside 390 KiB of parameters), then batches of 24 and 64
+    come. The layout planned for 16 kept 312 KiB of activations at 64, beside the parameters' 390
+    in a 512 KiB tier (on a GPU, out of memory mid-run). Now the first block's input shows the
+    growth before any block saves: 24 is laid out again beside the parameters as placed; no layout
+    fits beside them at 64, so that one step runs the least-peak layout and the parameters are
+    placed again before the next, after which every step fits."""
+    sizes = [16] * 5 + [24, 64, 64, 16]
+    plain = fit("auto", tmp_path / "plain", 0, sizes=sizes)
+    held = HeldInTheGpuTier()
+    tiered = fit(TieredStrategy(gpu_memory=GPU_TIER, host_memory="256MiB"), tmp_path / "tiered", 0, sizes=sizes, callbacks=(held,))
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered: a batch whose blocks take")]
+    assert [re.search(r"take ([\d.]+)x", m).group(1) for m in said] == ["1.50", "2.67"], said
+    assert "no layout fits beside the parameters" not in said[0] and "placed again before the next" in said[1]
+    assert [batch for batch, _, _ in held.steps] == sizes
+    # from the first step under a planned layout (the profiling steps' own placement is not this test's)
+    over = [k for k, (_, saved, parameters) in enumerate(held.steps) if k >= 3 and saved + parameters > GPU_TIER]
+    assert over in ([], [6]), held.steps  # the first batch of 64 ran beside the parameters as placed for 24
+    batch, saved, parameters = held.steps[7]
+    assert saved + parameters <= GPU_TIER and parameters < held.steps[6][2], held.steps
+
+
+def test_a_batch_no_layout_fits_stops_before_its_blocks_run_with_what_fits(tmp_path):
+    """Batch 16 profiled, then 1,000: no layout fits even beside the parameters' smallest share.
+    The run stops as that step's first block is called, before it runs, with the minimum, as the
+    first step's refusal does."""
+    seen: list[Stack] = []
+
+    class Watched(Stack):
+        def __init__(self) -> None:
+            super().__init__()
+            seen.append(self)
+
+    with pytest.raises(ValueError, match=r"no layout .* scaled from the measured blocks to a batch whose blocks' inputs are 62.50x theirs") as refused:
+        L.seed_everything(3, verbose=False)
+        Watched.losses = []
+        sizes = [16] * 5 + [1000]
+        samples = TensorDataset(torch.randn(sum(sizes), 64), torch.randn(sum(sizes), 1))
+        data = DataLoader(samples, batch_sampler=[list(range(16 * k, 16 * k + n)) for k, n in enumerate(sizes)])
+        L.Trainer(
+            strategy=TieredStrategy(gpu_memory=GPU_TIER, host_memory="256MiB"), accelerator="cpu", devices=1, max_steps=len(sizes),
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        ).fit(Watched(), data)
+    assert seen[0].blocks[0].forwards == len(sizes) - 1, "a block ran the batch that fits no layout"
+    assert re.search(r"gpu_memory must be at least [\d.]+ (KiB|MiB)", str(refused.value))
