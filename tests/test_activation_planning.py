@@ -123,3 +123,33 @@ def test_teraio_offloads_the_fewest_blocks_that_bring_every_kernel_under_capacit
     # TeraIO never recomputes: below what offloading alone reaches, it says so
     with pytest.raises(ValueError, match="TeraIO's offloads leave"):
         teraio_layout(costs, Links(d2h=1e6, h2d=1e6), gpu_bytes=1500, host_bytes=10**6)
+
+
+def test_the_searches_one_pass_pricing_gives_the_three_functions_numbers_to_the_bit():
+    """The layout searches price each layout in one pass over the blocks (``_Pricer``): the swaps
+    split, the peak and the step seconds equal ``split_swaps``, ``peak_bytes`` and
+    ``step_seconds`` exactly, over random blocks, links and host room; a layout whose swaps need
+    NVMe with no link to it is dropped, as the search drops it."""
+    import random
+
+    from offload_strategy.planning.activations import _Pricer
+
+    rng = random.Random(1)
+    dropped = 0
+    for _ in range(600):
+        n = rng.randint(1, 12)
+        costs = [BlockCost(rng.randint(0, 1000), rng.randint(0, 300), rng.random()) for _ in range(n)]
+        links = Links(h2d=rng.choice([0.0, 10.0, 1e3]), d2h=rng.choice([0.0, 10.0, 1e3]), nvme_read=rng.choice([0.0, 5.0]),
+                      nvme_write=rng.choice([0.0, 5.0]), parameter_forward_seconds=rng.random(), parameter_backward_seconds=rng.random(),
+                      gradient_backward_seconds=rng.random(), nvme_forward_seconds=rng.random(), nvme_backward_seconds=rng.random())
+        host = rng.choice([0, 500, 3000, 10**9])
+        n_swap = rng.randint(0, n)
+        interleaved = interleaved_layout(n, n_swap, rng.randint(0, n - n_swap))
+        split = split_swaps(costs, interleaved, host)
+        priced = _Pricer(costs, links, host)(interleaved)
+        if N in split and links.nvme_write <= 0:
+            assert priced is None
+            dropped += 1
+            continue
+        assert priced == (split, peak_bytes(costs, split), step_seconds(costs, split, links))
+    assert dropped > 0

@@ -62,6 +62,23 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory):
+    """Plain DDP runs that several tests compare with, each run once: ``plain_ddp(*options)``
+    gives its directory and each rank's report (options are flag-value pairs, in any order)."""
+    done: dict[tuple, tuple[Path, dict[int, dict]]] = {}
+
+    def run(*options: str) -> tuple[Path, dict[int, dict]]:
+        assert len(options) % 2 == 0, options
+        key = tuple(sorted(zip(options[::2], options[1::2])))
+        if key not in done:
+            out = tmp_path_factory.mktemp("plain_ddp")
+            done[key] = (out, launch(out, "--strategy", "ddp", *options))
+        return done[key]
+
+    return run
+
+
 def test_two_ranks_match_ddp_with_parameters_and_states_on_host_and_nvme(runs):
     plain_dir, plain = runs["ddp"]
     tiered_dir, tiered = runs["tiered_ddp"]
@@ -211,14 +228,14 @@ def test_parameters_unused_on_some_ranks_match_ddp_finding_unused_parameters(tmp
 
 
 @pytest.mark.parametrize("clipping", [(), ("--clip-norm", "0.05")], ids=["plain", "clipping_by_norm"])
-def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path, clipping):
+def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path, plain_ddp, clipping):
     """Every backward reduces each unit's gradients to its owner: a rank holds the gradients of the
     units it does not own in a few buffers until sent, not a home each. In 3.8x the parameters'
     bytes of host memory per rank (a gradient home each would need 4.04x on rank 1), eight blocks
     train as DDP trains them, bit for bit, and no rank makes a buffer beyond the four planned.
     Under clipping by norm too: each owner takes its units' gradients' norms and the ranks
     exchange them, so that no rank needs every reduced gradient."""
-    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--layers", "8", "--epochs", "2", *clipping)
+    plain_dir, plain = plain_ddp("--layers", "8", "--epochs", "2", *clipping)
     tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--layers", "8", "--epochs", "2", "--host-factor", "3.8", *clipping)
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
@@ -226,27 +243,27 @@ def test_other_ranks_units_keep_gradients_only_until_sent_and_match_ddp(tmp_path
         assert metrics["units/host"] > 0 and metrics["units/nvme"] == 0, metrics
         assert metrics["gradients/buffers_most_held"] > 0 and metrics["gradients/buffers_beyond_plan_total"] == 0, metrics
         assert metrics["tier/host_peak_bytes"] <= metrics["budget/host_bytes"], metrics  # what the rank held kept to its budget
-    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
-    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+    assert_same_weights(load(plain_dir / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(plain_dir / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
 
 
 @pytest.mark.parametrize("setting", [("--host-factor", "3.0"), ("--host-factor", "4.2", "--no-shard")], ids=["sharded", "replicated_states"])
-def test_owned_units_gradients_too_live_only_until_their_update(tmp_path, setting):
+def test_owned_units_gradients_too_live_only_until_their_update(tmp_path, plain_ddp, setting):
     """With one optimizer, no accumulation and nothing that reads every gradient first, each
     owner updates its units as their reductions come in, so its own units' gradients need a
     buffer only until then, as the others' need one until sent: eight blocks train in 3.0x the
     parameters' bytes of host memory per rank (a gradient home for each own unit needed 1.56 MiB,
     1.27 granted), bit-identically to DDP, within the budget and the four buffers planned. With
     every rank keeping every state, each updates every unit once its all-reduce is in (4.2x)."""
-    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--layers", "8", "--epochs", "2")
+    plain_dir, plain = plain_ddp("--layers", "8", "--epochs", "2")
     tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--layers", "8", "--epochs", "2", *setting)
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
         metrics = tiered[rank]["metrics"]
         assert metrics["units/host"] > 0 and metrics["gradients/buffers_beyond_plan_total"] == 0, metrics
         assert metrics["tier/host_peak_bytes"] <= metrics["budget/host_bytes"], metrics
-    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
-    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+    assert_same_weights(load(plain_dir / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(plain_dir / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
 
 
 def test_each_rank_keeps_the_fp32_masters_of_its_own_units_only(tmp_path):
@@ -301,7 +318,7 @@ def _shared_files() -> set[str]:
     [("--layers", "8", "--host-factor", "2.5"), ("--host-factor", "2.2", "--nvme", "NVME"), ("--layers", "8", "--host-factor", "3.0", "--clip-norm", "0.05")],
     ids=["host_only", "host_and_nvme", "clipping_by_norm"],
 )
-def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, setting):
+def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, plain_ddp, setting):
     """``share_host_homes``: the two ranks map one copy of the host units' parameters, each owner
     writes its updates there and nothing is broadcast for them. Eight blocks train in 2.5x the
     parameters' bytes of host memory per rank, which a copy each cannot (1.24 MiB needed, 1.06
@@ -312,7 +329,7 @@ def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, setting):
     before = _shared_files()
     args = [str(tmp_path / "nvme") if a == "NVME" else a for a in setting]
     model_and_recipe = [a for k, a in enumerate(setting) if a in ("--layers", "--clip-norm") or setting[k - 1] in ("--layers", "--clip-norm")]
-    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", *model_and_recipe)
+    plain_dir, plain = plain_ddp("--epochs", "2", *model_and_recipe)
     tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--share-homes", *args)
     assert not _shared_files() - before
     ranks = [tiered[rank]["metrics"] for rank in (0, 1)]
@@ -321,8 +338,8 @@ def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, setting):
         assert metrics["tier/host_shared_bytes"] > 0 and metrics["tier/host_peak_bytes"] <= metrics["budget/host_bytes"], metrics
     assert ranks[0]["units/host"] == ranks[1]["units/host"] > 0 and ranks[0]["tier/host_shared_bytes"] == ranks[1]["tier/host_shared_bytes"]
     assert (ranks[0]["units/nvme"] > 0) == ("NVME" in setting)
-    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
-    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+    assert_same_weights(load(plain_dir / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(plain_dir / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
@@ -338,18 +355,18 @@ def test_sharing_host_homes_changes_no_result_under_bf16_true(tmp_path):
 
 
 @pytest.mark.parametrize("clipping", [(), ("--clip-norm", "0.05")], ids=["plain", "clipping_by_norm"])
-def test_persistent_units_are_all_reduced_and_updated_on_every_rank(tmp_path, clipping):
+def test_persistent_units_are_all_reduced_and_updated_on_every_rank(tmp_path, plain_ddp, clipping):
     """Persistent units are not sharded (ProTrain §3.1.1): every rank all-reduces their gradients,
     keeps their optimizer states and updates them, so none is sent after the step. With a GPU tier
     of 1.5x the parameters' bytes, 13 of 27 units stay there with the same optimizer states on both
     ranks, and training is bit-identical to DDP; under clipping by norm every rank takes the
     persistent gradients' norms itself and exchanges only its own offloaded units'."""
-    plain = launch(tmp_path / "ddp", "--strategy", "ddp", "--epochs", "2", *clipping)
+    plain_dir, plain = plain_ddp("--epochs", "2", *clipping)
     tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--gpu-factor", "1.5", *clipping)
     ranks = [tiered[rank]["metrics"] for rank in (0, 1)]
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
     assert ranks[0]["units/gpu"] == ranks[1]["units/gpu"] > 0 and ranks[0]["units/host"] > 0
     assert ranks[0]["optimizer/gpu_state_bytes"] == ranks[1]["optimizer/gpu_state_bytes"] > 0
-    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
-    assert_same_optimizer_states(load(tmp_path / "ddp" / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+    assert_same_weights(load(plain_dir / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+    assert_same_optimizer_states(load(plain_dir / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])

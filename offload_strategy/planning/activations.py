@@ -167,12 +167,62 @@ def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int):
     search would grow with their cube."""
     n = len(costs)
     stride = -(-n // LAYOUT_COUNTS)  # 1 up to LAYOUT_COUNTS blocks
+    pricer = _Pricer(costs, links, host_bytes)
     for n_swap in _counts(n, stride):
         for n_checkpoint in _counts(n - n_swap, stride):
-            layout = split_swaps(costs, interleaved_layout(n, n_swap, n_checkpoint), host_bytes)
-            if SWAP_NVME in layout and links.nvme_write <= 0:
-                continue
-            yield layout, peak_bytes(costs, layout), step_seconds(costs, layout, links), n_swap + n_checkpoint
+            priced = pricer(interleaved_layout(n, n_swap, n_checkpoint))
+            if priced is not None:
+                yield (*priced, n_swap + n_checkpoint)
+
+
+class _Pricer:
+    """:func:`split_swaps`, :func:`peak_bytes` and :func:`step_seconds` of one layout in a single
+    pass over the blocks, with the same sums in the same order (so the same numbers to the bit):
+    the searches price thousands of layouts of deep models."""
+
+    def __init__(self, costs: Sequence[BlockCost], links: Links, host_bytes: int) -> None:
+        self.activation = [c.activation_bytes for c in costs]
+        self.input = [c.input_bytes for c in costs]
+        self.seconds = [c.forward_seconds for c in costs]
+        self.forward = sum(self.seconds)
+        self.links, self.host_bytes = links, host_bytes
+
+    def __call__(self, interleaved: Sequence[str]) -> tuple[list[str], int, float] | None:
+        """(layout with its swaps split, peak bytes, step seconds); None where swaps would need NVMe and there is no link to it."""
+        layout: list[str] = []
+        recompute: float = 0  # int 0 first, as sum() starts: the same float to the bit
+        host_used, in_flight, swapped, on_nvme, to_nvme = 0, 0, 0, 0, False
+        below, swapped_below, moments = 0, 0, 0  # held below block j; the nearest swapped block below; backward's worst moment
+        for a, i, f, choice in zip(self.activation, self.input, self.seconds, interleaved):
+            if choice in (SWAP_HOST, SWAP_NVME):
+                fits = host_used + a <= self.host_bytes
+                host_used += a if fits else 0
+                choice = SWAP_HOST if fits else SWAP_NVME
+                moments = max(moments, below + a + swapped_below)
+                swapped_below, in_flight, swapped = a, max(in_flight, a), swapped + a
+                on_nvme, to_nvme = on_nvme + (0 if fits else a), to_nvme or not fits
+            else:
+                moments = max(moments, below + a)
+                held = a if choice == KEEP else i
+                below += held
+                recompute += f if choice == CHECKPOINT else 0
+            layout.append(choice)
+        if to_nvme and self.links.nvme_write <= 0:
+            return None
+        # the end of forward (everything held, the last swap in flight), or a moment of backward
+        return layout, max(below + in_flight, moments), self._seconds(recompute, swapped, on_nvme)
+
+    def _seconds(self, recompute: float, swapped: int, on_nvme: int) -> float:
+        links, forward = self.links, self.forward
+        t_forward = max(
+            forward, move_seconds(swapped, links.d2h), links.parameter_forward_seconds,
+            links.nvme_forward_seconds + move_seconds(on_nvme, links.nvme_write),
+        )
+        t_backward = max(
+            2 * forward + recompute, links.gradient_backward_seconds, links.parameter_backward_seconds + move_seconds(swapped, links.h2d),
+            links.nvme_backward_seconds + move_seconds(on_nvme, links.nvme_read),
+        )
+        return t_forward + t_backward
 
 
 def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
