@@ -241,8 +241,8 @@ class ActivationControl:
         """The layout for a batch whose first block takes ``input_bytes``: the measured blocks'
         costs scaled by the growth of their inputs (activations grow in proportion to batch size
         times sequence length), in what the parameters as placed leave of the GPU tier. When no
-        layout fits there, this step runs the one with the least peak that fits beside the
-        parameters' smallest share, and the parameters are placed again before the next
+        layout fits there, this step runs the one with the least peak, and the parameters are
+        placed again before the next
         (``grown_costs``); when none fits even there, the run stops with the minimum."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
@@ -256,7 +256,10 @@ class ActivationControl:
         except ValueError:
             measured = f"scaled from the measured blocks to a batch whose blocks' inputs are {growth:.2f}x theirs"
             planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured)
-            plan = planner.layout_beside(costs, links, activations.planner, planner.smallest_parameter_share(activations.policies), host)
+            # the least peak any layout reaches: this step overruns the GPU tier by as little as it can
+            least, budgets = planner.least_activation_peak(costs, activations.planner), self.context.budgets
+            assert budgets is not None
+            plan = planner.layout_beside(costs, links, activations.planner, max(budgets.gpu - least, 0), host)
             self.grown_costs = costs
             then = (f"; no layout fits beside the parameters' {format_bytes(self.gpu_parameter_bytes())} of the GPU tier, so this "
                     f"step may exceed it, and the parameters are placed again before the next")
