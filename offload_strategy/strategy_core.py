@@ -37,7 +37,7 @@ from .planning.activations import BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
+from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
 from .planning.sharding import Sharding
@@ -411,9 +411,40 @@ class TieredCore:
             rank_zero_info(self._everything_fits(placement, gpu_bytes, recipe))
             self._fitted_trainable = {id(p) for p in model.parameters() if p.requires_grad}
             return None
+        placement = self._profiling_placement(placement, recipe, together, gpu_bytes)
         _refuse_compiled_modules(model)
         _refuse_sparse_gradients(model, units, placement)
         return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters, recipe)
+
+    def _profiling_placement(self, placement: Placement, recipe: Rules, together: list[list[int]], gpu_bytes: int) -> Placement:
+        """Until the first steps have measured the blocks' activations, the parameters stream
+        through the fewest buffers their modules need, and the activations have the rest of the
+        GPU tier: ProTrain §3.2 profiles under the most memory-saving configuration. The first-use
+        placement would fill the tier with buffers and resident units, and the profiled steps'
+        activations, measured beside them, would overrun it (on a GPU, out of memory in the first
+        step). The search after those steps places the parameters for what they measured."""
+        planner = self.planner
+        assert planner is not None
+        planner.profiling_placement = False
+        if not (recipe.training and placement.offloaded and planner.searching and planner.phase is PlanPhase.INITIAL
+                and self.activations.measuring and self.activations.blocks):
+            return placement
+        if any(not size.trainable_bytes for size in planner.units.sizes):
+            # a unit with nothing to train, recomputed in a checkpointed block, stays in the GPU tier
+            # until the step ends (no gradient says its block's backward is done): the fewest buffers
+            # would not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
+            return placement
+        smallest = minimum_gpu_bytes(planner.units.sizes, together, self.policy.prefetch)
+        if smallest >= placement.gpu_bytes:
+            return placement
+        try:
+            frugal = planner.place(planner.units, smallest, together, activations_auto=True)
+        except PlacementError:  # host memory may need some units resident: the first-use placement, then
+            planner.place(planner.units, gpu_bytes, together, activations_auto=True)
+            return placement
+        planner.profiling_placement = True
+        planner.gpu_given = gpu_bytes  # what the parameters may take once the activations are known
+        return frugal
 
     def _everything_fits(self, placement: Placement, gpu_bytes: int, recipe: Rules) -> str:
         said = (
@@ -479,6 +510,10 @@ class TieredCore:
         layout = " ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks"
         if self.activations.measuring:
             layout += f" (the profiling layout; the blocks' own is chosen from what the first {WARM_UP_STEPS + TIMED_STEPS} training steps measure)"
+        planner = self.planner
+        if planner is not None and planner.profiling_placement:
+            units += (f", through the fewest streaming buffers ({format_bytes(engine.placement.gpu_bytes)} of gpu_memory="
+                      f"{format_bytes(planner.budgets.gpu)}) while those steps measure the activations")
         return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
                 f"activations per block: {layout}")
 
@@ -567,7 +602,8 @@ class TieredCore:
         self.prediction.planned(plan.seconds, "placement search")
         resident = planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
         if resident is not None:  # beside the layout searched with it, not the profiling step's
-            self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None)
+            self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None,
+                                 may_fit=planner.profiling_placement)
 
     def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
@@ -592,6 +628,10 @@ class TieredCore:
             activations.choose_layout_beside(costs)
         activations.apply_layout()
         assert activations.plan is not None
+        if self.planner is not None and self.planner.profiling_placement and self.engine is not None:
+            # no search replaced the profiling placement: the parameters take what the layout leaves
+            assert self.context.budgets is not None
+            self._replace_engine(recipe, gpu_bytes=self.context.budgets.gpu - activations.plan.peak_bytes, may_fit=True)
         if activations.plan is not activations.searched:  # the search priced its layout with the parameters' traffic
             self.prediction.planned(activations.plan.seconds, "activation layout")
 

@@ -194,3 +194,20 @@ def test_a_batch_no_layout_fits_stops_before_its_blocks_run_with_what_fits(tmp_p
         ).fit(Watched(), data)
     assert seen[0].blocks[0].forwards == len(sizes) - 1, "a block ran the batch that fits no layout"
     assert re.search(r"gpu_memory must be at least [\d.]+ (KiB|MiB)", str(refused.value))
+
+
+def test_the_profiled_steps_stream_the_parameters_so_their_activations_fit_beside(tmp_path):
+    """The first-use placement filled 731 KiB of the 768 KiB tier with buffers and a resident
+    unit, and the profiled steps' activations (the first block kept, the others' inputs: 279 KiB
+    at batch 64) came on top: 1.3x the tier (on a GPU, out of memory in the first step). Until
+    the activations are measured the parameters now stream through the fewest buffers, and every
+    step, the profiled ones included, holds parameters and activations within the tier; the
+    search then places them for what was measured (more of the tier than while profiling)."""
+    budget = 768 * 1024
+    plain = fit("auto", tmp_path / "plain", batch=64, steps=6)
+    held = HeldInTheGpuTier()
+    tiered = fit(TieredStrategy(gpu_memory=budget, host_memory="256MiB"), tmp_path / "tiered", batch=64, steps=6, callbacks=(held,))
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+    assert all(saved + parameters <= budget for _, saved, parameters in held.steps), held.steps
+    assert held.steps[-1][2] > held.steps[0][2], held.steps  # placed for what the profiled steps measured

@@ -114,6 +114,9 @@ class Planner:
         self.gpu_given: Optional[int] = None  # GPU tier the last placement could use ...
         self.gpu_placed: Optional[int] = None  # ... and what it used for parameters, gradients and states
         self.search_result: Optional[AutoPlan] = None
+        # the placement in use streams every unit through the fewest buffers while the first steps
+        # measure the activations (the strategy's choice): the search's plan replaces it, whatever it keeps
+        self.profiling_placement = False
 
     @property
     def searching(self) -> bool:
@@ -252,7 +255,7 @@ class Planner:
         with them leaves of the GPU tier; None when the placement in use already is that."""
         chosen = frozenset(order[:count])
         gpu_bytes = self.budgets.gpu - (plan.activations.peak_bytes if plan.activations is not None else 0)
-        if count >= len(order) or (chosen == current and (self.gpu_placed or 0) <= gpu_bytes):
+        if not self.profiling_placement and (count >= len(order) or (chosen == current and (self.gpu_placed or 0) <= gpu_bytes)):
             return None  # all resident: the first placement had that choice
         self.resident = Resident(chosen, gpu_bytes)
         return self.resident
