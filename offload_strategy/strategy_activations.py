@@ -298,6 +298,7 @@ class ActivationControl:
         assert activations is not None
         outer = (engine.pack_saved, engine.unpack_saved) if engine is not None else (self._count_saved, _unchanged)
         activations.outer = outer
+        activations.recompute_holds = engine.recompute_holds if engine is not None else None
         if activations.swap is not None:
             activations.swap.outer = outer
 

@@ -4,6 +4,8 @@ losses and every weight bit for bit (fp32, CPU). The results are tabled in docs/
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +230,24 @@ def test_peft_lora_on_a_frozen_base(tmp_path, placement):
     plain, model = assert_like_plain(tmp_path, placement, LoRA, steps=3)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
+
+
+def test_peft_lora_with_checkpointed_blocks_trains_at_the_minimum_set_up_names(tmp_path):
+    """A checkpointed block's recomputation fetches the frozen base's units, and the recomputed
+    graph reads their weights until the block's backward is done; no gradient of theirs says when,
+    so they stayed in the GPU tier until the step ended. At the minimum set-up names (one block's
+    units and a prefetch buffer) the second block's recomputation found every buffer held, and
+    backward stopped. They now leave once the gradients of their block's inputs are computed."""
+    pytest.importorskip("peft")
+    policy = {"placement": "host", "activations": "checkpoint"}
+    with pytest.raises(ValueError, match=r"raise gpu_memory to at least") as refused:
+        fit(TieredStrategy(gpu_memory="8KiB", host_memory="1GiB", policy=policy), tmp_path / "small", LoRA, steps=1)
+    number, unit = re.search(r"raise gpu_memory to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
+    least = int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit]))
+    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", LoRA, steps=3)
+    losses, weights, _ = fit(TieredStrategy(gpu_memory=least, host_memory="1GiB", policy=policy), tmp_path / "tiered", LoRA, steps=3)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
 
 
 class LoggedLoss(Net):

@@ -4,7 +4,8 @@ The blocks are the repeated layers of a model: the longest ``ModuleList`` / ``Se
 children are all of one class (a transformer's layers), or the modules of a class the user names.
 A checkpointed block runs under non-reentrant ``torch.utils.checkpoint``: it saves its inputs only
 and recomputes the rest in backward, with the RNG state of the first run (dropout matches). The
-engine keeps a recomputed block's parameter units resident until their gradients are in.
+engine keeps a recomputed block's parameter units resident until their gradients are in (units
+with nothing to train until the gradients of the block's inputs are: ``recompute.py``).
 
 A swap block (``swap_host``, ``swap_nvme``) runs its forward under the saved-tensor hooks of an
 :class:`~offload_strategy.runtime.activation_swap.ActivationSwap`, which the strategy attaches once
@@ -24,6 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -31,6 +33,7 @@ from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES, ActivationPlanner, Blo
 from ..planning.activations import BlockCost
 from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
+from .recompute import RecomputeHolds
 
 KEEP, CHECKPOINT = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT
 POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
@@ -93,6 +96,7 @@ class ActivationPolicies:
         self.auto = isinstance(policy, str) and policy in PLANNERS and bool(self.blocks)
         self.planner: Optional[str] = policy if self.auto and isinstance(policy, str) else None  # which search lays the blocks out
         self.swap: Optional[ActivationSwap] = None  # attached by the strategy when some block swaps
+        self.recompute_holds: Optional[RecomputeHolds] = None  # the engine's, when there is one
         self.param_storages: set[int] = set()  # storages parameters live in this step: never swapped, never counted
         # the saved-tensor hooks that block hooks stand in for (the engine's), or None
         self.outer: Optional[tuple[Any, Any]] = None
@@ -116,7 +120,7 @@ class ActivationPolicies:
         self.policies = policies
         for index, (block, choice) in enumerate(zip(self.blocks, self.policies)):
             if choice == CHECKPOINT:
-                block.forward = WrappedForward(_checkpointed, block.forward)  # type: ignore[method-assign]
+                block.forward = WrappedForward(functools.partial(_checkpointed, self), block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
             elif choice in (SWAP_HOST, SWAP_NVME):
                 block.forward = WrappedForward(functools.partial(self._swapped, index, choice), block.forward)  # type: ignore[method-assign]
@@ -292,19 +296,25 @@ class WrappedForward:
         return self.forward.__reduce_ex__(protocol)
 
 
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)  # evaluation: nothing to save or recompute
     block = getattr(forward, "__self__", None)
     if not isinstance(block, nn.Module):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     tensors = _module_tensors(block)
+    holds, group = policies.recompute_holds, []  # the frozen units its recomputation fetches
 
     def recompute_as_run(*args: Any, **kwargs: Any) -> Any:
-        with _tensors_as(tensors):
+        with _tensors_as(tensors), holds.recomputing(group) if holds is not None else contextlib.nullcontext():
             return forward(*args, **kwargs)
 
-    return checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
+    out = checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if holds is not None and inputs:
+        # every input's gradient computed: nothing of the block's backward is left to read its units
+        torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: holds.release(group), mode="all")
+    return out
 
 
 ModuleTensors = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]

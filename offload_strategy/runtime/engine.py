@@ -54,6 +54,7 @@ from .metrics import RequestStats
 from .nvme_states import NvmeOptimizerStates
 from .offloaded import mark_present, offloaded_class
 from .optimizer import LOOSE, UnitOptimizers
+from .recompute import RecomputeHolds
 from .scheduler import PrefetchTable
 from .state import UnitState, nan_placeholder
 from .shared_homes import map_shared_homes
@@ -155,6 +156,7 @@ class TieredEngine:
         # units whose modules ran again in a backward (a checkpoint's recomputation, this runtime's
         # or the model's own), gathered until the strategy takes them (``take_recomputed``)
         self.recomputed_units: set[int] = set()
+        self.recompute_holds = RecomputeHolds(self.states)
         self.memory: Optional[TierMemory] = None
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
@@ -422,6 +424,7 @@ class TieredEngine:
                     cache.hold(i)
                 if recomputing and torch.is_grad_enabled():
                     states[i].recompute_pinned = True  # a forward that backward recomputes
+                    self.recompute_holds.fetched(states[i])
                     recomputed.add(i)
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -469,6 +472,7 @@ class TieredEngine:
             # first forward only): held like every unit of a recomputed block
             self.cache.request(s.unit.index)
             s.recompute_pinned = True
+            self.recompute_holds.fetched(s)
             self.recomputed_units.add(s.unit.index)
             return
         self.cache.touch(s.unit.index)
@@ -586,6 +590,7 @@ class TieredEngine:
             s.grads_arrived = 0
             s.used_in_backward = False
             s.recompute_pinned = False
+        self.recompute_holds.reset()
         if train:
             self.sync_trainable()
             for unit_optimizers in self.updater.optimizers.values():
@@ -758,6 +763,7 @@ class TieredEngine:
             s.used_in_backward = False
             s.updated = False
             s.recompute_pinned = False
+        self.recompute_holds.reset()
         if optimizer is not None:
             self.gradients.forget(self._ensure_unit_optimizers(optimizer))
         else:
