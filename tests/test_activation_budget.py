@@ -66,6 +66,18 @@ def fit(strategy: Any, root: Path, batch: int, steps: int = 4, sizes: Optional[l
     return model
 
 
+def watched() -> tuple[type[Stack], list[Stack]]:
+    """A Stack class that keeps its instances (the run's model: its blocks count their forwards)."""
+    seen: list[Stack] = []
+
+    class Watched(Stack):
+        def __init__(self) -> None:
+            super().__init__()
+            seen.append(self)
+
+    return Watched, seen
+
+
 def assert_trains_like_plain(tmp_path: Path, gpu_memory: int, batch: int) -> None:
     plain = fit("auto", tmp_path / "plain", batch)
     tiered = fit(TieredStrategy(gpu_memory=gpu_memory, host_memory="256MiB"), tmp_path / "tiered", batch)
@@ -85,13 +97,7 @@ def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_bat
     """Every block saves what the first one did: once it has run forward, no layout of the eight
     fits 512 KiB beside the parameters' 195 KiB at batch 100. The refusal comes there, before the
     second block's forward, and the batch share it names trains, as does the gpu_memory it names."""
-    seen: list[Stack] = []
-
-    class Watched(Stack):
-        def __init__(self) -> None:
-            super().__init__()
-            seen.append(self)
-
+    Watched, seen = watched()
     with pytest.raises(ValueError, match=r"no layout .* measured in the first block's forward") as refused:
         L.seed_everything(3, verbose=False)
         Watched.losses = []
@@ -175,13 +181,7 @@ def test_a_batch_no_layout_fits_stops_before_its_blocks_run_with_what_fits(tmp_p
     """Batch 16 profiled, then 1,000: no layout fits even beside the parameters' smallest share.
     The run stops as that step's first block is called, before it runs, with the minimum, as the
     first step's refusal does."""
-    seen: list[Stack] = []
-
-    class Watched(Stack):
-        def __init__(self) -> None:
-            super().__init__()
-            seen.append(self)
-
+    Watched, seen = watched()
     with pytest.raises(ValueError, match=r"no layout .* scaled from the measured blocks to a batch whose blocks' inputs are 62.50x theirs") as refused:
         L.seed_everything(3, verbose=False)
         Watched.losses = []

@@ -140,7 +140,11 @@ def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links
     recompute = sum(c.forward_seconds for c, p in zip(costs, layout) if p == CHECKPOINT)
     swapped = sum(c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME))
     on_nvme = sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_NVME)
+    return _passes_seconds(links, forward, recompute, swapped, on_nvme)
 
+
+def _passes_seconds(links: Links, forward: float, recompute: float, swapped: int, on_nvme: int) -> float:
+    """Forward and backward, each as long as its busiest resource."""
     t_forward = max(
         forward, move_seconds(swapped, links.d2h), links.parameter_forward_seconds,
         links.nvme_forward_seconds + move_seconds(on_nvme, links.nvme_write),
@@ -210,19 +214,7 @@ class _Pricer:
         if to_nvme and self.links.nvme_write <= 0:
             return None
         # the end of forward (everything held, the last swap in flight), or a moment of backward
-        return layout, max(below + in_flight, moments), self._seconds(recompute, swapped, on_nvme)
-
-    def _seconds(self, recompute: float, swapped: int, on_nvme: int) -> float:
-        links, forward = self.links, self.forward
-        t_forward = max(
-            forward, move_seconds(swapped, links.d2h), links.parameter_forward_seconds,
-            links.nvme_forward_seconds + move_seconds(on_nvme, links.nvme_write),
-        )
-        t_backward = max(
-            2 * forward + recompute, links.gradient_backward_seconds, links.parameter_backward_seconds + move_seconds(swapped, links.h2d),
-            links.nvme_backward_seconds + move_seconds(on_nvme, links.nvme_read),
-        )
-        return t_forward + t_backward
+        return layout, max(below + in_flight, moments), _passes_seconds(self.links, self.forward, recompute, swapped, on_nvme)
 
 
 def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
