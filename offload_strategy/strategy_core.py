@@ -430,9 +430,10 @@ class TieredCore:
                 and self.activations.measuring and self.activations.blocks):
             return placement
         if any(not size.trainable_bytes for size in planner.units.sizes):
-            # a unit with nothing to train, recomputed in a checkpointed block, stays in the GPU tier
-            # until the step ends (no gradient says its block's backward is done): the fewest buffers
-            # would not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
+            # a unit with nothing to train that the model's own checkpointing recomputes stays in the
+            # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
+            # a model's own checkpointing may show itself only in its first backward: the fewest
+            # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
             return placement
         smallest = minimum_gpu_bytes(planner.units.sizes, together, self.policy.prefetch)
         if smallest >= placement.gpu_bytes:

@@ -310,10 +310,10 @@ def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwar
             return forward(*args, **kwargs)
 
     out = checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if holds is not None and inputs:
-        # every input's gradient computed: nothing of the block's backward is left to read its units
-        torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: holds.release(group), mode="all")
+    if holds is not None:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:  # every input's gradient computed: nothing of the block's backward is left to read its units
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: holds.release(group), mode="all")
     return out
 
 
