@@ -75,14 +75,16 @@ def parse_size(value: Union[int, float, str], name: str = "size") -> int:
     return result
 
 
-def format_bytes(n: Optional[float]) -> str:
-    """Human-readable binary size, e.g. ``1.50 GiB``; ``n/a`` for None."""
+def format_bytes(n: Optional[float], at_least: bool = False) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``; ``n/a`` for None. ``at_least``: rounded up,
+    so that a minimum a message names is enough when given back as it reads."""
     if n is None:
         return "n/a"
     for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+            value = math.ceil(n / scale * 100) / 100 if at_least else n / scale
+            return f"{value:.2f} {unit}"
+    return f"{math.ceil(n) if at_least else int(n)} B"
 
 
 @dataclass(frozen=True)

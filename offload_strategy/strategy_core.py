@@ -587,6 +587,7 @@ class TieredCore:
                 direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
                 blocks=activations.block_costs() if joint else (), links=activations.links() if joint else None,
                 activation_host_bytes=activations.host_left(),
+                outside_bytes=self._outside_bytes() if joint else 0,
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
@@ -606,16 +607,22 @@ class TieredCore:
             self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None,
                                  may_fit=planner.profiling_placement)
 
-    def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None) -> None:
+    def _outside_bytes(self) -> int:
+        """The most activations a profiled forward kept outside the blocks, on any rank."""
+        return self.ranks.largest_on_every_rank(self.activations.measured_outside_bytes)
+
+    def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, outside_bytes: int = 0) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
         policy and it is put in place. When no layout fits beside the parameters' share of the GPU
         tier, the parameters are placed again in the share the planner names (the optimizer states
         move through their standard state dicts, exactly) and the layout is chosen for what remains.
-        ``costs``: the blocks' costs scaled to a larger batch than the profiled ones."""
+        ``costs``, ``outside_bytes``: the blocks' costs and the activations outside them scaled to a
+        larger batch than the profiled ones."""
         activations, grown = self.activations, costs is not None
         if costs is None:
             costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
-        parameter_bytes = activations.choose_layout(costs)
+            outside_bytes = self._outside_bytes()
+        parameter_bytes = activations.choose_layout(costs, outside_bytes)
         if parameter_bytes is not None:
             budgets = self.context.budgets
             assert budgets is not None
@@ -733,7 +740,7 @@ class TieredCore:
             self._plan_activations(recipe)
         grown = self.activations.take_grown_costs()
         if grown is not None:  # a batch outgrew every layout beside the parameters as placed
-            self._plan_activations(recipe, grown)
+            self._plan_activations(recipe, *grown)
         engine = self.engine
         # without an engine gradients wait in plain tensors until the step: placed only after it
         if self._trainable_grew() and (stepped or (engine is not None and not self._profiled)):
@@ -860,6 +867,7 @@ class TieredCore:
     def pre_backward(self, hooks_after: bool = False) -> None:
         """``hooks_after``: code runs right after this backward (``on_after_backward``, from the
         precision plugin's ``post_backward``) and sees the gradients there."""
+        self.activations.note_forward_saved()
         self.activations.refuse_unfitting()
         self.take_back_exposed()  # autograd adds to what the user left there
         if self.engine is not None:

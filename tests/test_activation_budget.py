@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from offload_strategy import TieredStrategy
 from tests.helpers import assert_same_weights
 
-GPU_TIER = 512 * 1024  # beside 195 KiB of streaming buffers: activations of batches up to 79 fit
+GPU_TIER = 512 * 1024  # beside 195 KiB of streaming buffers: activations of batches up to 114 fit (126 without the head's input)
 
 
 class Block(nn.Module):
@@ -41,18 +41,23 @@ class Stack(L.LightningModule):
         x, y = batch
         for block in self.blocks:
             x = block(x)
-        loss = nn.functional.mse_loss(self.head(x), y)
+        loss = self.loss(self.head(x), y)
         self.losses.append(loss.item())
         return loss
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(strategy: Any, root: Path, batch: int, steps: int = 4, sizes: Optional[list[int]] = None, callbacks: tuple = ()) -> Stack:
+def fit(
+    strategy: Any, root: Path, batch: int, steps: int = 4, sizes: Optional[list[int]] = None, callbacks: tuple = (), make: type = Stack,
+) -> Stack:
     """``sizes``: one batch size per step instead (``batch`` and ``steps`` then unused)."""
     L.seed_everything(3, verbose=False)
-    model = Stack()
+    model = make()
     model.losses = []
     sizes = sizes or [batch] * steps
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
@@ -86,34 +91,56 @@ def assert_trains_like_plain(tmp_path: Path, gpu_memory: int, batch: int) -> Non
 
 
 def test_the_searched_layout_is_placed_beside_parameters_placed_for_it(tmp_path):
-    """At batch 76 the joint search chose every block swapped but the last, beside streaming
-    buffers for one module at a time. The parameters were placed again for the profiling layout
+    """At the largest batch that fits (114), the joint search chooses every block swapped but the
+    last, beside streaming buffers for one module at a time. The parameters were placed again for the profiling layout
     (every block but the first recomputed, so a block's two units together): 195 KiB, where the
     search had left them 170 KiB, and the run stopped between its second and third steps."""
-    assert_trains_like_plain(tmp_path, GPU_TIER, batch=76)
+    assert_trains_like_plain(tmp_path, GPU_TIER, batch=114)
 
 
-def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_batch_that_fits(tmp_path):
-    """Every block saves what the first one did: once it has run forward, no layout of the eight
-    fits 512 KiB beside the parameters' 195 KiB at batch 100. The refusal comes there, before the
-    second block's forward, and the batch share it names trains, as does the gpu_memory it names."""
+def refused_at(tmp_path: Path, batch: int) -> tuple[str, list[int]]:
+    """The refusal's message at ``batch``, and how many forwards each block had run by then."""
     Watched, seen = watched()
-    with pytest.raises(ValueError, match=r"no layout .* measured in the first block's forward") as refused:
+    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits") as refused:
         L.seed_everything(3, verbose=False)
         Watched.losses = []
-        data = DataLoader(TensorDataset(torch.randn(400, 64), torch.randn(400, 1)), batch_size=100)
+        data = DataLoader(TensorDataset(torch.randn(4 * batch, 64), torch.randn(4 * batch, 1)), batch_size=batch)
         L.Trainer(
             strategy=TieredStrategy(gpu_memory=GPU_TIER, host_memory="256MiB"), accelerator="cpu", devices=1, max_steps=2,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
         ).fit(Watched(), data)
-    assert [block.forwards for block in seen[0].blocks][:2] == [1, 0], "the second block ran before the refusal"
-    message = str(refused.value)
-    share = float(re.search(r"at most ([\d.]+)% of this step's", message).group(1))
-    assert share == 79.2  # 512 KiB less 195 KiB of buffers (324,608 bytes) over the smallest peak, 409,600 bytes
-    assert_trains_like_plain(tmp_path / "batch", GPU_TIER, batch=math.floor(100 * share / 100))
-    number, unit = re.search(r"gpu_memory must be at least ([\d.]+) (KiB|MiB)", message).groups()
-    assert_trains_like_plain(tmp_path / "gpu", int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])), batch=100)
+    return str(refused.value), [block.forwards for block in seen[0].blocks]
 
+
+def named_share(message: str) -> float:
+    return float(re.search(r"at most ([\d.]+)% of this step's", message).group(1))
+
+
+def named_gpu_memory(message: str) -> int:
+    number, unit = re.search(r"gpu_memory must be at least ([\d.]+) (KiB|MiB)", message).groups()
+    return int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit]))
+
+
+def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_batch_that_fits(tmp_path):
+    """Every block saves what the first one did: once it has run forward, no layout of the eight
+    fits 512 KiB beside the parameters' 195 KiB at batch 150. The refusal comes there, before the
+    second block's forward. What the forward keeps after the blocks (the head's input) is not
+    known then: at the batch share it names, the refusal comes at the end of the forward, before
+    any update, and counts it; the share and the gpu_memory that one names train."""
+    # a block keeps its input (64 floats a sample) and the ReLU's output (256, which the second
+    # linear saves too: held once), 2,560 bytes a sample
+    message, forwards = refused_at(tmp_path / "first", batch=150)
+    assert forwards[:2] == [1, 0], "the second block ran before the refusal"
+    assert "measured in the first block's forward" in message and "is not known yet" in message
+    assert named_share(message) == 84.5  # 512 KiB less 195 KiB of buffers (324,608 bytes) over the smallest peak, 150 x 2,560 bytes
+    message, forwards = refused_at(tmp_path / "end", batch=126)
+    assert forwards == [1] * 8, "the refusal did not come at the end of the first forward"
+    # the head's input (126 x 64 floats) and the loss's (126 x 2): 33,264 bytes outside the blocks
+    assert "measured in the first training step before any update" in message and "32.48 KiB of activations outside the blocks" in message
+    share = named_share(message)
+    assert share == 91.2  # 324,608 bytes over the smallest peak, 126 x 2,560 bytes in the blocks and the 33,264 outside them
+    assert_trains_like_plain(tmp_path / "batch", GPU_TIER, batch=math.floor(126 * share / 100))
+    assert_trains_like_plain(tmp_path / "gpu", named_gpu_memory(message), batch=126)
 
 
 def test_the_first_engine_built_between_steps_steps_the_batch_it_was_built_in(tmp_path):
@@ -211,3 +238,45 @@ def test_the_profiled_steps_stream_the_parameters_so_their_activations_fit_besid
     assert_same_weights(plain.state_dict(), tiered.state_dict())
     assert all(saved + parameters <= budget for _, saved, parameters in held.steps), held.steps
     assert held.steps[-1][2] > held.steps[0][2], held.steps  # placed for what the profiled steps measured
+
+
+class GeluBlock(nn.Module):
+    """Every tensor it saves is its own: its input, the first linear's output, the GELU's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class Classes(Stack):
+    """Eight GELU blocks and a head over 1,024 classes: at batch 64 the log-softmax of its logits
+    (256 KiB) outweighs two blocks' activations kept (2 x 144 KiB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(GeluBlock() for _ in range(8))
+        self.head = nn.Linear(64, 1024)
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, (y.abs() * 1000).long().clamp(max=1023).squeeze(1))
+
+
+def test_the_layout_counts_the_activations_the_forward_keeps_outside_the_blocks(tmp_path):
+    """The layout's peak counted the blocks alone: the log-softmax and the head's input (272.5 KiB
+    outside the blocks) came on top, and after planning the steps held 1.08x the 1.5 MiB tier (on a
+    GPU, out of memory). The profiled steps now measure what the forward keeps outside the blocks,
+    and the layout and the parameters are planned beside it: every step within the tier."""
+    budget = 1536 * 1024
+    plain = fit("auto", tmp_path / "plain", batch=64, steps=6, make=Classes)
+    held = HeldInTheGpuTier()
+    strategy = TieredStrategy(gpu_memory=budget, host_memory="256MiB")
+    tiered = fit(strategy, tmp_path / "tiered", batch=64, steps=6, callbacks=(held,), make=Classes)
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+    assert all(saved + parameters <= budget for _, saved, parameters in held.steps), held.steps
+    outside = strategy.tiered.activations.outside_bytes
+    assert 64 * 1024 * 4 + 64 * 64 * 4 <= outside < held.steps[-1][1], outside  # the log-softmax and the head's input, at least
+    assert strategy.activation_plan.peak_bytes >= outside

@@ -16,6 +16,10 @@ from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_offload import GPT2_4L, param_bytes
 
 WITH_DROPOUT = {**GPT2_4L, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+# gpu_memory (times the parameters' bytes) where the activations' least peak (379 KiB, 90 KiB of
+# it outside the blocks: the logits' log-softmax, the head's input) fits beside the fewest
+# streaming buffers (119 KiB), and keeping every block does not
+TIGHT = 2.2
 
 
 def gpt2() -> CausalLM:
@@ -151,7 +155,7 @@ def test_auto_plans_the_blocks_and_trains_like_plain_training(tmp_path):
     total = param_bytes(gpt2)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
     seen = PlanSeen()
-    budget = 2 * total
+    budget = int(TIGHT * total)
     strategy = TieredStrategy(gpu_memory=budget, host_memory="1GiB", policy={"name": "auto", "activations": "auto"})
     losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
     assert losses == plain_losses
@@ -174,7 +178,7 @@ def test_auto_keeps_every_block_when_the_activations_fit(tmp_path):
 def test_auto_with_accumulation_plans_between_optimizer_steps(tmp_path):
     total = param_bytes(gpt2)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2, accumulate_grad_batches=2)
-    strategy = TieredStrategy(gpu_memory=2 * total, host_memory="1GiB", policy={"name": "auto", "activations": "auto"})
+    strategy = TieredStrategy(gpu_memory=int(TIGHT * total), host_memory="1GiB", policy={"name": "auto", "activations": "auto"})
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, accumulate_grad_batches=2)
     assert strategy.activation_plan is not None and set(strategy.activation_plan.layout) != {"keep"}
     assert losses == plain_losses
@@ -205,7 +209,7 @@ def test_the_default_policy_searches_placement_and_activations_together(tmp_path
     total = param_bytes(gpt2)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
     seen = PlanSeen()
-    budget = 2 * total
+    budget = int(TIGHT * total)
     strategy = TieredStrategy(gpu_memory=budget, host_memory="1GiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
     assert losses == plain_losses

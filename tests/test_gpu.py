@@ -33,14 +33,15 @@ def test_offloaded_training_on_a_gpu_matches_plain(tmp_path, record_property):
 
 
 def test_the_default_policy_on_a_gpu_searches_a_plan_and_matches_plain(tmp_path):
-    """The joint search on a real GPU tier: activations now live in it, so the budget (twice the
-    parameters) holds parameters and the blocks' layout together."""
+    """The joint search on a real GPU tier: activations now live in it, so the budget (2.2 times
+    the parameters) holds parameters, the blocks' layout and the logits together."""
     total = param_bytes(gpt2_4l)
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, accelerator="gpu")
-    strategy = TieredStrategy(gpu_memory=2 * total, host_memory="1GiB")
+    budget = int(2.2 * total)
+    strategy = TieredStrategy(gpu_memory=budget, host_memory="1GiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=gpt2_4l, accelerator="gpu")
     assert strategy.activation_plan is not None
-    assert strategy.tiered.activations.gpu_parameter_bytes() + strategy.activation_plan.peak_bytes <= 2 * total
+    assert strategy.tiered.activations.gpu_parameter_bytes() + strategy.activation_plan.peak_bytes <= budget
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
 

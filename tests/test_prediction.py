@@ -44,7 +44,7 @@ def test_accumulated_micro_batches_are_one_step_and_a_new_plan_starts_afresh(mon
 
 
 def test_a_run_reports_its_prediction_and_the_measured_step(tmp_path, caplog):
-    strategy = TieredStrategy(gpu_memory="400KiB")
+    strategy = TieredStrategy(gpu_memory="450KiB")
     with caplog.at_level(logging.INFO):
         train(strategy, tmp_path, epochs=3)  # planned from the second step, reported ten steps after
     said = [r.getMessage() for r in caplog.records if "ms per step; the median of" in r.getMessage()]
@@ -66,7 +66,7 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
     from offload_strategy.planning.planner import Planner
     from offload_strategy.strategy_activations import ActivationControl
 
-    strategy = TieredStrategy(gpu_memory="400KiB")
+    strategy = TieredStrategy(gpu_memory="450KiB")
     seen = {}
     search, choose = Planner.search, ActivationControl.choose_layout
 
@@ -74,9 +74,9 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
         seen["search"] = (strategy.tiered._steps_done, timing is strategy.engine.profile)
         return search(planner, timing, *args, **kwargs)
 
-    def chosen(control, costs):
+    def chosen(control, costs, outside_bytes):
         seen["layout"] = strategy.tiered._steps_done
-        return choose(control, costs)
+        return choose(control, costs, outside_bytes)
 
     monkeypatch.setattr(Planner, "search", searched)
     monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
@@ -121,7 +121,7 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
     from offload_strategy.strategy_activations import ActivationControl
 
     def plan(slow_step: int) -> tuple[dict, list[float], list[int]]:
-        strategy = TieredStrategy(gpu_memory="400KiB")
+        strategy = TieredStrategy(gpu_memory="450KiB")
         seen: dict = {}
         search, choose = Planner.search, ActivationControl.choose_layout
 
@@ -131,9 +131,9 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
             seen["resident"] = found[0].parameters.persistent
             return found
 
-        def chosen(control, costs):
+        def chosen(control, costs, outside_bytes):
             seen["blocks"] = [c.forward_seconds for c in costs]
-            return choose(control, costs)
+            return choose(control, costs, outside_bytes)
 
         class Neighbour(L.Callback):
             def __init__(self) -> None:

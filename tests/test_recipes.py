@@ -1231,8 +1231,9 @@ def test_a_shared_embedding_trains_at_the_smallest_gpu_tier_set_up_accepts(tmp_p
 
 def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activations(tmp_path):
     """Under the default policy the blocks' activations share the GPU tier and are measured in the
-    first step: set-up's minimum says it counts parameters alone, the first step's forward names
-    the minimum for both before anything is updated, and at that minimum the model trains as
+    first step: set-up's minimum says it counts parameters alone, the first block's forward names
+    the least for both, the forward's end the minimum with what it keeps outside the blocks (the
+    decoder's, the logits'), before anything is updated, and at that minimum the model trains as
     plain Lightning does."""
     import re
 
@@ -1248,8 +1249,12 @@ def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activa
     with pytest.raises(PlacementError, match=r"for parameters alone: with policy.activations='auto'") as refused:
         fit(strategy(1024), tmp_path / "small", T5, steps=1)
     batches = Losses()
-    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits .* in the first block.s forward") as stopped:
+    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits .* in the first block.s forward") as first:
         fit(strategy(int(minimum(refused.value, "to at least") * 1.05)), tmp_path / "parameters", T5, steps=3, callbacks=(batches,))
+    assert batches.values == [], "the run trained a step before it stopped"
+    # what the forward keeps after the first block's stack was not known there: the forward's end counts it
+    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits .* before any update. .* of activations outside the blocks") as stopped:
+        fit(strategy(int(minimum(first.value, "must be at least") * 1.05)), tmp_path / "blocks", T5, steps=3, callbacks=(batches,))
     assert batches.values == [], "the run trained a step before it stopped"
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", T5, steps=4)
     losses, weights, _ = fit(strategy(int(minimum(stopped.value, "must be at least") * 1.05)), tmp_path / "tiered", T5, steps=4)

@@ -359,7 +359,7 @@ def _persistent_homes(
         spare = " plus one prefetch buffer" if prefetch else " (prefetch off: no buffer for the next unit)"
         raise PlacementError(
             f"gpu_memory={_fmt(gpu_bytes)} cannot hold the largest set of parameters one module needs at once{spare} "
-            f"({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set)}."
+            f"({_fmt(working_set)}); raise gpu_memory to at least {_fmt(working_set, at_least=True)}."
         )
     home: dict[int, str] = {}
     tier = _PersistentBytes(costs)
@@ -416,7 +416,7 @@ def _buffer_per_unit(streaming: Sequence[UnitSize], left: int) -> dict[int, int]
         raise PlacementError(
             f"policy.placement='offload_states' keeps every parameter in the GPU tier for the whole step, as DeepSpeed's ZeRO-Offload "
             f"does: the parameters need {_fmt(need)} there and {_fmt(left)} is left for them; raise gpu_memory by at least "
-            f"{_fmt(need - left)}, or stream the parameters from host memory (policy='zero3_offload', or the default policy)."
+            f"{_fmt(need - left, at_least=True)}, or stream the parameters from host memory (policy='zero3_offload', or the default policy)."
         )
     return dict(slots)
 
@@ -452,7 +452,7 @@ def _host_and_nvme_homes(
         least = min(max(with_homes), max(in_flight)) if in_flight_allowed else max(with_homes)
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold the offloaded units' parameters, gradients and optimizer states "
-            f"({_fmt(least)}) and there is no NVMe tier; raise host_memory to at least {_fmt(least)}, or give nvme_path "
+            f"({_fmt(least)}) and there is no NVMe tier; raise host_memory to at least {_fmt(least, at_least=True)}, or give nvme_path "
             f"for an NVMe tier.",
             tier=HOST,
             nvme_needed=max(with_homes),
@@ -496,7 +496,7 @@ def _split_host_and_nvme(
         what = f"{GRADIENT_BUFFERS} gradient buffers" if costs.transient_gradients else "the gradients of the offloaded units"
         raise PlacementError(
             f"host_memory={_fmt(host_bytes)} cannot hold {what} plus {NVME_STAGING_BUFFERS} NVMe "
-            f"staging buffers ({_fmt(max(host_used))}); raise host_memory to at least {_fmt(max(host_used))}.",
+            f"staging buffers ({_fmt(max(host_used))}); raise host_memory to at least {_fmt(max(host_used), at_least=True)}.",
             tier=HOST,
         )
     for u in streaming:

@@ -34,6 +34,7 @@ from ..planning.activations import BlockCost
 from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .recompute import RecomputeHolds
+from .saved_bytes import SavedBytes
 
 KEEP, CHECKPOINT = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT
 POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
@@ -77,6 +78,10 @@ class BlockProfile:
     forward_seconds: list[float] = field(default_factory=list)
     input_bytes: list[int] = field(default_factory=list)
     activation_bytes: int = 0  # saved for backward by the first block, kept (the blocks are alike)
+    # what the forward's saved-tensor counter rose by from the first block's start to the last
+    # block's end; None until a forward ran them all, and again once the strategy took it
+    blocks_saved_bytes: Optional[int] = None
+    saved_before_blocks: int = 0  # ... and what it had counted when the first block started
 
 
 class ActivationPolicies:
@@ -106,6 +111,9 @@ class ActivationPolicies:
         self._profile_hooks: list[Any] = []
         # called once the profiled first block has run forward: every block's costs are known then
         self.after_first_block: Optional[Callable[[], None]] = None
+        # the bytes the training forward has saved for backward so far (the strategy's counter):
+        # the profile reads it at the blocks' ends, so what the forward keeps outside them is known
+        self.saved_so_far: Callable[[], int] = lambda: 0
         if self.auto:
             self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
             self.start_profile()
@@ -210,6 +218,27 @@ class ActivationPolicies:
             self._profile_hooks.append(block.register_forward_pre_hook(functools.partial(pre, index), with_kwargs=True))
             self._profile_hooks.append(block.register_forward_hook(functools.partial(post, index), with_kwargs=True))
         self._done = done
+        self._count_saved_in_blocks()
+
+    def _count_saved_in_blocks(self) -> None:
+        """What the forward's saved-tensor counter rises by from the first block's start to the
+        last block's end, in the profiled forward (not a recomputation, not a later forward)."""
+        assert self.profile is not None
+        profile = self.profile
+
+        def first_forward() -> bool:
+            return torch.is_grad_enabled() and torch._C._current_autograd_node() is None and len(self._done) < len(self.blocks)
+
+        def start(module: nn.Module, args: Any) -> None:
+            if first_forward() and 0 not in self._done:
+                profile.saved_before_blocks = self.saved_so_far()
+
+        def end(module: nn.Module, args: Any, output: Any) -> None:
+            if first_forward():  # (prepended: the timing hook has yet to mark the last block done)
+                profile.blocks_saved_bytes = self.saved_so_far() - profile.saved_before_blocks
+
+        self._profile_hooks.append(self.blocks[0].register_forward_pre_hook(start))
+        self._profile_hooks.append(self.blocks[-1].register_forward_hook(end, prepend=True))
 
     @property
     def profiled(self) -> bool:
@@ -218,18 +247,20 @@ class ActivationPolicies:
     def _counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or self.profile is None or 0 in self._done or self._under_users_hooks():
             return forward(*args, **kwargs)  # (under the user's hooks the block keeps nothing of its own to count)
-        outer = self.outer
+        outer, counted = self.outer, SavedBytes()
 
         def pack(t: torch.Tensor) -> Any:
             if not self.is_parameter(t):
-                self.profile.activation_bytes += t.numel() * t.element_size()
+                counted.add(t)
             return outer[0](t) if outer else t
 
         def unpack(packed: Any) -> torch.Tensor:
             return outer[1](packed) if outer else packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+        self.profile.activation_bytes += counted.bytes
+        return out
 
     def first_block_costs(self) -> list[BlockCost]:
         """Every block's memory as the first one measured it, before the others have run

@@ -55,6 +55,7 @@ from .nvme_states import NvmeOptimizerStates
 from .offloaded import mark_present, offloaded_class
 from .optimizer import LOOSE, UnitOptimizers
 from .recompute import RecomputeHolds
+from .saved_bytes import SavedBytes
 from .scheduler import PrefetchTable
 from .state import UnitState, nan_placeholder
 from .shared_homes import map_shared_homes
@@ -152,7 +153,7 @@ class TieredEngine:
         self.backward_log: list[float] = []  # times of this step's backward uses of units
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
-        self.activation_bytes = 0  # saved for backward by the last forward (parameters excluded)
+        self.saved = SavedBytes()  # kept for backward by the last forward (parameters excluded)
         # units whose modules ran again in a backward (a checkpoint's recomputation, this runtime's
         # or the model's own), gathered until the strategy takes them (``take_recomputed``)
         self.recomputed_units: set[int] = set()
@@ -531,11 +532,16 @@ class TieredEngine:
         finally:
             self.ctx.step.in_training_step = False
 
+    @property
+    def activation_bytes(self) -> int:
+        """Kept for backward by the last training forward, outside the units' buffers."""
+        return self.saved.bytes
+
     def pack_saved(self, t: torch.Tensor) -> Any:
         if t.device != self._arena_device or t.untyped_storage().data_ptr() != self._arena_storage:
             step = self.ctx.step
             if step.active and step.phase is Phase.FORWARD:
-                self.activation_bytes += t.numel() * t.element_size()  # kept for backward (checkpointed blocks save only inputs)
+                self.saved.add(t)  # kept for backward (checkpointed blocks save only inputs)
             return t
         ptr = t.data_ptr()
         s = self.cache.owner(ptr)
@@ -578,7 +584,7 @@ class TieredEngine:
         self.timer.begin(train)
         step.active = True
         self.cache.new_step()
-        self.activation_bytes = 0
+        self.saved.clear()
         step.update_in_backward = update_in_backward and len(self.updater.optimizers) == 1
         self.speculation.begin_step(speculate and train and len(self.updater.optimizers) == 1 and self.exchange is None)
         step.clip_value = clip_value
