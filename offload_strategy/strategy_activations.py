@@ -51,7 +51,6 @@ class ActivationControl:
         self._saved = SavedBytes()  # kept for backward by the last forward, without an engine
         self.planned_input_bytes = 0  # the first block's input the layout in place was planned for
         self.grown_costs: Optional[tuple[list[BlockCost], int]] = None  # a batch outgrew every layout beside the parameters as placed
-        self._growth_hook: Optional[Any] = None
         self._in_training_step = False
 
     @property
@@ -156,9 +155,9 @@ class ActivationControl:
         plan, activations = self.plan, self.policies_in_use
         assert plan is not None and activations is not None
         self.plan_links = self.links()
+        self._watch_growth()
         activations.apply(plan.layout)
         self.attach_swap_if_needed()
-        self._watch_growth()
         counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
         # the search's prediction covers the parameters' traffic too: one prediction per plan
         priced = "searched with the placement above" if plan is self.searched else f"predicted {plan.seconds * 1e3:.1f} ms per step"
@@ -246,20 +245,15 @@ class ActivationControl:
         """Once a layout is in place, the first block's training forwards are watched: a batch
         whose blocks take larger inputs than the ones the layout was planned for (a longer
         sequence under dynamic padding, a larger batch than the profiled ones) is laid out again
-        before any other block saves anything, rather than overflowing the GPU tier mid-run."""
-        self._unwatch_growth()
+        as the first block is called, before it runs (it runs under its new policy), rather than
+        overflowing the GPU tier mid-run."""
         activations = self.policies_in_use
         if activations is None or not activations.blocks or not self.costs:
             return
         self.planned_input_bytes = max(c.input_bytes for c in self.costs)
-        self._growth_hook = activations.blocks[0].register_forward_pre_hook(self._check_growth, with_kwargs=True)
+        activations.before_first_block = self._check_growth  # in place with the next ``apply``
 
-    def _unwatch_growth(self) -> None:
-        if self._growth_hook is not None:
-            self._growth_hook.remove()
-            self._growth_hook = None
-
-    def _check_growth(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def _check_growth(self, args: Any, kwargs: Any) -> None:
         if not self._in_training_step or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
             return  # evaluation, or the recomputation of a checkpointed block in backward
         size = self._largest_on_every_rank(sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a)))
@@ -393,7 +387,6 @@ class ActivationControl:
 
     def close(self) -> None:
         """Block policies off and the swap detached."""
-        self._unwatch_growth()
         self._detach_swap()
         if self.policies_in_use is not None:
             self.policies_in_use.remove()

@@ -204,6 +204,25 @@ def test_a_batch_larger_than_the_profiled_ones_is_laid_out_again_before_its_bloc
     assert saved + parameters <= GPU_TIER and parameters < held.steps[6][2], held.steps
 
 
+def test_the_first_block_of_a_larger_batch_runs_under_the_layout_laid_out_for_it(tmp_path):
+    """Everything fits 6 MiB at batch 16, all blocks kept; then batch 300, laid out again as S S S
+    S K K K K beside the parameters. The first block's own call had resolved its forward before
+    the layout changed, so it kept its activations in that step (0.99 of the tier, where the next
+    step of the same batch held 0.93). Now it runs under its new policy: the growth step holds
+    what the next one does."""
+    sizes = [16] * 5 + [300, 300]
+    plain = fit("auto", tmp_path / "plain", 0, sizes=sizes)
+    held = HeldInTheGpuTier()
+    budget = 6 * 1024 * 1024
+    tiered = fit(TieredStrategy(gpu_memory=budget, host_memory="256MiB"), tmp_path / "tiered", 0, sizes=sizes, callbacks=(held,))
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+    (_, grown, parameters), (_, after, _) = held.steps[5], held.steps[6]
+    assert grown == after, held.steps
+    assert grown + parameters <= budget
+    assert held.steps[5][1] < held.steps[4][1] * 300 / 16, "the larger batch kept every block"
+
+
 def test_a_batch_no_layout_fits_stops_before_its_blocks_run_with_what_fits(tmp_path):
     """Batch 16 profiled, then 1,000: no layout fits even beside the parameters' smallest share.
     The run stops as that step's first block is called, before it runs, with the minimum, as the

@@ -111,6 +111,9 @@ class ActivationPolicies:
         self._profile_hooks: list[Any] = []
         # called once the profiled first block has run forward: every block's costs are known then
         self.after_first_block: Optional[Callable[[], None]] = None
+        # called with the first block's arguments as it is called, before it runs; it may put
+        # other policies in place, which that call follows (``apply`` after setting it)
+        self.before_first_block: Optional[Callable[[tuple, dict], None]] = None
         # the bytes the training forward has saved for backward so far (the strategy's counter):
         # the profile reads it at the blocks' ends, so what the forward keeps outside them is known
         self.saved_so_far: Callable[[], int] = lambda: 0
@@ -127,20 +130,32 @@ class ActivationPolicies:
         self._unwrap()
         self.policies = policies
         for index, (block, choice) in enumerate(zip(self.blocks, self.policies)):
-            if choice == CHECKPOINT:
-                block.forward = WrappedForward(functools.partial(_checkpointed, self), block.forward)  # type: ignore[method-assign]
+            if index == 0 and self.before_first_block is not None:
+                # the policy is looked up as the block runs: the call that changes it follows it
+                block.forward = WrappedForward(self._first_block, block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
-            elif choice in (SWAP_HOST, SWAP_NVME):
-                block.forward = WrappedForward(functools.partial(self._swapped, index, choice), block.forward)  # type: ignore[method-assign]
-                self._wrapped.append(block)
-            elif self.profile is not None and index == 0:
-                block.forward = WrappedForward(self._counted, block.forward)  # type: ignore[method-assign]
+            elif choice != KEEP or (self.profile is not None and index == 0):
+                block.forward = WrappedForward(functools.partial(self._run_as, index, choice), block.forward)  # type: ignore[method-assign]
                 self._wrapped.append(block)
         if self.blocks and self.block_flops is None:
             first = self.blocks[0]
             first.forward = WrappedForward(self._flops_counted, first.forward)  # type: ignore[method-assign]
             if first not in self._wrapped:
                 self._wrapped.append(first)
+
+    def _run_as(self, index: int, choice: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if choice == CHECKPOINT:
+            return _checkpointed(self, forward, *args, **kwargs)
+        if choice in (SWAP_HOST, SWAP_NVME):
+            return self._swapped(index, choice, forward, *args, **kwargs)
+        if self.profile is not None and index == 0:
+            return self._counted(forward, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    def _first_block(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.before_first_block is not None
+        self.before_first_block(args, kwargs)  # may put other policies in place
+        return self._run_as(0, self.policies[0], forward, *args, **kwargs)
 
     @property
     def recomputed_flops(self) -> int:
