@@ -71,6 +71,7 @@ class Model:
     state_factor: float
     parameters: int
     forward_flops: float = 0.0  # one forward's, attention's products included
+    outside_bytes: int = 0  # activations kept outside the blocks (the logits' log-softmax...), beside every layout's peak
 
     def deeper(self, depth: int) -> "Model":
         """This model with ``depth`` copies of its first block, units renumbered in execution
@@ -148,7 +149,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
                for u, c in zip(units, costs)],
         co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
         tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
-        forward_flops=compute.forward_flops,
+        forward_flops=compute.forward_flops, outside_bytes=compute.outside_activation_bytes,
     )
 
 
@@ -214,26 +215,34 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     ]
     buffers = sum(placement.device_slots.values())
     step = simulate_step(step_units, placement.device_slots, machine)
-    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks))
+    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks)) + model.outside_bytes
     fits = placement.gpu_bytes + kept_peak <= gpu
     rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
                 buffers, step.seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + kept_peak - gpu)}")]
     links = parameter_links(machine, sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU))
     try:
-        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
+        # the activations outside the blocks take their share first, as the runtime plans
+        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu - model.outside_bytes, host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
                          block_units=model.block_units, sharding=sharding, gradients_until_update=True)
     except PlacementError as error:
-        rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}"))
+        rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {outside_note(model, gpu)}{error}"))
         return rows
     chosen = plan.parameters.placement
     layout = plan.activations.layout if plan.activations is not None else ()
     swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout) if q == p) for p in ("swap_host", "swap_nvme")}
-    activations = plan.activations.peak_bytes if plan.activations is not None else 0
+    activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.outside_bytes
     rows.append(Row("auto", homes_of(chosen), counts(layout or None, len(model.blocks)), chosen.gpu_bytes, activations,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
                     chosen.gpu_bytes + activations <= gpu))
     return rows
+
+
+def outside_note(model: Model, gpu: int) -> str:
+    """What the activations outside the blocks leave of the GPU tier, before a refusal that names what is left."""
+    if not model.outside_bytes:
+        return ""
+    return f"the activations outside the blocks ({fmt(model.outside_bytes)}) leave {fmt(max(gpu - model.outside_bytes, 0))} of {fmt(gpu)}: "
 
 
 def parameter_links(machine: Any, streamed: int) -> Any:
@@ -282,6 +291,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
         return 0, 0, None
 
     def placed(deeper: Model, activations: int) -> bool:
+        activations += deeper.outside_bytes
         if activations >= gpu:
             return False
         sharding, _ = rank_sharding(deeper, ranks, shared_homes, replicated)
@@ -382,14 +392,14 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         row: dict = {"batch": batch, "tokens": model.tokens}
         links = parameter_links(machine, sum(s.nbytes for s in model.sizes))
         try:
-            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme,
-                             state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
+            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu - model.outside_bytes, host_bytes=host,
+                             nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
                              activation_host_bytes=host // 2, gradients_until_update=True)
             layout = plan.activations.layout if plan.activations is not None else ()
             row.update(persistent=plan.parameters.persistent, buffers=plan.parameters.buffers, checkpoint=layout.count("checkpoint"),
                        swap=layout.count("swap_host") + layout.count("swap_nvme"), keep=layout.count("keep"), seconds=plan.seconds)
         except PlacementError as error:
-            row.update(error=str(error).split(";")[0])
+            row.update(error=outside_note(model, gpu) + str(error).split(";")[0])
         search = lohan_search(model.blocks, links, gpu_bytes=1 << 62, host_bytes=host // 2)
         recomputed = step_seconds(model.blocks, [CHECKPOINT] * len(model.blocks), links)
         row.update(case={RISING: "1 (PCIe-bound)", FALLING: "2 (compute-bound)"}.get(search.case, "3 (turns)"),
@@ -569,7 +579,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
              f"{hardware.name} ({hardware.gpu}, {fmt(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
-             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations); compute alone {compute:.2f} s per step")
+             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations, {fmt(model.outside_bytes)} kept outside the blocks); "
+             f"compute alone {compute:.2f} s per step")
     print(f"\n{title}\n")
     print_assumptions(hardware, args, model, budgets, host, nvme, machine)
     if args.ranks > 1:

@@ -208,6 +208,9 @@ class AnalyticCompute:
     blocks: list[BlockCost]
     outside_forward_seconds: float
     forward_flops: float  # the whole forward's, attention's products included
+    # kept for backward outside every block (the embeddings', the head's input, the loss's
+    # log-softmax), as the runtime measures it in the profiled steps
+    outside_activation_bytes: int = 0
 
 
 def analytic_compute(
@@ -254,7 +257,7 @@ def analytic_compute(
     outside_moved = meter.traffic.total - sum(meter.moved)
     outside_excess = max(meter.traffic.excess - sum(meter.excess), 0.0)
     total_flops = meter.counter.get_total_flops() + sum(meter.fused)
-    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops)
+    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops, meter.outside_saved)
 
 
 def attach_unattributed(
@@ -302,17 +305,25 @@ class _BlockMeter:
         # each block's saved storages: a tensor saved by several operations, or views of one
         # output (a fused projection split into query, key and value), hold its memory once
         self.held: list[dict[int, Any]] = [{} for _ in range(count)]
+        self.outside_held: dict[int, Any] = {}  # the same, outside every block (a storage a block saved is the block's)
+        self.outside_saved = 0
         self.current: list[int] = []  # the block running now (innermost last)
         self.counter = FlopCounterMode(display=False, custom_mapping=_COUNTED_APART)
         self.traffic = _MemoryTraffic()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         is_parameter = id(t) in self.parameters or (t._base is not None and id(t._base) in self.parameters)
-        if self.current and not is_parameter:
-            block, storage = self.current[-1], t.untyped_storage()
+        if is_parameter:
+            return t
+        storage = t.untyped_storage()
+        if self.current:
+            block = self.current[-1]
             if storage._cdata not in self.held[block]:
                 self.held[block][storage._cdata] = storage  # held, so that its address is not reused meanwhile
                 self.saved[block] += storage.nbytes()
+        elif storage._cdata not in self.outside_held and not any(storage._cdata in held for held in self.held):
+            self.outside_held[storage._cdata] = storage
+            self.outside_saved += storage.nbytes()
         return t
 
     def pre(self, index: int) -> Callable[..., None]:
