@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import BlockPolicy, format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import ActivationPlan, BlockCost, Links
+from .planning.activations import ActivationPlan, BesideBlocks, BlockCost, Links
 from .planning.cost_model import machine_from_spec
 from .planning.placement import GPU
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
@@ -45,12 +45,12 @@ class ActivationControl:
         self.plan: Optional[ActivationPlan] = None  # what activations="auto" chose
         self.searched: Optional[ActivationPlan] = None  # the layout the joint placement search chose with the parameters
         self.costs: list[BlockCost] = []  # ... from these block costs
-        self.outside_bytes = 0  # ... and these activations the forward keeps outside the blocks (embeddings, logits, the loss's)
-        self.measured_outside_bytes = 0  # the most the profiled forwards kept outside the blocks
+        self.beside = BesideBlocks()  # ... beside these bytes (the activations outside the blocks, the backward's gradients)
+        self.measured_beside = BesideBlocks()  # the most the profiled forwards kept outside the blocks, and their gradients
         self.plan_links: Optional[Links] = None  # ... and these links
         self._saved = SavedBytes()  # kept for backward by the last forward, without an engine
         self.planned_input_bytes = 0  # the first block's input the layout in place was planned for
-        self.grown_costs: Optional[tuple[list[BlockCost], int]] = None  # a batch outgrew every layout beside the parameters as placed
+        self.grown_costs: Optional[tuple[list[BlockCost], BesideBlocks]] = None  # a batch outgrew every layout beside the parameters as placed
         self._in_training_step = False
 
     @property
@@ -126,13 +126,13 @@ class ActivationControl:
 
     # -- the layout after the profiled step -----------------------------------------------------------
 
-    def choose_layout(self, costs: list[BlockCost], outside_bytes: int) -> Optional[int]:
-        """The planner's layout for the measured ``costs`` beside ``outside_bytes`` the forward
-        keeps outside the blocks; when none fits beside the parameters, the GPU bytes the
-        parameters must be placed again in (then ``choose_layout_beside``)."""
+    def choose_layout(self, costs: list[BlockCost], beside: BesideBlocks) -> Optional[int]:
+        """The planner's layout for the measured ``costs``, ``beside`` the bytes outside the
+        blocks' layouts; when none fits beside the parameters, the GPU bytes the parameters must
+        be placed again in (then ``choose_layout_beside``)."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
-        self.costs, self.outside_bytes = costs, outside_bytes
+        self.costs, self.beside = costs, beside
         activations.end_profile()
         budgets = self.context.budgets
         assert budgets is not None
@@ -141,7 +141,7 @@ class ActivationControl:
             self.plan = self.searched
             return None
         self.plan, parameter_bytes = planner.layout(
-            costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), activations.policies, outside_bytes,
+            costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), activations.policies, beside,
         )
         return parameter_bytes
 
@@ -149,7 +149,7 @@ class ActivationControl:
         """The layout for what the parameters, placed again, left."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
-        self.plan = planner.layout_beside(costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), self.outside_bytes)
+        self.plan = planner.layout_beside(costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), self.beside)
 
     def apply_layout(self) -> None:
         plan, activations = self.plan, self.policies_in_use
@@ -164,11 +164,12 @@ class ActivationControl:
         rank_zero_info(
             f"tiered: activation layout {' '.join(BlockPolicy(p).letter for p in plan.layout)} "
             f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced}, "
-            f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._outside_note()}."
+            f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._beside_note()}."
         )
 
-    def _outside_note(self) -> str:
-        return f" ({format_bytes(self.outside_bytes)} of them outside the blocks)" if self.outside_bytes else ""
+    def _beside_note(self) -> str:
+        note = self.beside.note(" (of it, ")
+        return f"{note})" if note else ""
 
     def refuse_from_first_block(self) -> None:
         """In the profiled step, as soon as the first block has run forward (every block's memory
@@ -178,7 +179,9 @@ class ActivationControl:
         if activations is not None and activations.profile is not None:
             measured = ("measured in the first block's forward of the first training step (what the forward keeps after the blocks, "
                         "the logits and the loss's among them, is not known yet and may ask for more)")
-            self._refuse_if_unfitting(activations.first_block_costs(), measured, activations.profile.saved_before_blocks)
+            profile = activations.profile
+            self._refuse_if_unfitting(activations.first_block_costs(), measured,
+                                      BesideBlocks(profile.saved_before_blocks, 2 * profile.largest_saved))
 
     def refuse_unfitting(self) -> None:
         """Again once forward has measured every block and what it keeps outside them, before
@@ -186,27 +189,29 @@ class ActivationControl:
         activations = self.policies_in_use
         if self.profiled and activations is not None:
             self._refuse_if_unfitting(activations.block_costs(), "measured in the first training step before any update",
-                                      self.measured_outside_bytes)
+                                      self.measured_beside)
 
-    def _refuse_if_unfitting(self, costs: list[BlockCost], measured: str, outside_bytes: int = 0) -> None:
+    def _refuse_if_unfitting(self, costs: list[BlockCost], measured: str, beside: BesideBlocks) -> None:
         activations, planner = self.policies_in_use, self.context.planner
         if activations is None or not activations.auto or self.context.policy.name == "none" or planner is None:
             return
         assert activations.planner is not None
-        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, outside_bytes)
+        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside)
 
     def note_forward_saved(self) -> None:
         """At the end of a profiled forward: what it kept for backward outside the blocks (the
         embeddings' output, the head's input, the logits' log-softmax), its total less what the
-        counter rose by while the blocks ran. The layout is planned beside the most of it."""
+        counter rose by while the blocks ran, and twice the largest tensor it saved (the
+        backward's gradients). The layout is planned beside the most of each."""
         activations, engine = self.policies_in_use, self.context.engine
         profile = activations.profile if activations is not None else None
         if profile is None or profile.blocks_saved_bytes is None:
             return
-        total = engine.activation_bytes if engine is not None else self.saved_bytes
-        outside = max(total - profile.blocks_saved_bytes, 0)
+        saved = engine.saved if engine is not None else self._saved
+        outside = max(saved.bytes - profile.blocks_saved_bytes, 0)
         profile.blocks_saved_bytes = None  # one reading per forward that ran the blocks
-        self.measured_outside_bytes = max(self.measured_outside_bytes, outside)
+        gradients = 2 * max(saved.largest, profile.largest_saved)
+        self.measured_beside = self.measured_beside.largest(BesideBlocks(outside, gradients))
 
     def measure_blocks_again(self, keep_fastest: bool = False) -> None:
         """The blocks are timed again in the next training step (the first ran cold; with
@@ -272,22 +277,22 @@ class ActivationControl:
         growth = input_bytes / self.planned_input_bytes
         costs = [replace(c, activation_bytes=round(c.activation_bytes * growth), input_bytes=round(c.input_bytes * growth),
                          forward_seconds=c.forward_seconds * growth) for c in self.costs]
-        outside = round(self.outside_bytes * growth)
+        beside = self.beside.scaled(growth)
         links, host = self.links(), self.host_left()
         try:
-            plan = planner.layout_beside(costs, links, activations.planner, self.gpu_parameter_bytes(), host, outside)
+            plan = planner.layout_beside(costs, links, activations.planner, self.gpu_parameter_bytes(), host, beside)
             then = ""
         except ValueError:
             measured = f"scaled from the measured blocks to a batch whose blocks' inputs are {growth:.2f}x theirs"
-            planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, outside)
+            planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside)
             # the least peak any layout reaches: this step overruns the GPU tier by as little as it can
-            least, budgets = planner.least_activation_peak(costs, activations.planner, outside), self.context.budgets
+            least, budgets = planner.least_activation_peak(costs, activations.planner, beside), self.context.budgets
             assert budgets is not None
-            plan = planner.layout_beside(costs, links, activations.planner, max(budgets.gpu - least, 0), host, outside)
-            self.grown_costs = (costs, outside)
+            plan = planner.layout_beside(costs, links, activations.planner, max(budgets.gpu - least, 0), host, beside)
+            self.grown_costs = (costs, beside)
             then = (f"; no layout fits beside the parameters' {format_bytes(self.gpu_parameter_bytes())} of the GPU tier, so this "
                     f"step may exceed it, and the parameters are placed again before the next")
-        self.costs, self.outside_bytes, self.plan, self.searched, self.planned_input_bytes = costs, outside, plan, None, input_bytes
+        self.costs, self.beside, self.plan, self.searched, self.planned_input_bytes = costs, beside, plan, None, input_bytes
         activations.apply(plan.layout)
         if activations.swaps and activations.swap is None:
             self._attach_swap()
@@ -296,11 +301,11 @@ class ActivationControl:
         rank_zero_info(
             f"tiered: a batch whose blocks take {growth:.2f}x the inputs the activation layout was planned for: laid out again as "
             f"{' '.join(BlockPolicy(p).letter for p in plan.layout)}, peak {format_bytes(plan.peak_bytes)} of activations "
-            f"in the GPU tier{self._outside_note()}{then}."
+            f"in the GPU tier{self._beside_note()}{then}."
         )
 
-    def take_grown_costs(self) -> Optional[tuple[list[BlockCost], int]]:
-        """The blocks' costs and the bytes outside them of a batch that outgrew every layout
+    def take_grown_costs(self) -> Optional[tuple[list[BlockCost], BesideBlocks]]:
+        """The blocks' costs and the bytes beside them of a batch that outgrew every layout
         beside the parameters as placed; None when there was none."""
         costs, self.grown_costs = self.grown_costs, None
         return costs

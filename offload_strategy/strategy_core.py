@@ -33,7 +33,7 @@ from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictTy
 from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
-from .planning.activations import BlockCost
+from .planning.activations import BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
@@ -587,7 +587,7 @@ class TieredCore:
                 direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
                 blocks=activations.block_costs() if joint else (), links=activations.links() if joint else None,
                 activation_host_bytes=activations.host_left(),
-                outside_bytes=self._outside_bytes() if joint else 0,
+                beside=self._beside() if joint else BesideBlocks(),
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
@@ -607,22 +607,24 @@ class TieredCore:
             self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None,
                                  may_fit=planner.profiling_placement)
 
-    def _outside_bytes(self) -> int:
-        """The most activations a profiled forward kept outside the blocks, on any rank."""
-        return self.ranks.largest_on_every_rank(self.activations.measured_outside_bytes)
+    def _beside(self) -> BesideBlocks:
+        """The most activations a profiled forward kept outside the blocks, and the most backward
+        gradients, on any rank."""
+        measured, largest = self.activations.measured_beside, self.ranks.largest_on_every_rank
+        return BesideBlocks(largest(measured.outside), largest(measured.gradients))
 
-    def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, outside_bytes: int = 0) -> None:
+    def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, beside: Optional[BesideBlocks] = None) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
         policy and it is put in place. When no layout fits beside the parameters' share of the GPU
         tier, the parameters are placed again in the share the planner names (the optimizer states
         move through their standard state dicts, exactly) and the layout is chosen for what remains.
-        ``costs``, ``outside_bytes``: the blocks' costs and the activations outside them scaled to a
-        larger batch than the profiled ones."""
+        ``costs``, ``beside``: the blocks' costs and the bytes beside them scaled to a larger batch
+        than the profiled ones."""
         activations, grown = self.activations, costs is not None
-        if costs is None:
+        if costs is None or beside is None:
             costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
-            outside_bytes = self._outside_bytes()
-        parameter_bytes = activations.choose_layout(costs, outside_bytes)
+            beside = self._beside()
+        parameter_bytes = activations.choose_layout(costs, beside)
         if parameter_bytes is not None:
             budgets = self.context.budgets
             assert budgets is not None

@@ -17,7 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from offload_strategy import TieredStrategy
 from tests.helpers import assert_same_weights
 
-GPU_TIER = 512 * 1024  # beside 195 KiB of streaming buffers: activations of batches up to 114 fit (126 without the head's input)
+# beside 195 KiB of streaming buffers, a batch's activations and the backward's gradients (twice the
+# ReLU's output) fit up to batch 66 (70 without the head's input)
+GPU_TIER = 512 * 1024
 
 
 class Block(nn.Module):
@@ -91,11 +93,11 @@ def assert_trains_like_plain(tmp_path: Path, gpu_memory: int, batch: int) -> Non
 
 
 def test_the_searched_layout_is_placed_beside_parameters_placed_for_it(tmp_path):
-    """At the largest batch that fits (114), the joint search chooses every block swapped but the
+    """At the largest batch that fits (66), the joint search chooses every block swapped but the
     last, beside streaming buffers for one module at a time. The parameters were placed again for the profiling layout
     (every block but the first recomputed, so a block's two units together): 195 KiB, where the
     search had left them 170 KiB, and the run stopped between its second and third steps."""
-    assert_trains_like_plain(tmp_path, GPU_TIER, batch=114)
+    assert_trains_like_plain(tmp_path, GPU_TIER, batch=66)
 
 
 def refused_at(tmp_path: Path, batch: int) -> tuple[str, list[int]]:
@@ -123,24 +125,26 @@ def named_gpu_memory(message: str) -> int:
 
 def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_batch_that_fits(tmp_path):
     """Every block saves what the first one did: once it has run forward, no layout of the eight
-    fits 512 KiB beside the parameters' 195 KiB at batch 150. The refusal comes there, before the
-    second block's forward. What the forward keeps after the blocks (the head's input) is not
+    fits 512 KiB beside the parameters' 195 KiB at batch 100, with the backward's gradients (twice
+    the block's largest tensor). The refusal comes there, before the second block's forward. What the forward keeps after the blocks (the head's input) is not
     known then: at the batch share it names, the refusal comes at the end of the forward, before
     any update, and counts it; the share and the gpu_memory that one names train."""
-    # a block keeps its input (64 floats a sample) and the ReLU's output (256, which the second
-    # linear saves too: held once), 2,560 bytes a sample
-    message, forwards = refused_at(tmp_path / "first", batch=150)
+    # a block keeps its input (64 floats a sample), the first linear's output and the ReLU's (256
+    # floats each; the second linear saves the ReLU's too: held once), 2,560 bytes a sample; the
+    # backward's gradients are twice the ReLU's output, 2,048 bytes a sample
+    message, forwards = refused_at(tmp_path / "first", batch=100)
     assert forwards[:2] == [1, 0], "the second block ran before the refusal"
     assert "measured in the first block's forward" in message and "is not known yet" in message
-    assert named_share(message) == 84.5  # 512 KiB less 195 KiB of buffers (324,608 bytes) over the smallest peak, 150 x 2,560 bytes
-    message, forwards = refused_at(tmp_path / "end", batch=126)
+    assert "200.00 KiB for the backward's gradients" in message
+    assert named_share(message) == 70.4  # 512 KiB less 195 KiB of buffers (324,608 bytes) over the smallest peak, 100 x 4,608 bytes
+    message, forwards = refused_at(tmp_path / "end", batch=70)
     assert forwards == [1] * 8, "the refusal did not come at the end of the first forward"
-    # the head's input (126 x 64 floats) and the loss's (126 x 2): 33,264 bytes outside the blocks
-    assert "measured in the first training step before any update" in message and "32.48 KiB of activations outside the blocks" in message
+    # the head's input (70 x 64 floats) and the loss's (70 x 2): 18,480 bytes outside the blocks
+    assert "measured in the first training step before any update" in message and "18.05 KiB of activations outside the blocks" in message
     share = named_share(message)
-    assert share == 91.2  # 324,608 bytes over the smallest peak, 126 x 2,560 bytes in the blocks and the 33,264 outside them
-    assert_trains_like_plain(tmp_path / "batch", GPU_TIER, batch=math.floor(126 * share / 100))
-    assert_trains_like_plain(tmp_path / "gpu", named_gpu_memory(message), batch=126)
+    assert share == 95.1  # 324,608 bytes over the smallest peak, 70 x 4,608 bytes and the 18,480 outside the blocks
+    assert_trains_like_plain(tmp_path / "batch", GPU_TIER, batch=math.floor(70 * share / 100))
+    assert_trains_like_plain(tmp_path / "gpu", named_gpu_memory(message), batch=70)
 
 
 def test_the_first_engine_built_between_steps_steps_the_batch_it_was_built_in(tmp_path):
@@ -285,17 +289,48 @@ class Classes(Stack):
 
 def test_the_layout_counts_the_activations_the_forward_keeps_outside_the_blocks(tmp_path):
     """The layout's peak counted the blocks alone: the log-softmax and the head's input (272.5 KiB
-    outside the blocks) came on top, and after planning the steps held 1.08x the 1.5 MiB tier (on a
+    outside the blocks) came on top, and after planning the steps held 1.08x a 1.5 MiB tier (on a
     GPU, out of memory). The profiled steps now measure what the forward keeps outside the blocks,
     and the layout and the parameters are planned beside it: every step within the tier."""
-    budget = 1536 * 1024
+    budget = 1792 * 1024
     plain = fit("auto", tmp_path / "plain", batch=64, steps=6, make=Classes)
     held = HeldInTheGpuTier()
     strategy = TieredStrategy(gpu_memory=budget, host_memory="256MiB")
     tiered = fit(strategy, tmp_path / "tiered", batch=64, steps=6, callbacks=(held,), make=Classes)
     assert tiered.losses == plain.losses
     assert_same_weights(plain.state_dict(), tiered.state_dict())
-    assert all(saved + parameters <= budget for _, saved, parameters in held.steps), held.steps
-    outside = strategy.tiered.activations.outside_bytes
-    assert 64 * 1024 * 4 + 64 * 64 * 4 <= outside < held.steps[-1][1], outside  # the log-softmax and the head's input, at least
-    assert strategy.activation_plan.peak_bytes >= outside
+    beside = strategy.tiered.activations.beside
+    assert all(saved + parameters + beside.gradients <= budget for _, saved, parameters in held.steps), held.steps
+    assert 64 * 1024 * 4 + 64 * 64 * 4 <= beside.outside < held.steps[-1][1], beside  # the log-softmax and the head's input, at least
+    assert strategy.activation_plan.peak_bytes >= beside.bytes
+
+
+def test_the_layout_leaves_room_for_the_backward_s_gradients(tmp_path):
+    """Cross-entropy's backward makes the gradients of the log-softmax and of the logits, 256 KiB
+    each at batch 64, while everything the forward saved is still held; the plan counted the saved
+    memory alone. In a 1.5 MiB tier it laid the blocks out beside 650 KiB of parameters, and the
+    backward's peak (measured on the CPU: the saved memory and 507 KiB beyond it) came to 1.09x
+    the tier. Now twice the largest saved tensor is planned beside every layout: at 1.5 MiB the
+    run stops before any update with the minimum, and that minimum trains like plain, every step
+    within it with the gradients counted."""
+    from tests.test_backward_gradients import backward_beyond_forward
+
+    model = Classes()
+    model.losses = []
+    batch = (torch.randn(64, 64), torch.randn(64, 1))
+    measured, planned = backward_beyond_forward(model, lambda: model.training_step(batch, 0))
+    assert planned == 2 * 64 * 1024 * 4 and measured > 0.95 * planned
+    with pytest.raises(ValueError, match=r"no layout of keep / checkpoint / swap fits") as refused:
+        fit(TieredStrategy(gpu_memory=1536 * 1024, host_memory="256MiB"), tmp_path / "refused", batch=64, steps=6, make=Classes)
+    message = str(refused.value)
+    assert "measured in the first training step before any update" in message, message
+    assert "512.00 KiB for the backward's gradients" in message and "272.50 KiB of activations outside the blocks" in message
+    budget = named_gpu_memory(message)
+    assert budget > 1536 * 1024
+    plain = fit("auto", tmp_path / "plain", batch=64, steps=6, make=Classes)
+    held = HeldInTheGpuTier()
+    tiered = fit(TieredStrategy(gpu_memory=budget, host_memory="256MiB"), tmp_path / "tiered", batch=64, steps=6, callbacks=(held,),
+                 make=Classes)
+    assert tiered.losses == plain.losses
+    assert_same_weights(plain.state_dict(), tiered.state_dict())
+    assert all(saved + parameters + planned <= budget for _, saved, parameters in held.steps), held.steps

@@ -22,6 +22,7 @@ import offload_strategy
 from experiments.models import build_causal_lm
 from offload_strategy import TieredFabricStrategy
 from tests.helpers import TINY_GPT2
+from tests.test_offload import GPT2_4L
 
 SEQ, BATCH = 16, 4
 
@@ -31,18 +32,19 @@ def _batches(count: int, seed: int = 3) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (BATCH, SEQ), generator=generator) for _ in range(count)]
 
 
-def _model() -> nn.Module:
+def _model(config: Optional[dict] = None) -> nn.Module:
     torch.manual_seed(0)
-    return build_causal_lm("gpt2", TINY_GPT2)  # tied input and output embeddings
+    return build_causal_lm("gpt2", config or TINY_GPT2)  # tied input and output embeddings
 
 
 def fabric_train(
     strategy: Union[str, L.fabric.strategies.Strategy], steps: int = 5, *, accumulate: int = 1, max_norm: Optional[float] = None,
     clip_val: Optional[float] = None, precision: str = "32-true", save: Optional[Path] = None, load: Optional[Path] = None, accelerator: str = "cpu",
+    config: Optional[dict] = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """The loop a Fabric user writes; returns the losses, the final weights and the Fabric object."""
     fabric = L.Fabric(accelerator=accelerator, devices=1, strategy=strategy, precision=precision)
-    model = _model()
+    model = _model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, optimizer = fabric.setup(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 0}
@@ -96,13 +98,13 @@ def test_same_losses_and_weights_as_plain_fabric_from_nvme(tmp_path):
 def test_the_default_policy_plans_placement_and_activations_and_stays_exact():
     """``policy="auto"`` profiles the first step, then places the parameters and chooses every
     block's activation policy between steps, as under the Trainer."""
-    strategy = TieredFabricStrategy(gpu_memory="450KiB")
-    tiered = fabric_train(strategy, steps=4, max_norm=0.05)
+    strategy = TieredFabricStrategy(gpu_memory="675KiB")
+    tiered = fabric_train(strategy, steps=4, max_norm=0.05, config=GPT2_4L)
     assert strategy.placement_search is not None, "the placement search did not run"
     plan = strategy.activation_plan
-    # both blocks' activations do not fit beside the parameters: one at least is recomputed or swapped
-    assert plan is not None and len(plan.layout) == TINY_GPT2["n_layer"] and set(plan.layout) != {"keep"}, plan
-    assert_same(fabric_train("auto", steps=4, max_norm=0.05), tiered)
+    # the blocks' activations do not all fit beside the parameters: one at least is recomputed or swapped
+    assert plan is not None and len(plan.layout) == GPT2_4L["n_layer"] and set(plan.layout) != {"keep"}, plan
+    assert_same(fabric_train("auto", steps=4, max_norm=0.05, config=GPT2_4L), tiered)
 
 
 def test_clip_gradients_by_norm_returns_plain_fabrics_total_norm():

@@ -9,6 +9,7 @@ import pytest
 from offload_strategy import TieredStrategy
 from offload_strategy.strategy_prediction import PredictionCheck
 from tests.helpers import train
+from tests.test_offload import GPT2_4L
 
 
 def test_the_error_is_the_median_of_the_steps_under_the_plan_against_its_prediction(monkeypatch):
@@ -44,9 +45,9 @@ def test_accumulated_micro_batches_are_one_step_and_a_new_plan_starts_afresh(mon
 
 
 def test_a_run_reports_its_prediction_and_the_measured_step(tmp_path, caplog):
-    strategy = TieredStrategy(gpu_memory="450KiB")
+    strategy = TieredStrategy(gpu_memory="675KiB")
     with caplog.at_level(logging.INFO):
-        train(strategy, tmp_path, epochs=3)  # planned from the second step, reported ten steps after
+        train(strategy, tmp_path, epochs=3, config=GPT2_4L)  # planned from the second step, reported ten steps after
     said = [r.getMessage() for r in caplog.records if "ms per step; the median of" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("tiered: the placement search predicted"), said
     # the layout was searched with the placement: one prediction for both, no second, other figure
@@ -66,7 +67,7 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
     from offload_strategy.planning.planner import Planner
     from offload_strategy.strategy_activations import ActivationControl
 
-    strategy = TieredStrategy(gpu_memory="450KiB")
+    strategy = TieredStrategy(gpu_memory="675KiB")
     seen = {}
     search, choose = Planner.search, ActivationControl.choose_layout
 
@@ -74,13 +75,13 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
         seen["search"] = (strategy.tiered._steps_done, timing is strategy.engine.profile)
         return search(planner, timing, *args, **kwargs)
 
-    def chosen(control, costs, outside_bytes):
+    def chosen(control, costs, beside):
         seen["layout"] = strategy.tiered._steps_done
-        return choose(control, costs, outside_bytes)
+        return choose(control, costs, beside)
 
     monkeypatch.setattr(Planner, "search", searched)
     monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
-    train(strategy, tmp_path, epochs=1)
+    train(strategy, tmp_path, epochs=1, config=GPT2_4L)
     assert seen == {"search": (3, False), "layout": 3}
 
 
@@ -121,7 +122,7 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
     from offload_strategy.strategy_activations import ActivationControl
 
     def plan(slow_step: int) -> tuple[dict, list[float], list[int]]:
-        strategy = TieredStrategy(gpu_memory="450KiB")
+        strategy = TieredStrategy(gpu_memory="675KiB")
         seen: dict = {}
         search, choose = Planner.search, ActivationControl.choose_layout
 
@@ -131,9 +132,9 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
             seen["resident"] = found[0].parameters.persistent
             return found
 
-        def chosen(control, costs, outside_bytes):
+        def chosen(control, costs, beside):
             seen["blocks"] = [c.forward_seconds for c in costs]
-            return choose(control, costs, outside_bytes)
+            return choose(control, costs, beside)
 
         class Neighbour(L.Callback):
             def __init__(self) -> None:
@@ -147,7 +148,7 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
 
         monkeypatch.setattr(Planner, "search", searched)
         monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
-        train(strategy, tmp_path / f"slow{slow_step}", epochs=1, extra_callbacks=(Neighbour(),))
+        train(strategy, tmp_path / f"slow{slow_step}", epochs=1, extra_callbacks=(Neighbour(),), config=GPT2_4L)
         monkeypatch.undo()
         return seen["units"], seen["blocks"], seen["resident"]
 

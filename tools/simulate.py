@@ -72,6 +72,12 @@ class Model:
     parameters: int
     forward_flops: float = 0.0  # one forward's, attention's products included
     outside_bytes: int = 0  # activations kept outside the blocks (the logits' log-softmax...), beside every layout's peak
+    gradient_bytes: int = 0  # the backward's gradients at their largest (twice the largest saved tensor), beside it too
+
+    @property
+    def beside_bytes(self) -> int:
+        """What every layout of the blocks is planned beside, as the runtime plans it."""
+        return self.outside_bytes + self.gradient_bytes
 
     def deeper(self, depth: int) -> "Model":
         """This model with ``depth`` copies of its first block, units renumbered in execution
@@ -149,7 +155,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
                for u, c in zip(units, costs)],
         co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
         tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
-        forward_flops=compute.forward_flops, outside_bytes=compute.outside_activation_bytes,
+        forward_flops=compute.forward_flops, outside_bytes=compute.outside_activation_bytes, gradient_bytes=compute.beside.gradients,
     )
 
 
@@ -215,14 +221,14 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     ]
     buffers = sum(placement.device_slots.values())
     step = simulate_step(step_units, placement.device_slots, machine)
-    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks)) + model.outside_bytes
+    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks)) + model.beside_bytes
     fits = placement.gpu_bytes + kept_peak <= gpu
     rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
                 buffers, step.seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + kept_peak - gpu)}")]
     links = parameter_links(machine, sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU))
     try:
-        # the activations outside the blocks take their share first, as the runtime plans
-        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu - model.outside_bytes, host_bytes=host, nvme_bytes=nvme,
+        # the activations outside the blocks and the backward's gradients take their share first, as the runtime plans
+        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside_bytes, 0), host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
                          block_units=model.block_units, sharding=sharding, gradients_until_update=True)
     except PlacementError as error:
@@ -231,7 +237,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     chosen = plan.parameters.placement
     layout = plan.activations.layout if plan.activations is not None else ()
     swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout) if q == p) for p in ("swap_host", "swap_nvme")}
-    activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.outside_bytes
+    activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.beside_bytes
     rows.append(Row("auto", homes_of(chosen), counts(layout or None, len(model.blocks)), chosen.gpu_bytes, activations,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
                     chosen.gpu_bytes + activations <= gpu))
@@ -239,10 +245,12 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
 
 
 def outside_note(model: Model, gpu: int) -> str:
-    """What the activations outside the blocks leave of the GPU tier, before a refusal that names what is left."""
-    if not model.outside_bytes:
+    """What the activations outside the blocks and the backward's gradients leave of the GPU tier,
+    before a refusal that names what is left."""
+    if not model.beside_bytes:
         return ""
-    return f"the activations outside the blocks ({fmt(model.outside_bytes)}) leave {fmt(max(gpu - model.outside_bytes, 0))} of {fmt(gpu)}: "
+    return (f"the activations outside the blocks ({fmt(model.outside_bytes)}) and the backward's gradients ({fmt(model.gradient_bytes)}) "
+            f"leave {fmt(max(gpu - model.beside_bytes, 0))} of {fmt(gpu)}: ")
 
 
 def parameter_links(machine: Any, streamed: int) -> Any:
@@ -275,7 +283,7 @@ def rank_sharding(model: Model, ranks: int, shared_homes: bool = False, replicat
 
 
 def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ranks: int = 1, shared_homes: bool = False,
-                  replicated: bool = False) -> tuple[int, int, Optional[Row]]:
+                  replicated: bool = False, at_most: Optional[int] = None) -> tuple[int, int, Optional[Row]]:
     """The most blocks of this model's shape (and the parameters they make) for which the joint
     search of the auto rows finds a plan within the budgets, and that plan's row. The search is
     slow on deep models, so it runs from two cheap placements: every block checkpointed beside
@@ -283,7 +291,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
     less, keeping a prefix of units resident; where it does not plan that depth it is bisected
     below it), and the parameters placed beside one block's activations, the least any layout
     keeps in the GPU tier, with nothing counted for swaps' host or NVMe room (the bound above).
-    Doubling, then bisection on the block count."""
+    Doubling, then bisection on the block count; ``at_most``: no deeper than that many blocks."""
     from offload_strategy.planning.activations import CHECKPOINT, peak_bytes
     from offload_strategy.planning.placement import PlacementError, place_units
 
@@ -291,7 +299,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
         return 0, 0, None
 
     def placed(deeper: Model, activations: int) -> bool:
-        activations += deeper.outside_bytes
+        activations += deeper.beside_bytes
         if activations >= gpu:
             return False
         sharding, _ = rank_sharding(deeper, ranks, shared_homes, replicated)
@@ -305,7 +313,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
     def checkpointed(depth: int) -> bool:
         return placed(model.deeper(depth), peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth))
 
-    def at_most(depth: int) -> bool:
+    def bounded(depth: int) -> bool:
         return placed(model.deeper(depth), model.blocks[0].activation_bytes)  # every layout materialises one block in backward
 
     searched: dict[int, Optional[Row]] = {}
@@ -318,8 +326,9 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
             searched[depth] = row if row.fits else None
         return searched[depth] is not None
 
-    low = _last_true(checkpointed, 1)
-    high = _last_true(at_most, max(low, 1)) + 1  # the first depth no plan can hold
+    cap = (at_most + 1) if at_most else None
+    low = _last_true(checkpointed, 1, cap)
+    high = _last_true(bounded, max(low, 1), cap) + 1  # the first depth no plan can hold
     found = _last_true(planned, low, high) if low and planned(low) else _last_true(planned, 1, max(low, 1) + 1)
     if not found:
         return 0, 0, None
@@ -392,7 +401,7 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         row: dict = {"batch": batch, "tokens": model.tokens}
         links = parameter_links(machine, sum(s.nbytes for s in model.sizes))
         try:
-            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=gpu - model.outside_bytes, host_bytes=host,
+            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside_bytes, 0), host_bytes=host,
                              nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
                              activation_host_bytes=host // 2, gradients_until_update=True)
             layout = plan.activations.layout if plan.activations is not None else ()
@@ -541,6 +550,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--share-host-homes", action="store_true",
                         help="the ranks (on one machine) keep one copy of host homes (share_host_homes=True)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak")
+    parser.add_argument("--largest-at-most", type=int, default=None,
+                        help="search the largest model no deeper than this many blocks (the search takes a minute or more on deep models)")
     parser.add_argument("--findings", action="store_true", help="check MemFerry's, LoHan's and ProTrain's findings on this model and machine")
     parser.add_argument("--png", type=Path, default=None, help="write the figure here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=..., hardware=..., data.batch_size=..., data.seq_len=...")
@@ -579,7 +590,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
              f"{hardware.name} ({hardware.gpu}, {fmt(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "
-             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations, {fmt(model.outside_bytes)} kept outside the blocks); "
+             f"{model.tokens:,} tokens per step ({fmt(activations)} of block activations, {fmt(model.outside_bytes)} kept outside the blocks, "
+             f"{fmt(model.gradient_bytes)} for the backward's gradients); "
              f"compute alone {compute:.2f} s per step")
     print(f"\n{title}\n")
     print_assumptions(hardware, args, model, budgets, host, nvme, machine)
@@ -592,10 +604,11 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"and that share of its memory channels and host memory\n")
     all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners)
     depth, parameters, plan = largest_depth(model, machine, max(budgets), host, nvme, ranks=args.ranks, shared_homes=shared,
-                                            replicated=args.replicate_states)
+                                            replicated=args.replicate_states, at_most=args.largest_at_most)
     if depth and plan is not None:
+        least = "at least " if depth == args.largest_at_most else ""
         print(f"\nLargest model of this width within GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}: "
-              f"{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), as the auto rows plan it: "
+              f"{least}{depth} blocks ({parameters / 1e9:.1f} B parameters; this one has {len(model.blocks)}), as the auto rows plan it: "
               f"units {plan.homes}, blocks {plan.layout} (keep/ckpt/swap), {plan.seconds:.2f} s per step.")
     else:
         print(f"\nNot even one block of this model fits GPU {fmt(max(budgets))}, host {fmt(host)}, NVMe {fmt(nvme)}.")

@@ -6,10 +6,11 @@ kept there, against ``gpu_memory``, for a GPT-2 whose sequences change length fr
     python tools/tier_use.py --gpu-memory 2MiB --lengths 16,16,16,16,16,64,64,128,128,32
 
 One row per step: the sequence length, the blocks' layout, the parameters' bytes, the activations
-kept, the activation layout's planned peak (the blocks' and what the forward keeps outside them),
-the sum of parameters and activations kept over ``gpu_memory``; on a GPU also the step's peak of
-``torch.cuda`` memory, which shows what the plan leaves out (the gradients the head's backward
-makes, the allocator's rounding). On a machine without a GPU the tier is emulated in host memory
+kept, the backward's gradients as planned (twice the largest tensor the forward saved), the
+activation layout's planned peak (the blocks', what the forward keeps outside them and the
+backward's gradients), the sum of parameters, activations kept and gradients over ``gpu_memory``;
+on a GPU also the step's peak of ``torch.cuda`` memory, which shows what the plan leaves out (the
+allocator's rounding, cuBLAS's workspace). On a machine without a GPU the tier is emulated in host memory
 and nothing enforces it: a sum over 1.00 is what a GPU would have had to find room for beyond the
 tier.
 """
@@ -65,7 +66,8 @@ class TierRows(L.Callback):
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         plan = tiered.activations.plan
         planned = plan.peak_bytes if plan is not None else None
-        self.rows.append((module.lengths[batch_idx % len(module.lengths)], layout, parameters, saved, planned, peak))
+        gradients = tiered.activations.beside.gradients
+        self.rows.append((module.lengths[batch_idx % len(module.lengths)], layout, parameters, saved, gradients, planned, peak))
 
 
 def main() -> None:
@@ -89,12 +91,14 @@ def main() -> None:
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
             callbacks=[rows],
         ).fit(Lengths(lengths, family="gpt2", config=config, lr=1e-3), DataLoader(tokens, batch_size=args.batch_size))
-    print(f"\n| step | sequence | layout | parameters | activations kept | planned peak | sum / gpu_memory ({args.gpu_memory}) | peak CUDA memory |")
-    print("|---|---|---|---|---|---|---|---|")
-    for step, (length, layout, parameters, saved, planned, peak) in enumerate(rows.rows, 1):
+    print(f"\n| step | sequence | layout | parameters | activations kept | backward's gradients | planned peak | "
+          f"sum / gpu_memory ({args.gpu_memory}) | peak CUDA memory |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for step, (length, layout, parameters, saved, gradients, planned, peak) in enumerate(rows.rows, 1):
         cuda = f"{peak / 2**20:.2f} MiB" if peak is not None else "-"
         plan = f"{planned / 1024:.1f} KiB" if planned is not None else "-"
-        print(f"| {step} | {length} | {layout} | {parameters / 1024:.1f} KiB | {saved / 1024:.1f} KiB | {plan} | {(parameters + saved) / budget:.2f} | {cuda} |")
+        print(f"| {step} | {length} | {layout} | {parameters / 1024:.1f} KiB | {saved / 1024:.1f} KiB | {gradients / 1024:.1f} KiB | {plan} | "
+              f"{(parameters + saved + gradients) / budget:.2f} | {cuda} |")
 
 
 if __name__ == "__main__":

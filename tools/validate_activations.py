@@ -14,6 +14,11 @@ the estimate's error; the model's step planning prices activations with the esti
 ``torch.autocast`` on the CPU (as Lightning's plugin enters it, without its cast cache), the meta one
 with ``profiling/analytic.py::Autocast`` given the CPU's op lists, which checks the emulation the
 step model runs with the GPU's lists.
+
+A second table runs one training step of each (forward and backward) and measures what the
+backward holds beyond what the forward left (``runtime/live_bytes.py``: the bytes of tensors
+the step's operations made, still alive), against twice the largest tensor the forward saved,
+which the runtime and the step model plan beside every activation layout (``BesideBlocks``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import torch  # noqa: E402
 from experiments.models import build_causal_lm  # noqa: E402
 from offload_strategy.hardware import known_hardware  # noqa: E402
 from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast, analytic_compute  # noqa: E402
+from offload_strategy.runtime.live_bytes import LiveBytes  # noqa: E402
 from offload_strategy.runtime.activations import find_blocks  # noqa: E402
+from offload_strategy.runtime.saved_bytes import SavedBytes  # noqa: E402
 
 WIDTH, HEADS, LAYERS = 256, 4, 2
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -70,13 +77,57 @@ def build(family: str) -> torch.nn.Module:
 
 def estimated(family: str, batch: int, seq: int, mixed: bool = False) -> int:
     """The first block's saved bytes, from shapes on the meta device."""
+    return estimate(family, batch, seq, mixed).blocks[0].activation_bytes
+
+
+def estimate(family: str, batch: int, seq: int, mixed: bool = False) -> Any:
+    """The analytic profile of ``family`` from shapes on the meta device."""
     with torch.device("meta"):
         model = build(family)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     autocast = Autocast(torch.bfloat16, AUTOCAST_CPU) if mixed else None
-    costs = analytic_compute(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"),
-                             autocast=autocast).blocks
-    return costs[0].activation_bytes
+    return analytic_compute(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"),
+                            autocast=autocast)
+
+
+def backward_beyond_forward(model: torch.nn.Module, forward: Any) -> tuple[int, int]:
+    """(the most the backward of ``forward()``'s loss held beyond what the forward left, the
+    largest tensor the forward saved), each parameter's gradient taken away as it is made, as the
+    runtime moves it to its home."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    saved = SavedBytes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in parameters:
+            saved.add(t)
+        return t
+
+    with LiveBytes() as live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward()
+        left = live.bytes
+        live.reset()
+        loss.backward()
+    return live.peak - left, saved.largest
+
+
+def backward_gradients(family: str, batch: int, seq: int, mixed: bool = False) -> dict[str, Any]:
+    """One training step of ``family`` on the CPU: the largest tensor its forward saved, and the
+    most its backward held beyond what the forward left."""
+    torch.manual_seed(0)
+    model = build(family)
+    ids = torch.randint(0, CONFIGS[family]["vocab_size"], (batch, seq))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if mixed else contextlib.nullcontext()
+
+    def forward() -> torch.Tensor:
+        with autocast:
+            return model(input_ids=ids, labels=ids).loss
+
+    measured, largest = backward_beyond_forward(model, forward)
+    return {"family": family, "largest": largest, "measured": measured, "planned": 2 * largest,
+            "estimated": estimate(family, batch, seq, mixed).beside.gradients}
 
 
 def measured(family: str, batch: int, seq: int, mixed: bool = False) -> int:
@@ -133,6 +184,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in compare(args.families, args.batch, args.seq, mixed):
         print(f"| {r['family']} | {r['estimated']:,} | {r['measured']:,} | {r['estimated'] / r['per_sbh']:.1f} | "
               f"{r['measured'] / r['per_sbh']:.1f} | {r['error']:+.1%} |")
+    print("\nthe backward beyond what the forward left, one training step on the CPU\n")
+    print("| family | largest saved tensor | backward measured | planned (twice the largest) | measured / planned | estimated from shapes |")
+    print("|---|---|---|---|---|---|")
+    for family in args.families:
+        g = backward_gradients(family, args.batch, args.seq, mixed)
+        print(f"| {family} | {g['largest']:,} | {g['measured']:,} | {g['planned']:,} | {g['measured'] / g['planned']:.2f} | {g['estimated']:,} |")
     return 0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import BlockPolicy
+from ..config import BlockPolicy, format_bytes
 from .cost_model import Bandwidth, move_seconds
 
 KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT, BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
@@ -74,6 +74,40 @@ class Links(Bandwidth):
             nvme_forward_seconds=p / links.nvme_read if on_ssd else 0.0,
             nvme_backward_seconds=7 * p / links.nvme_read + 7 * p / links.nvme_write if on_ssd else 0.0,
         )
+
+
+@dataclass(frozen=True)
+class BesideBlocks:
+    """GPU-tier bytes no block's policy changes, planned beside every layout of the blocks:
+
+    - ``outside``: what the forward keeps for backward outside every block (the embeddings'
+      output, the head's input, the loss's log-softmax);
+    - ``gradients``: the backward's working memory at its largest, twice the largest tensor the
+      forward saved. An operation's backward holds the gradient of its output and makes the
+      gradient of its input, each as large as what it saved, while the saved tensors are still
+      held: cross-entropy's backward makes two gradients the size of its log-softmax before any
+      block's backward frees anything.
+    """
+
+    outside: int = 0
+    gradients: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.outside + self.gradients
+
+    def scaled(self, growth: float) -> "BesideBlocks":
+        """For a batch whose blocks take ``growth`` times the inputs (both grow with batch size times sequence length)."""
+        return BesideBlocks(round(self.outside * growth), round(self.gradients * growth))
+
+    def largest(self, other: "BesideBlocks") -> "BesideBlocks":
+        return BesideBlocks(max(self.outside, other.outside), max(self.gradients, other.gradients))
+
+    def note(self, lead: str) -> str:
+        """``lead`` and what these bytes are, for a message; empty when there are none."""
+        parts = [f"{format_bytes(n)} {what}" for n, what in ((self.outside, "of activations outside the blocks"),
+                                                             (self.gradients, "for the backward's gradients")) if n]
+        return lead + " and ".join(parts) if parts else ""
 
 
 @dataclass(frozen=True)

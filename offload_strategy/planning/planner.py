@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from ..config import ActivationPlanner, BlockPolicy, PlacementMode, PolicyConfig, Tier, format_bytes
 from ..profiling.profile import StepProfile, steady_timing
-from .activations import ActivationPlan, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
+from .activations import ActivationPlan, BesideBlocks, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
 from .auto import AutoPlan, plan_auto
 from .cost_model import Machine, costs_from_timing
 from .lohan import lohan_layout
@@ -225,13 +225,13 @@ class Planner:
 
     def search(
         self, timing: StepProfile, trainable: Sequence[bool], machine: Machine, direct_gradients: bool,
-        blocks: Sequence[BlockCost] = (), links: Optional[Links] = None, activation_host_bytes: int = 0, outside_bytes: int = 0,
+        blocks: Sequence[BlockCost] = (), links: Optional[Links] = None, activation_host_bytes: int = 0, beside: BesideBlocks = BesideBlocks(),
     ) -> tuple[AutoPlan, list[int]]:
         """ProTrain's search (§3.3) over how many leading units stay resident, each count priced
         by the step model from the measured times of ``timing`` (``direct_gradients``: every
         offloaded gradient is written at home, no copy on the link); with ``blocks``, jointly with
-        the activation layout, beside ``outside_bytes`` of activations the forward keeps outside
-        the blocks (counted in the layout's peak). Returns the plan and the units in first-use
+        the activation layout, ``beside`` the bytes outside the blocks' layouts (counted in the
+        layout's peak). Returns the plan and the units in first-use
         order. Raises PlacementError when no split of the GPU tier fits."""
         self.phase = PlanPhase.SEARCHED
         model, budgets = self.units, self.budgets
@@ -243,13 +243,13 @@ class Planner:
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(
-            model.sizes, model.together, order, costs, machine, gpu_bytes=budgets.gpu - outside_bytes, host_bytes=budgets.host,
+            model.sizes, model.together, order, costs, machine, gpu_bytes=max(budgets.gpu - beside.bytes, 0), host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, sharding=model.sharding,
             gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
         )
-        if plan.activations is not None and outside_bytes:
-            plan = replace(plan, activations=replace(plan.activations, peak_bytes=plan.activations.peak_bytes + outside_bytes))
+        if plan.activations is not None and beside.bytes:
+            plan = replace(plan, activations=replace(plan.activations, peak_bytes=plan.activations.peak_bytes + beside.bytes))
         self.search_result = plan
         return plan, order
 
@@ -271,30 +271,31 @@ class Planner:
             return 0
         return minimum_gpu_bytes(self.units.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
 
-    def least_activation_peak(self, costs: Sequence[BlockCost], planner: str, outside_bytes: int = 0) -> int:
-        """The smallest activation peak any layout the planner may choose reaches, with
-        ``outside_bytes`` the forward keeps outside the blocks."""
+    def least_activation_peak(self, costs: Sequence[BlockCost], planner: str, beside: BesideBlocks = BesideBlocks()) -> int:
+        """The smallest activation peak any layout the planner may choose reaches, with the bytes
+        ``beside`` the blocks."""
         if planner == ActivationPlanner.TERAIO:  # offloads only: every block but the last leaves
-            return outside_bytes + peak_bytes(costs, [BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP])
+            return beside.bytes + peak_bytes(costs, [BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP])
         blocks = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [BlockPolicy.SWAP_HOST] * len(costs)))
-        return outside_bytes + blocks
+        return beside.bytes + blocks
 
-    def activation_minimum_note(self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], outside_bytes: int = 0) -> str:
+    def activation_minimum_note(
+        self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], beside: BesideBlocks = BesideBlocks(),
+    ) -> str:
         smallest = self.smallest_parameter_share(block_policies)
-        outside = f", {format_bytes(outside_bytes)} of activations outside the blocks" if outside_bytes else ""
         return (
-            f"With {format_bytes(smallest)} of streaming buffers for the parameters{outside}, gpu_memory must be at least "
-            f"{format_bytes(smallest + self.least_activation_peak(costs, planner, outside_bytes), at_least=True)} (it is {format_bytes(self.budgets.gpu)})."
+            f"With {format_bytes(smallest)} of streaming buffers for the parameters{beside.note(', ')}, gpu_memory must be at least "
+            f"{format_bytes(smallest + self.least_activation_peak(costs, planner, beside), at_least=True)} (it is {format_bytes(self.budgets.gpu)})."
         )
 
     def refuse_unfitting_activations(
-        self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], measured: str, outside_bytes: int = 0,
+        self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], measured: str, beside: BesideBlocks = BesideBlocks(),
     ) -> None:
-        """When no layout fits even beside the parameters' smallest share of the GPU tier (and
-        ``outside_bytes`` of activations outside the blocks): the minimum gpu_memory, and how far
-        the batch must shrink instead (activations, and the blocks' inputs, grow in proportion to
-        batch size times sequence length)."""
-        least = self.least_activation_peak(costs, planner, outside_bytes)
+        """When no layout fits even beside the parameters' smallest share of the GPU tier (and the
+        bytes ``beside`` the blocks): the minimum gpu_memory, and how far the batch must shrink
+        instead (activations, and the blocks' inputs, grow in proportion to batch size times
+        sequence length)."""
+        least = self.least_activation_peak(costs, planner, beside)
         left = self.budgets.gpu - self.smallest_parameter_share(block_policies)
         if least <= left:
             return
@@ -304,36 +305,37 @@ class Planner:
         )
         raise ValueError(
             f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
-            f"{least:,} bytes, {measured}. {self.activation_minimum_note(costs, planner, block_policies, outside_bytes)} "
+            f"{least:,} bytes, {measured}. {self.activation_minimum_note(costs, planner, block_policies, beside)} "
             f"Raise gpu_memory to that, or {shrink}."
         )
 
     def layout(
         self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int, block_policies: Sequence[str],
-        outside_bytes: int = 0,
+        beside: BesideBlocks = BesideBlocks(),
     ) -> tuple[ActivationPlan, Optional[int]]:
-        """Every block's policy beside ``parameter_bytes`` of parameters in the GPU tier (and
-        ``outside_bytes`` of activations outside the blocks). When none fits there, the layout for
+        """Every block's policy beside ``parameter_bytes`` of parameters in the GPU tier (and the
+        bytes ``beside`` the blocks). When none fits there, the layout for
         the parameters' smallest share, and the GPU bytes the parameters must be placed again in
         (then ask again with what that placement uses)."""
         self.phase = PlanPhase.LAID_OUT
         try:
-            return self.layout_beside(costs, links, planner, parameter_bytes, host_bytes, outside_bytes), None
+            return self.layout_beside(costs, links, planner, parameter_bytes, host_bytes, beside), None
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
         try:
-            plan = self.layout_beside(costs, links, planner, self.smallest_parameter_share(block_policies), host_bytes, outside_bytes)
+            plan = self.layout_beside(costs, links, planner, self.smallest_parameter_share(block_policies), host_bytes, beside)
         except ValueError as error:
-            raise ValueError(f"{error} {self.activation_minimum_note(costs, planner, block_policies, outside_bytes)}") from None
+            raise ValueError(f"{error} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
         return plan, self.budgets.gpu - plan.peak_bytes
 
     def layout_beside(
-        self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int, outside_bytes: int = 0,
+        self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int,
+        beside: BesideBlocks = BesideBlocks(),
     ) -> ActivationPlan:
-        """The planner's layout in what ``parameter_bytes`` of parameters and ``outside_bytes`` of
-        activations outside the blocks leave of the GPU tier; its peak counts the latter (they
-        are held from forward into backward, beside the blocks')."""
-        gpu_bytes = max(self.budgets.gpu - parameter_bytes - outside_bytes, 0)
+        """The planner's layout in what ``parameter_bytes`` of parameters and the bytes ``beside``
+        the blocks leave of the GPU tier; its peak counts the latter (the activations outside the
+        blocks are held from forward into backward, beside the blocks')."""
+        gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.bytes, 0)
         plan = _LAYOUTS.get(planner, choose_layout)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
-        return replace(plan, peak_bytes=plan.peak_bytes + outside_bytes) if outside_bytes else plan
+        return replace(plan, peak_bytes=plan.peak_bytes + beside.bytes) if beside.bytes else plan

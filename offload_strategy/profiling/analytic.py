@@ -70,7 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
 from ..config import HardwareSpec
-from ..planning.activations import BlockCost
+from ..planning.activations import BesideBlocks, BlockCost
 from ..planning.cost_model import UNKNOWN_LINK
 from ..runtime.units import TransferUnit
 
@@ -211,6 +211,12 @@ class AnalyticCompute:
     # kept for backward outside every block (the embeddings', the head's input, the loss's
     # log-softmax), as the runtime measures it in the profiled steps
     outside_activation_bytes: int = 0
+    largest_saved_bytes: int = 0  # the largest tensor saved, in a block or outside: the backward's gradients are twice it
+
+    @property
+    def beside(self) -> BesideBlocks:
+        """What every layout of the blocks is planned beside, as the runtime plans it."""
+        return BesideBlocks(self.outside_activation_bytes, 2 * self.largest_saved_bytes)
 
 
 def analytic_compute(
@@ -257,7 +263,8 @@ def analytic_compute(
     outside_moved = meter.traffic.total - sum(meter.moved)
     outside_excess = max(meter.traffic.excess - sum(meter.excess), 0.0)
     total_flops = meter.counter.get_total_flops() + sum(meter.fused)
-    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops, meter.outside_saved)
+    return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops,
+                           meter.outside_saved, meter.largest_saved)
 
 
 def attach_unattributed(
@@ -307,6 +314,7 @@ class _BlockMeter:
         self.held: list[dict[int, Any]] = [{} for _ in range(count)]
         self.outside_held: dict[int, Any] = {}  # the same, outside every block (a storage a block saved is the block's)
         self.outside_saved = 0
+        self.largest_saved = 0
         self.current: list[int] = []  # the block running now (innermost last)
         self.counter = FlopCounterMode(display=False, custom_mapping=_COUNTED_APART)
         self.traffic = _MemoryTraffic()
@@ -316,6 +324,7 @@ class _BlockMeter:
         if is_parameter:
             return t
         storage = t.untyped_storage()
+        self.largest_saved = max(self.largest_saved, min(_nbytes(t), storage.nbytes()))
         if self.current:
             block = self.current[-1]
             if storage._cdata not in self.held[block]:

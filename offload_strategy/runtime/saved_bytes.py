@@ -4,7 +4,8 @@ Autograd saves one tensor for several operations (``log_softmax``'s output for i
 and for ``nll_loss``'s: cross-entropy's largest tensor twice), and views of one output (a fused
 projection split into query, key and value). Summing every saved tensor counts such memory again;
 summing whole storages counts all of a large buffer a block saved a slice of. :class:`SavedBytes`
-counts each distinct view once, and never more than its storage holds.
+counts each distinct view once, and never more than its storage holds. It also keeps the largest
+tensor saved: the backward's gradients at their largest are twice its size (``BesideBlocks``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ class _Storage:
 
 
 class SavedBytes:
-    """See the module docstring. ``add`` each saved tensor; ``bytes`` is the total so far."""
+    """See the module docstring. ``add`` each saved tensor; ``bytes`` is the total so far,
+    ``largest`` the largest tensor."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.largest = 0
         self._storages: dict[int, _Storage] = {}
 
     def clear(self) -> None:
-        self.bytes = 0
+        self.bytes = self.largest = 0
         self._storages.clear()
 
     def add(self, t: torch.Tensor) -> None:
@@ -47,6 +50,8 @@ class SavedBytes:
         if view in held.views:
             return
         held.views.add(view)
-        added = min(t.numel() * t.element_size(), held.limit - held.counted)
+        size = min(t.numel() * t.element_size(), held.limit)
+        self.largest = max(self.largest, size)
+        added = min(size, held.limit - held.counted)
         held.counted += added
         self.bytes += added
