@@ -153,7 +153,9 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
         return seen["units"], seen["blocks"], seen["resident"]
 
     units, blocks, resident = plan(slow_step=1)
-    assert all(t < 0.005 for t in units.values()), units  # the slowed second step priced nothing
-    assert all(t < 0.005 * 4 for t in blocks), blocks  # a block's modules each waited 5 ms in that step
+    # the slowed second step priced nothing: priced from it, every unit would take 5 ms or more (a
+    # unit or two may stall that long on a busy machine on its own)
+    assert sum(t >= 0.005 for t in units.values()) <= len(units) // 4, units
+    assert sum(t >= 0.005 * 4 for t in blocks) <= len(blocks) // 4, blocks  # a block's modules each waited 5 ms in that step
     quiet_units, _, quiet_resident = plan(slow_step=-1)
     assert resident == quiet_resident
