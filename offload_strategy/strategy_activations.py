@@ -49,6 +49,7 @@ class ActivationControl:
         self.measured_beside = BesideBlocks()  # the most the profiled forwards kept outside the blocks, and their gradients
         self.plan_links: Optional[Links] = None  # ... and these links
         self._saved = SavedBytes()  # kept for backward by the last forward, without an engine
+        self._counting = self._saved  # ... or the engine's count, as the saved-tensor hooks in use feed it
         self.planned_input_bytes = 0  # the first block's input the layout in place was planned for
         self.grown_costs: Optional[tuple[list[BlockCost], BesideBlocks]] = None  # a batch outgrew every layout beside the parameters as placed
         self._in_training_step = False
@@ -179,9 +180,9 @@ class ActivationControl:
         if activations is not None and activations.profile is not None:
             measured = ("measured in the first block's forward of the first training step (what the forward keeps after the blocks, "
                         "the logits and the loss's among them, is not known yet and may ask for more)")
-            profile = activations.profile
-            self._refuse_if_unfitting(activations.first_block_costs(), measured,
-                                      BesideBlocks(profile.saved_before_blocks, 2 * profile.largest_saved))
+            # the counter has seen the first block's tensors and those before it
+            beside = BesideBlocks(activations.profile.saved_before_blocks, 2 * self._counter().largest)
+            self._refuse_if_unfitting(activations.first_block_costs(), measured, beside)
 
     def refuse_unfitting(self) -> None:
         """Again once forward has measured every block and what it keeps outside them, before
@@ -203,15 +204,19 @@ class ActivationControl:
         embeddings' output, the head's input, the logits' log-softmax), its total less what the
         counter rose by while the blocks ran, and twice the largest tensor it saved (the
         backward's gradients). The layout is planned beside the most of each."""
-        activations, engine = self.policies_in_use, self.context.engine
+        activations = self.policies_in_use
         profile = activations.profile if activations is not None else None
         if profile is None or profile.blocks_saved_bytes is None:
             return
-        saved = engine.saved if engine is not None else self._saved
+        saved = self._counter()
         outside = max(saved.bytes - profile.blocks_saved_bytes, 0)
         profile.blocks_saved_bytes = None  # one reading per forward that ran the blocks
-        gradients = 2 * max(saved.largest, profile.largest_saved)
-        self.measured_beside = self.measured_beside.largest(BesideBlocks(outside, gradients))
+        self.measured_beside = self.measured_beside.largest(BesideBlocks(outside, 2 * saved.largest))
+
+    def _counter(self) -> SavedBytes:
+        """What the training forward has saved for backward so far, as the hooks in use count it:
+        the engine's count, or this one's without an engine."""
+        return self._counting
 
     def measure_blocks_again(self, keep_fastest: bool = False) -> None:
         """The blocks are timed again in the next training step (the first ran cold; with
@@ -329,7 +334,8 @@ class ActivationControl:
         assert activations is not None
         outer = (engine.pack_saved, engine.unpack_saved) if engine is not None else (self._count_saved, _unchanged)
         activations.outer = outer
-        activations.saved_so_far = (lambda: engine.activation_bytes) if engine is not None else (lambda: self.saved_bytes)
+        self._counting = engine.saved if engine is not None else self._saved
+        activations.saved_so_far = lambda: self._counting.bytes
         activations.recompute_holds = engine.recompute_holds if engine is not None else None
         if activations.swap is not None:
             activations.swap.outer = outer

@@ -82,7 +82,6 @@ class BlockProfile:
     # block's end; None until a forward ran them all, and again once the strategy took it
     blocks_saved_bytes: Optional[int] = None
     saved_before_blocks: int = 0  # ... and what it had counted when the first block started
-    largest_saved: int = 0  # the largest tensor the first block saved
 
 
 class ActivationPolicies:
@@ -276,7 +275,6 @@ class ActivationPolicies:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = forward(*args, **kwargs)
         self.profile.activation_bytes += counted.bytes
-        self.profile.largest_saved = max(self.profile.largest_saved, counted.largest)
         return out
 
     def first_block_costs(self) -> list[BlockCost]:
