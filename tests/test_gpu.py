@@ -136,7 +136,7 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
     in bf16) of one matmul that chose another kernel moves a loss by ~1e-3 at most over 12 steps."""
     total = param_bytes(gpt2_4l)
     policy = PolicyConfig.coerce(name)
-    gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + {"auto": 400_000, "lohan": 400_000, "teraio": 800_000}.get(policy.activations, 0)
+    gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + {"auto": 560_000, "lohan": 560_000, "teraio": 800_000}.get(policy.activations, 0)
     strategy = TieredStrategy(policy=name, gpu_memory=gpu, host_memory=int(6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     where = Where()
     losses, weights, _ = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, accelerator="gpu", precision=precision, extra_callbacks=(where,))
@@ -155,12 +155,17 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
 @pytest.mark.parametrize("placement", ["host", "nvme"])
 def test_a_gan_stepping_twice_in_its_training_step_on_a_gpu_trains_as_plain(tmp_path, placement):
     """Manual optimization: the critic runs forward again after its step (and its weights are
-    clipped through ``.data``); those forwards must compute with GPU-tier copies."""
+    clipped through ``.data``); those forwards must compute with GPU-tier copies. The first loss
+    holds the generator's loss through the critic just updated: a stale copy would move it by the
+    update's size, ~1e-2. Later losses follow the host's RMSprop, which rounds differently from
+    CUDA's: every critic weight one rounding apart after the first step moves them by 8e-5
+    relative on the CPU (measured with ``torch.nextafter``), 7.5e-5 measured on an H200."""
     from tests import test_recipes as recipes
 
     plain_losses, _, _ = recipes.fit("auto", tmp_path / "plain", recipes.WeightClippingWgan, accelerator="gpu")
     losses, _, _ = recipes.fit(recipes.tiered(placement, tmp_path), tmp_path / "tiered", recipes.WeightClippingWgan, accelerator="gpu")
-    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert losses[0] == pytest.approx(plain_losses[0], rel=1e-6)
+    assert losses == pytest.approx(plain_losses, rel=3e-4)
 
 
 @pytest.mark.parametrize("placement", ["host", "nvme"])

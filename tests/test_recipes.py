@@ -1433,11 +1433,11 @@ class InputGradients(L.Callback):
         self.seen: list[tuple[float, ...]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        x = torch.ones(2, 32, requires_grad=True)
+        x = torch.ones(2, 32, requires_grad=True, device=pl_module.device)
         (saliency,) = torch.autograd.grad(pl_module.head(pl_module.norm(x)).pow(2).sum(), x)
-        grad = torch.func.grad(lambda h: pl_module.head(pl_module.norm(h)).pow(2).sum())(torch.ones(2, 32))
+        grad = torch.func.grad(lambda h: pl_module.head(pl_module.norm(h)).pow(2).sum())(torch.ones(2, 32, device=pl_module.device))
         vmapped = torch.func.vmap(lambda b: pl_module(b[None]).sum())(batch)
-        jacobian = torch.func.jacrev(lambda h: pl_module.blocks[1](h))(torch.ones(32))
+        jacobian = torch.func.jacrev(lambda h: pl_module.blocks[1](h))(torch.ones(32, device=pl_module.device))
         self.seen.append(tuple(float(t.detach().norm()) for t in (saliency, grad, vmapped, jacobian)))
 
 

@@ -227,22 +227,35 @@ class GradientPath:
         is there already; one at home in pinned host memory while the parameter is on the GPU is
         shown as a view of it from the GPU (writes cross the link). A 16-bit parameter's gradient
         accumulated in fp32 for its master is shown (``copy``) as a copy in the parameter's dtype,
-        as plain training has it, where it is on the parameter's device (on the GPU such copies
-        would take memory the plan does not hold); what user code writes to the copy is taken back
-        (:meth:`take_back_exposed`)."""
+        as plain training has it (:meth:`_narrowed`); what user code writes to the copy is taken
+        back (:meth:`take_back_exposed`)."""
         held = self._held(s, i, p)
         if held is None or not p.requires_grad:
             return None
         if p.grad is not None:
             return held if p.grad.data_ptr() == held.data_ptr() else None
-        if held.dtype != p.dtype and (not copy or held.device != p.device):
-            return None
+        if held.dtype != p.dtype:
+            held = self._narrowed(s, i, p, held) if copy else None
+            if held is None:
+                return None
         if held.device != p.device:
             if not can_view(held, p.device):
                 return None
             held = device_view(held, p.device)
-        p.grad = held if held.dtype == p.dtype else held.to(p.dtype)
+        p.grad = held
         return p.grad
+
+    def _narrowed(self, s: UnitState, i: int, p: torch.Tensor, held: torch.Tensor) -> Optional[torch.Tensor]:
+        """An fp32 gradient in its 16-bit parameter's dtype: beside it where the fp32 one is on its
+        device, else in the unit's 16-bit landing area at home, idle once the gradient has landed
+        (a GPU copy would take memory the plan does not hold; None where there is no such area)."""
+        if held.device == p.device:
+            return held.to(p.dtype)
+        landing = s.grads[i].landing if s.home != GPU else None
+        if landing is None:
+            return None
+        landing.copy_(held)
+        return landing
 
     def _held(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the parameter's gradient so far is held apart from ``p.grad``: at an offloaded
@@ -275,8 +288,13 @@ class GradientPath:
                 )
             held.copy_(current)
             p.grad = exposed if exposed.data_ptr() == held.data_ptr() else None
-        elif exposed.dtype != held.dtype and not torch.equal(exposed, held.to(exposed.dtype)):
-            held.copy_(exposed)  # changed in place: its 16-bit values, as plain training would step
+        elif exposed.dtype != held.dtype:
+            shown = exposed
+            if exposed.device != held.device:  # a view of the landing area: read there once the GPU's writes are done
+                s.grads[i].wait()
+                shown = s.grads[i].landing
+            if not torch.equal(shown, held.to(shown.dtype)):
+                held.copy_(shown)  # changed in place: its 16-bit values, as plain training would step
         return True
 
     def drop(self, s: UnitState, i: int, p: torch.Tensor) -> None:
