@@ -1104,7 +1104,7 @@ class TieredCore:
             "nvme_memory": disk_free(str(options.nvme_path)) if options.nvme_path else 0,
         }
         where = {
-            "gpu_memory": str(root) if root.type == "cuda" else "the emulated GPU tier (host memory)",
+            "gpu_memory": f"{root} (less cuBLAS's workspaces)" if root.type == "cuda" else "the emulated GPU tier (host memory)",
             "host_memory": "host memory",
             "nvme_memory": str(options.nvme_path),
         }

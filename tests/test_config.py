@@ -118,6 +118,27 @@ def test_a_probed_gpu_borrows_its_datasheet_memory_bandwidth():
     assert _borrowed_figures("an unknown card", 8 * 2**30)["gpu_memory_gbps"] is None
 
 
+def test_a_gpu_tier_of_all_that_is_free_leaves_cublas_its_workspaces(monkeypatch):
+    """cuBLAS takes a workspace per thread and stream multiplying matrices, outside every tier:
+    measured on an H200 (compute capability 9), 32 MiB at the first product and 1 MiB of
+    cuBLASLt's at the first with a bias, again for autograd's backward thread. A tier granted all
+    free memory used to leave nothing for them."""
+    from offload_strategy.hardware import cublas_workspace_bytes, gpu_free
+    from offload_strategy.hardware import probe
+
+    assert cublas_workspace_bytes(9) == 33 * 2**20
+    assert cublas_workspace_bytes(8) == 8 * 2**20 + 128 * 2**10 + 2**20  # ":4096:2:16:8" and 1 MiB
+    assert cublas_workspace_bytes(9, ":4096:2", "0") == 8 * 2**20
+    assert cublas_workspace_bytes(8, ":16:8", "2048") == 128 * 2**10 + 2 * 2**20
+    monkeypatch.setattr(probe.torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(probe.torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("TORCH_CUBLASLT_WORKSPACE_SIZE", raising=False)
+    assert gpu_free(torch.device("cuda", 0)) == 10 * 2**30 - 66 * 2**20
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8:4096:8")
+    assert gpu_free(torch.device("cuda", 0)) == 10 * 2**30 - 2 * 65 * 2**20
+
+
 def test_probe_and_resolve():
     spec = probe_hardware()
     assert spec.host_memory > 0 and spec.cpu_cores >= 1

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from ..config import HardwareSpec
-from .probe import AVAILABLE_SHARE, cpu_cores, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
+from .probe import AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
 from .specs import KNOWN_MACHINES, known_hardware
 
 
@@ -31,6 +31,7 @@ __all__ = [
     "KNOWN_MACHINES",
     "HardwareSpec",
     "cpu_cores",
+    "cublas_workspace_bytes",
     "disk_free",
     "gpu_free",
     "host_available",

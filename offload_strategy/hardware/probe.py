@@ -50,11 +50,39 @@ def host_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
+# Training multiplies matrices on two threads: the training loop's and autograd's backward thread.
+_MATMUL_THREADS = 2
+_KIB = 1024
+
+
+def cublas_workspace_bytes(major: int, config: Optional[str] = None, lt_kib: Optional[str] = None) -> int:
+    """GPU memory cuBLAS and cuBLASLt take per thread and stream that multiplies matrices, from
+    PyTorch's caching allocator and outside every tier: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT``
+    pairs, KiB) or PyTorch's default (32 MiB from compute capability 9, 8 MiB and 128 KiB before),
+    and ``TORCH_CUBLASLT_WORKSPACE_SIZE`` (KiB, 1 MiB by default). Measured on an H200 with
+    ``tools/cuda_reserve.py``: 32 MiB at the first product, 1 MiB at the first with a bias, 33 more
+    for the backward thread and for a second stream."""
+    if config:
+        numbers = [int(n) for n in config.split(":") if n]
+        cublas = sum(size * count for size, count in zip(numbers[::2], numbers[1::2])) * _KIB
+    else:
+        cublas = 4096 * 8 * _KIB if major >= 9 else (4096 * 2 + 16 * 8) * _KIB
+    return cublas + int(lt_kib or 1024) * _KIB
+
+
+def gpu_reserve(device: torch.device) -> int:
+    """What a GPU tier of "all that is free" leaves to cuBLAS's workspaces (both training threads)."""
+    major, _minor = torch.cuda.get_device_capability(device)
+    workspace = cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), os.environ.get("TORCH_CUBLASLT_WORKSPACE_SIZE"))
+    return _MATMUL_THREADS * workspace
+
+
 def gpu_free(device: torch.device) -> int:
-    """Free bytes on a CUDA device; on other devices the GPU tier is emulated in host memory."""
+    """Bytes the GPU tier can have on a CUDA device: free memory less :func:`gpu_reserve`; on other
+    devices the GPU tier is emulated in host memory."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        return max(int(free) - gpu_reserve(device), 0)
     return host_available()
 
 
