@@ -46,6 +46,7 @@ from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import compact, measured_state_factor
+from .runtime.out_of_memory import PlannedUse, out_of_memory_explained
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
 from .strategy_activations import ActivationControl
@@ -816,9 +817,20 @@ class TieredCore:
         self.prediction.step_begins()
         self.activations.begin_block_forward()
         try:
-            return self._run_training_step(run, rules, manual=recipe is None and not self.context.module.automatic_optimization)
+            with self._out_of_memory_explained():
+                return self._run_training_step(run, rules, manual=recipe is None and not self.context.module.automatic_optimization)
         finally:
             self.activations.end_training_step()
+
+    def _out_of_memory_explained(self) -> contextlib.AbstractContextManager:
+        return out_of_memory_explained(self._planned_use, self.lightning.root_device)
+
+    def _planned_use(self) -> Optional[PlannedUse]:
+        """The GPU tier as the plan holds it now (None before the budgets are granted)."""
+        if self.budgets is None:
+            return None
+        plan = self.activations.plan
+        return PlannedUse(self.budgets.gpu, self.activations.gpu_parameter_bytes(), plan.peak_bytes if plan is not None else None, self.activations.beside)
 
     def _run_training_step(self, run: Callable[[], Any], rules: Rules, manual: bool) -> Any:
         engine = self.engine
@@ -926,9 +938,11 @@ class TieredCore:
             # the optimizer chosen before it (a first engine's units stepped by the plain one).
             self._plan_between_steps(self.recipe(self.context.module.trainer))
         if self.engine is None:
-            result = plain(optimizer, closure, model, **kwargs)
+            with self._out_of_memory_explained():
+                result = plain(optimizer, closure, model, **kwargs)
         else:
-            closure_result = closure()  # forward and backward
+            with self._out_of_memory_explained():
+                closure_result = closure()  # forward and backward
             if not self.context.module.automatic_optimization:
                 self.before_users_step()
             engine, recipe = self.engine, self.recipe(module.trainer)

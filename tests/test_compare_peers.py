@@ -28,3 +28,20 @@ def test_a_dry_run_on_the_cpu_prints_every_row(capsys):
 def test_an_unknown_model_names_the_known_ones():
     with pytest.raises(SystemExit, match="gpt2_tiny"):
         main(["--model", "gpt2_huge", "--rows", "lightning"])
+
+
+def test_a_sequence_longer_than_the_model_s_positions_is_refused_before_any_row():
+    """The docstring's dry run used the default --seq-len 1024 on gpt2_tiny (256 positions): every
+    row failed with an index error from the position embedding."""
+    with pytest.raises(SystemExit, match=r"--seq-len 1024 is longer than gpt2_tiny's 256 positions; pass --seq-len 256 or less"):
+        main(["--model", "gpt2_tiny", "--accelerator", "cpu", "--rows", "lightning"])
+
+
+@pytest.mark.slow
+def test_a_failed_row_prints_the_end_of_its_error_output_and_peers_recompute_their_blocks(capsys):
+    """A GPU out-of-memory message runs to several lines; the table keeps 160 characters of one."""
+    main(["--model", "gpt2_tiny", "--accelerator", "cpu", "--rows", "fsdp_offload", "--steps", "2", "--warmup", "0", "--seq-len", "32",
+          "--batch-size", "2", "--precision", "32-true"])
+    captured = capsys.readouterr()
+    assert "fsdp_offload failed (exit 1); the end of its error output:" in captured.err
+    assert "the peers recompute every block" in captured.out
