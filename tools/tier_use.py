@@ -9,8 +9,9 @@ One row per step: the sequence length, the blocks' layout, the parameters' bytes
 kept, the backward's gradients as planned (twice the largest tensor the forward saved), the
 activation layout's planned peak (the blocks', what the forward keeps outside them and the
 backward's gradients), the sum of parameters, activations kept and gradients over ``gpu_memory``;
-on a GPU also the step's peak of ``torch.cuda`` memory, which shows what the plan leaves out (the
-allocator's rounding, cuBLAS's workspace). On a machine without a GPU the tier is emulated in host memory
+on a GPU also the ``torch.cuda`` memory allocated before the step and the step's peak of it,
+which show what the plan leaves out (cuBLAS's workspaces, the optimizer's states of GPU-tier
+units, the allocator's rounding; ``tools/cuda_reserve.py`` takes the workspaces apart). On a machine without a GPU the tier is emulated in host memory
 and nothing enforces it: a sum over 1.00 is what a GPU would have had to find room for beyond the
 tier.
 """
@@ -52,11 +53,12 @@ class Lengths(CausalLM):
 
 class TierRows(L.Callback):
     def __init__(self, budget: int) -> None:
-        self.budget, self.rows = budget, []
+        self.budget, self.rows, self.before = budget, [], None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         tiered = trainer.strategy.tiered
@@ -67,7 +69,7 @@ class TierRows(L.Callback):
         plan = tiered.activations.plan
         planned = plan.peak_bytes if plan is not None else None
         gradients = tiered.activations.beside.gradients
-        self.rows.append((module.lengths[batch_idx % len(module.lengths)], layout, parameters, saved, gradients, planned, peak))
+        self.rows.append((module.lengths[batch_idx % len(module.lengths)], layout, parameters, saved, gradients, planned, peak, self.before))
 
 
 def main() -> None:
@@ -92,10 +94,10 @@ def main() -> None:
             callbacks=[rows],
         ).fit(Lengths(lengths, family="gpt2", config=config, lr=1e-3), DataLoader(tokens, batch_size=args.batch_size))
     print(f"\n| step | sequence | layout | parameters | activations kept | backward's gradients | planned peak | "
-          f"sum / gpu_memory ({args.gpu_memory}) | peak CUDA memory |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for step, (length, layout, parameters, saved, gradients, planned, peak) in enumerate(rows.rows, 1):
-        cuda = f"{peak / 2**20:.2f} MiB" if peak is not None else "-"
+          f"sum / gpu_memory ({args.gpu_memory}) | CUDA memory before the step | its peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for step, (length, layout, parameters, saved, gradients, planned, peak, before) in enumerate(rows.rows, 1):
+        cuda = f"{before / 2**20:.2f} MiB | {peak / 2**20:.2f} MiB" if peak is not None else "- | -"
         plan = f"{planned / 1024:.1f} KiB" if planned is not None else "-"
         print(f"| {step} | {length} | {layout} | {parameters / 1024:.1f} KiB | {saved / 1024:.1f} KiB | {gradients / 1024:.1f} KiB | {plan} | "
               f"{(parameters + saved + gradients) / budget:.2f} | {cuda} |")
