@@ -34,6 +34,7 @@ from ..planning.activations import BlockCost
 from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .recompute import RecomputeHolds
+from .kv_cache import CacheReplay, caches_in
 from .saved_bytes import SavedBytes
 
 KEEP, CHECKPOINT = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT
@@ -190,7 +191,8 @@ class ActivationPolicies:
     def _swapped(self, index: int, destination: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or self.swap is None or self._under_users_hooks():
             return forward(*args, **kwargs)
-        with self.swap.hooks(index, destination):
+        caches = caches_in(args, kwargs)
+        with self.swap.hooks(index, destination), CacheReplay(caches).forward() if caches else contextlib.nullcontext():
             return forward(*args, **kwargs)
 
     # -- profiling (policy "auto") ------------------------------------------------------------------
@@ -350,9 +352,13 @@ def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwar
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     tensors = _module_tensors(block)
     holds, group = policies.recompute_holds, []  # the frozen units its recomputation fetches
+    caches = caches_in(args, kwargs)
+    replay, runs = (CacheReplay(caches) if caches else None), []
 
     def recompute_as_run(*args: Any, **kwargs: Any) -> Any:
-        with _tensors_as(tensors), holds.recomputing(group) if holds is not None else contextlib.nullcontext():
+        runs.append(None)  # the first run is the forward, every later one a recomputation
+        cached = contextlib.nullcontext() if replay is None else replay.forward() if len(runs) == 1 else replay.recomputing()
+        with cached, _tensors_as(tensors), holds.recomputing(group) if holds is not None else contextlib.nullcontext():
             return forward(*args, **kwargs)
 
     out = checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
