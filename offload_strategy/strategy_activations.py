@@ -197,21 +197,25 @@ class ActivationControl:
         if activations is None or not activations.auto or self.context.policy.name == "none" or planner is None:
             return
         assert activations.planner is not None
-        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside)
+        # the profiled steps run their own layout (the first block kept) until the plan: it must fit too
+        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside, running=activations.policies)
 
     def note_forward_saved(self) -> None:
         """At the end of a profiled forward: what it kept for backward outside the blocks (the
         embeddings' output, the head's input, the logits' log-softmax), its total less what the
-        counter rose by while the blocks ran, and twice the largest tensor it saved (the
-        backward's gradients). The layout is planned beside the most of each."""
+        counter rose by while the blocks ran, of it what was saved after the last block, and twice
+        the largest tensor it saved (the backward's gradients) and had saved by the last block's
+        end (the blocks' backward's). The layout is planned beside the most of each."""
         activations = self.policies_in_use
         profile = activations.profile if activations is not None else None
         if profile is None or profile.blocks_saved_bytes is None:
             return
         saved = self._counter()
         outside = max(saved.bytes - profile.blocks_saved_bytes, 0)
+        after = max(outside - profile.saved_before_blocks, 0)
         profile.blocks_saved_bytes = None  # one reading per forward that ran the blocks
-        self.measured_beside = self.measured_beside.largest(BesideBlocks(outside, 2 * saved.largest))
+        measured = BesideBlocks(outside, 2 * saved.largest, after, 2 * profile.largest_through_blocks)
+        self.measured_beside = self.measured_beside.largest(measured)
 
     def _counter(self) -> SavedBytes:
         """What the training forward has saved for backward so far, as the hooks in use count it:
@@ -335,7 +339,7 @@ class ActivationControl:
         outer = (engine.pack_saved, engine.unpack_saved) if engine is not None else (self._count_saved, _unchanged)
         activations.outer = outer
         self._counting = engine.saved if engine is not None else self._saved
-        activations.saved_so_far = lambda: self._counting.bytes
+        activations.saved_so_far = lambda: self._counting
         activations.recompute_holds = engine.recompute_holds if engine is not None else None
         if activations.swap is not None:
             activations.swap.outer = outer

@@ -612,7 +612,7 @@ class TieredCore:
         """The most activations a profiled forward kept outside the blocks, and the most backward
         gradients, on any rank."""
         measured, largest = self.activations.measured_beside, self.ranks.largest_on_every_rank
-        return BesideBlocks(largest(measured.outside), largest(measured.gradients))
+        return BesideBlocks(*(largest(n) for n in measured.fields()))
 
     def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, beside: Optional[BesideBlocks] = None) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's

@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--rank-branch", action="store_true", help="a model with parameters unused on some ranks")
     parser.add_argument("--layers", type=int, default=GPT2_4L["n_layer"], help="the model's transformer blocks")
-    parser.add_argument("--default-policy", action="store_true", help="the default policy (placement and activations searched) with a GPU tier of 2.8 times the parameters (the logits need room beside the blocks)")
+    parser.add_argument("--default-policy", action="store_true", help="the default policy (placement and activations searched) with a GPU tier of 3.2 times the parameters (the logits need room beside the blocks, and the first steps room for their own layout)")
     parser.add_argument("--hf-checkpointing", action="store_true", help="transformers' own activation checkpointing on every layer")
     parser.add_argument("--manual", action="store_true", help="manual optimization accumulating two backward calls, clipping by norm")
     parser.add_argument("--activations", default=None, help="with --default-policy: policy.activations (the placement still searched)")
@@ -148,7 +148,7 @@ def main() -> None:
     host = args.host_factor if args.host_factor is not None else 4.2 if args.nvme else 6.0
     budgets = dict(gpu_memory=int(args.gpu_factor * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
     if args.default_policy:
-        budgets = dict(gpu_memory=int(2.8 * total), host_memory=int(host * total), **({"policy": {"activations": args.activations}} if args.activations else {}))
+        budgets = dict(gpu_memory=int(3.2 * total), host_memory=int(host * total), **({"policy": {"activations": args.activations}} if args.activations else {}))
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":

@@ -9,6 +9,7 @@ from offload_strategy.planning.activations import (
     KEEP,
     SWAP_HOST,
     SWAP_NVME,
+    BesideBlocks,
     BlockCost,
     Links,
     choose_layout,
@@ -75,6 +76,39 @@ def test_lohans_iteration_time_with_the_model_states_on_the_ssd():
     host_only = Links.lohan(Links(h2d=20.0, d2h=20.0), parameters=10)
     assert (host_only.nvme_forward_seconds, host_only.nvme_backward_seconds) == (0.0, 0.0)
     assert step_seconds(costs, [C] * 4, host_only) == pytest.approx(4 + 12)
+
+
+def test_what_the_head_holds_counts_at_the_end_of_forward_alone():
+    """The loss's log-softmax and its two gradients are held at the head's backward, right after
+    the forward, and freed before any block's backward: counted at that moment only."""
+    costs = [BlockCost(activation_bytes=100, input_bytes=10, forward_seconds=1.0)] * 4
+    # every block recomputed: the end of forward holds 40, block 3's backward 30 + 100
+    assert peak_bytes(costs, [C] * 4) == 130
+    assert peak_bytes(costs, [C] * 4, head=90) == 130  # 40 + 90 at the head's backward
+    assert peak_bytes(costs, [C] * 4, head=100) == 140
+    # 300 outside the blocks (250 of it after them), 400 of gradients at the head's, 100 at a block's
+    beside = BesideBlocks(outside=300, gradients=400, after=250, block_gradients=100)
+    assert (beside.bytes, beside.in_blocks, beside.head) == (700, 150, 550)
+    # planned beside the blocks: at the head 40 + 700, at block 3's backward 130 + 150
+    assert peak_bytes(costs, [C] * 4, beside.head) + beside.in_blocks == 740
+    # not measured apart: all of it at every moment, as before the split
+    assert (BesideBlocks(300, 400).in_blocks, BesideBlocks(300, 400).head) == (700, 0)
+    assert BesideBlocks(300, 400, 250, 100).scaled(2.0) == BesideBlocks(600, 800, 500, 200)
+    assert BesideBlocks(300, 400, 250, 100).largest(BesideBlocks(310, 300)) == BesideBlocks(310, 400, 250, 300)
+
+
+def test_a_layout_that_fits_only_once_the_head_s_bytes_leave_before_the_blocks_backward():
+    """A tier of 800 with 700 beside the blocks: planned at every moment, 100 were left for the
+    blocks and nothing fit (the least peak, every block recomputed, is 130). Counted where they
+    are held, the blocks have 650 beside the 150 at their backward, of which the head's 550 take
+    all but 100 at the end of forward: every block recomputed (end of forward 40 + 550 + 150 =
+    740, block 3's backward 130 + 150); one block kept would hold 680 + 150 there."""
+    costs = [BlockCost(100, 10, 1.0)] * 4
+    beside = BesideBlocks(outside=300, gradients=400, after=250, block_gradients=100)
+    with pytest.raises(ValueError, match=r"the smallest peak is 130 bytes"):
+        choose_layout(costs, Links(50.0, 50.0), gpu_bytes=800 - beside.bytes, host_bytes=0)
+    plan = choose_layout(costs, Links(50.0, 50.0), gpu_bytes=800 - beside.in_blocks, host_bytes=0, head=beside.head)
+    assert plan.layout == (C, C, C, C) and plan.peak_bytes + beside.in_blocks == 740
 
 
 def test_slow_link_checkpoints_fast_link_swaps():

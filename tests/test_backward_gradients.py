@@ -79,3 +79,18 @@ def test_each_family_s_step_needs_what_is_planned_for_its_backward(family):
     g = backward_gradients(family, batch=2, seq=128)
     assert g["planned"] == g["estimated"] == 2 * 2 * 128 * 1024 * 4
     assert 0.99 * g["planned"] <= g["measured"] <= g["planned"]
+
+
+def test_the_estimate_from_shapes_frees_the_loss_s_bytes_before_the_blocks_backward():
+    """Llama at 2 x 128 tokens, 1,024-token vocabulary: the log-softmax (1 MiB) is saved after the
+    last block, and its two gradients are the backward's largest; a block's own largest saved
+    tensor is smaller (its MLP's 688-wide hidden state, 688 KiB: gradients of 1,376 KiB). The plan
+    holds the loss's bytes at the head's backward alone."""
+    from tools.validate_activations import estimate
+
+    beside = estimate("llama", 2, 128, False).beside
+    assert beside.gradients == 2 * 2 * 128 * 1024 * 4
+    assert beside.block_gradients == 2 * 2 * 128 * 688 * 4
+    assert beside.after >= 2 * 128 * 1024 * 4
+    assert beside.head == beside.after + beside.gradients - beside.block_gradients
+    assert beside.in_blocks == beside.outside - beside.after + beside.block_gradients

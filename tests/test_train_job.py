@@ -97,7 +97,7 @@ def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
 def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
     plan = tmp_path / "plan.json"
     result = run([str(ROOT / "tools/plan.py"), "--out", str(plan), "data=synthetic", "data.batch_size=4", "data.seq_len=64",
-                  "strategy.gpu_memory=16MiB", "policy.activations=auto"], cwd=tmp_path)
+                  "strategy.gpu_memory=24MiB", "policy.activations=auto"], cwd=tmp_path)
     assert "| unit | name | bytes | home |" in result.stdout and "activations per block:" in result.stdout
     written = json.loads(plan.read_text())
     assert {u["home"] for u in written["units"]} >= {"host"} and len(written["activations"]) == 4
@@ -107,7 +107,7 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
     shown = run([str(ROOT / "tools/plan.py"), "--show", str(plan)], cwd=tmp_path)
     assert shown.stdout.count("| model.transformer.") == len(written["units"])
     result = run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'job'}", "logger=none", "data=synthetic", "data.batch_size=4",
-                  "data.seq_len=64", "strategy.gpu_memory=16MiB", f"strategy.plan_file={plan}", "trainer.max_steps=4",
+                  "data.seq_len=64", "strategy.gpu_memory=24MiB", f"strategy.plan_file={plan}", "trainer.max_steps=4",
                   "trainer.limit_val_batches=0"], cwd=tmp_path)
     metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
     assert metrics["steps"] == 4

@@ -151,9 +151,9 @@ def make_from_shapes(out: Path, overrides: list[str], efficiency: float) -> None
     owners = [0] * len(model.units)
     links = parameter_links(machine, sum(s.nbytes for s in model.sizes))
     plan = plan_auto(
-        model.sizes, model.co_resident, [u.index for u in model.units], unit_costs(model, owners), machine, gpu_bytes=max(gpu - model.beside_bytes, 0), host_bytes=host,
+        model.sizes, model.co_resident, [u.index for u in model.units], unit_costs(model, owners), machine, gpu_bytes=max(gpu - model.beside.in_blocks, 0), host_bytes=host,
         nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=host // 2,
-        block_units=model.block_units, **gradient_life(cfg),
+        block_units=model.block_units, head=model.beside.head, **gradient_life(cfg),
     )
     chosen, prediction = plan.parameters.placement, plan.parameters.prediction
     units = []

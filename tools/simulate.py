@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from offload_strategy.planning.activations import BesideBlocks  # noqa: E402  (planning: no torch)
+
 STATE_FACTOR = 2.0  # Adam: two states per parameter
 
 
@@ -71,13 +73,17 @@ class Model:
     state_factor: float
     parameters: int
     forward_flops: float = 0.0  # one forward's, attention's products included
-    outside_bytes: int = 0  # activations kept outside the blocks (the logits' log-softmax...), beside every layout's peak
-    gradient_bytes: int = 0  # the backward's gradients at their largest (twice the largest saved tensor), beside it too
+    # what every layout of the blocks is planned beside, as the runtime plans it: the activations
+    # kept outside the blocks (the logits' log-softmax...) and the backward's gradients
+    beside: BesideBlocks = BesideBlocks()
 
     @property
-    def beside_bytes(self) -> int:
-        """What every layout of the blocks is planned beside, as the runtime plans it."""
-        return self.outside_bytes + self.gradient_bytes
+    def outside_bytes(self) -> int:
+        return self.beside.outside
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.beside.gradients
 
     def deeper(self, depth: int) -> "Model":
         """This model with ``depth`` copies of its first block, units renumbered in execution
@@ -155,7 +161,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
                for u, c in zip(units, costs)],
         co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
         tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
-        forward_flops=compute.forward_flops, outside_bytes=compute.outside_activation_bytes, gradient_bytes=compute.beside.gradients,
+        forward_flops=compute.forward_flops, beside=compute.beside,
     )
 
 
@@ -221,23 +227,23 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     ]
     buffers = sum(placement.device_slots.values())
     step = simulate_step(step_units, placement.device_slots, machine)
-    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks)) + model.beside_bytes
+    kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks), model.beside.head) + model.beside.in_blocks
     fits = placement.gpu_bytes + kept_peak <= gpu
     rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
                 buffers, step.seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + kept_peak - gpu)}")]
     links = parameter_links(machine, sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU))
     try:
         # the activations outside the blocks and the backward's gradients take their share first, as the runtime plans
-        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside_bytes, 0), host_bytes=host, nvme_bytes=nvme,
+        plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside.in_blocks, 0), host_bytes=host, nvme_bytes=nvme,
                          state_factor=model.state_factor, blocks=model.blocks, links=links, activation_host_bytes=max(host - placement.host_bytes, 0),
-                         block_units=model.block_units, sharding=sharding, gradients_until_update=True)
+                         block_units=model.block_units, sharding=sharding, gradients_until_update=True, head=model.beside.head)
     except PlacementError as error:
         rows.append(Row("auto", "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {outside_note(model, gpu)}{error}"))
         return rows
     chosen = plan.parameters.placement
     layout = plan.activations.layout if plan.activations is not None else ()
     swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout) if q == p) for p in ("swap_host", "swap_nvme")}
-    activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.beside_bytes
+    activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.beside.in_blocks
     rows.append(Row("auto", homes_of(chosen), counts(layout or None, len(model.blocks)), chosen.gpu_bytes, activations,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
                     chosen.gpu_bytes + activations <= gpu))
@@ -247,10 +253,10 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
 def outside_note(model: Model, gpu: int) -> str:
     """What the activations outside the blocks and the backward's gradients leave of the GPU tier,
     before a refusal that names what is left."""
-    if not model.beside_bytes:
+    if not model.beside.bytes:
         return ""
     return (f"the activations outside the blocks ({fmt(model.outside_bytes)}) and the backward's gradients ({fmt(model.gradient_bytes)}) "
-            f"leave {fmt(max(gpu - model.beside_bytes, 0))} of {fmt(gpu)}: ")
+            f"leave {fmt(max(gpu - model.beside.bytes, 0))} of {fmt(gpu)} at the head's backward: ")
 
 
 def parameter_links(machine: Any, streamed: int) -> Any:
@@ -299,7 +305,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
         return 0, 0, None
 
     def placed(deeper: Model, activations: int) -> bool:
-        activations += deeper.beside_bytes
+        activations += deeper.beside.in_blocks
         if activations >= gpu:
             return False
         sharding, _ = rank_sharding(deeper, ranks, shared_homes, replicated)
@@ -311,10 +317,10 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
         return True
 
     def checkpointed(depth: int) -> bool:
-        return placed(model.deeper(depth), peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth))
+        return placed(model.deeper(depth), peak_bytes([model.blocks[0]] * depth, [CHECKPOINT] * depth, model.beside.head))
 
     def bounded(depth: int) -> bool:
-        return placed(model.deeper(depth), model.blocks[0].activation_bytes)  # every layout materialises one block in backward
+        return placed(model.deeper(depth), max(model.blocks[0].activation_bytes, model.beside.head))  # every layout materialises one block in backward
 
     searched: dict[int, Optional[Row]] = {}
 
@@ -401,9 +407,9 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
         row: dict = {"batch": batch, "tokens": model.tokens}
         links = parameter_links(machine, sum(s.nbytes for s in model.sizes))
         try:
-            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside_bytes, 0), host_bytes=host,
+            plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside.in_blocks, 0), host_bytes=host,
                              nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
-                             activation_host_bytes=host // 2, gradients_until_update=True)
+                             activation_host_bytes=host // 2, gradients_until_update=True, head=model.beside.head)
             layout = plan.activations.layout if plan.activations is not None else ()
             row.update(persistent=plan.parameters.persistent, buffers=plan.parameters.buffers, checkpoint=layout.count("checkpoint"),
                        swap=layout.count("swap_host") + layout.count("swap_nvme"), keep=layout.count("keep"), seconds=plan.seconds)

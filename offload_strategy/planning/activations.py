@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from ..config import BlockPolicy, format_bytes
 from .cost_model import Bandwidth, move_seconds
@@ -87,21 +88,47 @@ class BesideBlocks:
       gradient of its input, each as large as what it saved, while the saved tensors are still
       held: cross-entropy's backward makes two gradients the size of its log-softmax before any
       block's backward frees anything.
+
+    Two moments differ (:func:`peak_bytes`). At the head's backward, right after the forward,
+    all of it is held (:attr:`bytes`). By the time the blocks' backward runs, the head's backward
+    has freed what was saved after the last block (``after``: the head's input, the loss's
+    log-softmax) and its gradients; a block's backward makes gradients of its own largest saved
+    tensor's size (``block_gradients``, twice the largest tensor saved by the time the last block
+    ended; None: not measured apart, as large as ``gradients``). :attr:`in_blocks` is what is
+    beside block j's backward, :attr:`head` what the head's moment holds beyond that.
     """
 
     outside: int = 0
     gradients: int = 0
+    after: int = 0
+    block_gradients: Optional[int] = None
 
     @property
     def bytes(self) -> int:
+        """The most at any moment: at the head's backward."""
         return self.outside + self.gradients
+
+    @property
+    def in_blocks(self) -> int:
+        """Beside each block's backward: what was saved before the blocks, and the block's gradients."""
+        gradients = self.gradients if self.block_gradients is None else min(self.block_gradients, self.gradients)
+        return self.outside - min(self.after, self.outside) + gradients
+
+    @property
+    def head(self) -> int:
+        """What the head's backward holds beyond :attr:`in_blocks`."""
+        return self.bytes - self.in_blocks
+
+    def fields(self) -> tuple[int, int, int, int]:
+        """outside, gradients, after, block_gradients (the last as large as ``gradients`` where not measured apart)."""
+        return (self.outside, self.gradients, self.after, self.gradients if self.block_gradients is None else self.block_gradients)
 
     def scaled(self, growth: float) -> "BesideBlocks":
         """For a batch whose blocks take ``growth`` times the inputs (both grow with batch size times sequence length)."""
-        return BesideBlocks(round(self.outside * growth), round(self.gradients * growth))
+        return BesideBlocks(*(round(n * growth) for n in self.fields()))
 
     def largest(self, other: "BesideBlocks") -> "BesideBlocks":
-        return BesideBlocks(max(self.outside, other.outside), max(self.gradients, other.gradients))
+        return BesideBlocks(*(max(a, b) for a, b in zip(self.fields(), other.fields())))
 
     def note(self, lead: str) -> str:
         """``lead`` and what these bytes are, for a message; empty when there are none."""
@@ -143,18 +170,19 @@ def split_swaps(costs: Sequence[BlockCost], layout: Sequence[str], host_bytes: i
     return out
 
 
-def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
+def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str], head: int = 0) -> int:
     """The most activation bytes the GPU tier holds at once, over the moments that matter:
 
-    - the end of forward: kept blocks hold their activations, checkpointed ones their inputs, and
-      the last swapped block may still be on its way out;
+    - the end of forward, when the head's backward runs: kept blocks hold their activations,
+      checkpointed ones their inputs, the last swapped block may still be on its way out, and
+      ``head`` more bytes are held (``BesideBlocks.head``: what the head saved, its gradients);
     - backward at block j (last to first): the blocks below j still hold theirs, block j is
       materialised (kept, recomputed or brought back), and a swapped block j has started bringing
       back the swapped block below it (the runtime prefetches one swap block ahead).
     """
     held = [c.activation_bytes if p == KEEP else c.input_bytes if p == CHECKPOINT else 0 for c, p in zip(costs, layout)]
     in_flight = max((c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME)), default=0)
-    peak = sum(held) + in_flight
+    peak = sum(held) + in_flight + head
     below = 0
     swapped_below = 0  # the nearest swapped block below j: what a swapped block j prefetches
     for j, (cost, policy) in enumerate(zip(costs, layout)):
@@ -197,7 +225,7 @@ def _counts(most: int, stride: int) -> list[int]:
     return sorted({*range(0, most + 1, stride), most})
 
 
-def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int):
+def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0):
     """Every interleaved layout (swapped, checkpointed counts) that has a path for its swaps, as
     (layout, peak bytes, predicted seconds, blocks managed). Beyond ``LAYOUT_COUNTS`` blocks the
     counts are evenly spaced (with every block swapped or checkpointed kept), as ProTrain's
@@ -205,7 +233,7 @@ def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int):
     search would grow with their cube."""
     n = len(costs)
     stride = -(-n // LAYOUT_COUNTS)  # 1 up to LAYOUT_COUNTS blocks
-    pricer = _Pricer(costs, links, host_bytes)
+    pricer = _Pricer(costs, links, host_bytes, head)
     for n_swap in _counts(n, stride):
         for n_checkpoint in _counts(n - n_swap, stride):
             priced = pricer(interleaved_layout(n, n_swap, n_checkpoint))
@@ -218,7 +246,8 @@ class _Pricer:
     pass over the blocks, with the same sums in the same order (so the same numbers to the bit):
     the searches price thousands of layouts of deep models."""
 
-    def __init__(self, costs: Sequence[BlockCost], links: Links, host_bytes: int) -> None:
+    def __init__(self, costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0) -> None:
+        self.head = head
         self.activation = [c.activation_bytes for c in costs]
         self.input = [c.input_bytes for c in costs]
         self.seconds = [c.forward_seconds for c in costs]
@@ -248,17 +277,18 @@ class _Pricer:
         if to_nvme and self.links.nvme_write <= 0:
             return None
         # the end of forward (everything held, the last swap in flight), or a moment of backward
-        return layout, max(below + in_flight, moments), _passes_seconds(self.links, self.forward, recompute, swapped, on_nvme)
+        return layout, max(below + in_flight + self.head, moments), _passes_seconds(self.links, self.forward, recompute, swapped, on_nvme)
 
 
-def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
+def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> ActivationPlan:
     """ProTrain §3.3's search over (swapped, checkpointed) block counts: the fastest layout whose
-    activation peak fits ``gpu_bytes``; swaps beyond ``host_bytes`` go to NVMe where there is a
-    link to it. Raises ValueError, with the smallest peak any layout reaches, when none fits."""
+    activation peak (``head``: :func:`peak_bytes`) fits ``gpu_bytes``; swaps beyond ``host_bytes``
+    go to NVMe where there is a link to it. Raises ValueError, with the smallest peak any layout
+    reaches, when none fits."""
     best: ActivationPlan | None = None
     best_key: tuple[float, int] | None = None
     smallest: int | None = None
-    for layout, peak, seconds, managed in _layouts(costs, links, host_bytes):
+    for layout, peak, seconds, managed in _layouts(costs, links, host_bytes, head):
         smallest = peak if smallest is None else min(smallest, peak)
         if peak > gpu_bytes:
             continue
@@ -273,13 +303,13 @@ def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     return best
 
 
-def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int) -> list[ActivationPlan]:
+def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0) -> list[ActivationPlan]:
     """The layouts worth considering when the GPU tier is shared with parameters: each one faster
     than every layout with a smaller peak (the Pareto front of peak against time), or as fast and
     managing fewer blocks (as :func:`choose_layout` breaks ties: a swap the model prices as free
     still moves bytes), smallest peak first. Whatever the budget left for activations, the best
     layout that fits is on it."""
-    ranked = sorted(_layouts(costs, links, host_bytes), key=lambda t: (t[1], round(t[2], 12), t[3]))
+    ranked = sorted(_layouts(costs, links, host_bytes, head), key=lambda t: (t[1], round(t[2], 12), t[3]))
     front: list[ActivationPlan] = []
     managed_last = 0
     for layout, peak, seconds, managed in ranked:
@@ -289,7 +319,7 @@ def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int) -
     return front
 
 
-def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
+def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> ActivationPlan:
     """TeraIO's lifetime-aware offloading (§3.2, :func:`~.teraio.plan_migrations`) applied to the
     blocks: the step is the blocks' forward kernels then their backward kernels (twice as long),
     each block's activations a tensor used at its forward and at its backward, the memory of a
@@ -302,14 +332,15 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
 
     n = len(costs)
     keep_all = [KEEP] * n
-    if peak_bytes(costs, keep_all) <= gpu_bytes:
-        return ActivationPlan(tuple(keep_all), step_seconds(costs, keep_all, links), peak_bytes(costs, keep_all))
+    if peak_bytes(costs, keep_all, head) <= gpu_bytes:
+        return ActivationPlan(tuple(keep_all), step_seconds(costs, keep_all, links), peak_bytes(costs, keep_all, head))
     # the runtime copies a swapped block out while the next blocks run: one block's bytes stay
     # reserved for the copy in flight, which TeraIO's kernel-by-kernel memory does not see
     capacity = gpu_bytes - max(c.activation_bytes for c in costs)
     held = [sum(c.activation_bytes for c in costs[: j + 1]) for j in range(n)]
     seconds = [c.forward_seconds for c in costs] + [2 * costs[j].forward_seconds for j in reversed(range(n))]
-    memory = held + [held[j] for j in reversed(range(n))]
+    # the head's backward, right after the last block's forward, holds ``head`` more
+    memory = held[:-1] + [held[-1] + head] + [held[j] for j in reversed(range(n))]
     tensors = [TensorUses(f"block{j}", costs[j].activation_bytes, (j, 2 * n - 1 - j)) for j in range(n)]
     plan = plan_migrations(
         seconds, memory, tensors, max(capacity, 0), ssd_write=links.nvme_write, ssd_read=links.nvme_read,
@@ -321,7 +352,7 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     # What TeraIO leaves over capacity would stall its kernels; the runtime cannot stall, so the
     # earliest blocks still kept go too (to host memory while it has room), until the peak fits.
     host_left = host_bytes - sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_HOST)
-    peak = peak_bytes(costs, layout)
+    peak = peak_bytes(costs, layout, head)
     for j in range(n - 1):
         if peak <= gpu_bytes:
             break
@@ -331,7 +362,7 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
             layout[j], host_left = SWAP_HOST, host_left - costs[j].activation_bytes
         else:
             layout[j] = SWAP_NVME
-        peak = peak_bytes(costs, layout)
+        peak = peak_bytes(costs, layout, head)
     if peak > gpu_bytes:
         raise ValueError(
             f"TeraIO's offloads leave {peak:,} bytes of activations in the GPU tier at the worst moment, over the {gpu_bytes:,} "

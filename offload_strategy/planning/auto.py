@@ -70,6 +70,7 @@ def plan_auto(
     sharding: Optional[Sharding] = None,
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
+    head: int = 0,
 ) -> AutoPlan:
     """The fastest plan within the budgets; see the module docstring.
 
@@ -78,7 +79,8 @@ def plan_auto(
     host memory left for swapped activations; ``block_units``: the units each block uses, which a
     checkpointed block's recompute needs resident together; ``sharding``: with sharded states,
     which rank keeps each unit's; ``gradients_until_update``, ``spill_gradients``: how long NVMe
-    units' gradients live, as the runtime will keep them (``placement.place_units``).
+    units' gradients live, as the runtime will keep them (``placement.place_units``); ``head``: what
+    the head's backward holds beyond the blocks' moments (``activations.peak_bytes``).
     """
     stride = max(1, len(order) // SEARCH_POINTS) if blocks else 1
     parameters = _ParameterSearch(
@@ -92,7 +94,7 @@ def plan_auto(
     if links is None:
         links = Links.beside(machine)
     smallest = (minimum_gpu_bytes(sizes, co_resident), minimum_gpu_bytes(sizes, [*co_resident, *block_units]))
-    visit = _FrontVisit(parameters, sizes, blocks, links, gpu_bytes, smallest)
+    visit = _FrontVisit(parameters, sizes, blocks, links, gpu_bytes, smallest, head)
     found = visit(activation_host_bytes)
     if found.host_room is not None and found.host_room < activation_host_bytes:
         # Layouts were split between host and NVMe for host room the placements' streamed units
@@ -125,9 +127,10 @@ class _FrontVisit:
     links: Links
     gpu_bytes: int
     smallest: tuple[int, int]  # the parameters' least GPU tier without and with a recomputed block's units
+    head: int = 0  # what the head's backward holds beyond the blocks' moments
 
     def __call__(self, activation_host_bytes: int) -> _Visited:
-        front = layout_frontier(self.blocks, self.links, activation_host_bytes)
+        front = layout_frontier(self.blocks, self.links, activation_host_bytes, self.head)
         if front and self.gpu_bytes - front[0].peak_bytes >= self.smallest[0]:
             # the layout with the smallest peak leaves the parameters the most of the GPU tier:
             # where host memory or NVMe cannot hold them there, they cannot beside any layout

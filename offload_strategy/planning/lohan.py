@@ -73,17 +73,17 @@ def curve_case(curve: Sequence[tuple[int, float]]) -> int:
     return TURNING
 
 
-def lohan_search(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> LohanSearch:
+def lohan_search(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> LohanSearch:
     """Algorithm 1 on ``costs`` (one per block, forward order). Without an NVMe link, swaps beyond
     ``host_bytes`` have nowhere to go and such sets do not fit. Raises ValueError with the
-    smallest peak of any set when none fits ``gpu_bytes``."""
+    smallest peak of any set when none fits ``gpu_bytes`` (``head``: :func:`~.activations.peak_bytes`)."""
     if not costs:
         raise ValueError("LoHan's activation search needs at least one block.")
     order = offloading_order(costs)
     # the first k blocks of the benefit order swapped, for k = 0 (all recomputed) .. all
     layouts = [_layout(costs, set(order[:k]), host_bytes) for k in range(len(order) + 1)]
     seconds = [step_seconds(costs, layout, links) for layout in layouts]
-    peaks = [peak_bytes(costs, layout) for layout in layouts]
+    peaks = [peak_bytes(costs, layout, head) for layout in layouts]
     safe = [peak <= gpu_bytes and (SWAP_NVME not in layout or links.nvme_write > 0) for peak, layout in zip(peaks, layouts)]
     chosen, best = 0, math.inf
     for k in range(1, len(order) + 1):
@@ -103,14 +103,14 @@ def lohan_search(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_
         chosen = min(fitting, key=lambda k: (round(seconds[k], 12), k))
     layout = layouts[chosen]
     curve = [(sum(costs[j].activation_bytes for j in order[:k]), seconds[k]) for k in range(1, len(order) + 1)]
-    plan = ActivationPlan(tuple(layout), step_seconds(costs, layout, links), peak_bytes(costs, layout))
+    plan = ActivationPlan(tuple(layout), step_seconds(costs, layout, links), peaks[chosen])
     return LohanSearch(plan, tuple(order), tuple(curve), curve_case(curve))
 
 
-def lohan_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int) -> ActivationPlan:
+def lohan_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> ActivationPlan:
     """``activations="lohan"``: every block kept when that fits (nothing to manage), otherwise
     Algorithm 1's swapped set with the other blocks recomputed."""
     keep_all = [KEEP] * len(costs)
-    if peak_bytes(costs, keep_all) <= gpu_bytes:
-        return ActivationPlan(tuple(keep_all), step_seconds(costs, keep_all, links), peak_bytes(costs, keep_all))
-    return lohan_search(costs, links, gpu_bytes, host_bytes).plan
+    if peak_bytes(costs, keep_all, head) <= gpu_bytes:
+        return ActivationPlan(tuple(keep_all), step_seconds(costs, keep_all, links), peak_bytes(costs, keep_all, head))
+    return lohan_search(costs, links, gpu_bytes, host_bytes, head).plan

@@ -243,13 +243,13 @@ class Planner:
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(
-            model.sizes, model.together, order, costs, machine, gpu_bytes=max(budgets.gpu - beside.bytes, 0), host_bytes=budgets.host,
+            model.sizes, model.together, order, costs, machine, gpu_bytes=max(budgets.gpu - beside.in_blocks, 0), host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, sharding=model.sharding,
-            gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
+            gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients, head=beside.head,
         )
-        if plan.activations is not None and beside.bytes:
-            plan = replace(plan, activations=replace(plan.activations, peak_bytes=plan.activations.peak_bytes + beside.bytes))
+        if plan.activations is not None and beside.in_blocks:
+            plan = replace(plan, activations=replace(plan.activations, peak_bytes=plan.activations.peak_bytes + beside.in_blocks))
         self.search_result = plan
         return plan, order
 
@@ -271,31 +271,40 @@ class Planner:
             return 0
         return minimum_gpu_bytes(self.units.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
 
-    def least_activation_peak(self, costs: Sequence[BlockCost], planner: str, beside: BesideBlocks = BesideBlocks()) -> int:
+    def least_activation_peak(
+        self, costs: Sequence[BlockCost], planner: str, beside: BesideBlocks = BesideBlocks(), running: Sequence[str] = (),
+    ) -> int:
         """The smallest activation peak any layout the planner may choose reaches, with the bytes
-        ``beside`` the blocks."""
+        ``beside`` the blocks; ``running``: a layout the steps until the plan run whatever it
+        chooses (the profiling layout: the first block kept, the others recomputed), which must
+        fit too."""
         if planner == ActivationPlanner.TERAIO:  # offloads only: every block but the last leaves
-            return beside.bytes + peak_bytes(costs, [BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP])
-        blocks = min(peak_bytes(costs, interleaved_layout(len(costs), 0, len(costs))), peak_bytes(costs, [BlockPolicy.SWAP_HOST] * len(costs)))
-        return beside.bytes + blocks
+            layouts: tuple[Sequence[str], ...] = ([BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP],)
+        else:
+            layouts = (interleaved_layout(len(costs), 0, len(costs)), [BlockPolicy.SWAP_HOST] * len(costs))
+        least = min(peak_bytes(costs, layout, beside.head) for layout in layouts)
+        return beside.in_blocks + max(least, peak_bytes(costs, running, beside.head) if running else 0)
 
     def activation_minimum_note(
         self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], beside: BesideBlocks = BesideBlocks(),
+        running: Sequence[str] = (),
     ) -> str:
         smallest = self.smallest_parameter_share(block_policies)
+        least = self.least_activation_peak(costs, planner, beside, running)
         return (
             f"With {format_bytes(smallest)} of streaming buffers for the parameters{beside.note(', ')}, gpu_memory must be at least "
-            f"{format_bytes(smallest + self.least_activation_peak(costs, planner, beside), at_least=True)} (it is {format_bytes(self.budgets.gpu)})."
+            f"{format_bytes(smallest + least, at_least=True)} (it is {format_bytes(self.budgets.gpu)})."
         )
 
     def refuse_unfitting_activations(
         self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], measured: str, beside: BesideBlocks = BesideBlocks(),
+        running: Sequence[str] = (),
     ) -> None:
         """When no layout fits even beside the parameters' smallest share of the GPU tier (and the
-        bytes ``beside`` the blocks): the minimum gpu_memory, and how far the batch must shrink
-        instead (activations, and the blocks' inputs, grow in proportion to batch size times
-        sequence length)."""
-        least = self.least_activation_peak(costs, planner, beside)
+        bytes ``beside`` the blocks; and ``running`` with them, :meth:`least_activation_peak`): the
+        minimum gpu_memory, and how far the batch must shrink instead (activations, and the
+        blocks' inputs, grow in proportion to batch size times sequence length)."""
+        least = self.least_activation_peak(costs, planner, beside, running)
         left = self.budgets.gpu - self.smallest_parameter_share(block_policies)
         if least <= left:
             return
@@ -305,7 +314,7 @@ class Planner:
         )
         raise ValueError(
             f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
-            f"{least:,} bytes, {measured}. {self.activation_minimum_note(costs, planner, block_policies, beside)} "
+            f"{least:,} bytes, {measured}. {self.activation_minimum_note(costs, planner, block_policies, beside, running)} "
             f"Raise gpu_memory to that, or {shrink}."
         )
 
@@ -336,6 +345,6 @@ class Planner:
         """The planner's layout in what ``parameter_bytes`` of parameters and the bytes ``beside``
         the blocks leave of the GPU tier; its peak counts the latter (the activations outside the
         blocks are held from forward into backward, beside the blocks')."""
-        gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.bytes, 0)
-        plan = _LAYOUTS.get(planner, choose_layout)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
-        return replace(plan, peak_bytes=plan.peak_bytes + beside.bytes) if beside.bytes else plan
+        gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.in_blocks, 0)
+        plan = _LAYOUTS.get(planner, choose_layout)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes, head=beside.head)
+        return replace(plan, peak_bytes=plan.peak_bytes + beside.in_blocks) if beside.in_blocks else plan

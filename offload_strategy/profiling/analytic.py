@@ -212,11 +212,14 @@ class AnalyticCompute:
     # log-softmax), as the runtime measures it in the profiled steps
     outside_activation_bytes: int = 0
     largest_saved_bytes: int = 0  # the largest tensor saved, in a block or outside: the backward's gradients are twice it
+    outside_after_bytes: int = 0  # of the outside bytes, those saved after the last block (freed by the head's backward)
+    largest_through_blocks_bytes: Optional[int] = None  # the largest saved by the last block's end (None: not apart)
 
     @property
     def beside(self) -> BesideBlocks:
         """What every layout of the blocks is planned beside, as the runtime plans it."""
-        return BesideBlocks(self.outside_activation_bytes, 2 * self.largest_saved_bytes)
+        through = None if self.largest_through_blocks_bytes is None else 2 * self.largest_through_blocks_bytes
+        return BesideBlocks(self.outside_activation_bytes, 2 * self.largest_saved_bytes, self.outside_after_bytes, through)
 
 
 def analytic_compute(
@@ -264,7 +267,7 @@ def analytic_compute(
     outside_excess = max(meter.traffic.excess - sum(meter.excess), 0.0)
     total_flops = meter.counter.get_total_flops() + sum(meter.fused)
     return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops,
-                           meter.outside_saved, meter.largest_saved)
+                           meter.outside_saved, meter.largest_saved, meter.outside_after, meter.largest_through_blocks)
 
 
 def attach_unattributed(
@@ -315,6 +318,9 @@ class _BlockMeter:
         self.outside_held: dict[int, Any] = {}  # the same, outside every block (a storage a block saved is the block's)
         self.outside_saved = 0
         self.largest_saved = 0
+        self.count = count
+        self.outside_after = 0  # ... of it, saved once the last block had run
+        self.largest_through_blocks: Optional[int] = None  # the largest saved when the last block ended
         self.current: list[int] = []  # the block running now (innermost last)
         self.counter = FlopCounterMode(display=False, custom_mapping=_COUNTED_APART)
         self.traffic = _MemoryTraffic()
@@ -333,6 +339,7 @@ class _BlockMeter:
         elif storage._cdata not in self.outside_held and not any(storage._cdata in held for held in self.held):
             self.outside_held[storage._cdata] = storage
             self.outside_saved += storage.nbytes()
+            self.outside_after += storage.nbytes() if self.largest_through_blocks is not None else 0
         return t
 
     def pre(self, index: int) -> Callable[..., None]:
@@ -351,6 +358,8 @@ class _BlockMeter:
             self.moved[index] += self.traffic.total
             self.excess[index] += self.traffic.excess
             self.current.pop()
+            if index == self.count - 1 and not self.current:
+                self.largest_through_blocks = self.largest_saved
         return hook
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

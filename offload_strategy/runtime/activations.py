@@ -83,6 +83,7 @@ class BlockProfile:
     # block's end; None until a forward ran them all, and again once the strategy took it
     blocks_saved_bytes: Optional[int] = None
     saved_before_blocks: int = 0  # ... and what it had counted when the first block started
+    largest_through_blocks: int = 0  # the largest tensor it had saved when the last block ended
 
 
 class ActivationPolicies:
@@ -115,9 +116,9 @@ class ActivationPolicies:
         # called with the first block's arguments as it is called, before it runs; it may put
         # other policies in place, which that call follows (``apply`` after setting it)
         self.before_first_block: Optional[Callable[[tuple, dict], None]] = None
-        # the bytes the training forward has saved for backward so far (the strategy's counter):
-        # the profile reads it at the blocks' ends, so what the forward keeps outside them is known
-        self.saved_so_far: Callable[[], int] = lambda: 0
+        # what the training forward has saved for backward so far (the strategy's counter): the
+        # profile reads it at the blocks' ends, so what the forward keeps outside them is known
+        self.saved_so_far: Callable[[], SavedBytes] = SavedBytes
         if self.auto:
             self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
             self.start_profile()
@@ -248,11 +249,13 @@ class ActivationPolicies:
 
         def start(module: nn.Module, args: Any) -> None:
             if first_forward() and 0 not in self._done:
-                profile.saved_before_blocks = self.saved_so_far()
+                profile.saved_before_blocks = self.saved_so_far().bytes
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
             if first_forward():  # (prepended: the timing hook has yet to mark the last block done)
-                profile.blocks_saved_bytes = self.saved_so_far() - profile.saved_before_blocks
+                saved = self.saved_so_far()
+                profile.blocks_saved_bytes = saved.bytes - profile.saved_before_blocks
+                profile.largest_through_blocks = saved.largest
 
         self._profile_hooks.append(self.blocks[0].register_forward_pre_hook(start))
         self._profile_hooks.append(self.blocks[-1].register_forward_hook(end, prepend=True))
