@@ -136,7 +136,9 @@ def test_every_preset_on_a_gpu_trains_as_plain(name, precision, plain_on_gpu, tm
     in bf16) of one matmul that chose another kernel moves a loss by ~1e-3 at most over 12 steps."""
     total = param_bytes(gpt2_4l)
     policy = PolicyConfig.coerce(name)
-    gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + {"auto": 560_000, "lohan": 560_000, "teraio": 800_000}.get(policy.activations, 0)
+    # the planned presets' first steps hold their profiling layout (the first block kept while the
+    # others recompute): on an H200 the least layout alone needed 579 KiB of the 508 first given
+    gpu = int((1.1 if name == "zero_offload" else 0.5) * total) + {"auto": 640_000, "lohan": 640_000, "teraio": 800_000}.get(policy.activations, 0)
     strategy = TieredStrategy(policy=name, gpu_memory=gpu, host_memory=int(6 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     where = Where()
     losses, weights, _ = train(strategy, tmp_path / "run", epochs=2, make_model=gpt2_4l, accelerator="gpu", precision=precision, extra_callbacks=(where,))
