@@ -54,6 +54,8 @@ def _parts(caches: list[Any]) -> list[Any]:
         item = pending.pop()
         if id(item) in found:
             continue
+        if not hasattr(item, "__dict__"):
+            continue  # a cache kept in slots: left as it is
         found[id(item)] = item
         for value in vars(item).values():
             members = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else [value]
