@@ -603,7 +603,8 @@ class TieredCore:
             f"predicted {plan.seconds * 1e3:.1f} ms per step"
         )
         self.prediction.planned(plan.seconds, "placement search")
-        resident = planner.keep_resident(plan, order, count, {s.unit.index for s in engine.states if s.home == GPU})
+        # rank 0's layout: each rank's own search may have chosen another, with another peak
+        resident = planner.keep_resident(replace(plan, activations=layout), order, count, {s.unit.index for s in engine.states if s.home == GPU})
         if resident is not None:  # beside the layout searched with it, not the profiling step's
             self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None,
                                  may_fit=planner.profiling_placement)

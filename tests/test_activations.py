@@ -258,3 +258,28 @@ def test_checkpointed_single_module_blocks_recompute_with_streamed_parameters(tm
     assert seen.metrics[-1]["units/host"] > 0 and seen.metrics[-1]["activations/blocks_checkpoint"] == 4
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+def test_the_parameters_are_placed_beside_the_layout_every_rank_runs(tmp_path):
+    """Under data parallelism every rank runs rank 0's layout, but the parameters were placed in
+    what the rank's own search's layout left of the GPU tier: ranks whose timings chose other
+    layouts placed other host homes (two ranks sharing one copy of them stopped). Here the ranks'
+    choice is rank 0's stand-in: a layout with a 4 KiB smaller peak than this rank's own."""
+    from dataclasses import replace
+
+    from offload_strategy.planning.activations import ActivationPlan
+
+    budget = int(TIGHT * param_bytes(gpt2))
+    strategy = TieredStrategy(gpu_memory=budget, host_memory="1GiB")
+    chosen: list[ActivationPlan] = []
+
+    def rank_zeros(choice):
+        if isinstance(choice, ActivationPlan) and not chosen:
+            chosen.append(replace(choice, peak_bytes=choice.peak_bytes - 4096))
+            return chosen[0]
+        return choice
+
+    strategy.tiered.ranks.same_on_every_rank = rank_zeros
+    train(strategy, tmp_path, epochs=1, make_model=gpt2)
+    assert chosen and strategy.planner.resident is not None
+    assert strategy.planner.resident.gpu_bytes == budget - chosen[0].peak_bytes
