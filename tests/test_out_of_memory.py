@@ -29,7 +29,7 @@ def test_the_message_names_the_plan_what_pytorch_held_and_the_budget_that_leaves
     assert "Lower gpu_memory by that, to 10.00 MiB" in text
     # before the first steps have measured the activations, and with PyTorch's figures unknown
     early = out_of_memory_message(TORCH_SAYS, PlannedUse(budget=16 * MiB, parameters=4 * MiB), None)
-    assert "its activations not yet planned" in early and "Lower gpu_memory (or the batch size)" in early
+    assert "no plan of its activations" in early and "Lower gpu_memory (or the batch size)" in early
 
 
 class RunsOutAtStep(recipes.Net):
