@@ -180,10 +180,11 @@ def test_the_searches_one_pass_pricing_gives_the_three_functions_numbers_to_the_
         n_swap = rng.randint(0, n)
         interleaved = interleaved_layout(n, n_swap, rng.randint(0, n - n_swap))
         split = split_swaps(costs, interleaved, host)
-        priced = _Pricer(costs, links, host)(interleaved)
+        head = rng.choice([0, rng.randint(0, 3000)])  # what the head's backward holds beyond the blocks' moments
+        priced = _Pricer(costs, links, host, head)(interleaved)
         if N in split and links.nvme_write <= 0:
             assert priced is None
             dropped += 1
             continue
-        assert priced == (split, peak_bytes(costs, split), step_seconds(costs, split, links))
+        assert priced == (split, peak_bytes(costs, split, head), step_seconds(costs, split, links))
     assert dropped > 0
