@@ -72,11 +72,13 @@ class TieredDDPStrategy(DDPStrategy):
         shard_states: each rank keeps the fp32 masters and optimizer states of 1/N of the units
             (ZeRO-2 style), so their host memory and NVMe files fall about N-fold; ``False`` keeps
             them all on every rank (each rank updates every unit, no parameters are exchanged).
-        share_host_homes: the ranks of one machine keep one copy of the parameters of the units
+        share_host_homes: the ranks of each machine keep one copy of the parameters of the units
             homed in host memory, in shared memory (``/dev/shm``), instead of a copy each: each
-            unit's owner writes its update there, nothing is broadcast for them, and host memory
-            holds them once, not once per rank. Needs ``shard_states`` and every rank on one
-            machine. Between steps the parameters are then that one copy, so code that changes
+            unit's owner writes its update there, and host memory holds them once per machine,
+            not once per rank. On one machine nothing is broadcast for them; on several
+            (``num_nodes``) the owner sends each update to one rank of every other machine.
+            Needs ``shard_states`` and several ranks on each machine. Between steps the
+            parameters are then that one copy, so code that changes
             them in place (a callback) must do so on one rank, or write the same values on
             every rank (``load_state_dict``, ``copy_``): ``mul_`` on every rank is applied once
             per rank.
@@ -245,7 +247,7 @@ class TieredDDPStrategy(DDPStrategy):
         where = "" if budgets is None else (
             f", per rank: GPU tier {format_bytes(budgets.gpu)}, host {format_bytes(budgets.host)}, NVMe {format_bytes(budgets.nvme)}"
         )
-        shared = ", host homes one copy on the machine" if self._ranks.homes_shared() else ""
+        shared = ", host homes one copy per machine" if self._ranks.homes_shared() else ""
         return f"tiered_ddp: {self.world_size} ranks, optimizer states {'sharded' if self.shard_states else 'replicated'}{shared}{where}"
 
 
@@ -262,11 +264,13 @@ class DataParallelRanks:
         self.share_host_homes = share_host_homes
         self._homes_shared: Optional[bool] = None
         self._groups: Optional[tuple[Any, Any, Any]] = None
+        self._machine_groups: Optional[tuple[Any, Any]] = None
         # collectives: bytes/s on host memory's group (gloo) and the GPU tier's, seconds per call on the host's
         self._rates: Optional[tuple[float, float, float]] = None
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         host, device, control = self.process_groups()
+        machine, peers = self.machine_groups()
         return DataParallel(
             rank=self.strategy.global_rank,
             world_size=self.strategy.world_size,
@@ -275,7 +279,14 @@ class DataParallelRanks:
             device_group=device,
             control_group=control,
             shard_states=self.shard_states,
+            machines=self.machines,
+            machine_group=machine,
+            peer_group=peers,
         )
+
+    @property
+    def machines(self) -> int:
+        return max(1, self.strategy.world_size // max(1, self.strategy.num_processes))
 
     def _owners(self, sizes: list[UnitSize]) -> tuple[int, ...]:
         return tuple(assign_owners([u.trainable_bytes for u in sizes], self.strategy.world_size))
@@ -284,24 +295,49 @@ class DataParallelRanks:
         if not self.shard_states or self.options.policy.name == "none":
             return None
         owners = dict(zip((u.index for u in sizes), self._owners(sizes)))
-        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent, self.homes_shared(), replicated_persistent=True)
+        return Sharding(owners, self.strategy.global_rank, self.strategy.world_size, gradients_sent, self.homes_shared(), replicated_persistent=True,
+                        machines=self.machines)
 
     def homes_shared(self) -> bool:
-        """Whether the ranks keep one copy of host homes: asked for, states sharded, every rank on
-        this machine, and a shared-memory file system to map it from (decided once)."""
+        """Whether each machine's ranks keep one copy of host homes: asked for, states sharded,
+        several ranks on each machine, and a shared-memory file system on every machine to map it
+        from (decided once, alike on every rank)."""
         if self._homes_shared is None:
-            wanted = self.share_host_homes and self.shard_states and self.strategy.world_size > 1
-            possible = self.strategy.world_size == self.strategy.num_processes and shared_memory_available()
+            processes = self.strategy.num_processes
+            wanted = self.share_host_homes and self.shard_states and processes > 1
+            possible = self._on_every_rank(shared_memory_available())
             if self.share_host_homes and not self.shard_states:
                 rank_zero_warn("share_host_homes needs shard_states=True (every rank updating every unit would write the one copy at "
                                "once); each rank keeps its own copy of host homes.")
-            if wanted and not possible:
-                rank_zero_warn(
-                    f"share_host_homes: the {self.strategy.world_size} ranks are not all on one machine with {SHARED_MEMORY_DIR}; "
-                    f"each rank keeps its own copy of host homes."
-                )
+            elif self.share_host_homes and processes == 1 and self.strategy.world_size > 1:
+                rank_zero_warn("share_host_homes: each machine runs one rank, so there is nothing to share; each rank keeps its own copy "
+                               "of host homes.")
+            elif wanted and not possible:
+                rank_zero_warn(f"share_host_homes: a machine has no {SHARED_MEMORY_DIR} to map from; each rank keeps its own copy of host homes.")
             self._homes_shared = wanted and possible
         return self._homes_shared
+
+    def _on_every_rank(self, holds: bool) -> bool:
+        """Whether ``holds`` on every rank (this rank's answer where there is no process group yet)."""
+        if self.strategy.world_size == 1 or not dist.is_initialized():
+            return holds
+        every = torch.tensor([int(holds)], dtype=torch.int64)
+        dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.process_groups()[2])
+        return bool(every.item())
+
+    def machine_groups(self) -> tuple[Any, Any]:
+        """(this machine's ranks, this rank's peers: its local index on every machine) where host
+        homes are shared per machine on several machines; on one machine (the control group, None).
+        Every rank creates every group, in one order, as ``new_group`` requires."""
+        control = self.process_groups()[2]
+        if self.machines == 1 or not self.homes_shared():
+            return control, None
+        if self._machine_groups is None:
+            per_machine, rank = self.strategy.num_processes, self.strategy.global_rank
+            machines = [dist.new_group(list(range(m * per_machine, (m + 1) * per_machine)), backend="gloo") for m in range(self.machines)]
+            peers = [dist.new_group(list(range(local, self.strategy.world_size, per_machine)), backend="gloo") for local in range(per_machine)]
+            self._machine_groups = (machines[rank // per_machine], peers[rank % per_machine])
+        return self._machine_groups
 
     def measure_links(self) -> None:
         """What an all-reduce moves per rank on host memory's group and on the GPU tier's, measured
@@ -319,7 +355,7 @@ class DataParallelRanks:
         host_rate, device_rate, latency = self._rates if self._rates is not None else (links.h2d, links.h2d, 0.0)
         one_group = self._groups is None or self._groups[1] is self._groups[0]  # on CPU both tiers' collectives are gloo's
         return replace(links, world_size=self.strategy.world_size, network=device_rate, host_network=None if one_group else host_rate,
-                       shard_states=self.shard_states, collective_latency=latency, shared_homes=self.homes_shared(),
+                       shard_states=self.shard_states, collective_latency=latency, shared_homes=self.homes_shared(), machines=self.machines,
                        replicated_persistent=self.shard_states)
 
     def link_metrics(self) -> dict[str, float]:

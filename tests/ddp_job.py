@@ -121,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="tiered_ddp", choices=["ddp", "ddp_find_unused_parameters_true", "tiered_ddp", "tiered", "auto"])
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines (each started with its NODE_RANK; --devices ranks on each)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--resume", type=Path, default=None)
@@ -168,6 +169,7 @@ def main() -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         logger=False,

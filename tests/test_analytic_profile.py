@@ -448,6 +448,24 @@ def test_the_largest_model_is_the_deepest_the_auto_search_plans():
     assert planned(depth) and not planned(depth + 1)
 
 
+def test_protrain_175b_on_four_machines_plans_with_a_copy_of_host_homes_per_machine():
+    """ProTrain §5.4 (PT-22: GPT 175B on 16 A100s in four machines, 243.2 GiB of host per rank):
+    a copy of the host units' 16-bit parameters on every rank (326 GiB) cannot fit, and was
+    refused before; one copy per machine costs each rank a quarter of it (81 GiB) beside its
+    sixteenth of the states (122 GiB), and plans within the budget."""
+    import dataclasses
+
+    from tools import simulate as sim
+    from tools.reproduce import POINTS, auto_row, setting
+
+    point = next(p for p in POINTS if p.ident == "PT-22")
+    at = setting(point, sim, 0.5)
+    row = auto_row(point, sim, at)
+    assert at.shared_homes and row.fits and 0 < row.host <= at.host, row
+    copies = auto_row(point, sim, dataclasses.replace(at, shared_homes=False))
+    assert not copies.fits and "host_memory=243.20 GiB cannot hold" in copies.note
+
+
 def test_simulate_prices_bf16_mixed_blocks_as_autocast_keeps_them():
     """Under ``bf16-mixed`` a block keeps what autocast saves: less than in fp32 (its products'
     inputs are 16-bit casts), more than under ``bf16-true`` (norms and the residual stream stay

@@ -125,6 +125,14 @@ def test_data_parallel_reduces_at_home_updates_owned_units_and_shares_them():
     # 5-5.75, u0 6-6.75, updated 6.75-7.75; the ranks agree on gradients 7.75-8, the barrier 8-8.25
     shared = dataclasses.replace(two, collective_latency=0.25, shared_homes=True)
     assert simulate_step(units, buffers=2, machine=shared).seconds == pytest.approx(8.25)
+    # four ranks on two machines, a copy of host homes on each: reductions move 3/4 of the bytes,
+    # u1 reduced 5-6 (0.25 + 0.75), u0 6-7, updated 7-8; the agreement 8-8.25, the barrier
+    # 8.25-8.5; then each update goes to the other machine, the ranks of each local index sending
+    # their half of the 200 bytes to 1 of 2 machines (50 bytes, 0.5 s) in one broadcast (0.25):
+    # 8.5-9.25
+    machines = dataclasses.replace(shared, world_size=4, machines=2)
+    assert simulate_step(units, buffers=2, machine=machines).seconds == pytest.approx(9.25)
+    assert simulate_step(units, buffers=2, machine=dataclasses.replace(machines, machines=1)).seconds == pytest.approx(8.5)
     # without sharding: all-reduces (all the bytes each), both units updated, nothing shared
     replicated = simulate_step(units, buffers=2, machine=Machine(h2d=100.0, d2h=100.0, world_size=2, network=100.0, shard_states=False))
     # u1 3-4, host 4-5, all-reduce 5-6, update 6-7; u0 4-5, host 5-6, all-reduce 6-7, update 7-8

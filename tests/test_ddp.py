@@ -36,6 +36,26 @@ def launch(out: Path, *args: str) -> dict[int, dict]:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
+def launch_machines(out: Path, machines: int, *args: str) -> dict[int, dict]:
+    """Run the job as ``machines`` machines would: one launch per machine, each with its
+    ``NODE_RANK`` and the same address to meet at; return each rank's report."""
+    import socket
+
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    command = [sys.executable, str(JOB), "--out", str(out), "--num-nodes", str(machines), *args]
+    started = [subprocess.Popen(command, cwd=out, env={**env, "NODE_RANK": str(m)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for m in range(machines)]
+    for machine, process in enumerate(started):
+        stdout, stderr = process.communicate(timeout=400)
+        assert process.returncode == 0, f"machine {machine}: exit {process.returncode}\n{stdout[-3000:]}\n{stderr[-4000:]}"
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -352,6 +372,34 @@ def test_sharing_host_homes_changes_no_result_under_bf16_true(tmp_path):
         assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
         assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0 == copies[rank]["metrics"]["tier/host_shared_bytes"]
     assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
+def test_each_machine_keeps_one_copy_of_host_homes_and_the_owners_send_updates_across(tmp_path):
+    """Two machines of two ranks with ``share_host_homes``: each machine's ranks map their own
+    copy of the host units' parameters; each owner writes its update to its machine's copy and
+    sends it to the rank of its local index on the other machine, which writes it there. The
+    run is bit-identical to the same four ranks keeping a copy each (without the sending, the
+    losses part in the second step). Each rank holds half its machine's copy (0.60 MiB) and stays
+    within 2.5x the parameters' bytes (1.06 MiB), which a copy each is refused (1.21 MiB
+    needed): the copies run gets 3x, and holds at least the other half beyond."""
+    recipe = ("--epochs", "2", "--layers", "8", "--devices", "2")
+    before = _shared_files()
+    shared = launch_machines(tmp_path / "shared", 2, "--strategy", "tiered_ddp", "--share-homes", "--host-factor", "2.5", *recipe)
+    assert not _shared_files() - before
+    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--host-factor", "3.0", *recipe[:-1], "4")
+    assert sorted(shared) == sorted(copies) == [0, 1, 2, 3] and shared[0]["world_size"] == 4
+    for rank in range(4):
+        assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
+        ours, theirs = shared[rank]["metrics"], copies[rank]["metrics"]
+        assert ours["tier/host_shared_bytes"] > 0 == theirs["tier/host_shared_bytes"]
+        assert ours["tier/host_peak_bytes"] <= ours["budget/host_bytes"], ours
+        # the other half of the machine's copy is what a copy each holds beyond
+        assert theirs["tier/host_peak_bytes"] - ours["tier/host_peak_bytes"] >= ours["tier/host_shared_bytes"] / 2, (ours, theirs)
+    assert len({shared[rank]["metrics"]["units/host"] for rank in range(4)}) == 1
+    assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
+    assert_same_optimizer_states(load(tmp_path / "copies" / "last.ckpt")["optimizer_states"][0],
+                                 load(tmp_path / "shared" / "last.ckpt")["optimizer_states"][0])
 
 
 @pytest.mark.parametrize("clipping", [(), ("--clip-norm", "0.05")], ids=["plain", "clipping_by_norm"])

@@ -235,6 +235,25 @@ def test_ranks_sharing_host_homes_pay_a_share_of_the_parameters():
     assert set(shared.home.values()) == {HOST} and shared.host_bytes == 448 * kib and shared.host_homes_shared
 
 
+def test_each_machines_ranks_pay_their_share_of_its_copy_of_host_homes():
+    # Four ranks, on one machine or on two: the twelve 16 KiB units' parameters are one copy per
+    # machine, so each rank pays a quarter of each (4 KiB) or a half (8 KiB): 12 x 4 KiB more on
+    # two machines, all else alike.
+    units = [UnitSize(i, 16384, 16384) for i in range(12)]
+    owners = {i: i % 4 for i in range(12)}
+    kib = 1024
+
+    def place(machines):
+        return place_units(units, [[i] for i in range(12)], gpu_bytes=32 * kib, host_bytes=1 << 20, nvme_bytes=0, state_factor=2,
+                           sharding=Sharding(owners, 0, 4, gradients_sent=True, shared_homes=True, machines=machines))
+
+    one, two = place(1), place(2)
+    assert set(one.home.values()) == set(two.home.values()) == {HOST}
+    assert two.host_bytes - one.host_bytes == 12 * 4 * kib
+    with pytest.raises(ValueError, match="4 ranks cannot be spread evenly over 3 machines"):
+        Sharding(owners, 0, 4, machines=3)
+
+
 def test_ranks_sharing_host_homes_home_the_same_units_there():
     # Eight units of 16 KiB streamed through 32 KiB of GPU tier; rank 0 owns units 0-5, rank 1
     # units 6 and 7; a gradient home each (16 KiB), Adam states 32 KiB on the owner, 320 KiB of

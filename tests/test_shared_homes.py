@@ -33,11 +33,21 @@ def _ranks(world_size, processes, shard_states=True, share=True):
     return DataParallelRanks(SimpleNamespace(world_size=world_size, num_processes=processes), None, shard_states, share)
 
 
-def test_host_homes_are_shared_by_the_ranks_of_one_machine_only():
-    assert _ranks(2, 2).homes_shared() == shared_homes.shared_memory_available()
+def test_host_homes_are_shared_by_each_machines_ranks():
+    available = shared_homes.shared_memory_available()
+    assert _ranks(2, 2).homes_shared() == available
+    assert _ranks(4, 2).homes_shared() == available and _ranks(4, 2).machines == 2  # two machines of two: a copy on each
     assert not _ranks(2, 2, share=False).homes_shared()
     assert not _ranks(1, 1).homes_shared()  # one process: nothing to share
-    with pytest.warns(UserWarning, match="not all on one machine"):
-        assert not _ranks(4, 2).homes_shared()  # two machines of two
+    with pytest.warns(UserWarning, match="each machine runs one rank"):
+        assert not _ranks(2, 1).homes_shared()  # two machines of one
     with pytest.warns(UserWarning, match="needs shard_states=True"):
         assert not _ranks(2, 2, shard_states=False).homes_shared()
+
+
+def test_a_machine_without_shared_memory_keeps_a_copy_per_rank(monkeypatch):
+    from offload_strategy import strategy_ddp
+
+    monkeypatch.setattr(strategy_ddp, "shared_memory_available", lambda: False)
+    with pytest.warns(UserWarning, match="has no /dev/shm"):
+        assert not _ranks(4, 2).homes_shared()

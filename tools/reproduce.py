@@ -75,7 +75,7 @@ class Point:
     host: Optional[str] = None  # None: AVAILABLE_SHARE of the machine's
     nvme: str = "0"
     ranks: int = 1
-    machines: int = 1  # the ranks of one machine keep one copy of host homes (share_host_homes); of several, a copy each
+    machines: int = 1  # the ranks span this many machines; each machine's ranks keep one copy of host homes (share_host_homes)
     network_gbps: Optional[float] = None
     host_network_gbps: Optional[float] = None  # gloo's collectives on host memory, where priced apart
     batches: tuple[int, ...] = ()  # the paper's best batch: the fastest of these per rank
@@ -138,7 +138,7 @@ class Setting:
     gpu: int
     host: int
     nvme: int
-    shared_homes: bool = False  # the ranks keep one copy of host homes
+    shared_homes: bool = False  # each machine's ranks keep one copy of host homes
 
 
 def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None) -> Setting:
@@ -152,7 +152,7 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
     overrides = [*point.overrides, "logger=none", *([f"data.batch_size={batch}"] if batch else [])]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    hardware = instantiate(cfg.hardware).rank_share(point.ranks)  # each rank's share of the machine's CPU side
+    hardware = instantiate(cfg.hardware).rank_share(point.ranks // point.machines)  # each rank's share of its machine's CPU side
     model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision),
                       mixed=point.precision.endswith("-mixed"))
     host = parse_size(point.host) if point.host else int(AVAILABLE_SHARE * hardware.host_memory)
@@ -160,12 +160,12 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
 
 
 def shares_homes(point: Any) -> bool:
-    return point.ranks > 1 and point.machines == 1
+    return point.ranks > point.machines  # several ranks on each machine
 
 
 def auto_row(point: Any, sim: Any, at: Setting) -> Any:
     """The joint search's row for the point's setting (rank 0's with several ranks)."""
-    sharding, owners = sim.rank_sharding(at.model, point.ranks, at.shared_homes)
+    sharding, owners = sim.rank_sharding(at.model, point.ranks, at.shared_homes, machines=point.machines)
     return sim.compare_policies(at.model, point_machine(point, sim, at), at.gpu, at.host, at.nvme, sharding, owners)[-1]
 
 
@@ -174,7 +174,7 @@ def point_machine(point: Any, sim: Any, at: Setting) -> Any:
     network = None if point.network_gbps is None else point.network_gbps * 1e9
     host_network = None if point.host_network_gbps is None else point.host_network_gbps * 1e9
     return sim.machine_of(at.hardware, at.nvme, ranks=point.ranks, network=network, shard_states=True, shared_homes=at.shared_homes,
-                          host_network=host_network)
+                          host_network=host_network, machines=point.machines)
 
 
 def forward_seconds(model: Any) -> float:
@@ -281,7 +281,7 @@ class Finding:
     host: Optional[str] = None
     nvme: str = "0"
     ranks: int = 1
-    machines: int = 1  # the ranks of one machine keep one copy of host homes (share_host_homes); of several, a copy each
+    machines: int = 1  # the ranks span this many machines; each machine's ranks keep one copy of host homes (share_host_homes)
     network_gbps: Optional[float] = None
     host_network_gbps: Optional[float] = None  # gloo's collectives on host memory, where priced apart
     precision: str = "bf16-true"
@@ -402,6 +402,7 @@ def command(point: Any) -> str:
     flags += [f"--host-memory {point.host}"] if point.host else []
     flags += [f"--nvme-memory {point.nvme}"] if point.nvme != "0" else []
     flags += [f"--ranks {point.ranks}"] if point.ranks > 1 else []
+    flags += [f"--machines {point.machines}"] if point.machines > 1 else []
     flags += ["--share-host-homes"] if shares_homes(point) else []
     flags += [f"--network-gbps {point.network_gbps:g}"] if point.network_gbps else []
     flags += [f"--host-network-gbps {point.host_network_gbps:g}"] if point.host_network_gbps else []

@@ -166,7 +166,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
 
 
 def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True,
-               host_network: Optional[float] = None, shared_homes: bool = False) -> Any:
+               host_network: Optional[float] = None, shared_homes: bool = False, machines: int = 1) -> Any:
     """The step model's machine for a hardware spec (an NVMe tier without known bandwidths is
     priced at a typical drive's, and says so)."""
     from dataclasses import replace
@@ -178,7 +178,7 @@ def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float
               f"(set +hardware.nvme_read_gbps=... +hardware.nvme_write_gbps=... for the drive you mean)")
     machine = machine_from_spec(hardware, nvme=bool(nvme))
     return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states,
-                   host_network=host_network, shared_homes=shared_homes, replicated_persistent=shard_states)
+                   host_network=host_network, shared_homes=shared_homes, replicated_persistent=shard_states, machines=machines)
 
 
 def unit_costs(model: Model, owners: list[int]) -> dict:
@@ -276,7 +276,7 @@ def fmt(n: float) -> str:
     return format_bytes(n)
 
 
-def rank_sharding(model: Model, ranks: int, shared_homes: bool = False, replicated: bool = False) -> tuple[Any, list[int]]:
+def rank_sharding(model: Model, ranks: int, shared_homes: bool = False, replicated: bool = False, machines: int = 1) -> tuple[Any, list[int]]:
     """Rank 0's sharding of ``model``'s states over ``ranks`` data-parallel ranks (None: one rank,
     or every rank keeping every state) and each unit's owner: one optimizer, no accumulation or
     clipping, so every backward reduces to the owners; persistent units replicated."""
@@ -284,7 +284,7 @@ def rank_sharding(model: Model, ranks: int, shared_homes: bool = False, replicat
 
     owners = assign_owners([size.trainable_bytes for size in model.sizes], ranks)
     sharding = (Sharding({size.index: owner for size, owner in zip(model.sizes, owners)}, 0, ranks, gradients_sent=True, shared_homes=shared_homes,
-                         replicated_persistent=True) if ranks > 1 and not replicated else None)
+                         replicated_persistent=True, machines=machines) if ranks > 1 and not replicated else None)
     return sharding, owners
 
 
@@ -308,7 +308,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
         activations += deeper.beside.in_blocks
         if activations >= gpu:
             return False
-        sharding, _ = rank_sharding(deeper, ranks, shared_homes, replicated)
+        sharding, _ = rank_sharding(deeper, ranks, shared_homes, replicated, machine.machines)
         try:
             place_units(deeper.sizes, deeper.co_resident, gpu_bytes=gpu - activations, host_bytes=host, nvme_bytes=nvme,
                         state_factor=deeper.state_factor, sharding=sharding, gradients_until_update=True)
@@ -327,7 +327,7 @@ def largest_depth(model: Model, machine: Any, gpu: int, host: int, nvme: int, ra
     def planned(depth: int) -> bool:
         if depth not in searched:
             deeper = model.deeper(depth)
-            sharding, owners = rank_sharding(deeper, ranks, shared_homes, replicated)
+            sharding, owners = rank_sharding(deeper, ranks, shared_homes, replicated, machine.machines)
             row = compare_policies(deeper, machine, gpu, host, nvme, sharding, owners)[-1]
             searched[depth] = row if row.fits else None
         return searched[depth] is not None
@@ -542,6 +542,19 @@ def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme
     return all_rows
 
 
+def _check_ranks(args: argparse.Namespace, machine_spec: Any) -> None:
+    """Refuse rank and machine counts no run could have, saying which flag to change."""
+    if args.ranks < 1:
+        raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
+    if args.share_host_homes and args.replicate_states:
+        raise SystemExit("--share-host-homes needs sharded states: drop --replicate-states.")
+    if args.machines < 1 or args.ranks % args.machines:
+        raise SystemExit(f"--machines {args.machines}: {args.ranks} ranks cannot be spread evenly over them; give a count that divides --ranks.")
+    if args.share_host_homes and args.ranks // args.machines > machine_spec.gpus:
+        raise SystemExit(f"--share-host-homes: {args.ranks // args.machines} ranks per machine do not fit on one {machine_spec.name} machine "
+                         f"({machine_spec.gpus} GPUs), and only one machine's ranks share host memory; give --machines.")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-memory", nargs="*", default=None, help="GPU-tier budgets to compare (default: 25%%, 50%% and 90%% of the GPU)")
@@ -554,7 +567,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="GB/s of collectives on host memory (gloo: offloaded units' reductions and parameters; default: --network-gbps)")
     parser.add_argument("--replicate-states", action="store_true", help="every rank keeps every optimizer state (shard_states=False)")
     parser.add_argument("--share-host-homes", action="store_true",
-                        help="the ranks (on one machine) keep one copy of host homes (share_host_homes=True)")
+                        help="each machine's ranks keep one copy of host homes (share_host_homes=True)")
+    parser.add_argument("--machines", type=int, default=1, help="the ranks span this many machines, as many on each (num_nodes)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak")
     parser.add_argument("--largest-at-most", type=int, default=None,
                         help="search the largest model no deeper than this many blocks (the search takes a minute or more on deep models)")
@@ -569,14 +583,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from offload_strategy import parse_size
     from offload_strategy.config import compute_dtype
 
-    if args.ranks < 1:
-        raise SystemExit(f"--ranks {args.ranks}: give at least one rank.")
-    if args.share_host_homes and args.replicate_states:
-        raise SystemExit("--share-host-homes needs sharded states: drop --replicate-states.")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[*args.overrides, "logger=none"])
     machine_spec = instantiate(cfg.hardware)
-    hardware = machine_spec.rank_share(args.ranks)  # each rank's cores, memory channels and host memory
+    _check_ranks(args, machine_spec)
+    hardware = machine_spec.rank_share(args.ranks // args.machines)  # each rank's cores, memory channels and host memory
     half = args.precision == "bf16-true"
     mixed = args.precision.endswith("-mixed")
     model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision), mixed=mixed)
@@ -585,13 +596,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     nvme = parse_size(args.nvme_memory)
     network = None if args.network_gbps is None else args.network_gbps * 1e9  # None: the host link's
     host_network = None if args.host_network_gbps is None else args.host_network_gbps * 1e9
-    if args.share_host_homes and args.ranks > machine_spec.gpus:
-        raise SystemExit(f"--share-host-homes: {args.ranks} ranks do not fit on one {machine_spec.name} machine ({machine_spec.gpus} GPUs), "
-                         f"and only one machine's ranks share host memory.")
-    shared = args.share_host_homes and args.ranks > 1
+    shared = args.share_host_homes and args.ranks > args.machines
     machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states, host_network=host_network,
-                         shared_homes=shared)
-    sharding, owners = rank_sharding(model, args.ranks, shared, args.replicate_states)
+                         shared_homes=shared, machines=args.machines)
+    sharding, owners = rank_sharding(model, args.ranks, shared, args.replicate_states, args.machines)
     compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
@@ -604,7 +612,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.ranks > 1:
         print(f"tiered_ddp on {args.ranks} ranks, collectives at {machine.network / 1e9:.0f} GB/s per rank on the GPU tier and "
               f"{machine.host_collectives / 1e9:.0f} GB/s on host memory (--host-network-gbps), optimizer states "
-              f"{'replicated' if args.replicate_states else 'sharded'}{', host homes one copy on the machine' if shared else ''}: "
+              f"{'replicated' if args.replicate_states else 'sharded'}{', host homes one copy per machine' if shared else ''}: "
               f"budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")

@@ -82,9 +82,11 @@ class Machine(Bandwidth):
     # parameter broadcasts use, beside the GPU tier's; None: not known apart, one link for both
     host_network: Optional[float] = None
     collective_latency: float = 0.0  # seconds a collective takes beyond its bytes (one call's cost)
-    # the ranks share one copy of host-homed units' parameters (one machine): nothing to broadcast
-    # for them after the step, only a barrier once their owners have written them
+    # each machine's ranks share one copy of host-homed units' parameters: after the step a
+    # barrier once their owners have written them, and on several machines each update sent to
+    # one rank of every other machine (the ranks of one local index broadcast a share each)
     shared_homes: bool = False
+    machines: int = 1  # the ranks span this many machines, as many on each
     # every rank all-reduces and updates the persistent units (ProTrain §3.1.1): none is sent after the step
     replicated_persistent: bool = False
 
@@ -301,6 +303,16 @@ class _Step:
         if u.home == NVME:
             self.nvme = max(self.nvme, self.worker) + move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_write)
 
+    def _to_other_machines(self, shared: list[int]) -> float:
+        """Seconds this rank spends sending the shared host units' updates to the other machines:
+        the ranks of each local index broadcast the units their index owns, a 1/ranks_per_machine
+        share of them, each to machines - 1 others."""
+        machines = self.machine.machines
+        per_machine = self.machine.world_size // machines
+        units = -(-len(shared) // per_machine)
+        moved = sum(shared) / per_machine * (machines - 1) / machines
+        return units * self.machine.collective_latency + move_seconds(moved, self.machine.host_collectives)
+
     def finish(self, backward_end: float) -> float:
         """The step's end: updates in the GPU tier after backward, the worker, NVMe; under sharded
         data parallelism the owners' updated parameters to every rank, then the others' NVMe units written."""
@@ -321,6 +333,8 @@ class _Step:
         # one broadcast per unit
         self.net = max(self.net, end) + len(persistent) * latency + move_seconds(sum(persistent) * share, self.machine.network)
         self.host_net = max(self.host_net, end) + len(offloaded) * latency + move_seconds(sum(offloaded) * share, self.machine.host_collectives)
+        if shared and self.machine.machines > 1:
+            self.host_net += self._to_other_machines([u.nbytes for u in units if u.gradient_bytes and u.home == HOST and not self._replicated(u)])
         others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
         self.nvme = max(self.nvme, self.host_net) + move_seconds(others_on_nvme, self.machine.nvme_write)
         return max(end, self.net, self.host_net, self.nvme)

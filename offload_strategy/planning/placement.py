@@ -269,11 +269,11 @@ class _Costs:
         return align(u.nbytes, HOST_SLOT_ALIGNMENT) + align(self.states(u), HOST_SLOT_ALIGNMENT)
 
     def host_home(self, u: UnitSize) -> int:
-        """Offloaded to host memory: parameters and states, each padded; where the ranks share
-        one copy of the parameters, this rank's share of it."""
+        """Offloaded to host memory: parameters and states, each padded; where a machine's ranks
+        share one copy of the parameters, this rank's share of it."""
         params = align(u.nbytes, HOST_SLOT_ALIGNMENT)
         if self.sharding is not None and self.sharding.shared_homes:
-            params = -(-params // self.sharding.world_size)
+            params = -(-params // self.sharding.ranks_per_machine)
         return params + align(self.states(u), HOST_SLOT_ALIGNMENT)
 
     def rank_views(self) -> tuple[list["_Costs"], int]:

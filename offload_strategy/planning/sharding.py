@@ -43,22 +43,32 @@ class Sharding:
     rank: int  # the rank being placed
     world_size: int
     gradients_sent: bool = False
-    # every rank is on one machine and its host-homed units' parameters are one copy there, in
-    # memory the ranks share (each unit's owner writes its update): each rank pays 1/world_size
-    # of them, and every rank must home the same units in host memory
+    # the host-homed units' parameters are one copy per machine, in memory that machine's ranks
+    # share (each unit's owner writes its update, and sends it to one rank of every other
+    # machine): each rank pays 1/ranks_per_machine of them, and every rank must home the same
+    # units in host memory
     shared_homes: bool = False
     # persistent units are not sharded (ProTrain §3.1.1): every rank all-reduces their gradients,
     # keeps their optimizer states and updates them, so nothing is sent for them after the step
     replicated_persistent: bool = False
+    machines: int = 1  # the ranks span this many machines, as many ranks on each
+
+    def __post_init__(self) -> None:
+        if self.machines < 1 or self.world_size % self.machines:
+            raise ValueError(f"{self.world_size} ranks cannot be spread evenly over {self.machines} machines; give a machine count that divides them.")
+
+    @property
+    def ranks_per_machine(self) -> int:
+        return self.world_size // self.machines
 
     @classmethod
     def balanced(
         cls, indices: Sequence[int], state_bytes: Sequence[int], world_size: int, rank: int, gradients_sent: bool = False, shared_homes: bool = False,
-        replicated_persistent: bool = False,
+        replicated_persistent: bool = False, machines: int = 1,
     ) -> "Sharding":
         """Owners by :func:`assign_owners` over the units ``indices`` with their state bytes."""
         owners = assign_owners(state_bytes, world_size)
-        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent, shared_homes, replicated_persistent)
+        return cls(dict(zip(indices, owners)), rank, world_size, gradients_sent, shared_homes, replicated_persistent, machines)
 
     def as_rank(self, rank: int) -> "Sharding":
         """The same ranks as ``rank`` sees them."""

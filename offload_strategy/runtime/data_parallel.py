@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
+from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from .cache import UnitCache
 from .clipping import tensor_norms
 from .context import EngineContext
@@ -65,6 +65,21 @@ class DataParallel:
     device_group: Any  # ... in the GPU tier (the default group: NCCL on CUDA; the host group on CPU)
     control_group: Any  # which parameters have gradients anywhere, before late reductions
     shard_states: bool = True
+    machines: int = 1  # the ranks span this many machines, as many on each (rank = machine * per machine + local)
+    machine_group: Any = None  # this machine's ranks (where they share host homes; the control group on one machine)
+    peer_group: Any = None  # this rank and the ranks of its local index on the other machines (several machines)
+
+    @property
+    def ranks_per_machine(self) -> int:
+        return self.world_size // self.machines
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_machine
+
+    def is_peer(self, rank: int) -> bool:
+        """Whether ``rank`` has this rank's local index on some machine (its peer group holds it)."""
+        return rank % self.ranks_per_machine == self.local_rank
 
     def owns(self, unit_index: int) -> bool:
         return not self.shard_states or self.owners[unit_index] == self.rank
@@ -263,23 +278,31 @@ class GradientExchange:
         if not dp.shard_states:
             return
         works = []
-        shared = self.ctx.memory.shared_slab is not None
         for s in self.ctx.states:
-            if not s.unit.trainable:
-                continue
-            src = dp.owners[s.unit.index]
-            if self.ctx.placement.replicated(s.unit.index):
-                continue  # every rank updated it
-            if s.home == GPU:
-                data = s.device_slot.tensor[: s.unit.nbytes]
-                works.append(dist.broadcast(data, src=src, group=dp.group_for(data), async_op=True))
-            elif s.home == HOST and not shared:
-                works.append(dist.broadcast(self.ctx.home_bytes(s), src=src, group=dp.host_group, async_op=True))
-            elif s.home == NVME:
-                self._share_nvme_unit(s, src)
+            if s.unit.trainable and not self.ctx.placement.replicated(s.unit.index):  # else every rank updated it
+                work = self._send(s, dp.owners[s.unit.index])
+                if work is not None:
+                    works.append(work)
         for work in works:
             work.wait()
         self.homes_written()
+
+    def _send(self, s: UnitState, src: int) -> Optional[Any]:
+        """The owner ``src``'s updated unit to the ranks keeping a copy of it: every rank; where each
+        machine's ranks share host homes, one rank of every other machine (the peers of ``src``'s
+        local index write their machine's copy), or none on one machine."""
+        dp = self.dp
+        if s.home == GPU:
+            data = s.device_slot.tensor[: s.unit.nbytes]
+            return dist.broadcast(data, src=src, group=dp.group_for(data), async_op=True)
+        if s.home == NVME:
+            self._share_nvme_unit(s, src)
+            return None
+        if self.ctx.memory.shared_slab is None:
+            return dist.broadcast(self.ctx.home_bytes(s), src=src, group=dp.host_group, async_op=True)
+        if dp.machines > 1 and dp.is_peer(src):
+            return dist.broadcast(self.ctx.home_bytes(s), src=src, group=dp.peer_group, async_op=True)
+        return None
 
     def homes_written(self) -> None:
         """Where the machine's ranks share host homes: every rank waits until every owner has

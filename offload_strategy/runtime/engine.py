@@ -207,11 +207,11 @@ class TieredEngine:
         if dp is None or not self.placement.host_homes_shared:
             return None
         pin = self.device.compute.type == "cuda"
-        return lambda nbytes, layout: map_shared_homes(nbytes, layout, dp.control_group, dp.rank, dp.world_size, pin)
+        return lambda nbytes, layout: map_shared_homes(nbytes, layout, dp, pin)
 
     def _writes_host_homes(self) -> bool:
         """Whether this process writes the host homes' first values (one rank, where ranks share them)."""
-        return self.memory.shared_slab is None or self.data_parallel is None or self.data_parallel.rank == 0
+        return self.memory.shared_slab is None or self.data_parallel is None or self.data_parallel.local_rank == 0
 
     def _owns(self, unit_index: int) -> bool:
         """Whether this process updates the unit (under sharded states: another rank may own it,
@@ -240,7 +240,7 @@ class TieredEngine:
         """Host memory this process's tiers hold: its slab and fp32 masters, and its share of the
         host homes the machine's ranks share."""
         memory = self.memory
-        shared = memory.shared_slab.nbytes // self.data_parallel.world_size if memory.shared_slab is not None else 0
+        shared = memory.shared_slab.nbytes // self.data_parallel.ranks_per_machine if memory.shared_slab is not None else 0
         return memory.slab.nbytes + memory.master_region.numel() + shared
 
     @property

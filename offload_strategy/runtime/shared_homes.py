@@ -2,14 +2,18 @@
 for the parameters of the units homed in host memory, instead of a copy each.
 
 With sharded optimizer states each unit's owner writes its update there, and the other ranks see
-it once a barrier says every owner has written: no parameters are broadcast for those units, and
-host memory holds their parameters once rather than once per rank (ZeRO-3's saving for host
-memory, without gathers: ranks of one machine share it already).
+it once a barrier says every owner has written: on one machine no parameters are broadcast for
+those units, and host memory holds their parameters once rather than once per rank (ZeRO-3's
+saving for host memory, without gathers: ranks of one machine share it already). On several
+machines each machine holds its own copy, and the owner sends its update to one rank of every
+other machine: the ranks with its local index, one process group per local index (ZeRO++'s
+hierarchical partitioning, hpZ, keeps a copy per machine the same way), so host memory holds the
+parameters once per machine and the network carries each update to each other machine once.
 
-The memory is a file in ``/dev/shm`` (tmpfs): rank 0 creates it and reserves its pages
-(``posix_fallocate``, so that a full ``/dev/shm`` is an error now, with the numbers, rather than a
-bus error mid-run), every rank maps it, and rank 0 removes the name once all have mapped it, so
-nothing is left behind however the run ends.
+The memory is a file in ``/dev/shm`` (tmpfs): the machine's local rank 0 creates it and reserves
+its pages (``posix_fallocate``, so that a full ``/dev/shm`` is an error now, with the numbers,
+rather than a bus error mid-run), every rank of the machine maps it, and local rank 0 removes the
+name once all have mapped it, so nothing is left behind however the run ends.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
 from ..config import format_bytes
 from ..memory import HostSlab
+
+if TYPE_CHECKING:
+    from .data_parallel import DataParallel
 
 SHARED_MEMORY_DIR = Path("/dev/shm")
 
@@ -33,14 +40,15 @@ def shared_memory_available(directory: Path = SHARED_MEMORY_DIR) -> bool:
 
 
 def map_shared_homes(
-    nbytes: int, layout: list[tuple[int, int]], group: Any, rank: int, world_size: int, pin: bool, directory: Path = SHARED_MEMORY_DIR,
+    nbytes: int, layout: list[tuple[int, int]], dp: "DataParallel", pin: bool, directory: Path = SHARED_MEMORY_DIR,
 ) -> HostSlab:
-    """``nbytes`` of host memory every rank of ``group`` maps (all on one machine; collective).
+    """``nbytes`` of host memory every rank of this machine maps (collective on every rank).
 
-    ``layout``: the (unit index, bytes) of each host home, in order; every rank must carve the
-    same homes from the memory, and a rank that planned otherwise is an error on every rank."""
-    layouts: list[Optional[list[tuple[int, int]]]] = [None] * world_size
-    dist.all_gather_object(layouts, layout, group=group)
+    ``layout``: the (unit index, bytes) of each host home, in order; every rank, on every machine
+    (whose copies the owners' updates are sent between), must carve the same homes from the
+    memory, and a rank that planned otherwise is an error on every rank."""
+    layouts: list[Optional[list[tuple[int, int]]]] = [None] * dp.world_size
+    dist.all_gather_object(layouts, layout, group=dp.control_group)
     differing = [r for r, other in enumerate(layouts) if other != layouts[0]]
     if differing:
         raise RuntimeError(
@@ -48,20 +56,21 @@ def map_shared_homes(
             f"{len(layouts[0] or [])}), but ranks sharing host homes must plan alike; give every rank the same budgets "
             f"and plan file, or pass share_host_homes=False."
         )
-    made: list[Any] = [_create(directory, nbytes, world_size) if rank == 0 else None]
-    dist.broadcast_object_list(made, src=0, group=group)
+    first = dp.local_rank == 0
+    made: list[Any] = [_create(directory, nbytes, dp.ranks_per_machine) if first else None]
+    dist.broadcast_object_list(made, group=dp.machine_group, group_src=0)
     path, error = made[0]
     if error:
         raise RuntimeError(error)
     try:
         fd = os.open(path, os.O_RDWR)
         try:
-            return HostSlab(nbytes, pin=pin, shared_fd=fd, fault_in=rank == 0)
+            return HostSlab(nbytes, pin=pin, shared_fd=fd, fault_in=first)
         finally:
             os.close(fd)
     finally:
-        dist.barrier(group=group)  # every rank has it mapped: the name can go
-        if rank == 0:
+        dist.barrier(group=dp.machine_group)  # every rank of the machine has it mapped: the name can go
+        if first:
             Path(path).unlink(missing_ok=True)
 
 
