@@ -7,12 +7,13 @@ the library). Nothing is downloaded: every model is built from its config alone.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
 from torch import nn
 
+from offload_strategy.losses import chunked_causal_lm_loss
 from offload_strategy.profiling.analytic import routed_shares
 
 # family name -> transformers config class
@@ -61,6 +62,11 @@ class CausalLM(L.LightningModule):
         config: keyword arguments of the family's ``transformers`` config.
         name: a short name for tables and logs.
         lr, weight_decay, betas, warmup_steps: AdamW with linear warm-up and cosine decay to 10%.
+        loss_chunk_tokens: compute the loss a chunk of tokens at a time
+            (:func:`offload_strategy.losses.chunked_causal_lm_loss`), so that the fp32 logits of
+            the whole batch never exist: ``"auto"`` sizes the chunks so that one chunk's logits
+            are no larger than the hidden states, a number gives the tokens per chunk; ``None``
+            (the default) takes the model's own loss.
     """
 
     def __init__(
@@ -72,10 +78,13 @@ class CausalLM(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        loss_chunk_tokens: Optional[Union[int, str]] = None,
     ) -> None:
         super().__init__()
         if family not in FAMILIES:
             raise ValueError(f"model family {family!r} is not known; choose one of {', '.join(FAMILIES)}.")
+        if not (loss_chunk_tokens in (None, "auto") or (isinstance(loss_chunk_tokens, int) and loss_chunk_tokens > 0)):
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r}: give a positive number of tokens, 'auto', or None for the model's own loss.")
         self.save_hyperparameters()
         self.family = family
         self.model_config = dict(config)
@@ -112,7 +121,11 @@ class CausalLM(L.LightningModule):
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"
-        return self.model(input_ids=batch, labels=batch).loss
+        chunk = self.hparams.get("loss_chunk_tokens")
+        if chunk is None:
+            return self.model(input_ids=batch, labels=batch).loss
+        hidden = self.model.base_model(input_ids=batch).last_hidden_state  # as the model's own forward calls it
+        return chunked_causal_lm_loss(hidden, self.model.get_output_embeddings(), batch, None if chunk == "auto" else int(chunk))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self.flops_per_batch = self.flops_per_token(batch.shape[1]) * batch.numel()

@@ -466,6 +466,22 @@ def test_protrain_175b_on_four_machines_plans_with_a_copy_of_host_homes_per_mach
     assert not copies.fits and "host_memory=243.20 GiB cannot hold" in copies.note
 
 
+def test_simulate_prices_a_chunked_loss_without_the_whole_logits():
+    """With ``model.loss_chunk_tokens`` the meta forward runs the loss a chunk at a time under
+    checkpointing: what the forward keeps after the last block loses the fp32 log-softmax over the
+    vocabulary (4 x 128 tokens x 256 x 4 bytes = 512 KiB), and nothing else changes beside the
+    blocks (the backward's room is a block's: twice its 4 x 128 x 1024 16-bit MLP tensor)."""
+    from tools import simulate as sim
+    from tools.reproduce import Point, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=a100_80g", "data=synthetic", "data.seq_len=128", "data.batch_size=4")
+    beside = {chunk: setting(Point("tiny", "", "step_s", 1.0, (*overrides, *chunk), "72GiB"), sim, 0.5).model.beside
+              for chunk in ((), ("model.loss_chunk_tokens=auto",), ("model.loss_chunk_tokens=64",))}
+    whole, auto, small = beside.values()
+    assert whole.after - auto.after >= 512 * 256 * 4 and auto == small
+    assert whole.gradients == auto.gradients == 2 * 4 * 128 * 1024 * 2
+
+
 def test_simulate_prices_bf16_mixed_blocks_as_autocast_keeps_them():
     """Under ``bf16-mixed`` a block keeps what autocast saves: less than in fp32 (its products'
     inputs are 16-bit casts), more than under ``bf16-true`` (norms and the residual stream stay

@@ -3,7 +3,8 @@
 From the bottom: ``config`` and the profile's data (``profiling/profile.py``); ``planning`` (pure
 functions over sizes and times: no torch, no Lightning); ``hardware`` and ``memory``; ``runtime``
 (the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units),
-``deferred`` and ``weights`` (models built without memory, weights read into homes);
+``deferred`` and ``weights`` (models built without memory, weights read into homes), ``losses``
+(a causal LM's loss a chunk at a time);
 and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, the package's
 ``__init__``), the only modules that may import Lightning. A module may import its own layer and
 those below it. See docs/architecture.md.
@@ -30,6 +31,7 @@ LAYERS = {
     "profiling.analytic": 5,
     "deferred": 5,
     "weights": 5,
+    "losses": 5,
     "strategy": 6,
     "strategy_activations": 6,
     "strategy_context": 6,

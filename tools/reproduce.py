@@ -49,7 +49,7 @@ LOHAN_SERIES = tuple(
 LOHAN_BATCH_1 = ("model=gpt3_175b", "model.config.n_positions=1024", "data=synthetic", "data.seq_len=1024", "data.batch_size=1")
 LOHAN_13B = ("model=gpt3_175b", "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40",
              "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090", "data=synthetic",
-             "data.seq_len=1024")
+             "data.seq_len=1024", "model.loss_chunk_tokens=auto")
 GPT2_W8192 = ("model=gpt2_xl", "model.config.n_embd=8192", "model.config.n_head=64", "data=synthetic", "data.seq_len=1024", "data.batch_size=1")
 GPT2_10B = ("model=gpt2_xl", "model.config.n_embd=4096", "model.config.n_layer=48", "model.config.n_head=32", "data=synthetic", "data.seq_len=1024")
 LLAMA_13B = ("model=llama_7b", "model.config.hidden_size=5120", "model.config.intermediate_size=13824", "model.config.num_hidden_layers=40",
@@ -92,7 +92,9 @@ class Point:
 
 POINTS = (
     Point("LH-15", "LoHan §V-C: 135 TFLOPS, 13B, batch 32, RTX 4090, 12 SSDs", "tflops", 135.0,
-          (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", rate_from="LH-11"),
+          (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", rate_from="LH-11",
+          note="the loss a chunk at a time, as in every LoHan setting (model.loss_chunk_tokens=auto): Hugging Face's fp32 loss would hold 19 GiB "
+               "of the 22 GiB tier at the head's backward, which LoHan's run at this batch cannot have"),
     Point("LH-11", "LoHan §III-C: forward compute 5.96 s, 13B, batch 32", "forward_s", 5.96, (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB"),
     Point("LH-9", "LoHan §III-B: 213 GB of activations, 13B, batch 32", "activations_gb", 213.0, (*LOHAN_13B, "data.batch_size=32"), "22GiB",
           nvme="40TB"),
