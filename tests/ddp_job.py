@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--sgd", action="store_true", help="plain SGD instead of AdamW with warm-up")
     parser.add_argument("--after-backward", action="store_true", help="on_after_backward changes the gradients")
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="the loss a chunk of this many tokens at a time")
     args = parser.parse_args()
 
     config = dict(GPT2_4L, n_layer=args.layers)
@@ -163,7 +164,7 @@ def main() -> None:
     kinds = {RankBranch: args.rank_branch, HfCheckpointing: args.hf_checkpointing, ManualAccumulation: args.manual, Sgd: args.sgd,
              ChangesGradientsAfterBackward: args.after_backward}
     kind = next((k for k, wanted in kinds.items() if wanted), CausalLM)
-    model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
+    model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2, loss_chunk_tokens=args.loss_chunk_tokens)
     recorder, metrics = LossRecorder(), Metrics()
     trainer = L.Trainer(
         strategy=strategy,

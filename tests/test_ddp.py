@@ -402,6 +402,17 @@ def test_each_machine_keeps_one_copy_of_host_homes_and_the_owners_send_updates_a
                                  load(tmp_path / "shared" / "last.ckpt")["optimizer_states"][0])
 
 
+def test_a_loss_in_chunks_trains_as_under_ddp(tmp_path, plain_ddp):
+    """The loss a chunk of 7 tokens at a time calls the tied head nine times in forward and
+    again in backward; each unit's gradients are reduced once all have arrived: bit-identical to
+    DDP with the same loss."""
+    plain_dir, plain = plain_ddp("--epochs", "2", "--loss-chunk-tokens", "7")
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--epochs", "2", "--loss-chunk-tokens", "7")
+    for rank in (0, 1):
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert_same_weights(load(plain_dir / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+
+
 @pytest.mark.parametrize("clipping", [(), ("--clip-norm", "0.05")], ids=["plain", "clipping_by_norm"])
 def test_persistent_units_are_all_reduced_and_updated_on_every_rank(tmp_path, plain_ddp, clipping):
     """Persistent units are not sharded (ProTrain §3.1.1): every rank all-reduces their gradients,

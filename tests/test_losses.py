@@ -53,12 +53,18 @@ def test_bad_input_says_what_to_give():
         CausalLM(family="gpt2", config=TINY_GPT2, loss_chunk_tokens=0)
 
 
-@pytest.mark.parametrize("chunk", [7, "auto"])
-def test_it_is_hugging_faces_loss_to_rounding(chunk):
-    """GPT-2 (its head tied to the embedding) on 4 x 16 tokens: the loss and every gradient as the
-    model's own loss gives them, to float rounding (the sums run chunk by chunk)."""
+TINY_LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  max_position_embeddings=32, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.mark.parametrize("family, chunk", [("gpt2", 7), ("gpt2", "auto"), ("llama", 5)])
+def test_it_is_hugging_faces_loss_to_rounding(family, chunk):
+    """GPT-2 (its head tied to the embedding) and Llama (an untied head after an RMSNorm) on 4 x
+    16 tokens: the loss and every gradient as the model's own loss gives them, to float rounding
+    (the sums run chunk by chunk)."""
     torch.manual_seed(0)
-    own, chunked = (CausalLM(family="gpt2", config=TINY_GPT2, loss_chunk_tokens=c) for c in (None, chunk))
+    config = TINY_GPT2 if family == "gpt2" else TINY_LLAMA
+    own, chunked = (CausalLM(family=family, config=config, loss_chunk_tokens=c) for c in (None, chunk))
     own.configure_model()
     chunked.configure_model()
     chunked.model.load_state_dict(own.model.state_dict())
