@@ -402,6 +402,22 @@ def test_each_machine_keeps_one_copy_of_host_homes_and_the_owners_send_updates_a
                                  load(tmp_path / "shared" / "last.ckpt")["optimizer_states"][0])
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
+def test_machines_sharing_host_homes_with_an_nvme_tier_clipping_and_bf16_true(tmp_path):
+    """The same two machines of two with an NVMe tier (every rank homes the same units in host
+    memory, the rest in its own files), clipping by norm (the owners update after backward, then
+    send) and bf16-true (each owner writes its units' 16-bit parameters from their fp32 masters
+    into its machine's copy): bit-identical to the four ranks keeping a copy each."""
+    recipe = ("--epochs", "2", "--devices", "2", "--layers", "8", "--host-factor", "2.0", "--clip-norm", "0.05", "--precision", "bf16-true")
+    shared = launch_machines(tmp_path / "shared", 2, "--strategy", "tiered_ddp", "--share-homes", "--nvme", str(tmp_path / "nvme_shared"), *recipe)
+    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--nvme", str(tmp_path / "nvme_copies"), *recipe[:3], "4", *recipe[4:])
+    for rank in range(4):
+        assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
+        assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0 and shared[rank]["metrics"]["units/nvme"] > 0
+    assert len({shared[rank]["metrics"]["units/host"] for rank in range(4)}) == 1
+    assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
+
+
 def test_a_loss_in_chunks_trains_as_under_ddp(tmp_path, plain_ddp):
     """The loss a chunk of 7 tokens at a time calls the tied head nine times in forward and
     again in backward; each unit's gradients are reduced once all have arrived: bit-identical to
