@@ -470,16 +470,24 @@ def test_simulate_prices_a_chunked_loss_without_the_whole_logits():
     """With ``model.loss_chunk_tokens`` the meta forward runs the loss a chunk at a time under
     checkpointing: what the forward keeps after the last block loses the fp32 log-softmax over the
     vocabulary (4 x 128 tokens x 256 x 4 bytes = 512 KiB), and nothing else changes beside the
-    blocks (the backward's room is a block's: twice its 4 x 128 x 1024 16-bit MLP tensor)."""
+    blocks (the backward's room is a block's: twice its 4 x 128 x 1024 16-bit MLP tensor). The
+    head's product runs once more in backward, and is priced there."""
     from tools import simulate as sim
     from tools.reproduce import Point, setting
 
     overrides = ("model=gpt2_tiny", "hardware=a100_80g", "data=synthetic", "data.seq_len=128", "data.batch_size=4")
-    beside = {chunk: setting(Point("tiny", "", "step_s", 1.0, (*overrides, *chunk), "72GiB"), sim, 0.5).model.beside
-              for chunk in ((), ("model.loss_chunk_tokens=auto",), ("model.loss_chunk_tokens=64",))}
-    whole, auto, small = beside.values()
+    models = [setting(Point("tiny", "", "step_s", 1.0, (*overrides, *chunk), "72GiB"), sim, 0.5).model
+              for chunk in ((), ("model.loss_chunk_tokens=auto",), ("model.loss_chunk_tokens=64",))]
+    whole, auto, small = (m.beside for m in models)
     assert whole.after - auto.after >= 512 * 256 * 4 and auto == small
     assert whole.gradients == auto.gradients == 2 * 4 * 128 * 1024 * 2
+    # backward runs the head again: the tied embedding's unit (the head's) computes its forward
+    # three times a step, every other unit as before (twice its forward in backward)
+    head = [i for i, u in enumerate(models[1].units) if u.name.endswith("wte")]
+    assert len(head) == 1, [u.name for u in models[1].units]
+    for i, c in enumerate(models[1].costs):
+        assert c.backward_seconds == pytest.approx((3 if i in head else 2) * c.forward_seconds), i
+    assert [c.backward_seconds for c in models[0].costs] == pytest.approx([2 * c.forward_seconds for c in models[0].costs])
 
 
 def test_simulate_prices_bf16_mixed_blocks_as_autocast_keeps_them():

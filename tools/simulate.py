@@ -123,6 +123,14 @@ class Row:
     note: str = ""
 
 
+def head_recomputed(costs: list, head_units: list) -> list:
+    """Under a loss computed in chunks (``model.loss_chunk_tokens``) backward runs each chunk's
+    head and cross-entropy again: the head's units' forward (with its share of the loss's
+    memory-bound work) once more in backward."""
+    again = {u.index for u in head_units}
+    return [dataclasses.replace(c, backward_seconds=c.backward_seconds + c.forward_seconds) if i in again else c for i, c in enumerate(costs)]
+
+
 def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None, dtype: Optional[str] = None,
           mixed: bool = False) -> Model:
     """The step model's view of ``cfg.model`` built on the meta device: 16-bit parameters where
@@ -153,6 +161,8 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
     inside = [{id(m) for m in block.modules()} for block in blocks]
     block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
     costs = attach_unattributed(costs, block_units, compute)  # attention's products and the memory-bound work
+    if cfg.model.get("loss_chunk_tokens") is not None:
+        costs = head_recomputed(costs, users.get(module.model.get_output_embeddings(), []))
     # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes); gradients land in 16 bits first
     widen = 2 if half else 1
     return Model(
