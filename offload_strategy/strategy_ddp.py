@@ -61,6 +61,14 @@ def _sync_module_states(module: nn.Module, host_group: Any) -> None:
             _sync_params_and_buffers(group, tensors, 250 * 2**20, 0)
 
 
+def machines_and_peers(where: list[tuple[int, int]]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Each machine's global ranks, and each local index's across the machines, in order, from
+    every rank's (machine, local rank): launchers number ranks machine by machine or round-robin."""
+    machines = [tuple(r for r, (m, _) in enumerate(where) if m == machine) for machine in sorted({m for m, _ in where})]
+    peers = [tuple(r for r, (_, k) in enumerate(where) if k == local) for local in sorted({k for _, k in where})]
+    return machines, peers
+
+
 @exposes_core
 class TieredDDPStrategy(DDPStrategy):
     """:class:`~offload_strategy.TieredStrategy` on every rank of a data-parallel run.
@@ -264,13 +272,13 @@ class DataParallelRanks:
         self.share_host_homes = share_host_homes
         self._homes_shared: Optional[bool] = None
         self._groups: Optional[tuple[Any, Any, Any]] = None
-        self._machine_groups: Optional[tuple[Any, Any]] = None
+        self._machine_groups: Optional[tuple[Any, Any, tuple[int, ...], tuple[int, ...]]] = None
         # collectives: bytes/s on host memory's group (gloo) and the GPU tier's, seconds per call on the host's
         self._rates: Optional[tuple[float, float, float]] = None
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         host, device, control = self.process_groups()
-        machine, peers = self.machine_groups()
+        machine, peers, machine_ranks, peer_ranks = self.machine_groups()
         return DataParallel(
             rank=self.strategy.global_rank,
             world_size=self.strategy.world_size,
@@ -282,6 +290,8 @@ class DataParallelRanks:
             machines=self.machines,
             machine_group=machine,
             peer_group=peers,
+            machine_ranks=machine_ranks,
+            peer_ranks=peer_ranks,
         )
 
     @property
@@ -325,18 +335,23 @@ class DataParallelRanks:
         dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.process_groups()[2])
         return bool(every.item())
 
-    def machine_groups(self) -> tuple[Any, Any]:
-        """(this machine's ranks, this rank's peers: its local index on every machine) where host
-        homes are shared per machine on several machines; on one machine (the control group, None).
-        Every rank creates every group, in one order, as ``new_group`` requires."""
+    def machine_groups(self) -> tuple[Any, Any, tuple[int, ...], tuple[int, ...]]:
+        """Where host homes are shared per machine on several machines: this machine's ranks and
+        this rank's peers (its local index on every machine), as process groups and as global
+        ranks, from every rank's (node, local rank), whatever order the launcher numbered them
+        in; on one machine (the control group, None, (), ()). Every rank creates every group, in
+        one order, as ``new_group`` requires."""
         control = self.process_groups()[2]
         if self.machines == 1 or not self.homes_shared():
-            return control, None
+            return control, None, (), ()
         if self._machine_groups is None:
-            per_machine, rank = self.strategy.num_processes, self.strategy.global_rank
-            machines = [dist.new_group(list(range(m * per_machine, (m + 1) * per_machine)), backend="gloo") for m in range(self.machines)]
-            peers = [dist.new_group(list(range(local, self.strategy.world_size, per_machine)), backend="gloo") for local in range(per_machine)]
-            self._machine_groups = (machines[rank // per_machine], peers[rank % per_machine])
+            where: list[Any] = [None] * self.strategy.world_size
+            dist.all_gather_object(where, (self.strategy.node_rank, self.strategy.local_rank), group=control)
+            machines, peers = machines_and_peers(where)
+            groups = {ranks: dist.new_group(list(ranks), backend="gloo") for ranks in (*machines, *peers)}
+            rank = self.strategy.global_rank
+            mine, peer = next(m for m in machines if rank in m), next(p for p in peers if rank in p)
+            self._machine_groups = (groups[mine], groups[peer], mine, peer)
         return self._machine_groups
 
     def measure_links(self) -> None:

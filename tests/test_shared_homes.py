@@ -51,3 +51,12 @@ def test_a_machine_without_shared_memory_keeps_a_copy_per_rank(monkeypatch):
     monkeypatch.setattr(strategy_ddp, "shared_memory_available", lambda: False)
     with pytest.warns(UserWarning, match="has no /dev/shm"):
         assert not _ranks(4, 2).homes_shared()
+
+
+def test_machines_and_peers_follow_each_ranks_machine_not_its_number():
+    from offload_strategy.strategy_ddp import machines_and_peers
+
+    # machine by machine (torchrun): ranks 0-1 on machine 0, 2-3 on machine 1
+    assert machines_and_peers([(0, 0), (0, 1), (1, 0), (1, 1)]) == ([(0, 1), (2, 3)], [(0, 2), (1, 3)])
+    # round-robin (a scheduler's cyclic distribution): ranks 0 and 2 on machine 0
+    assert machines_and_peers([(0, 0), (1, 0), (0, 1), (1, 1)]) == ([(0, 2), (1, 3)], [(0, 1), (2, 3)])

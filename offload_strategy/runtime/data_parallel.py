@@ -65,21 +65,27 @@ class DataParallel:
     device_group: Any  # ... in the GPU tier (the default group: NCCL on CUDA; the host group on CPU)
     control_group: Any  # which parameters have gradients anywhere, before late reductions
     shard_states: bool = True
-    machines: int = 1  # the ranks span this many machines, as many on each (rank = machine * per machine + local)
-    machine_group: Any = None  # this machine's ranks (where they share host homes; the control group on one machine)
-    peer_group: Any = None  # this rank and the ranks of its local index on the other machines (several machines)
+    machines: int = 1  # the ranks span this many machines, as many on each
+    # where each machine's ranks share host homes: this machine's ranks (the control group on one
+    # machine), and this rank with the ranks of its local index on the other machines, as groups
+    # and as global ranks in order (empty: every rank on one machine, none elsewhere)
+    machine_group: Any = None
+    peer_group: Any = None
+    machine_ranks: tuple[int, ...] = ()
+    peer_ranks: tuple[int, ...] = ()
 
     @property
     def ranks_per_machine(self) -> int:
-        return self.world_size // self.machines
+        return len(self.machine_ranks) or self.world_size // self.machines
 
     @property
-    def local_rank(self) -> int:
-        return self.rank % self.ranks_per_machine
+    def first_on_machine(self) -> bool:
+        """This rank is its machine's first (the shared memory's maker, the first values' writer)."""
+        return self.rank == (self.machine_ranks[0] if self.machine_ranks else 0)
 
     def is_peer(self, rank: int) -> bool:
         """Whether ``rank`` has this rank's local index on some machine (its peer group holds it)."""
-        return rank % self.ranks_per_machine == self.local_rank
+        return rank in self.peer_ranks
 
     def owns(self, unit_index: int) -> bool:
         return not self.shard_states or self.owners[unit_index] == self.rank
@@ -300,7 +306,7 @@ class GradientExchange:
             return None
         if self.ctx.memory.shared_slab is None:
             return dist.broadcast(self.ctx.home_bytes(s), src=src, group=dp.host_group, async_op=True)
-        if dp.machines > 1 and dp.is_peer(src):
+        if dp.is_peer(src):
             return dist.broadcast(self.ctx.home_bytes(s), src=src, group=dp.peer_group, async_op=True)
         return None
 

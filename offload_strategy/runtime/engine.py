@@ -211,7 +211,7 @@ class TieredEngine:
 
     def _writes_host_homes(self) -> bool:
         """Whether this process writes the host homes' first values (one rank, where ranks share them)."""
-        return self.memory.shared_slab is None or self.data_parallel is None or self.data_parallel.local_rank == 0
+        return self.memory.shared_slab is None or self.data_parallel is None or self.data_parallel.first_on_machine
 
     def _owns(self, unit_index: int) -> bool:
         """Whether this process updates the unit (under sharded states: another rank may own it,

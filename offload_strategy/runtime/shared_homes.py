@@ -56,7 +56,7 @@ def map_shared_homes(
             f"{len(layouts[0] or [])}), but ranks sharing host homes must plan alike; give every rank the same budgets "
             f"and plan file, or pass share_host_homes=False."
         )
-    first = dp.local_rank == 0
+    first = dp.first_on_machine
     made: list[Any] = [_create(directory, nbytes, dp.ranks_per_machine) if first else None]
     dist.broadcast_object_list(made, group=dp.machine_group, group_src=0)
     path, error = made[0]
