@@ -81,18 +81,20 @@ def test_it_is_hugging_faces_loss_to_rounding(family, chunk):
 
 def test_trains_under_tiered_as_under_plain_lightning(tmp_path):
     """The chunked loss calls the tied head once per chunk in forward and again in backward: with
-    every unit streamed through a 1 MiB GPU tier, and under the default policy (whose profiled
-    steps measure what the forward keeps), training is bit-identical to plain Lightning's, and
-    the plan holds less beside the blocks than with the model's own loss."""
+    every unit streamed through a 1 MiB GPU tier from host memory or NVMe, and under the default
+    policy (whose profiled steps measure what the forward keeps), training is bit-identical to
+    plain Lightning's, and the plan holds less beside the blocks than with the model's own loss."""
 
     def model(chunk):
         return lambda: CausalLM(family="gpt2", config=TINY_GPT2, lr=1e-2, warmup_steps=2, loss_chunk_tokens=chunk)
 
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", make_model=model(7))
-    streamed = TieredStrategy(policy={"placement": "host", "activations": "keep"}, gpu_memory="1MiB", host_memory="1GiB")
-    losses, weights, _ = train(streamed, tmp_path / "streamed", make_model=model(7))
-    assert losses == plain_losses
-    assert_same_weights(plain_weights, weights)
+    for placement in ("host", "nvme"):
+        nvme = {"nvme_path": str(tmp_path / "nvme"), "nvme_memory": "1GiB"} if placement == "nvme" else {}
+        streamed = TieredStrategy(policy={"placement": placement, "activations": "keep"}, gpu_memory="1MiB", host_memory="1GiB", **nvme)
+        losses, weights, _ = train(streamed, tmp_path / placement, make_model=model(7))
+        assert losses == plain_losses, placement
+        assert_same_weights(plain_weights, weights)
     peaks = {}
     for chunk in (7, None):
         losses, weights, trainer = train(TieredStrategy(gpu_memory="4MiB", host_memory="1GiB"), tmp_path / f"default{chunk}", make_model=model(chunk))
