@@ -10,10 +10,11 @@ other machine: the ranks with its local index, one process group per local index
 hierarchical partitioning, hpZ, keeps a copy per machine the same way), so host memory holds the
 parameters once per machine and the network carries each update to each other machine once.
 
-The memory is a file in ``/dev/shm`` (tmpfs): the machine's local rank 0 creates it and reserves
+The memory is a file in ``/dev/shm`` (tmpfs): the machine's first rank creates it and reserves
 its pages (``posix_fallocate``, so that a full ``/dev/shm`` is an error now, with the numbers,
-rather than a bus error mid-run), every rank of the machine maps it, and local rank 0 removes the
-name once all have mapped it, so nothing is left behind however the run ends.
+rather than a bus error mid-run, on every rank of every machine), every rank of the machine maps
+it, and the first rank removes the name once all have mapped it, so nothing is left behind
+however the run ends.
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def map_shared_homes(
     made: list[Any] = [_create(directory, nbytes, dp.ranks_per_machine) if first else None]
     dist.broadcast_object_list(made, group=dp.machine_group, group_src=0)
     path, error = made[0]
-    if error:
-        raise RuntimeError(error)
+    errors: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(errors, error, group=dp.control_group)  # a machine that failed stops every machine
+    failed = next((e for e in errors if e), "")
+    if failed:
+        if first and path:
+            Path(path).unlink(missing_ok=True)
+        raise RuntimeError(failed)
     try:
         fd = os.open(path, os.O_RDWR)
         try:
