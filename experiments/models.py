@@ -85,6 +85,9 @@ class CausalLM(L.LightningModule):
             raise ValueError(f"model family {family!r} is not known; choose one of {', '.join(FAMILIES)}.")
         if not (loss_chunk_tokens in (None, "auto") or (isinstance(loss_chunk_tokens, int) and loss_chunk_tokens > 0)):
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r}: give a positive number of tokens, 'auto', or None for the model's own loss.")
+        if loss_chunk_tokens is not None and config.get("output_router_logits"):
+            raise ValueError("loss_chunk_tokens computes the language model's loss alone and would leave out the router's auxiliary loss "
+                             "(output_router_logits=True); drop one of the two.")
         self.save_hyperparameters()
         self.family = family
         self.model_config = dict(config)

@@ -51,6 +51,8 @@ def test_bad_input_says_what_to_give():
         chunked_causal_lm_loss(hidden, nn.Sequential(head), labels)
     with pytest.raises(ValueError, match="loss_chunk_tokens=0: give a positive number"):
         CausalLM(family="gpt2", config=TINY_GPT2, loss_chunk_tokens=0)
+    with pytest.raises(ValueError, match="would leave out the router's auxiliary loss"):
+        CausalLM(family="mixtral", config={"output_router_logits": True}, loss_chunk_tokens="auto")
 
 
 TINY_LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
