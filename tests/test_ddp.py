@@ -418,6 +418,21 @@ def test_machines_sharing_host_homes_with_an_nvme_tier_clipping_and_bf16_true(tm
     assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no shared-memory file system")
+def test_machines_sharing_host_homes_resume_a_checkpoint(runs, tmp_path):
+    """A one-rank checkpoint resumed on two machines of two sharing host homes: the values each
+    machine's copy starts from are the checkpoint's, as on four ranks keeping a copy each."""
+    ckpt = runs["tiered"][0] / "last.ckpt"
+    resume = ("--epochs", "6", "--resume", str(ckpt), "--host-factor", "2.8")
+    shared = launch_machines(tmp_path / "shared", 2, "--strategy", "tiered_ddp", "--share-homes", "--devices", "2", *resume)
+    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--devices", "4", *resume)
+    for rank in range(4):
+        assert len(copies[rank]["losses"]) == 2  # two epochs of one batch per rank
+        assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
+        assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0
+    assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
+
+
 def test_a_loss_in_chunks_trains_as_under_ddp(tmp_path, plain_ddp):
     """The loss a chunk of 7 tokens at a time calls the tied head nine times in forward and
     again in backward; each unit's gradients are reduced once all have arrived: bit-identical to
