@@ -24,13 +24,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # Hugging Face's label for tokens the loss leaves out
+# fewer tokens a chunk make the head's products too small to run well: a GPT-2 of width 256 ran its
+# step 7-9x slower on the CPU at 5 tokens a chunk than with its own loss, 1.1-1.2x at 128 (tools/bench_loss.py)
+MIN_CHUNK_TOKENS = 128
 
 
 def default_chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
     """Tokens per chunk such that a chunk's fp32 logits are no larger than the fp32 hidden states
-    of all ``tokens``: then the chunk's backward (its logits, their gradient) stays within what
-    any plan already holds for a backward, twice the largest tensor the forward saves."""
-    return max(1, min(tokens, tokens * hidden_size // max(1, vocab_size)))
+    of all ``tokens`` (then the chunk's backward, its logits and their gradient, stays within what
+    any plan already holds for a backward: twice the largest tensor the forward saves), but at
+    least ``MIN_CHUNK_TOKENS`` (narrow models, whose logits are small anyway) and at most all."""
+    return max(1, min(tokens, max(MIN_CHUNK_TOKENS, tokens * hidden_size // max(1, vocab_size))))
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

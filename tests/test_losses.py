@@ -36,9 +36,11 @@ def test_the_loss_by_hand(chunk):
 
 def test_chunks_are_sized_so_their_logits_are_no_larger_than_the_hidden_states():
     # 1,000 tokens of 64 wide over 256 tokens of vocabulary: 250 tokens' logits (250 x 256) are the
-    # 1,000 x 64 hidden states' size; never more tokens than there are, never fewer than one
+    # 1,000 x 64 hidden states' size; never more tokens than there are; never fewer than 128 (a
+    # width of 256 over GPT-2's 50,257 would give 5 of 1,020), unless there are fewer
     assert default_chunk_tokens(1000, 64, 256) == 250
-    assert default_chunk_tokens(10, 4096, 256) == 10 and default_chunk_tokens(3, 1, 50257) == 1
+    assert default_chunk_tokens(10, 4096, 256) == 10
+    assert default_chunk_tokens(1020, 256, 50257) == 128 and default_chunk_tokens(3, 1, 50257) == 3
 
 
 def test_bad_input_says_what_to_give():
