@@ -9,6 +9,8 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that lies on these machines; an unpinned torch pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 ARGS   ?=
+# test workers (pytest-xdist); each module runs on one, the modules with slow tests first
+WORKERS ?= 2
 
 .PHONY: env train test lint sweep clean device-wheels gpu-check
 
@@ -24,7 +26,7 @@ train: env
 	$(PY) experiments/train.py $(ARGS)
 
 test: env
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
 
 # also run by the suite (tests/test_lint.py, tests/test_layers.py)
 lint: env

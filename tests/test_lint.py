@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def test_ruff_finds_nothing():
     assert result.returncode == 0, f"ruff check (run `make lint` to see it alone):\n{result.stdout}{result.stderr}"
 
 
+@pytest.mark.slow  # about a minute: it reads torch's own annotations
 def test_mypy_finds_nothing():
     result = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, f"mypy (run `make lint` to see it alone):\n{result.stdout}{result.stderr}"
