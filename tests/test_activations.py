@@ -283,3 +283,64 @@ def test_the_parameters_are_placed_beside_the_layout_every_rank_runs(tmp_path):
     train(strategy, tmp_path, epochs=1, make_model=gpt2)
     assert chosen and strategy.planner.resident is not None
     assert strategy.planner.resident.gpu_bytes == budget - chosen[0].peak_bytes
+
+
+class QwenMoe(L.LightningModule):
+    """Qwen2-MoE: its experts save the two halves of ``gate_up_proj``'s output (``chunk``: views
+    with gaps between their rows), which come back from a swap contiguous unless their layout is
+    kept; a shared expert beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, max_position_embeddings=32, decoder_sparse_step=1, output_router_logits=True)
+        self.model = Qwen2MoeForCausalLM(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["swap_host", "swap_nvme"])
+def test_swapped_views_with_gaps_come_back_as_they_were_saved(tmp_path, layout):
+    """Qwen2-MoE with every block swapped trains bit-identically to plain training; before
+    2026-11-27 the swapped halves of the experts' projections came back contiguous, and every
+    weight of the first block and the embedding differed after the first step (by ~1e-8)."""
+    pytest.importorskip("transformers.models.qwen2_moe")
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=QwenMoe)
+    seen = Swapped()
+    strategy = TieredStrategy(policy={"name": "auto", "activations": layout}, nvme_path=tmp_path / "nvme")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=QwenMoe, extra_callbacks=(seen,))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert seen.metrics[-1][f"activations/swapped_{layout[5:]}_bytes"] > 0
+
+
+def test_a_swap_brings_back_each_layout_and_copies_a_storage_once_for_its_views():
+    """By hand: a (64, 96) fp32 product split in three as attention splits query, key and value
+    (views with gaps, 24 KiB of storage), a transposed (32, 64) tensor (it covers its memory: 8 KiB),
+    and a corner, 100 rows and 16 columns of a (256, 64) tensor (its span, 99 rows and 16 elements,
+    is less than half its 64 KiB of storage). Each comes back with its strides and values. The three
+    splits share one 24 KiB copy, the transposed tensor is its own 8 KiB, the corner its span
+    (99 x 64 + 16 elements: 25,408 bytes): 58,176 bytes in all."""
+    from offload_strategy.hardware.device import EmulatedDevice
+    from offload_strategy.runtime.activation_swap import ActivationSwap
+
+    product, square = torch.randn(64, 96), torch.randn(256, 64)
+    q, k, v = product.split(32, dim=1)
+    tensors = [q, k, v, torch.randn(64, 32).t(), square[:100, :16]]
+    with EmulatedDevice(capacity=1 << 20) as device:
+        swap = ActivationSwap(device, None, is_parameter=lambda t: False)
+        with swap.hooks(0, "swap_host"):
+            packed = [swap._pack(0, "swap_host", t) for t in tensors]
+        assert swap.stats.host_bytes == 64 * 96 * 4 + 32 * 64 * 4 + (99 * 64 + 16) * 4 == 58_176 and swap.stats.kept_bytes == 0
+        assert packed[0].copy is packed[1].copy is packed[2].copy and len({id(p.copy) for p in packed}) == 3
+        back = [swap._unpack(p) for p in reversed(packed)][::-1]
+    for original, returned in zip(tensors, back):
+        assert returned.stride() == original.stride() and torch.equal(returned, original)
+    assert back[0].untyped_storage().data_ptr() == back[2].untyped_storage().data_ptr()  # one copy, three views

@@ -14,15 +14,23 @@ offload side of LoHan §IV-B) hand every tensor autograd saves for backward to t
 
 Backward unpacks a block's tensors in reverse order. The first unpack of a block brings back all of
 that block's tensors and starts bringing back the next swap block's (prefetch by block order), so
-later unpacks find their tensors already in the GPU tier. Values are copied bit for bit: a swapped
-run computes exactly what a kept run computes.
+later unpacks find their tensors already in the GPU tier.
+
+A swapped run computes exactly what a kept run computes: values are copied bit for bit, and each
+tensor comes back with its own strides, since CPU and GPU kernels may add up in another order for
+another layout (Qwen2-MoE's experts save the two halves of ``gate_up_proj``'s output, views with
+gaps between their rows; brought back contiguous, the gradients differed in the last bits). A
+tensor that covers its memory exactly (contiguous, or a transposed or permuted one) is copied as
+that memory; views with gaps (``split``, ``chunk``: attention's query, key and value) are copied
+as their storage, once for all the block's views of it, and come back as views of one copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -38,19 +46,57 @@ MIN_SWAP_BYTES = 4096
 
 
 @dataclass(eq=False)
-class _Swapped:
-    """One saved tensor that left the GPU tier."""
+class _Copy:
+    """A span of GPU-tier memory that left it: a tensor's own, or the storage of views with gaps."""
 
     block: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    nbytes: int
     host: Optional[torch.Tensor]  # its bytes in host memory (None once written to NVMe)
     to_host: Optional[Event]
     key: Optional[str] = None  # NVMe key
     written: Any = None  # Future of the NVMe write
-    back: Optional[torch.Tensor] = None  # its copy in the GPU tier once brought back
+    back: Optional[torch.Tensor] = None  # its bytes in the GPU tier once brought back
     to_device: Optional[Event] = None
+    source: Optional[torch.Tensor] = None  # a view of the storage, held until its block's forward ends
+    views: int = 0  # saved tensors that lie in it
+    unpacked: int = 0  # of them, unpacked by this backward
+    consumed: bool = False  # every view unpacked: its GPU-tier bytes are autograd's alone
+
+
+@dataclass(eq=False)
+class _Swapped:
+    """One saved tensor that left the GPU tier: where in its copy it lies, and its layout."""
+
+    copy: _Copy
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # in elements of ``dtype`` from the copy's start
     used: bool = False  # unpacked by backward (a second backward through a kept graph fetches it again)
+
+    @property
+    def block(self) -> int:
+        return self.copy.block
+
+    def view(self) -> torch.Tensor:
+        assert self.copy.back is not None
+        return self.copy.back.view(self.dtype).as_strided(self.shape, self.stride, self.offset)
+
+
+def _covers_its_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one span of memory without gaps or overlaps (any order)."""
+    return torch.empty_like(t, device="meta").stride() == t.stride() or t.is_contiguous()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The first element of ``t``'s storage it reaches, and one past the last (elements of its dtype)."""
+    start = t.storage_offset()
+    return start, start + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+
+
+def _bytes_at(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements ``start`` to ``end`` of ``t``'s storage, as a contiguous 1-D uint8 view of them."""
+    return t.detach().as_strided((end - start,), (1,), start).view(torch.uint8)
 
 
 @dataclass
@@ -64,7 +110,7 @@ class SwapStats:
     waited: int = 0  # unpacks that had to fetch synchronously
     wait_seconds: float = 0.0
     host_full_bytes: int = 0  # swap_host tensors kept in the GPU tier: host limit reached, no NVMe store
-    blocks: dict[int, list[_Swapped]] = field(default_factory=dict)
+    blocks: dict[int, list[_Copy]] = field(default_factory=dict)
 
 
 class ActivationSwap:
@@ -83,56 +129,93 @@ class ActivationSwap:
         self.stats = SwapStats()
         self._keys = itertools.count()
         self._order: list[int] = []  # swap blocks in the order forward ran them
+        # the storages of views with gaps copied in the running block's forward, by address
+        self._storages: dict[tuple[int, int], _Copy] = {}
 
     def begin_forward(self) -> None:
         """A training forward starts: what the last step swapped is gone (its backward consumed it)."""
-        for swapped in self.stats.blocks.values():
-            for s in swapped:
-                self._forget(s)
+        for copies in self.stats.blocks.values():
+            for c in copies:
+                self._forget(c)
         self.stats = SwapStats()
         self._order = []
 
-    def hooks(self, block: int, destination: str) -> torch.autograd.graph.saved_tensors_hooks:
+    @contextlib.contextmanager
+    def hooks(self, block: int, destination: str) -> Iterator[None]:
+        """Saved-tensor hooks for one run of a swap block's forward."""
         if block not in self.stats.blocks:
             self.stats.blocks[block] = []
             self._order.append(block)
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, destination, t), self._unpack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, destination, t), self._unpack):
+                yield
+        finally:
+            # the storages views were copied from were held so that none of their addresses was
+            # reused by another storage (which would have matched) while the block ran
+            for copy in self._storages.values():
+                copy.source = None
+            self._storages.clear()
 
     # -- forward ------------------------------------------------------------------------------------
 
     def _pack(self, block: int, destination: str, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
         if self.is_parameter(t):
-            return ("outer", self.outer[0](t)) if self.outer else t
+            return self._keep(t)
+        if nbytes < MIN_SWAP_BYTES or t.layout != torch.strided:
+            self.stats.kept_bytes += nbytes
+            return self._keep(t)
+        start, end = _span(t)
+        storage = t.untyped_storage()
+        whole = storage.nbytes() // t.element_size()
+        shared = not _covers_its_memory(t) and 2 * (end - start) >= whole and storage.nbytes() % t.element_size() == 0
+        if not shared:  # its own bytes (with the gaps between them, if any)
+            copy, offset = self._copy_out(block, destination, _bytes_at(t, start, end)), start
+        else:  # a view with gaps over most of its storage: the storage once, for all the block's views of it
+            key = (storage.data_ptr(), storage.nbytes())
+            copy, offset = self._storages.get(key), 0
+            if copy is None:
+                copy = self._copy_out(block, destination, _bytes_at(t, 0, whole))
+                if copy is not None:
+                    copy.source = t
+                    self._storages[key] = copy
+        if copy is None:
+            self.stats.kept_bytes += nbytes
+            return self._keep(t)
+        copy.views += 1
+        return _Swapped(copy, t.dtype, tuple(t.shape), t.stride(), t.storage_offset() - offset)
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        return ("outer", self.outer[0](t)) if self.outer else t
+
+    def _copy_out(self, block: int, destination: str, memory: torch.Tensor) -> Optional[_Copy]:
+        """Start copying ``memory`` (1-D bytes) out of the GPU tier; None where it must stay."""
+        nbytes = memory.numel()
         requested = destination
         if destination == SWAP_HOST and self.host_limit is not None and self.stats.host_bytes + nbytes > self.host_limit:
             destination = SWAP_NVME if self.store is not None else ""
             if not destination:
                 self.stats.host_full_bytes += nbytes
-        if nbytes < MIN_SWAP_BYTES or t.layout != torch.strided or not destination:
-            self.stats.kept_bytes += nbytes
-            return ("outer", self.outer[0](t)) if self.outer else t
-        pin = self.device.compute.type == "cuda"
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        swapped = _Swapped(block, tuple(t.shape), t.dtype, host, self.device.copy_to_host(host, t.detach().contiguous()))
+                return None
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
+        copy = _Copy(block, nbytes, host, self.device.copy_to_host(host, memory))
         if destination == SWAP_NVME and self.store is not None:
-            swapped.to_host.wait()
-            swapped.to_host = None
+            copy.to_host.wait()
+            copy.to_host = None
             key = f"activation{next(self._keys)}"
             try:
-                swapped.written = self.store.write(key, host)
+                copy.written = self.store.write(key, host)
             except NvmeSpaceError:
                 if requested == SWAP_NVME:
                     raise
                 self.stats.host_full_bytes += nbytes  # over host memory and the NVMe budget: it stays
-                self.stats.kept_bytes += nbytes
-                return ("outer", self.outer[0](t)) if self.outer else t
-            swapped.key = key
+                return None
+            copy.key = key
             self.stats.nvme_bytes += nbytes
         else:
             self.stats.host_bytes += nbytes
-        self.stats.blocks[block].append(swapped)
-        return swapped
+        self.stats.blocks[block].append(copy)
+        return copy
 
     # -- backward -----------------------------------------------------------------------------------
 
@@ -141,38 +224,42 @@ class ActivationSwap:
             return self.outer[1](packed[1])
         if not isinstance(packed, _Swapped):
             return packed
-        if packed.used:
+        copy = packed.copy
+        if packed.used:  # a second backward through a kept graph: fetch it again
             packed.used = False
-            self._bring_back(packed.block)
-        if packed.back is None:
+            copy.consumed, copy.unpacked = False, 0
+        if copy.back is None:
             start = time.perf_counter()
             self._bring_back(packed.block)
             self.stats.waited += 1
             self._prefetch_below(packed.block)
-            self.device.wait(packed.to_device)
+            self.device.wait(copy.to_device)
             self.stats.wait_seconds += time.perf_counter() - start
         else:
             self.stats.prefetched += 1
-            self.device.wait(packed.to_device)
-        # autograd holds the tensor now; letting go of it here frees the GPU tier when it is done
-        back, packed.back, packed.to_device = packed.back, None, None
+            self.device.wait(copy.to_device)
         packed.used = True
-        return back
+        view = packed.view()
+        copy.unpacked += 1
+        if copy.unpacked >= copy.views:
+            # autograd holds the views now; letting go of the copy frees the GPU tier when it is done
+            copy.back, copy.to_device, copy.consumed = None, None, True
+        return view
 
     def _bring_back(self, block: int) -> None:
-        for s in self.stats.blocks.get(block, []):
-            if s.back is not None or s.used:
+        for c in self.stats.blocks.get(block, []):
+            if c.back is not None or c.consumed:
                 continue
-            if s.key is not None:  # from NVMe into host memory first
-                s.written.result()
-                s.host = torch.empty(s.shape, dtype=s.dtype, pin_memory=self.device.compute.type == "cuda")
-                self.store.read(s.key, s.host).result()
-                self.store.delete(s.key)
-                s.key = None
-            elif s.to_host is not None:
-                s.to_host.wait()
-            s.back = torch.empty(s.shape, dtype=s.dtype, device=self.device.compute)
-            s.to_device = self.device.copy_to_device(s.back, s.host)
+            if c.key is not None:  # from NVMe into host memory first
+                c.written.result()
+                c.host = torch.empty(c.nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
+                self.store.read(c.key, c.host).result()
+                self.store.delete(c.key)
+                c.key = None
+            elif c.to_host is not None:
+                c.to_host.wait()
+            c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
+            c.to_device = self.device.copy_to_device(c.back, c.host)
 
     def _prefetch_below(self, block: int) -> None:
         """Start bringing back the swap block that backward reaches next."""
@@ -180,13 +267,13 @@ class ActivationSwap:
         if position > 0:
             self._bring_back(self._order[position - 1])
 
-    def _forget(self, s: _Swapped) -> None:
-        if s.key is not None and self.store is not None:
-            if s.written is not None:
-                s.written.exception()  # wait; a failed write is moot once the tensor is not needed
-            self.store.delete(s.key)
-            s.key = None
-        s.host = s.back = None
+    def _forget(self, c: _Copy) -> None:
+        if c.key is not None and self.store is not None:
+            if c.written is not None:
+                c.written.exception()  # wait; a failed write is moot once the tensor is not needed
+            self.store.delete(c.key)
+            c.key = None
+        c.host = c.back = c.source = None
 
     def close(self) -> None:
         self.begin_forward()
