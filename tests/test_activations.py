@@ -327,7 +327,8 @@ def test_a_swap_brings_back_each_layout_and_copies_a_storage_once_for_its_views(
     and a corner, 100 rows and 16 columns of a (256, 64) tensor (its span, 99 rows and 16 elements,
     is less than half its 64 KiB of storage). Each comes back with its strides and values. The three
     splits share one 24 KiB copy, the transposed tensor is its own 8 KiB, the corner its span
-    (99 x 64 + 16 elements: 25,408 bytes): 58,176 bytes in all."""
+    (99 x 64 + 16 elements: 25,408 bytes): 58,176 bytes in all. A second backward through the kept
+    graph fetches them again, and each copy is let go once all its views are unpacked."""
     from offload_strategy.hardware.device import EmulatedDevice
     from offload_strategy.runtime.activation_swap import ActivationSwap
 
@@ -341,6 +342,9 @@ def test_a_swap_brings_back_each_layout_and_copies_a_storage_once_for_its_views(
         assert swap.stats.host_bytes == 64 * 96 * 4 + 32 * 64 * 4 + (99 * 64 + 16) * 4 == 58_176 and swap.stats.kept_bytes == 0
         assert packed[0].copy is packed[1].copy is packed[2].copy and len({id(p.copy) for p in packed}) == 3
         back = [swap._unpack(p) for p in reversed(packed)][::-1]
-    for original, returned in zip(tensors, back):
-        assert returned.stride() == original.stride() and torch.equal(returned, original)
+        assert all(p.copy.back is None for p in packed)  # each copy let go once its views are autograd's
+        again = [swap._unpack(p) for p in reversed(packed)][::-1]  # a second backward through a kept graph
+        assert all(p.copy.back is None for p in packed)
+    for original, returned, second in zip(tensors, back, again):
+        assert returned.stride() == second.stride() == original.stride() and torch.equal(returned, original) and torch.equal(second, original)
     assert back[0].untyped_storage().data_ptr() == back[2].untyped_storage().data_ptr()  # one copy, three views

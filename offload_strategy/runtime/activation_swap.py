@@ -227,7 +227,8 @@ class ActivationSwap:
         copy = packed.copy
         if packed.used:  # a second backward through a kept graph: fetch it again
             packed.used = False
-            copy.consumed, copy.unpacked = False, 0
+            if copy.consumed:  # the first of its views this backward unpacks
+                copy.consumed, copy.unpacked = False, 0
         if copy.back is None:
             start = time.perf_counter()
             self._bring_back(packed.block)
