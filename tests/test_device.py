@@ -58,7 +58,7 @@ def test_copies_are_asynchronous():
         slot, src = dev.allocate(nbytes), torch.ones(nbytes, dtype=torch.uint8)
         start = time.perf_counter()
         event = dev.copy_to_device(slot, src)
-        assert time.perf_counter() - start < 0.02
+        assert time.perf_counter() - start < 0.05  # back well before the copy's 0.1 s, however busy the machine
         assert not event.done() and event.finished_at is None
         blocked = dev.wait(event)
         assert event.done() and blocked > 0.05
