@@ -6,9 +6,9 @@ each worker, and every process its tests start, computes on one thread."""
 from __future__ import annotations
 
 import os
-from collections import Counter
 import shutil
 import tempfile
+from collections import Counter
 
 import pytest
 import torch

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -23,14 +24,33 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "ddp_job.py"
 
 
-def _start(out: Path, command: list[str], envs: list[dict[str, str]], timeout: float) -> dict[int, dict]:
-    """Start one process per environment, wait for all; return each rank's report."""
+def _start(out: Path, args: tuple[str, ...], envs: list[dict[str, str]], timeout: float) -> dict[int, dict]:
+    """Start the job once per environment and wait for all; return each rank's report. A process
+    that fails stops the others at once (ranks left waiting in a collective would otherwise hold
+    the test until its timeout, and hide the error)."""
     out.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    started = [subprocess.Popen(command, cwd=out, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for env in envs]
-    for index, process in enumerate(started):
-        stdout, stderr = process.communicate(timeout=timeout)
-        assert process.returncode == 0, f"process {index} ({envs[index]}): exit {process.returncode}\n{stdout[-3000:]}\n{stderr[-4000:]}"
+    command = [sys.executable, str(JOB), "--out", str(out), *args]
+    logs = [out / f"process{index}.log" for index in range(len(envs))]
+    handles = [log.open("w") for log in logs]
+    started = [subprocess.Popen(command, cwd=out, env={**base, **env}, stdout=handle, stderr=subprocess.STDOUT) for env, handle in zip(envs, handles)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(process.poll() is None for process in started):
+            failed = [index for index, process in enumerate(started) if process.poll() not in (None, 0)]
+            assert not failed and time.monotonic() < deadline, "timed out" if not failed else "failed"
+            time.sleep(0.1)
+        failed = [index for index, process in enumerate(started) if process.returncode != 0]
+        assert not failed, "failed"
+    except AssertionError as e:
+        index = failed[0] if failed else 0
+        raise AssertionError(f"process {index} ({envs[index]}) {e}, exit {started[index].poll()}:\n{logs[index].read_text()[-6000:]}") from None
+    finally:
+        for process, handle in zip(started, handles):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            handle.close()
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
@@ -47,13 +67,13 @@ def launch(out: Path, *args: str) -> dict[int, dict]:
     ranks = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
     meet = _meeting_point()
     envs = [{**meet, "LOCAL_RANK": str(r), "NODE_RANK": "0"} for r in range(ranks)] if ranks > 1 else [{}]
-    return _start(out, [sys.executable, str(JOB), "--out", str(out), *args], envs, timeout=300)
+    return _start(out, args, envs, timeout=300)
 
 
 def launch_by_lightning(out: Path, *args: str) -> dict[int, dict]:
     """Run the job as ``python job.py`` runs: one process, which Lightning's launcher runs again
     for every other rank; return each rank's report."""
-    return _start(out, [sys.executable, str(JOB), "--out", str(out), *args], [{}], timeout=300)
+    return _start(out, args, [{}], timeout=300)
 
 
 def launch_machines(out: Path, machines: int, *args: str) -> dict[int, dict]:
@@ -61,8 +81,7 @@ def launch_machines(out: Path, machines: int, *args: str) -> dict[int, dict]:
     ``NODE_RANK`` and the same address to meet at; Lightning starts each machine's other ranks.
     Return each rank's report."""
     meet = _meeting_point()
-    command = [sys.executable, str(JOB), "--out", str(out), "--num-nodes", str(machines), *args]
-    return _start(out, command, [{**meet, "NODE_RANK": str(m)} for m in range(machines)], timeout=400)
+    return _start(out, ("--num-nodes", str(machines), *args), [{**meet, "NODE_RANK": str(m)} for m in range(machines)], timeout=400)
 
 
 def load(path: Path) -> dict:

@@ -85,7 +85,7 @@ class _Swapped:
 
 def _covers_its_memory(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one span of memory without gaps or overlaps (any order)."""
-    return torch.empty_like(t, device="meta").stride() == t.stride() or t.is_contiguous()
+    return t.is_contiguous() or torch.empty_like(t, device="meta").stride() == t.stride()
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
