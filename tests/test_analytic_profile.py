@@ -517,3 +517,20 @@ def test_what_the_forward_keeps_outside_the_blocks_by_hand():
     compute = analytic_compute(model, blocks, lambda: torch.log_softmax(model(x), -1).sum(), TOY)
     assert [c.activation_bytes for c in compute.blocks] == [192, 192]
     assert compute.outside_activation_bytes == 192
+
+
+def test_a_setting_a_paper_ran_out_of_memory_in_is_reproduced_only_where_the_plan_refuses_it():
+    """The ``out_of_memory`` finding check (LoHan's 175B at batch 32 on an RTX 4090): a tiny GPT-2
+    at batch 4 x 64 saves 3.9 MiB per block and its backward needs 1 MiB of room, so in a 4 MiB GPU
+    tier no layout of its blocks fits beside the parameters (reproduced, with the refusal's
+    reason), and an 8 MiB one plans it, checkpointing three of its four blocks (not reproduced)."""
+    from tools import simulate as sim
+    from tools.reproduce import FINDING_CHECKS, Finding, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4", "model.loss_chunk_tokens=auto")
+    said = {}
+    for gpu in ("4MiB", "8MiB"):
+        finding = Finding("tiny", "", "", "out_of_memory", overrides, gpu, host="1GiB")
+        said[gpu] = FINDING_CHECKS["out_of_memory"](finding, sim, setting(finding, sim, 0.5))
+    assert said["4MiB"][1] and said["4MiB"][0].startswith("refused: the activations outside the blocks"), said
+    assert not said["8MiB"][1] and said["8MiB"][0] == "plans it: units 0/27/0, blocks 1/3/0", said

@@ -50,6 +50,19 @@ LOHAN_BATCH_1 = ("model=gpt3_175b", "model.config.n_positions=1024", "data=synth
 LOHAN_13B = ("model=gpt3_175b", "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40",
              "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090", "data=synthetic",
              "data.seq_len=1024", "model.loss_chunk_tokens=auto")
+LOHAN_175B = ("model=gpt3_175b", "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090",
+              "data=synthetic", "data.seq_len=1024", "model.loss_chunk_tokens=auto")
+# Why some LoHan points differ, from LoHan's text and its artifact's code: LoHan keeps every model
+# state on its SSDs (§IV-A), whatever the host memory, where this plan keeps a 13B's (182 GB at 14
+# bytes a parameter) in the 768 GB of host memory; and LoHan recomputes half a block at a time
+# (attention, then the MLP, each under its own checkpoint) with the checkpoints' inputs swapped to
+# host memory, where this runtime recomputes a whole block and keeps a checkpointed block's input in
+# the GPU tier
+LOHAN_STATES_ON_SSDS = ("LoHan keeps every model state on its SSDs; this plan keeps the 13B's in host memory, so its step is the GPU's "
+                        "where LoHan's waits on the SSDs")
+LOHAN_FINER_RECOMPUTE = ("LoHan recomputes half a block at a time, the checkpoints' inputs in host memory; this runtime recomputes whole "
+                         "blocks and keeps each checkpointed block's input in the GPU tier, so a block's activations at this batch leave "
+                         "no layout room")
 GPT2_W8192 = ("model=gpt2_xl", "model.config.n_embd=8192", "model.config.n_head=64", "data=synthetic", "data.seq_len=1024", "data.batch_size=1")
 GPT2_10B = ("model=gpt2_xl", "model.config.n_embd=4096", "model.config.n_layer=48", "model.config.n_head=32", "data=synthetic", "data.seq_len=1024")
 LLAMA_13B = ("model=llama_7b", "model.config.hidden_size=5120", "model.config.intermediate_size=13824", "model.config.num_hidden_layers=40",
@@ -103,6 +116,14 @@ POINTS = (
     Point("LH-3", "LoHan abstract: 175B trains on an RTX 4080 with 256 GB (a lower bound)", "largest_b", 175.0,
           (*LOHAN_BATCH_1, "hardware=rtx4090", *RTX4080), "15GiB", host="256GiB", nvme="40TB", series=LOHAN_SERIES,
           note="host budget the machine's whole 256 GiB; the largest of LoHan's Table IV models the auto plan holds"),
+    # LoHan's artifact (its repository's evaluation_data.md) lists the measurements its figures plot
+    *(Point(f"LH-5a-{batch}", f"LoHan Fig. 5a (artifact data): {tflops} TFLOPS, 13B, batch {batch}, RTX 4090", "tflops", tflops,
+            (*LOHAN_13B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", rate_from="LH-11", note=note)
+      for batch, tflops, note in ((8, 42.8, LOHAN_STATES_ON_SSDS), (16, 84.3, LOHAN_STATES_ON_SSDS), (64, 155.8, LOHAN_FINER_RECOMPUTE),
+                                  (128, 153.8, LOHAN_FINER_RECOMPUTE))),
+    *(Point(f"LH-7b-{batch}", f"LoHan Fig. 7b (artifact data): {tflops} TFLOPS, 175B, batch {batch}, RTX 4090", "tflops", tflops,
+            (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", rate_from="LH-11", note=note)
+      for batch, tflops, note in ((8, 52.6, ""), (16, 86.9, ""))),
     Point("PT-1a", "ProTrain Table 2: 34B on one RTX 3090 (384 GB)", "largest_b", 34.0, (*GPT2_W8192, "model.config.n_layer=42", "hardware=rtx3090"),
           "22GiB"),
     Point("PT-1b", "ProTrain Table 2: 37B on four RTX 3090 (384 GB)", "largest_b", 37.0, (*GPT2_W8192, "model.config.n_layer=46", "hardware=rtx3090"),
@@ -350,7 +371,15 @@ def _swap_against_recompute(finding: Finding, sim: Any, at: Setting) -> tuple[st
     return f"swap {swap:.2f} s, recompute {block.forward_seconds:.2f} s per block at batch {at.model.batch_size}: {ratio:.2f}x", low <= ratio <= high
 
 
-FINDING_CHECKS = {"lohan_case": _lohan_case, "lohan_swap_gb": _lohan_swap, "protrain_row": _protrain_row, "memferry_fig3": _memferry,
+def _out_of_memory(finding: Finding, sim: Any, at: Setting) -> tuple[str, bool]:
+    """A setting the paper's system ran out of memory in: the auto plan refuses it too."""
+    auto = auto_row(finding, sim, at)
+    if auto.fits:
+        return f"plans it: units {auto.homes}, blocks {auto.layout}", False
+    return "refused: " + auto.note.removeprefix("does not fit: ")[:160], True
+
+
+FINDING_CHECKS = {"lohan_case": _lohan_case, "out_of_memory": _out_of_memory, "lohan_swap_gb": _lohan_swap, "protrain_row": _protrain_row, "memferry_fig3": _memferry,
                   "swap_vs_recompute": _swap_against_recompute}
 GPT2_1B = ("model=gpt2_xl", "model.config.n_layer=32", "data=synthetic", "data.seq_len=1024")
 # ProTrain's Table 4 batches are taken as global (8 or 64 over 4 GPUs: 2 or 16 each); as per-GPU
@@ -364,6 +393,8 @@ FINDINGS = (
             (*LOHAN_13B, "data.batch_size=48"), "22GiB", nvme="40TB", expect=(3,), rate_from="LH-11"),
     Finding("LH-9b", "LoHan §III-C", "13B, batch 32: ~34 GB of the 213 swapped, the rest recomputed", "lohan_swap_gb",
             (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", expect=(34 * 0.8, 34 * 1.2), rate_from="LH-11"),
+    Finding("LH-7b-32", "LoHan Fig. 7b (artifact data)", "175B, batch 32, RTX 4090: out of memory", "out_of_memory",
+            (*LOHAN_175B, "data.batch_size=32"), "22GiB", nvme="40TB", rate_from="LH-11"),
     Finding("PT-21A", "ProTrain Table 4, row A", "GPT-2 1B, batch 8, 4 RTX 3090: nothing checkpointed or swapped, every chunk resident",
             "protrain_row", (*GPT2_1B, "hardware=rtx3090", "data.batch_size=2"), **PT_4X3090, expect=(0.0, 0.0, 0.99, 1.0)),
     Finding("PT-21B", "ProTrain Table 4, row B", "GPT-2 1B, batch 64, 4 RTX 3090: 24 of 32 blocks checkpointed, 2 swapped, 2 of 12 chunks resident",
