@@ -47,17 +47,10 @@ LOHAN_SERIES = tuple(
                                        (175, 96, 96, 12288), (276, 112, 112, 14336), (412, 128, 128, 16384))
 )
 LOHAN_BATCH_1 = ("model=gpt3_175b", "model.config.n_positions=1024", "data=synthetic", "data.seq_len=1024", "data.batch_size=1")
-LOHAN_13B = ("model=gpt3_175b", "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40",
-             "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090", "data=synthetic",
-             "data.seq_len=1024", "model.loss_chunk_tokens=auto")
 LOHAN_175B = ("model=gpt3_175b", "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090",
               "data=synthetic", "data.seq_len=1024", "model.loss_chunk_tokens=auto")
-# Why some LoHan points differ, from LoHan's text and its artifact's code: LoHan keeps every model
-# state on its SSDs (§IV-A), whatever the host memory, where this plan keeps a 13B's (182 GB at 14
-# bytes a parameter) in the 768 GB of host memory; and LoHan recomputes half a block at a time
-# (attention, then the MLP, each under its own checkpoint) with the checkpoints' inputs swapped to
-# host memory, where this runtime recomputes a whole block and keeps a checkpointed block's input in
-# the GPU tier
+LOHAN_13B = (*LOHAN_175B, "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40")
+# Why some LoHan points differ (LoHan §IV-A, and its artifact's code): differences between the systems, not prices
 LOHAN_STATES_ON_SSDS = ("LoHan keeps every model state on its SSDs; this plan keeps the 13B's in host memory, so its step is the GPU's "
                         "where LoHan's waits on the SSDs")
 LOHAN_FINER_RECOMPUTE = ("LoHan recomputes half a block at a time, the checkpoints' inputs in host memory; this runtime recomputes whole "
@@ -227,6 +220,11 @@ def _largest_of_series(point: Point, sim: Any, efficiency: float) -> tuple[float
     return 0.0, "none of the paper's models"
 
 
+def refusal(note: str) -> str:
+    """A refused setting's reason, short enough for a table cell."""
+    return "refused: " + note.removeprefix("does not fit: ")[:160]
+
+
 def _activations(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
     return sum(b.activation_bytes for b in at.model.blocks) / 1e9, f"{len(at.model.blocks)} blocks"
 
@@ -238,7 +236,7 @@ def _forward(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[fl
 def _planned(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
     auto = auto_row(point, sim, at)
     if not auto.fits:
-        return float("nan"), auto.note[:110]
+        return float("nan"), refusal(auto.note)
     plan = f"batch {at.model.batch_size}/rank, units {auto.homes}, blocks {auto.layout}"
     if point.kind == "step_s":
         return auto.seconds, plan
@@ -376,11 +374,11 @@ def _out_of_memory(finding: Finding, sim: Any, at: Setting) -> tuple[str, bool]:
     auto = auto_row(finding, sim, at)
     if auto.fits:
         return f"plans it: units {auto.homes}, blocks {auto.layout}", False
-    return "refused: " + auto.note.removeprefix("does not fit: ")[:160], True
+    return refusal(auto.note), True
 
 
-FINDING_CHECKS = {"lohan_case": _lohan_case, "out_of_memory": _out_of_memory, "lohan_swap_gb": _lohan_swap, "protrain_row": _protrain_row, "memferry_fig3": _memferry,
-                  "swap_vs_recompute": _swap_against_recompute}
+FINDING_CHECKS = {"lohan_case": _lohan_case, "lohan_swap_gb": _lohan_swap, "protrain_row": _protrain_row, "memferry_fig3": _memferry,
+                  "swap_vs_recompute": _swap_against_recompute, "out_of_memory": _out_of_memory}
 GPT2_1B = ("model=gpt2_xl", "model.config.n_layer=32", "data=synthetic", "data.seq_len=1024")
 # ProTrain's Table 4 batches are taken as global (8 or 64 over 4 GPUs: 2 or 16 each); as per-GPU
 # batches GPT-2 1B's activations at batch 8 (26 GB in HF's eager kernels) could not all be kept on a
