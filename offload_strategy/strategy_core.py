@@ -710,7 +710,7 @@ class TieredCore:
             for i in order
         ]
         machine = self.ranks.machine(machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None))
-        return simulate_step([*units, outside_units(timing)], engine.placement.device_slots, machine)
+        return simulate_step([*units, outside_units(timing)], engine.placement.device_slots, machine, engine.placement.host_copies)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""

@@ -181,3 +181,30 @@ def test_units_stream_through_their_own_size_class():
     assert counted.forward_seconds == pytest.approx(4.0) and counted.h2d_bytes == classes.h2d_bytes == 310
     with pytest.raises(ValueError, match="no streaming buffer holds it"):
         simulate_step(units, buffers={10: 3}, machine=LINK)
+
+
+def test_the_drive_serves_a_later_read_while_an_earlier_write_waits_for_its_data():
+    """Reads and writes reach the drive from different threads: the fetch of the next unit in
+    backward does not wait behind the write of a unit still being updated (a drive served in
+    issue order would idle through the update)."""
+    unit = UnitCost(100, 1.0, 1.0, home=NVME, gradient_bytes=100, state_bytes=200, update_seconds=1.0)
+    step = simulate_step([unit, unit], buffers=1, machine=LINK)
+    # forward: u0 read 0-1, copied 1-2, computes 2-3; u1 read 3-4, copied 4-5, computes 5-6
+    # backward: u1 in its buffer 6-7, gradient home 7-8, parameters and states read 8-11, updated
+    # 11-12, written 12-13. u0's buffer freed at 7: its read takes the drive's idle 7-8 (in issue
+    # order it would wait for u1's write, 13-14), copied 8-9, computes 9-10, gradient home 10-11;
+    # its 3 s read fills 11-12 and 13-15 around u1's write, updated 15-16, written 16-17
+    assert step.forward_seconds == pytest.approx(6)
+    assert step.backward_seconds == pytest.approx(4)
+    assert step.seconds == pytest.approx(17)
+
+
+@pytest.mark.parametrize("copies, seconds", [(0, 10.0), (1, 10.0), (2, 9.0)])
+def test_units_kept_in_host_memory_since_forward_are_not_read_from_the_drive_again(copies, seconds):
+    """Host staging buffers keep the last units forward read from NVMe (``Placement.host_copies``):
+    backward copies those from host memory without a read."""
+    frozen = UnitCost(100, 1.0, 1.0, home=NVME)
+    step = simulate_step([frozen, frozen], buffers=1, machine=LINK, host_copies=copies)
+    # forward as above, ends at 6; backward: u1 in its buffer 6-7; u0 read 7-8 (unless kept: u1
+    # is the one copy a single buffer keeps), copied 8-9, computes 9-10; kept: copied 7-8, computes 8-9
+    assert step.seconds == pytest.approx(seconds)

@@ -122,3 +122,15 @@ def test_the_plan_does_not_change_because_a_neighbour_stalled_the_profiled_step(
     assert (held.parameters.persistent, held.parameters.buffers, held.seconds) == (clean.parameters.persistent, clean.parameters.buffers, clean.seconds)
     unguarded = _searched((), stalled)  # without knowing the units do equal work, the stall counts as compute
     assert unguarded.seconds > clean.seconds + 0.03
+
+
+@pytest.mark.parametrize("count, update, copies", [(4, 2, 0), (7, 4, 1), (24, 6, 16)])
+def test_staging_buffers_beyond_the_minimum_go_to_the_update_worker_and_to_host_copies(count, update, copies):
+    """Of the largest staging class's buffers beyond the minimum four, half (up to four) let the
+    update worker read ahead and write behind; the rest keep units in host memory from forward
+    into backward: 3 spare give the worker 2 (of 3, rounded up) and keep 1; 20 spare give it 4
+    and keep 16."""
+    from offload_strategy.planning.placement import Placement
+
+    placement = Placement(home={0: "nvme"}, device_slots={512: 2}, staging_slots={8192: count, 4096: 9}, gpu_bytes=0, host_bytes=0, nvme_bytes=0)
+    assert (placement.update_staging_buffers, placement.host_copies) == (update, copies)

@@ -25,11 +25,16 @@ worker updates offloaded units. Events, in the order the runtime issues them:
 
 Copies of different units queue on their link in issue order, so the model captures MemFerry's
 and ProTrain's observation that loading, not compute, bounds offloaded training when the link is
-slow, and how many buffers it takes to hide it.
+slow, and how many buffers it takes to hide it. The NVMe drive is the exception: its reads
+(prefetches on the fetch path, the worker's reads ahead) and its writes (behind the worker) come
+from different threads, and the drive serves whichever is queued, so a transfer issued later
+fills the time the drive would otherwise idle while an earlier one waits for its data
+(:class:`_Timeline`); a drive that waited in issue order would idle through every update.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -194,11 +199,64 @@ def _buffer_classes(
     return classes, class_of
 
 
-def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine) -> StepPrediction:
+class _Timeline:
+    """A resource serving each transfer in the idle time it has from the transfer's ready time on:
+    busy intervals, sorted and disjoint; a transfer may be split over several gaps, as a drive
+    interleaves the requests queued on it."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    @property
+    def end(self) -> float:
+        return self.ends[-1] if self.ends else 0.0
+
+    def serve(self, ready: float, seconds: float) -> float:
+        """Book ``seconds`` of work from ``ready`` on; when it is done."""
+        if seconds <= 0.0:
+            return ready
+        if ready >= self.end:  # the common case: nothing booked after it
+            return self._book(len(self.starts), ready, seconds)
+        k = bisect.bisect_right(self.ends, ready)  # the first interval ending after ``ready``
+        t = ready
+        while seconds > 0.0 and k < len(self.starts):
+            gap = self.starts[k] - t
+            if gap > 0.0:
+                used = min(gap, seconds)
+                done = self._book(k, t, used)
+                seconds -= used
+                if seconds <= 0.0:
+                    return done
+                k = bisect.bisect_right(self.ends, t)
+            t = max(t, self.ends[k])
+            k += 1
+        return self._book(len(self.starts), max(t, self.end), seconds)
+
+    def _book(self, k: int, start: float, seconds: float) -> float:
+        """Mark [start, start + seconds) busy before interval ``k`` (the gap there holds it),
+        merged with its neighbours where they touch."""
+        end = start + seconds
+        if k > 0 and self.ends[k - 1] >= start:
+            self.ends[k - 1] = end
+            k -= 1
+        else:
+            self.starts.insert(k, start)
+            self.ends.insert(k, end)
+        if k + 1 < len(self.starts) and self.starts[k + 1] <= end:
+            self.ends[k] = self.ends[k + 1]
+            del self.starts[k + 1], self.ends[k + 1]
+        return end
+
+
+def simulate_step(units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine, host_copies: int = 0) -> StepPrediction:
     """Predict one training step. ``buffers``: the streaming buffers in the GPU tier, a count (any
     unit fits any buffer) or the placement's size classes (slot bytes -> count), where a unit
-    streams through the smallest class that holds it, as the runtime's prefetches do."""
-    step = _Step(units, buffers, machine)
+    streams through the smallest class that holds it, as the runtime's prefetches do.
+    ``host_copies``: NVMe units whose parameters host staging buffers keep from forward into
+    backward (``Placement.host_copies``): the last ones forward reads, which backward reads from
+    host memory instead of the disk."""
+    step = _Step(units, buffers, machine, host_copies)
     forward_end = step.forward()
     backward_end = step.backward()
     end = step.finish(backward_end)
@@ -210,11 +268,15 @@ class _Step:
     """The clocks of one simulated step: when each stream (compute, host -> GPU, GPU -> host, NVMe,
     the update worker, the network) is next free, and when each streaming buffer frees."""
 
-    def __init__(self, units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine) -> None:
+    def __init__(self, units: Sequence[UnitCost], buffers: Union[int, Mapping[int, int]], machine: Machine, host_copies: int = 0) -> None:
         self.units, self.machine = units, machine
         self.offloaded = [i for i, u in enumerate(units) if u.home != GPU]
+        on_nvme = [i for i in self.offloaded if units[i].home == NVME]
+        self.host_copies = set(on_nvme[len(on_nvme) - host_copies :]) if host_copies > 0 else set()
+        self.in_backward = False
         self.classes, self.class_of = _buffer_classes(units, self.offloaded, buffers)
-        self.compute = self.h2d = self.d2h = self.nvme = self.worker = self.net = self.host_net = 0.0
+        self.compute = self.h2d = self.d2h = self.worker = self.net = self.host_net = 0.0
+        self.nvme = _Timeline()
         ranks = machine.world_size
         self.sharded = ranks > 1 and machine.shard_states
         self.reduce_share = (ranks - 1) / ranks * (1 if self.sharded else 2)  # reduce to the owner / all-reduce
@@ -226,9 +288,8 @@ class _Step:
         u = self.units[i]
         slot = heapq.heappop(self.free[self.class_of[i]])
         start = slot
-        if u.home == NVME:
-            self.nvme = max(self.nvme, slot) + move_seconds(u.nbytes, self.machine.nvme_read)
-            start = self.nvme
+        if u.home == NVME and not (self.in_backward and i in self.host_copies):
+            start = self.nvme.serve(slot, move_seconds(u.nbytes, self.machine.nvme_read))
         self.h2d = max(self.h2d, start) + move_seconds(u.nbytes, self.machine.h2d)
         self.moved += u.nbytes
         return self.h2d
@@ -254,6 +315,7 @@ class _Step:
 
     def backward(self) -> float:
         resident = self._still_resident()
+        self.in_backward = True
         gpu_ready = gpu_updates = 0.0
         for i in reversed(range(len(self.units))):
             u = self.units[i]
@@ -267,7 +329,7 @@ class _Step:
             heapq.heappush(self.free[self.class_of[i]], self.compute)
             self.d2h = max(self.d2h, self.compute) + (0.0 if u.direct_gradient else move_seconds(u.gradient_bytes, self.machine.d2h))
             reduced = self._reduce(u, self.d2h)  # at home, once landed
-            if owned:
+            if owned and u.gradient_bytes:  # a frozen unit is never updated: nothing read or written for it
                 self._update_offloaded(u, reduced)
         self.gpu_updates = gpu_updates
         return max(self.compute, gpu_ready)
@@ -297,11 +359,10 @@ class _Step:
         written behind."""
         start = max(self.worker, ready)
         if u.home == NVME:
-            self.nvme = max(self.nvme, self.d2h) + move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_read)
-            start = max(self.worker, self.nvme)
+            start = max(self.worker, self.nvme.serve(self.d2h, move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_read)))
         self.worker = start + u.update_seconds
         if u.home == NVME:
-            self.nvme = max(self.nvme, self.worker) + move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_write)
+            self.nvme.serve(self.worker, move_seconds(u.state_bytes + u.nbytes, self.machine.nvme_write))
 
     def _to_other_machines(self, shared: list[int]) -> float:
         """Seconds this rank spends sending the shared host units' updates to the other machines:
@@ -316,7 +377,7 @@ class _Step:
     def finish(self, backward_end: float) -> float:
         """The step's end: updates in the GPU tier after backward, the worker, NVMe; under sharded
         data parallelism the owners' updated parameters to every rank, then the others' NVMe units written."""
-        end = max(backward_end + self.gpu_updates, self.worker, self.nvme)
+        end = max(backward_end + self.gpu_updates, self.worker, self.nvme.end)
         if self.machine.world_size > 1:
             end += self.machine.collective_latency  # the ranks agree on which parameters have gradients
         if not self.sharded:
@@ -336,5 +397,5 @@ class _Step:
         if shared and self.machine.machines > 1:
             self.host_net += self._to_other_machines([u.nbytes for u in units if u.gradient_bytes and u.home == HOST and not self._replicated(u)])
         others_on_nvme = sum(u.nbytes for u in units if u.gradient_bytes and u.home == NVME and not u.owned)
-        self.nvme = max(self.nvme, self.host_net) + move_seconds(others_on_nvme, self.machine.nvme_write)
-        return max(end, self.net, self.host_net, self.nvme)
+        written = self.nvme.serve(self.host_net, move_seconds(others_on_nvme, self.machine.nvme_write))
+        return max(end, self.net, self.host_net, written)

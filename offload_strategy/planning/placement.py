@@ -105,6 +105,29 @@ class Placement:
     def offloaded(self) -> bool:
         return any(h != GPU for h in self.home.values())
 
+    @property
+    def update_staging_buffers(self) -> int:
+        """The update worker's share of the largest staging class: two at least (parameters and
+        states of the unit being updated) and, of the buffers added beyond the minimum, half (up to
+        four), so it can read the next NVMe unit and write the last one back while it updates
+        this one (LoHan Fig. 3b)."""
+        spare = self._spare_staging
+        return UPDATE_STAGING_BUFFERS + min(2 * UPDATE_STAGING_BUFFERS, spare - spare // 2)
+
+    @property
+    def host_copies(self) -> int:
+        """NVMe units whose parameters the fetch path's staging buffers keep in host memory from
+        forward into backward: its buffers beyond the minimum configuration's, so that backward
+        reads those units from host memory, not the disk (10Cache Alg. 4)."""
+        spare = self._spare_staging
+        return spare - (self.update_staging_buffers - UPDATE_STAGING_BUFFERS)
+
+    @property
+    def _spare_staging(self) -> int:
+        """Buffers of the largest staging class beyond the minimum."""
+        largest = max(self.staging_slots, default=None)
+        return max(self.staging_slots[largest] - NVME_STAGING_BUFFERS, 0) if largest is not None else 0
+
     def replicated(self, index: int) -> bool:
         """Every rank all-reduces the unit's gradients and updates it (a persistent unit, where
         persistent units are replicated)."""

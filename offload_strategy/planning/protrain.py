@@ -124,6 +124,6 @@ def search_persistent(
             update = 0.0 if home == "gpu" else cost.update_seconds
             units.append(dataclasses.replace(cost, home=home, state_bytes=state, update_seconds=update))
         buffers = sum(placement.device_slots.values())
-        candidates.append(PlacementCandidate(n, buffers, simulate_step(units, buffers, machine), placement))
+        candidates.append(PlacementCandidate(n, buffers, simulate_step(units, buffers, machine, placement.host_copies), placement))
     candidates.sort(key=lambda c: (round(c.prediction.seconds, 9), -c.persistent))
     return candidates

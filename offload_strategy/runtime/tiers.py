@@ -13,7 +13,7 @@ import torch
 
 from ..hardware.device import Device
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
-from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, NVME_STAGING_BUFFERS, UPDATE_STAGING_BUFFERS, Placement, align
+from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, Placement, align
 from .gradient_buffers import bind_gradients, gradient_bytes
 from .state import GradientRecord, UnitState
 
@@ -95,13 +95,9 @@ def _host_tier(states: list[UnitState], placement: Placement, device: Device, sh
     gradient_count = sum(placement.gradient_slots.values()) if gradient_slot else 0
     staging_classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.staging_slots.items(), reverse=True)]
     staging_bytes = SlotPool.required_bytes(staging_classes, HOST_SLOT_ALIGNMENT) if staging_classes else 0
-    # The update worker's own staging buffers, so it never shares one with the fetch path.
-    # Two at least (parameters and states of the unit being updated). Of the buffers the
-    # planner added beyond the minimum, half (up to four) let the worker read the next NVMe
-    # unit and write the last one back while it updates this one (LoHan Fig. 3b); the others
-    # keep NVMe units in host memory between forward and backward.
-    spare = max(staging_classes[0].count - NVME_STAGING_BUFFERS, 0) if staging_classes else 0
-    update_buffers = UPDATE_STAGING_BUFFERS + min(2 * UPDATE_STAGING_BUFFERS, spare - spare // 2)
+    # The update worker's own staging buffers, so it never shares one with the fetch path; the
+    # others keep NVMe units in host memory between forward and backward (Placement.host_copies).
+    update_buffers = placement.update_staging_buffers
     update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=update_buffers) for c in staging_classes[:1]]
     staging_classes = [SizeClass(c.slot_bytes, c.count - (update_buffers if k == 0 else 0)) for k, c in enumerate(staging_classes)]
     pin = device.compute.type == "cuda"
