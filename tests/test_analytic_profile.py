@@ -456,13 +456,13 @@ def test_protrain_175b_on_four_machines_plans_with_a_copy_of_host_homes_per_mach
     import dataclasses
 
     from tools import simulate as sim
-    from tools.reproduce import POINTS, auto_row, setting
+    from tools.reproduce import POINTS, plan_row, setting
 
     point = next(p for p in POINTS if p.ident == "PT-22")
     at = setting(point, sim, 0.5)
-    row = auto_row(point, sim, at)
+    row = plan_row(point, sim, at)
     assert at.shared_homes and row.fits and 0 < row.host <= at.host, row
-    copies = auto_row(point, sim, dataclasses.replace(at, shared_homes=False))
+    copies = plan_row(point, sim, dataclasses.replace(at, shared_homes=False))
     assert not copies.fits and "host_memory=243.20 GiB cannot hold" in copies.note
 
 
@@ -534,3 +534,39 @@ def test_a_setting_a_paper_ran_out_of_memory_in_is_reproduced_only_where_the_pla
         said[gpu] = FINDING_CHECKS["out_of_memory"](finding, sim, setting(finding, sim, 0.5))
     assert said["4MiB"][1] and said["4MiB"][0].startswith("refused: the activations outside the blocks"), said
     assert not said["8MiB"][1] and said["8MiB"][0] == "plans it: units 0/27/0, blocks 1/3/0", said
+
+
+def test_a_machine_with_fewer_of_its_drives_has_their_share_of_the_arrays_rates():
+    """LoHan's RTX 4090 machine has twelve drives; with three, a quarter of the array's rates,
+    unless a rate is given with the count."""
+    twelve = known_hardware("rtx4090")
+    three = known_hardware("rtx4090", nvme_count=3)
+    assert (three.nvme_read_gbps, three.nvme_write_gbps) == pytest.approx((twelve.nvme_read_gbps / 4, twelve.nvme_write_gbps / 4))
+    assert known_hardware("rtx4090", nvme_count=3, nvme_read_gbps=10.0).nvme_read_gbps == 10.0
+    assert known_hardware("rtx4090", nvme_count=12).nvme_read_gbps == twelve.nvme_read_gbps
+
+
+def test_simulate_prices_a_policy_that_fixes_every_home_as_the_runtime_places_it():
+    """``policy=lohan policy.placement=nvme`` (LoHan's own configuration) gets a row of its own:
+    every unit on NVMe, the layout LoHan's search chooses in what the parameters leave, within
+    the GPU tier; its step is at least the drive's time to write every unit's states back. A
+    placement the rows cannot price is refused, saying which they can."""
+    from offload_strategy.planning.placement import minimum_gpu_bytes
+    from tools import simulate as sim
+    from tools.reproduce import Point, plan_row, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4", "model.loss_chunk_tokens=auto")
+    point = Point("tiny", "", "step_s", 1.0, (*overrides, "policy=lohan", "policy.placement=nvme"), "16MiB", host="1GiB", nvme="1GiB")
+    at = setting(point, sim, 0.5)
+    row = plan_row(point, sim, at)
+    model = at.model
+    assert row.policy == "nvme+lohan" and row.fits, row
+    assert row.homes == f"0/0/{len(model.sizes)}"
+    assert row.gpu_parameters >= minimum_gpu_bytes(model.sizes, model.co_resident)
+    assert row.gpu_parameters + row.gpu_activations <= at.gpu
+    written = sum(s.trainable_bytes * model.state_factor + s.nbytes for s in model.sizes if s.trainable_bytes)
+    assert row.seconds >= written / (at.hardware.nvme_write_gbps * 1e9)
+    auto = plan_row(point, sim, dataclasses.replace(at, policy=None))
+    assert auto.policy == "auto" and auto.homes != row.homes  # the joint search keeps this small model's units elsewhere
+    with pytest.raises(SystemExit, match="placement=search"):
+        setting(dataclasses.replace(point, overrides=(*overrides, "policy.placement=layerwise")), sim, 0.5)

@@ -6,7 +6,10 @@ Hydra overrides and the budgets of ``tools/simulate.py``, the published figure b
 
 The model prices *this* library's plan (the joint search of ``planning/auto.py``) on the paper's
 machine, at the efficiency and link rates every other prediction uses: nothing here is tuned to a
-point. Each paper's system keeps its model states as it says: every one of them trains in mixed
+point. Where a paper's system decides as one of the library's policies does, its setting names
+that policy among its overrides and the model prices the runtime's plan under it
+(``simulate.policy_row``): LoHan's points run LoHan's own configuration, every model state on the
+SSDs and its activation search (``policy=lohan policy.placement=nvme``). Each paper's system keeps its model states as it says: every one of them trains in mixed
 precision as Micikevicius et al. define it (16-bit parameters computed with and moved, fp32 masters
 and Adam states at home), which is this library's ``bf16-true``; ``point.precision`` can say
 otherwise for a setting that differs. The papers' systems and ours differ in what they keep where, so a ratio far from 1 says
@@ -47,12 +50,13 @@ LOHAN_SERIES = tuple(
                                        (175, 96, 96, 12288), (276, 112, 112, 14336), (412, 128, 128, 16384))
 )
 LOHAN_BATCH_1 = ("model=gpt3_175b", "model.config.n_positions=1024", "data=synthetic", "data.seq_len=1024", "data.batch_size=1")
+# LoHan's own configuration (§IV): every model state on the SSDs, each unit updated on the CPU as
+# its gradients arrive, its activation search deciding what to swap
+LOHAN_POLICY = ("policy=lohan", "policy.placement=nvme")
 LOHAN_175B = ("model=gpt3_175b", "model.config.n_positions=1024", "+model.config.activation_function=gelu_pytorch_tanh", "hardware=rtx4090",
-              "data=synthetic", "data.seq_len=1024", "model.loss_chunk_tokens=auto")
+              "data=synthetic", "data.seq_len=1024", "model.loss_chunk_tokens=auto", *LOHAN_POLICY)
 LOHAN_13B = (*LOHAN_175B, "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40")
 # Why some LoHan points differ (LoHan §IV-A, and its artifact's code): differences between the systems, not prices
-LOHAN_STATES_ON_SSDS = ("LoHan keeps every model state on its SSDs; this plan keeps the 13B's in host memory, so its step is the GPU's "
-                        "where LoHan's waits on the SSDs")
 LOHAN_FINER_RECOMPUTE = ("LoHan recomputes half a block at a time, the checkpoints' inputs in host memory; this runtime recomputes whole "
                          "blocks and keeps each checkpointed block's input in the GPU tier, so a block's activations at this batch leave "
                          "no layout room")
@@ -112,8 +116,11 @@ POINTS = (
     # LoHan's artifact (its repository's evaluation_data.md) lists the measurements its figures plot
     *(Point(f"LH-5a-{batch}", f"LoHan Fig. 5a (artifact data): {tflops} TFLOPS, 13B, batch {batch}, RTX 4090", "tflops", tflops,
             (*LOHAN_13B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", rate_from="LH-11", note=note)
-      for batch, tflops, note in ((8, 42.8, LOHAN_STATES_ON_SSDS), (16, 84.3, LOHAN_STATES_ON_SSDS), (64, 155.8, LOHAN_FINER_RECOMPUTE),
-                                  (128, 153.8, LOHAN_FINER_RECOMPUTE))),
+      for batch, tflops, note in ((8, 42.8, ""), (16, 84.3, ""), (64, 155.8, LOHAN_FINER_RECOMPUTE), (128, 153.8, LOHAN_FINER_RECOMPUTE))),
+    *(Point(f"LH-10b-{drives}", f"LoHan Fig. 10b (artifact data): {tflops} TFLOPS, 13B, batch 32, RTX 4090, {drives} SSD{'s' * (drives > 1)}",
+            "tflops", tflops, (*LOHAN_13B, "data.batch_size=32", f"+hardware.nvme_count={drives}"), "22GiB", nvme="40TB", rate_from="LH-11",
+            note="the drives' rates the 12-drive array's share each")
+      for drives, tflops in ((1, 37.5), (2, 64.3), (3, 81.1), (6, 121.7))),
     *(Point(f"LH-7b-{batch}", f"LoHan Fig. 7b (artifact data): {tflops} TFLOPS, 175B, batch {batch}, RTX 4090", "tflops", tflops,
             (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", rate_from="LH-11", note=note)
       for batch, tflops, note in ((8, 52.6, ""), (16, 86.9, ""))),
@@ -155,6 +162,7 @@ class Setting:
     host: int
     nvme: int
     shared_homes: bool = False  # each machine's ranks keep one copy of host homes
+    policy: Any = None  # the policy the paper's system decides by, where not the joint search (``simulate.row_policy``)
 
 
 def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None) -> Setting:
@@ -172,17 +180,22 @@ def setting(point: Any, sim: Any, efficiency: float, batch: Optional[int] = None
     model = sim.build(cfg, hardware, point.precision == "bf16-true", efficiency, dtype=compute_dtype(point.precision),
                       mixed=point.precision.endswith("-mixed"))
     host = parse_size(point.host) if point.host else int(AVAILABLE_SHARE * hardware.host_memory)
-    return Setting(model, hardware, parse_size(point.gpu), host, parse_size(point.nvme), shares_homes(point))
+    nvme = parse_size(point.nvme)
+    return Setting(model, hardware, parse_size(point.gpu), host, nvme, shares_homes(point), sim.row_policy(cfg, nvme))
 
 
 def shares_homes(point: Any) -> bool:
     return point.ranks > point.machines  # several ranks on each machine
 
 
-def auto_row(point: Any, sim: Any, at: Setting) -> Any:
-    """The joint search's row for the point's setting (rank 0's with several ranks)."""
+def plan_row(point: Any, sim: Any, at: Setting) -> Any:
+    """The plan's row for the point's setting (rank 0's with several ranks): the joint search's,
+    or the policy's where the setting names one."""
     sharding, owners = sim.rank_sharding(at.model, point.ranks, at.shared_homes, machines=point.machines)
-    return sim.compare_policies(at.model, point_machine(point, sim, at), at.gpu, at.host, at.nvme, sharding, owners)[-1]
+    machine = point_machine(point, sim, at)
+    if at.policy is not None:
+        return sim.policy_row(at.model, machine, at.gpu, at.host, at.nvme, sharding, owners, at.policy)
+    return sim.compare_policies(at.model, machine, at.gpu, at.host, at.nvme, sharding, owners)[-1]
 
 
 def point_machine(point: Any, sim: Any, at: Setting) -> Any:
@@ -213,7 +226,7 @@ def _largest_of_series(point: Point, sim: Any, efficiency: float) -> tuple[float
     for size, overrides in sorted(point.series, reverse=True):
         member = dataclasses.replace(point, overrides=(*point.overrides, *overrides))
         at = setting(member, sim, efficiency)
-        row = auto_row(member, sim, at)
+        row = plan_row(member, sim, at)
         if row.fits:
             beyond = " (the list's largest: a lower bound)" if size == max(s for s, _ in point.series) else ""
             return size, f"{size:g}B{beyond}: {len(at.model.blocks)} blocks, units {row.homes}, blocks {row.layout}"
@@ -234,15 +247,15 @@ def _forward(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[fl
 
 
 def _planned(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[float, str]:
-    auto = auto_row(point, sim, at)
-    if not auto.fits:
-        return float("nan"), refusal(auto.note)
-    plan = f"batch {at.model.batch_size}/rank, units {auto.homes}, blocks {auto.layout}"
+    row = plan_row(point, sim, at)
+    if not row.fits:
+        return float("nan"), refusal(row.note)
+    plan = f"batch {at.model.batch_size}/rank, units {row.homes}, blocks {row.layout}"
     if point.kind == "step_s":
-        return auto.seconds, plan
+        return row.seconds, plan
     if point.kind == "tokens_per_s":
-        return at.model.tokens * point.ranks / auto.seconds, plan
-    return 3 * at.model.forward_flops / auto.seconds / 1e12, plan  # backward twice forward
+        return at.model.tokens * point.ranks / row.seconds, plan
+    return 3 * at.model.forward_flops / row.seconds / 1e12, plan  # backward twice forward
 
 
 GROUPS = {"step_s": "throughput and step time", "tokens_per_s": "throughput and step time", "tflops": "throughput and step time",
@@ -337,12 +350,12 @@ def _lohan_swap(finding: Finding, sim: Any, at: Setting) -> tuple[str, bool]:
 def _protrain_row(finding: Finding, sim: Any, at: Setting) -> tuple[str, bool]:
     """ProTrain Table 4: (least and most share of blocks checkpointed, least and most share of
     the parameters' bytes resident) the row's configuration lies in."""
-    auto = auto_row(finding, sim, at)
-    if not auto.fits:
-        return auto.note[:80], False
-    keep, checkpoint, swap = (int(n) for n in auto.layout.split("/"))
+    row = plan_row(finding, sim, at)
+    if not row.fits:
+        return row.note[:80], False
+    keep, checkpoint, swap = (int(n) for n in row.layout.split("/"))
     blocks = keep + checkpoint + swap
-    homes = dict(zip(("gpu", "host", "nvme"), (int(n) for n in auto.homes.split("/"))))
+    homes = dict(zip(("gpu", "host", "nvme"), (int(n) for n in row.homes.split("/"))))
     sizes = at.model.sizes  # the search keeps the leading units resident, as ProTrain its leading chunks
     resident = sum(s.nbytes for s in sizes[: homes["gpu"]]) / sum(s.nbytes for s in sizes)
     low_ckpt, high_ckpt, low_resident, high_resident = finding.expect
@@ -370,11 +383,11 @@ def _swap_against_recompute(finding: Finding, sim: Any, at: Setting) -> tuple[st
 
 
 def _out_of_memory(finding: Finding, sim: Any, at: Setting) -> tuple[str, bool]:
-    """A setting the paper's system ran out of memory in: the auto plan refuses it too."""
-    auto = auto_row(finding, sim, at)
-    if auto.fits:
-        return f"plans it: units {auto.homes}, blocks {auto.layout}", False
-    return refusal(auto.note), True
+    """A setting the paper's system ran out of memory in: the plan refuses it too."""
+    row = plan_row(finding, sim, at)
+    if row.fits:
+        return f"plans it: units {row.homes}, blocks {row.layout}", False
+    return refusal(row.note), True
 
 
 FINDING_CHECKS = {"lohan_case": _lohan_case, "lohan_swap_gb": _lohan_swap, "protrain_row": _protrain_row, "memferry_fig3": _memferry,

@@ -214,8 +214,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     """The ``fill`` and ``auto`` rows for one GPU budget (see the module docstring)."""
     from offload_strategy.planning.activations import KEEP, peak_bytes
     from offload_strategy.planning.auto import plan_auto
-    from offload_strategy.planning.cost_model import simulate_step
-    from offload_strategy.planning.placement import GPU, NVME, PlacementError, place_units
+    from offload_strategy.planning.placement import GPU, PlacementError, place_units
 
     costs = unit_costs(model, owners)
     order = [size.index for size in model.sizes]
@@ -227,16 +226,8 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
                                 sharding=sharding, gradients_until_update=True)
     except PlacementError as error:
         return [Row(policy, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}") for policy in ("fill", "auto")]
-    step_units = [
-        dataclasses.replace(
-            costs[size.index], home=placement.home[size.index],
-            state_bytes=int(size.trainable_bytes * model.state_factor) if placement.home[size.index] == NVME else 0,
-            update_seconds=0.0 if placement.home[size.index] == GPU else costs[size.index].update_seconds,  # persistent units update in the GPU tier
-        )
-        for size in model.sizes
-    ]
     buffers = sum(placement.device_slots.values())
-    step = simulate_step(step_units, placement.device_slots, machine)
+    step = placed_step(model, costs, placement, machine)
     kept_peak = peak_bytes(model.blocks, [KEEP] * len(model.blocks), model.beside.head) + model.beside.in_blocks
     fits = placement.gpu_bytes + kept_peak <= gpu
     rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
@@ -258,6 +249,137 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
                     chosen.gpu_bytes + activations <= gpu))
     return rows
+
+
+def placed_step(model: Model, costs: dict, placement: Any, machine: Any) -> Any:
+    """The step model's prediction for the parameters as ``placement`` homes them: NVMe units
+    read and write their states there, persistent units update in the GPU tier."""
+    from offload_strategy.planning.cost_model import simulate_step
+    from offload_strategy.planning.placement import GPU, NVME
+
+    step_units = [
+        dataclasses.replace(
+            costs[size.index], home=placement.home[size.index],
+            state_bytes=int(size.trainable_bytes * model.state_factor) if placement.home[size.index] == NVME else 0,
+            update_seconds=0.0 if placement.home[size.index] == GPU else costs[size.index].update_seconds,
+        )
+        for size in model.sizes
+    ]
+    return simulate_step(step_units, placement.device_slots, machine, placement.host_copies)
+
+
+# the placements a policy row prices: each fixes every unit's home, or places them by first use
+POLICY_ROW_PLACEMENTS = ("fill", "host", "nvme")
+
+
+def policy_name(policy: Any) -> str:
+    """A policy row's name: its placement and its activations (a planner, or one block policy for all)."""
+    activations = policy.activations if isinstance(policy.activations, str) else "per block"
+    return f"{policy.placement}+{activations}"
+
+
+def row_policy(cfg: Any, nvme: int) -> Any:
+    """The Hydra config's policy when it asks for something other than the joint search (which
+    the auto row prices), e.g. ``policy=lohan policy.placement=nvme``; None otherwise."""
+    from hydra.utils import instantiate
+
+    policy = instantiate(cfg.policy)
+    if policy.placement == "search":
+        return None
+    check_policy_row(policy, nvme)
+    return policy
+
+
+def check_policy_row(policy: Any, nvme: int) -> None:
+    """Refuse a policy the rows cannot price, saying what they can."""
+    if policy.placement not in POLICY_ROW_PLACEMENTS:
+        raise SystemExit(f"policy.placement={str(policy.placement)!r}: a policy row prices placement {', '.join(POLICY_ROW_PLACEMENTS)} "
+                         "beside the auto row (which is placement=search); choose one of those.")
+    if not policy.update_during_backward:
+        raise SystemExit("policy.update_during_backward=false: the step model prices updates overlapped with backward only; "
+                         "set policy.update_during_backward=true.")
+    if policy.placement == "nvme" and not nvme:
+        raise SystemExit("policy.placement=nvme keeps every unit on NVMe: give --nvme-memory.")
+
+
+def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, sharding: Any, owners: list[int], policy: Any) -> Row:
+    """What the runtime plans under ``policy`` when it is not the joint search, as it plans it:
+    the parameters placed first in the whole GPU tier (every home fixed by ``placement`` host or
+    nvme, or by first use under fill), the layout in what they leave; where no layout fits there,
+    the layout beside the parameters' smallest working set (a whole block's units together) and
+    the parameters placed again in what it leaves. The layout's work and traffic are added to the
+    parameters' step as the auto row adds them."""
+    from offload_strategy.planning.auto import layout_added_seconds
+    from offload_strategy.planning.placement import GPU, PlacementError, minimum_gpu_bytes
+
+    name = policy_name(policy)
+    lay_out = _policy_layout(model, machine, policy)
+    place = _policy_placement(model, gpu, host, nvme, sharding, policy)
+    try:
+        placement = place(gpu)
+        try:
+            layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes, placement)
+        except ValueError:
+            smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *model.block_units])
+            frugal = place(smallest + model.beside.in_blocks)
+            layout = lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
+            placement = place(gpu - layout.peak_bytes)
+    except (PlacementError, ValueError) as error:
+        return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
+    streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
+    step = placed_step(model, unit_costs(model, owners), placement, machine)
+    seconds = step.seconds + layout_added_seconds(step, streamed, model.blocks, layout.layout, parameter_links(machine, streamed))
+    swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout.layout) if q == p) for p in ("swap_host", "swap_nvme")}
+    activations = layout.peak_bytes + model.beside.in_blocks
+    fits = placement.gpu_bytes + activations <= gpu and placement.host_bytes + swapped["swap_host"] <= host
+    return Row(name, homes_of(placement), counts(layout.layout, len(model.blocks)), placement.gpu_bytes, activations,
+               placement.host_bytes + swapped["swap_host"], placement.nvme_bytes + swapped["swap_nvme"], sum(placement.device_slots.values()),
+               seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + activations - gpu)}")
+
+
+def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: Any, policy: Any) -> Any:
+    """The policy's placement of the parameters in a share of the GPU tier (a function of it):
+    the share less the activations outside the blocks, a recomputed block's units together where
+    the policy may checkpoint."""
+    from offload_strategy.config import BlockPolicy
+    from offload_strategy.planning.placement import HOST, NVME, place_units
+
+    home = {"host": HOST, "nvme": NVME}.get(str(policy.placement))
+    layouts = [policy.activations] if isinstance(policy.activations, str) else list(policy.activations)
+    recompute = any(a not in tuple(BlockPolicy) or a == BlockPolicy.CHECKPOINT for a in layouts)  # a planner may checkpoint
+    together = [*model.co_resident, *model.block_units] if recompute else model.co_resident
+    homes = {s.index: home for s in model.sizes} if home else None
+
+    def place(share: int) -> Any:
+        return place_units(model.sizes, together, gpu_bytes=max(share - model.beside.in_blocks, 0), host_bytes=host, nvme_bytes=nvme,
+                           state_factor=model.state_factor, homes=homes, sharding=sharding, gradients_until_update=True)
+
+    return place
+
+
+def _policy_layout(model: Model, machine: Any, policy: Any) -> Any:
+    """The policy's activation layout for what the parameters leave of the GPU tier and of host
+    memory (a function of both and the placement): its planner's choice, or its fixed layout."""
+    from offload_strategy.config import ActivationPlanner, BlockPolicy
+    from offload_strategy.planning.activations import ActivationPlan, peak_bytes, step_seconds
+    from offload_strategy.planning.placement import GPU
+    from offload_strategy.planning.planner import layout_for
+
+    blocks, head = model.blocks, model.beside.head
+
+    def lay_out(room: int, host_left: int, placement: Any) -> Any:
+        streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
+        links = parameter_links(machine, streamed)
+        if isinstance(policy.activations, str) and policy.activations in tuple(ActivationPlanner):
+            return layout_for(str(policy.activations))(blocks, links, gpu_bytes=max(room - model.beside.in_blocks, 0),
+                                                       host_bytes=max(host_left, 0), head=head)
+        fixed = [policy.activations] * len(blocks) if policy.activations in tuple(BlockPolicy) else list(policy.activations)
+        if len(fixed) != len(blocks):
+            raise SystemExit(f"policy.activations lists {len(fixed)} block policies, but the model has {len(blocks)} blocks: give one per block, "
+                             "or one name for all.")
+        return ActivationPlan(tuple(fixed), step_seconds(blocks, fixed, links), peak_bytes(blocks, fixed, head))
+
+    return lay_out
 
 
 def outside_note(model: Model, gpu: int) -> str:
@@ -534,13 +656,17 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
     print()
 
 
-def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme: int, sharding: Any, owners: list[int]) -> list[list[Any]]:
-    """Every policy at every GPU budget, printed as a table; the rows, one list per budget."""
+def policy_table(model: Model, machine: Any, budgets: list[int], host: int, nvme: int, sharding: Any, owners: list[int],
+                 policy: Any = None) -> list[list[Any]]:
+    """Every policy at every GPU budget, printed as a table; the rows, one list per budget
+    (``policy``: a policy other than the joint search, priced in a row of its own before auto's)."""
     print("| gpu_memory | policy | units gpu/host/nvme | blocks keep/ckpt/swap | GPU tier: parameters + activations | host | NVMe | streaming buffers | step (s) | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     all_rows = []
     for gpu in budgets:
         rows = compare_policies(model, machine, gpu, host, nvme, sharding, owners)
+        if policy is not None:
+            rows.insert(len(rows) - 1, policy_row(model, machine, gpu, host, nvme, sharding, owners, policy))
         all_rows.append(rows)
         for r in rows:
             if r.homes == "-":
@@ -626,7 +752,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")
-    all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners)
+    all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners, policy=row_policy(cfg, nvme))
     depth, parameters, plan = largest_depth(model, machine, max(budgets), host, nvme, ranks=args.ranks, shared_homes=shared,
                                             replicated=args.replicate_states, at_most=args.largest_at_most)
     if depth and plan is not None:

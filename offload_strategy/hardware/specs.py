@@ -182,7 +182,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
 
 
 def known_hardware(name: str, **overrides: Any) -> HardwareSpec:
-    """The spec of a known machine, with any field replaced (``host_memory="512GiB"``)."""
+    """The spec of a known machine, with any field replaced (``host_memory="512GiB"``); a new
+    ``nvme_count`` scales the NVMe rates not given with it (the machine's drives, more or fewer)."""
     key = name.lower().replace("-", "_")
     if key not in KNOWN_MACHINES:
         raise ValueError(f"hardware={name!r} is not a known machine; known: {', '.join(sorted(KNOWN_MACHINES))}, or 'auto' to probe this one.")
@@ -191,4 +192,11 @@ def known_hardware(name: str, **overrides: Any) -> HardwareSpec:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"hardware overrides {unknown} are not fields of HardwareSpec; fields: {sorted(fields)}.")
+    count = overrides.get("nvme_count")
+    if isinstance(count, int) and count > 0 and spec.nvme_count and count != spec.nvme_count:
+        # the same drives, more or fewer of them: an array's rates scale with its drives unless given
+        share = count / spec.nvme_count
+        for rate in ("nvme_read_gbps", "nvme_write_gbps"):
+            if rate not in overrides and getattr(spec, rate) is not None:
+                overrides[rate] = getattr(spec, rate) * share
     return dataclasses.replace(spec, **overrides) if overrides else spec

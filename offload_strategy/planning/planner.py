@@ -46,6 +46,12 @@ _ACTIVATIONS_NOT_COUNTED = (
 _LAYOUTS: dict[str, Callable[..., ActivationPlan]] = {ActivationPlanner.TERAIO: teraio_layout, ActivationPlanner.LOHAN: lohan_layout}
 
 
+def layout_for(planner: str) -> Callable[..., ActivationPlan]:
+    """The layout function of an activation planner (``auto``: ProTrain's layout search), each
+    called as ``(costs, links, gpu_bytes=..., host_bytes=..., head=...)``."""
+    return _LAYOUTS.get(planner, choose_layout)
+
+
 class PlanPhase(enum.Enum):
     INITIAL = "initial placement"
     SEARCHED = "searched placement"
@@ -346,5 +352,5 @@ class Planner:
         the blocks leave of the GPU tier; its peak counts the latter (the activations outside the
         blocks are held from forward into backward, beside the blocks')."""
         gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.in_blocks, 0)
-        plan = _LAYOUTS.get(planner, choose_layout)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes, head=beside.head)
+        plan = layout_for(planner)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes, head=beside.head)
         return replace(plan, peak_bytes=plan.peak_bytes + beside.in_blocks) if beside.in_blocks else plan
