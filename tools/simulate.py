@@ -321,9 +321,9 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
             layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes, placement)
         except ValueError:
             smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *model.block_units])
-            frugal = place(smallest + model.beside.in_blocks)
+            frugal = place(smallest)
             layout = lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
-            placement = place(gpu - layout.peak_bytes)
+            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks)
     except (PlacementError, ValueError) as error:
         return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
     streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
@@ -338,9 +338,8 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
 
 
 def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: Any, policy: Any) -> Any:
-    """The policy's placement of the parameters in a share of the GPU tier (a function of it):
-    the share less the activations outside the blocks, a recomputed block's units together where
-    the policy may checkpoint."""
+    """The policy's placement of the parameters in a share of the GPU tier (a function of it), a
+    recomputed block's units together where the policy may checkpoint."""
     from offload_strategy.config import BlockPolicy
     from offload_strategy.planning.placement import HOST, NVME, place_units
 
@@ -351,7 +350,7 @@ def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: An
     homes = {s.index: home for s in model.sizes} if home else None
 
     def place(share: int) -> Any:
-        return place_units(model.sizes, together, gpu_bytes=max(share - model.beside.in_blocks, 0), host_bytes=host, nvme_bytes=nvme,
+        return place_units(model.sizes, together, gpu_bytes=max(share, 0), host_bytes=host, nvme_bytes=nvme,
                            state_factor=model.state_factor, homes=homes, sharding=sharding, gradients_until_update=True)
 
     return place
