@@ -159,3 +159,27 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
     assert sum(t >= 0.005 * 4 for t in blocks) <= len(blocks) // 4, blocks  # a block's modules each waited 5 ms in that step
     quiet_units, _, quiet_resident = plan(slow_step=-1)
     assert resident == quiet_resident
+
+
+def test_the_validation_probe_leaves_every_update_in_backward_as_the_prediction_prices_it():
+    """``tools/validate_cost_model.py`` times the phases of each step without a hook after
+    backward: one there reads the gradients, so the runtime would hold every update until backward
+    ends, a recipe the step model does not price (its NVMe runs were 1.6-2.4x off that way)."""
+    import lightning as L
+
+    from offload_strategy.strategy_recipe import gradient_hooks
+    from tests.test_offload import Quirky
+    from tools.validate_cost_model import Probe
+
+    class MarksBackwardEnd(L.Callback):
+        def on_after_backward(self, trainer, *args):
+            pass
+
+    def hooked(*callbacks: L.Callback) -> bool:
+        trainer = L.Trainer(callbacks=list(callbacks), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.strategy.connect(Quirky())
+        return gradient_hooks(trainer)
+
+    assert not hooked(Probe(2))
+    assert hooked(Probe(2), MarksBackwardEnd())

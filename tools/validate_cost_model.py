@@ -12,6 +12,11 @@ unit; ``TieredEngine.last_timing``), averaged, and the run's placement go into
 ``planning/cost_model.py``; the table lists the predicted and the measured median of the steps
 after it, the step and its phases, side by side, and the peak of the GPU tier's parameter memory.
 
+``--nvme DIR`` keeps every unit on NVMe in ``DIR`` (``placement="nvme"``): the drive's rates the
+step model prices with are the ``NvmeStore``'s on ``DIR``, measured first as ``tools/probe.py``
+measures them, so the table checks how the model schedules the drive's reads and writes beside
+the link's copies and the updates, not a datasheet.
+
 ``--default-policy`` runs the default policy instead (``--fractions`` then count the parameter
 bytes the GPU tier holds for parameters and activations together): the placement search and the
 activation layout price their plan from the measured second step, as in a user's run; the table
@@ -55,19 +60,20 @@ class Probe(StepTimer):
         self.prediction: Optional[StepPrediction] = None
         self.predicted_peak = 0
         self.homes = "-"
-        self._marks = [0.0, 0.0]
+        self._marks = [0.0]
         self.timings: list[Any] = []
 
     def on_before_backward(self, trainer, *args: Any) -> None:
         self._marks[0] = time.perf_counter()
 
-    def on_after_backward(self, trainer, *args: Any) -> None:
-        self._marks[1] = time.perf_counter()
-
+    # No hook after backward: one there (``on_after_backward``) reads the gradients, so the
+    # runtime would hold every update until backward ends, a recipe the prediction does not price.
+    # What the step waited after backward is the engine's own count (``optimizer/exposed_ms``).
     def on_train_batch_end(self, trainer, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
         end = time.perf_counter()
-        self.phases.append((self._marks[0] - self._start, self._marks[1] - self._marks[0], end - self._marks[1]))
+        after = (self.metrics[-1].get("optimizer/exposed_ms", 0.0) if self.metrics else 0.0) / 1e3
+        self.phases.append((self._marks[0] - self._start, end - self._marks[0] - after, after))
         engine = trainer.strategy.engine
         if engine is None or engine.last_timing is None:
             return
@@ -111,6 +117,17 @@ def default_policy_row(name: str, fraction: float, args: argparse.Namespace, roo
     return (label, link, budget, f"{homes}, {layout}", check.source, check.predicted_seconds, check.measured_seconds(), predicted_phases, measured_phases)
 
 
+def store_rates(path: Path) -> dict[str, Any]:
+    """The NvmeStore's read and write rates on ``path`` (GB/s), as ``tools/probe.py`` measures
+    them (256 MiB, four threads, the best of three), as hardware spec fields."""
+    from tools.probe import measure
+
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path) as work:
+        rows = {name: value for name, value, _ in measure(Path(work), 256 * 2**20, workers=4, repeat=3)}
+    return {"nvme_read_gbps": float(rows["NvmeStore read"]), "nvme_write_gbps": float(rows["NvmeStore write"]), "nvme_count": 1}
+
+
 def throttled(link: float) -> dict[str, Any]:
     return {"name": "throttled", "gpu": "emulated", "gpu_memory": "80GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None,
             "h2d_gbps": link, "d2h_gbps": link, "host_memory": "16GiB", "cpu_cores": os.cpu_count() or 1}
@@ -138,25 +155,9 @@ def print_default_policy(rows: list[tuple], steps: int) -> None:
               f"(largest {max(errors, key=abs):+.1%})")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["tiny"], choices=sorted(MODELS))
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=5, help="steps before the one whose timing is the model's input")
-    parser.add_argument("--link-gbps", type=float, default=None, help="throttle of the emulated PCIe link, GB/s each way (default: per model)")
-    parser.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.45, 0.65, 0.85], help="gpu_memory as fractions of the parameter bytes")
-    parser.add_argument("--default-policy", action="store_true", help="the default policy's plans and predictions, activations included")
-    args = parser.parse_args(argv)
-
-    if args.default_policy:
-        with tempfile.TemporaryDirectory() as root:
-            rows = []
-            for name in args.models:
-                for fraction in args.fractions:
-                    print(f"{name}: the default policy, gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
-                    rows.append(default_policy_row(name, fraction, args, root))
-        print_default_policy(rows, args.steps)
-        return 0
+def placement_rows(args: argparse.Namespace, drive: dict[str, Any]) -> list[tuple]:
+    """One run per model and GPU-tier fraction: its placement, the prediction from its warm-up
+    steps, and the medians measured after them."""
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
@@ -165,18 +166,26 @@ def main(argv: Optional[list[str]] = None) -> int:
             config = gpt2_config(layers, width, positions=seq_len)
             param_bytes = parameter_bytes(config)
             run = argparse.Namespace(seq_len=seq_len, batch_size=batch)
-            hardware = throttled(link)
+            hardware = {**throttled(link), **drive}
             for fraction in args.fractions:
                 print(f"{name}: gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
                 probe = Probe(args.warmup)
-                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, policy={**PARAMETERS_ONLY, "throttle": True})
+                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, nvme_path=args.nvme,
+                                          policy={**PARAMETERS_ONLY, "throttle": True, **({"placement": "nvme"} if args.nvme else {})})
                 fit(strategy, config, run, root, probe, args.steps)
                 after = slice(args.warmup, None)
                 measured = [statistics.median(p[k] for p in probe.phases[after]) for k in range(3)]
                 peak = max(m.get("tier/gpu_peak_bytes", 0.0) for m in probe.metrics[after])
                 rows.append((f"{name} {layers}x{width}", link, fraction, probe.homes, probe.prediction, statistics.median(probe.times[after]), measured,
                              probe.predicted_peak, peak))
+    return rows
 
+
+def print_placements(rows: list[tuple], args: argparse.Namespace, drive: dict[str, Any]) -> None:
+    """The table of ``placement_rows``, with the drive's measured rates first where units are on NVMe."""
+    if drive:
+        print(f"\nEvery unit on NVMe in {args.nvme}: the NvmeStore there reads {drive['nvme_read_gbps']:.2f} GB/s and writes "
+              f"{drive['nvme_write_gbps']:.2f} GB/s (O_DIRECT where the file system takes it), the rates the model prices with")
     print(f"\nMedian of each run's steps after the {args.warmup} warm-up steps; phases: forward (to the loss), backward, and the "
           "optimizer step after it\n")
     print("| model | link GB/s | gpu_memory | units gpu/host/nvme | predicted step (ms) | measured step (ms) | predicted / measured "
@@ -194,6 +203,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     if errors:
         print(f"\nmedian |predicted - measured| / measured: {statistics.median(errors):.1%} over {len(errors)} placements "
               f"(largest {max(errors):.1%})")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["tiny"], choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=5, help="steps before the one whose timing is the model's input")
+    parser.add_argument("--link-gbps", type=float, default=None, help="throttle of the emulated PCIe link, GB/s each way (default: per model)")
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.45, 0.65, 0.85], help="gpu_memory as fractions of the parameter bytes")
+    parser.add_argument("--default-policy", action="store_true", help="the default policy's plans and predictions, activations included")
+    parser.add_argument("--nvme", type=Path, default=None, help="every unit on NVMe in this directory, priced at the rates measured there")
+    args = parser.parse_args(argv)
+    if args.nvme is not None and args.default_policy:
+        raise SystemExit("--nvme fixes every unit's home on NVMe; --default-policy lets the search choose them: give one or the other.")
+
+    if args.default_policy:
+        with tempfile.TemporaryDirectory() as root:
+            rows = []
+            for name in args.models:
+                for fraction in args.fractions:
+                    print(f"{name}: the default policy, gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
+                    rows.append(default_policy_row(name, fraction, args, root))
+        print_default_policy(rows, args.steps)
+        return 0
+    drive = store_rates(args.nvme) if args.nvme is not None else {}
+    print_placements(placement_rows(args, drive), args, drive)
     return 0
 
 
