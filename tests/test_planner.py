@@ -134,3 +134,23 @@ def test_staging_buffers_beyond_the_minimum_go_to_the_update_worker_and_to_host_
 
     placement = Placement(home={0: "nvme"}, device_slots={512: 2}, staging_slots={8192: count, 4096: 9}, gpu_bytes=0, host_bytes=0, nvme_bytes=0)
     assert (placement.update_staging_buffers, placement.host_copies) == (update, copies)
+
+
+def test_a_layout_that_recomputes_nothing_is_laid_out_beside_each_modules_units_alone():
+    """Four 1000-byte units (1024-byte buffers), two blocks of two: each module's units alone
+    stream through two buffers (2048 bytes, one to prefetch into), a recomputed block's through
+    three (3072). In a 4048-byte tier, beside 2048 the two blocks' activations (1000 bytes each)
+    are kept (a 2000-byte peak); beside 3072 the 976 left hold no layout (checkpointing both
+    peaks at 1010). So the parameters are placed again in 2048 bytes, not refused."""
+    planner = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=4048, host=10**6, nvme=0), has_nvme=False)
+    planner.model = model(sizes=(1000, 1000, 1000, 1000), blocks=([0, 1], [2, 3]))
+    keep = ["keep", "keep"]
+    assert (planner.smallest_parameter_share(keep, recomputing=False), planner.smallest_parameter_share(keep)) == (2048, 3072)
+    costs = [BlockCost(activation_bytes=1000, input_bytes=10, forward_seconds=1e-3)] * 2
+    links = Links(d2h=1e9, h2d=1e9, nvme_write=0.0, nvme_read=0.0)
+    plan, parameters = planner.layout(costs, links, "auto", parameter_bytes=4000, host_bytes=0, block_policies=["checkpoint", "checkpoint"])
+    assert list(plan.layout) == ["keep", "keep"] and plan.peak_bytes == 2000 and parameters == 2048
+    tighter = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=4000, host=10**6, nvme=0), has_nvme=False)
+    tighter.model = planner.model  # 1952 bytes beside each module's units: only checkpointing fits, which needs a block's units
+    with pytest.raises(ValueError, match="no layout"):
+        tighter.layout(costs, links, "auto", parameter_bytes=4000, host_bytes=0, block_policies=["checkpoint", "checkpoint"])

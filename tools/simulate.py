@@ -309,8 +309,9 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
     the layout beside the parameters' smallest working set (a whole block's units together) and
     the parameters placed again in what it leaves. The layout's work and traffic are added to the
     parameters' step as the auto row adds them."""
+    from offload_strategy.planning.activations import CHECKPOINT
     from offload_strategy.planning.auto import layout_added_seconds
-    from offload_strategy.planning.placement import GPU, PlacementError, minimum_gpu_bytes
+    from offload_strategy.planning.placement import GPU, PlacementError
 
     name = policy_name(policy)
     lay_out = _policy_layout(model, machine, policy)
@@ -320,10 +321,8 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
         try:
             layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes, placement)
         except ValueError:
-            smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *model.block_units])
-            frugal = place(smallest)
-            layout = lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
-            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks)
+            layout = _beside_smallest(model, place, lay_out, gpu, host)
+            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, CHECKPOINT in layout.layout)
     except (PlacementError, ValueError) as error:
         return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
     streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
@@ -337,19 +336,41 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
                seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + activations - gpu)}")
 
 
+def _beside_smallest(model: Model, place: Any, lay_out: Any, gpu: int, host: int) -> Any:
+    """The layout beside the parameters' smallest share, as ``Planner.layout`` finds it: each
+    module's units alone, for a layout that recomputes no block; else a whole block's together."""
+    from offload_strategy.planning.activations import CHECKPOINT
+    from offload_strategy.planning.placement import minimum_gpu_bytes
+
+    refusal: Optional[ValueError] = None
+    for recompute in (False, True):
+        smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *(model.block_units if recompute else [])])
+        frugal = place(smallest, recompute)
+        try:
+            layout = lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
+        except ValueError as error:
+            refusal = error
+            continue
+        if recompute or CHECKPOINT not in layout.layout:
+            return layout
+    assert refusal is not None
+    raise refusal
+
+
 def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: Any, policy: Any) -> Any:
     """The policy's placement of the parameters in a share of the GPU tier (a function of it), a
-    recomputed block's units together where the policy may checkpoint."""
+    recomputed block's units together where the layout recomputes (by default, where the policy
+    may: the profiling steps recompute)."""
     from offload_strategy.config import BlockPolicy
     from offload_strategy.planning.placement import HOST, NVME, place_units
 
     home = {"host": HOST, "nvme": NVME}.get(str(policy.placement))
     layouts = [policy.activations] if isinstance(policy.activations, str) else list(policy.activations)
-    recompute = any(a not in tuple(BlockPolicy) or a == BlockPolicy.CHECKPOINT for a in layouts)  # a planner may checkpoint
-    together = [*model.co_resident, *model.block_units] if recompute else model.co_resident
+    may_recompute = any(a not in tuple(BlockPolicy) or a == BlockPolicy.CHECKPOINT for a in layouts)  # a planner may checkpoint
     homes = {s.index: home for s in model.sizes} if home else None
 
-    def place(share: int) -> Any:
+    def place(share: int, recompute: bool = may_recompute) -> Any:
+        together = [*model.co_resident, *model.block_units] if recompute else model.co_resident
         return place_units(model.sizes, together, gpu_bytes=max(share, 0), host_bytes=host, nvme_bytes=nvme,
                            state_factor=model.state_factor, homes=homes, sharding=sharding, gradients_until_update=True)
 

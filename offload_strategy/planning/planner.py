@@ -271,11 +271,13 @@ class Planner:
 
     # -- phase 3: the activation layout ---------------------------------------------------------------
 
-    def smallest_parameter_share(self, block_policies: Sequence[str]) -> int:
-        """The GPU tier the parameters need at the least: every block's units streamed together."""
+    def smallest_parameter_share(self, block_policies: Sequence[str], recomputing: bool = True) -> int:
+        """The GPU tier the parameters need at the least: every block's units streamed together
+        (``recomputing``: any block may be recomputed), or each module's alone."""
         if self.model is None or not self.model.sizes:
             return 0
-        return minimum_gpu_bytes(self.units.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
+        groups = self.working_groups(block_policies, every_block=True) if recomputing else list(self.units.together)
+        return minimum_gpu_bytes(self.units.sizes, groups, self.policy.prefetch)
 
     def least_activation_peak(
         self, costs: Sequence[BlockCost], planner: str, beside: BesideBlocks = BesideBlocks(), running: Sequence[str] = (),
@@ -331,18 +333,25 @@ class Planner:
         """Every block's policy beside ``parameter_bytes`` of parameters in the GPU tier (and the
         bytes ``beside`` the blocks). When none fits there, the layout for
         the parameters' smallest share, and the GPU bytes the parameters must be placed again in
-        (then ask again with what that placement uses)."""
+        (then ask again with what that placement uses). The smallest share is first each module's
+        units alone, which serves a layout that recomputes no block; one that does needs a whole
+        block's units together."""
         self.phase = PlanPhase.LAID_OUT
         try:
             return self.layout_beside(costs, links, planner, parameter_bytes, host_bytes, beside), None
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
-        try:
-            plan = self.layout_beside(costs, links, planner, self.smallest_parameter_share(block_policies), host_bytes, beside)
-        except ValueError as error:
-            raise ValueError(f"{error} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
-        return plan, self.budgets.gpu - plan.peak_bytes
+        refusal: Optional[ValueError] = None
+        for recomputing in (False, True):
+            try:
+                plan = self.layout_beside(costs, links, planner, self.smallest_parameter_share(block_policies, recomputing), host_bytes, beside)
+            except ValueError as error:
+                refusal = error
+                continue
+            if recomputing or BlockPolicy.CHECKPOINT not in plan.layout:
+                return plan, self.budgets.gpu - plan.peak_bytes
+        raise ValueError(f"{refusal} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
 
     def layout_beside(
         self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int,
