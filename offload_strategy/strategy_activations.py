@@ -147,10 +147,16 @@ class ActivationControl:
         return parameter_bytes
 
     def choose_layout_beside(self, costs: list[BlockCost]) -> None:
-        """The layout for what the parameters, placed again, left."""
+        """The layout for what the parameters, placed again, left; the one they were placed for
+        where the new one recomputes a block that one does not (that block's units were not placed
+        together). That one fits: they were placed in what it leaves."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
-        self.plan = planner.layout_beside(costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), self.beside)
+        placed_for = self.plan
+        plan = planner.layout_beside(costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), self.beside)
+        if placed_for is not None and not _recomputed(plan.layout) <= _recomputed(placed_for.layout):
+            plan = placed_for
+        self.plan = plan
 
     def apply_layout(self) -> None:
         plan, activations = self.plan, self.policies_in_use
@@ -431,3 +437,7 @@ class ActivationControl:
             out["activations/swap_wait_ms"] = 1e3 * stats.wait_seconds
             out["activations/swap_host_full_bytes"] = float(stats.host_full_bytes)
         return out
+
+
+def _recomputed(layout: Sequence[str]) -> set[int]:
+    return {i for i, policy in enumerate(layout) if policy == BlockPolicy.CHECKPOINT}

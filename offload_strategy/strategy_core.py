@@ -636,7 +636,8 @@ class TieredCore:
                 f"gpu_memory={format_bytes(budgets.gpu)}: the parameters are placed again in {format_bytes(parameter_bytes)} of it, "
                 f"the rest is the activations'."
             )
-            self._replace_engine(recipe, gpu_bytes=parameter_bytes)
+            assert activations.plan is not None
+            self._replace_engine(recipe, gpu_bytes=parameter_bytes, block_policies=activations.plan.layout)  # the layout it was shared with
             activations.choose_layout_beside(costs)
         activations.apply_layout()
         assert activations.plan is not None
