@@ -214,7 +214,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     """The ``fill`` and ``auto`` rows for one GPU budget (see the module docstring)."""
     from offload_strategy.planning.activations import KEEP, peak_bytes
     from offload_strategy.planning.auto import plan_auto
-    from offload_strategy.planning.placement import GPU, PlacementError, place_units
+    from offload_strategy.planning.placement import PlacementError, place_units
 
     costs = unit_costs(model, owners)
     order = [size.index for size in model.sizes]
@@ -232,7 +232,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     fits = placement.gpu_bytes + kept_peak <= gpu
     rows = [Row("fill", homes_of(placement), counts(None, len(model.blocks)), placement.gpu_bytes, kept_peak, placement.host_bytes, placement.nvme_bytes,
                 buffers, step.seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + kept_peak - gpu)}")]
-    links = parameter_links(machine, sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU))
+    links = parameter_links(machine, streamed_bytes(model, placement))
     try:
         # the activations outside the blocks and the backward's gradients take their share first, as the runtime plans
         plan = plan_auto(model.sizes, model.co_resident, order, costs, machine, gpu_bytes=max(gpu - model.beside.in_blocks, 0), host_bytes=host, nvme_bytes=nvme,
@@ -306,12 +306,12 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
     """What the runtime plans under ``policy`` when it is not the joint search, as it plans it:
     the parameters placed first in the whole GPU tier (every home fixed by ``placement`` host or
     nvme, or by first use under fill), the layout in what they leave; where no layout fits there,
-    the layout beside the parameters' smallest working set (a whole block's units together) and
-    the parameters placed again in what it leaves. The layout's work and traffic are added to the
+    the layout beside the parameters' smallest working set (``_beside_smallest``) and the
+    parameters placed again in what it leaves, grouped for its recomputed blocks. The layout's work and traffic are added to the
     parameters' step as the auto row adds them."""
     from offload_strategy.planning.activations import CHECKPOINT
     from offload_strategy.planning.auto import layout_added_seconds
-    from offload_strategy.planning.placement import GPU, PlacementError
+    from offload_strategy.planning.placement import PlacementError
 
     name = policy_name(policy)
     lay_out = _policy_layout(model, machine, policy)
@@ -325,7 +325,7 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
             placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, CHECKPOINT in layout.layout)
     except (PlacementError, ValueError) as error:
         return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
-    streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
+    streamed = streamed_bytes(model, placement)
     step = placed_step(model, unit_costs(model, owners), placement, machine)
     seconds = step.seconds + layout_added_seconds(step, streamed, model.blocks, layout.layout, parameter_links(machine, streamed))
     swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout.layout) if q == p) for p in ("swap_host", "swap_nvme")}
@@ -382,14 +382,12 @@ def _policy_layout(model: Model, machine: Any, policy: Any) -> Any:
     memory (a function of both and the placement): its planner's choice, or its fixed layout."""
     from offload_strategy.config import ActivationPlanner, BlockPolicy
     from offload_strategy.planning.activations import ActivationPlan, peak_bytes, step_seconds
-    from offload_strategy.planning.placement import GPU
     from offload_strategy.planning.planner import layout_for
 
     blocks, head = model.blocks, model.beside.head
 
     def lay_out(room: int, host_left: int, placement: Any) -> Any:
-        streamed = sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
-        links = parameter_links(machine, streamed)
+        links = parameter_links(machine, streamed_bytes(model, placement))
         if isinstance(policy.activations, str) and policy.activations in tuple(ActivationPlanner):
             return layout_for(str(policy.activations))(blocks, links, gpu_bytes=max(room - model.beside.in_blocks, 0),
                                                        host_bytes=max(host_left, 0), head=head)
@@ -409,6 +407,13 @@ def outside_note(model: Model, gpu: int) -> str:
         return ""
     return (f"the activations outside the blocks ({fmt(model.outside_bytes)}) and the backward's gradients ({fmt(model.gradient_bytes)}) "
             f"leave {fmt(max(gpu - model.beside.bytes, 0))} of {fmt(gpu)} at the head's backward: ")
+
+
+def streamed_bytes(model: Model, placement: Any) -> int:
+    """The offloaded units' bytes: what forward copies into the GPU tier once."""
+    from offload_strategy.planning.placement import GPU
+
+    return sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
 
 
 def parameter_links(machine: Any, streamed: int) -> Any:
