@@ -570,3 +570,25 @@ def test_simulate_prices_a_policy_that_fixes_every_home_as_the_runtime_places_it
     assert auto.policy == "auto" and auto.homes != row.homes  # the joint search keeps this small model's units elsewhere
     with pytest.raises(SystemExit, match="placement=search"):
         setting(dataclasses.replace(point, overrides=(*overrides, "policy.placement=layerwise")), sim, 0.5)
+
+
+def test_a_published_step_shorter_than_the_papers_own_drive_traffic_is_not_counted_by_hand():
+    """LoHan's traffic with every model state on its SSDs: 16 bytes a parameter read and 14 written
+    a step, the drive simplex. With one drive at 16e-6 GB/s read and 14e-6 GB/s write, a model of
+    P parameters needs P * (16 / 16e-6 + 14 / 14e-6) / 1e9 = 2P / 1000 seconds; a published step 1%
+    shorter is beyond that drive (not counted, the floor in the reason), 1% longer is not, and a
+    TFLOPS figure is turned into its step (3 forwards' FLOPs) before the comparison."""
+    from tools import simulate as sim
+    from tools.reproduce import Point, drive_floor, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=rtx4090", "+hardware.nvme_count=1", "data=synthetic", "data.seq_len=64", "data.batch_size=4")
+    point = Point("tiny", "", "step_s", 1.0, overrides, "16MiB", host="1GiB", nvme="1GiB", drive_gbps=(16e-6, 14e-6))
+    at = setting(point, sim, 0.5)
+    floor = 2 * at.model.parameters / 1000
+    short = dataclasses.replace(point, published=0.99 * floor)
+    assert f"takes {floor:.1f} s on 1 drive" in drive_floor(short, at), drive_floor(short, at)
+    assert drive_floor(dataclasses.replace(point, published=1.01 * floor), at) == ""
+    flops = 3 * at.model.forward_flops
+    assert drive_floor(dataclasses.replace(point, kind="tflops", published=flops / (0.99 * floor) / 1e12), at) != ""
+    assert drive_floor(dataclasses.replace(point, kind="tflops", published=flops / (1.01 * floor) / 1e12), at) == ""
+    assert drive_floor(dataclasses.replace(short, drive_gbps=None), at) == ""

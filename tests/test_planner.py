@@ -154,3 +154,25 @@ def test_a_layout_that_recomputes_nothing_is_laid_out_beside_each_modules_units_
     tighter.model = planner.model  # 1952 bytes beside each module's units: only checkpointing fits, which needs a block's units
     with pytest.raises(ValueError, match="no layout"):
         tighter.layout(costs, links, "auto", parameter_bytes=4000, host_bytes=0, block_policies=["checkpoint", "checkpoint"])
+
+
+def test_the_layout_chosen_after_placing_again_recomputes_only_blocks_placed_together():
+    """``ActivationControl.choose_layout_beside``: the parameters were placed again for a layout
+    that recomputes blocks 1 and 2 (their units placed together). A new layout that recomputes
+    block 0, whose units were not placed together, is not taken: the placed-for one stays; one
+    that recomputes fewer blocks (only block 2) is taken."""
+    from types import SimpleNamespace
+
+    from offload_strategy.planning.activations import ActivationPlan
+    from offload_strategy.strategy_activations import ActivationControl
+
+    K, C = "keep", "checkpoint"
+    placed_for = ActivationPlan((K, C, C), 3.0, 30)
+    for offered, expected in (((C, K, K), placed_for), ((K, K, C), ActivationPlan((K, K, C), 2.0, 20))):
+        planner = SimpleNamespace(layout_beside=lambda *args, offered=offered: ActivationPlan(offered, 2.0, 20))
+        control = ActivationControl(SimpleNamespace(planner=planner))
+        control.policies_in_use = SimpleNamespace(planner="auto")
+        control.plan = placed_for
+        control.links, control.gpu_parameter_bytes, control.host_left = (lambda: None), (lambda: 0), (lambda: 0)
+        control.choose_layout_beside([])
+        assert control.plan == expected, (offered, control.plan)

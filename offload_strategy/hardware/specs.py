@@ -33,6 +33,7 @@ H2D_SHARE = 24.74 / PCIE4_X16  # 10Cache Table 2, pinned
 D2H_SHARE = 25.91 / PCIE4_X16
 ARRAY_READ_SHARE = 16.0 / (4 * 6.7)  # TeraIO §5, RAID-0 of four SSDs
 ARRAY_WRITE_SHARE = 16.0 / (4 * 6.5)
+P5510_READ_GBPS, P5510_WRITE_GBPS = 6.5, 3.4  # Intel D7-P5510 3.84 TB datasheet, sequential, per drive (LoHan Table III)
 
 KNOWN_MACHINES: dict[str, HardwareSpec] = {
     spec.name: spec
@@ -119,8 +120,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             host_memory="768GiB",  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
             cpu_cores=52,
             nvme_count=12,  # LoHan Table III: 12x Intel P5510 3.84 TB
-            nvme_read_gbps=12 * 6.5 * ARRAY_READ_SHARE,  # P5510 datasheet: 6.5 GB/s read, 3.4 GB/s write per drive
-            nvme_write_gbps=12 * 3.4 * ARRAY_WRITE_SHARE,
+            nvme_read_gbps=12 * P5510_READ_GBPS * ARRAY_READ_SHARE,
+            nvme_write_gbps=12 * P5510_WRITE_GBPS * ARRAY_WRITE_SHARE,
             host_memory_gbps=375.4,  # 2x Xeon Gold 5320: 8 channels of DDR4-2933 each
             gpu_fp32_tflops=82.6,  # Ada whitepaper
             gpu_memory_gbps=1008.0,  # Ada whitepaper: 21 Gbps GDDR6X, 384-bit
