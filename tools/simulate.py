@@ -337,24 +337,17 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
 
 
 def _beside_smallest(model: Model, place: Any, lay_out: Any, gpu: int, host: int) -> Any:
-    """The layout beside the parameters' smallest share, as ``Planner.layout`` finds it: each
-    module's units alone, for a layout that recomputes no block; else a whole block's together."""
-    from offload_strategy.planning.activations import CHECKPOINT
+    """The layout beside the parameters' smallest share, as ``Planner.layout`` finds it
+    (``planner.layout_beside_smallest``)."""
     from offload_strategy.planning.placement import minimum_gpu_bytes
+    from offload_strategy.planning.planner import layout_beside_smallest
 
-    refusal: Optional[ValueError] = None
-    for recompute in (False, True):
+    def beside(recompute: bool) -> Any:
         smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *(model.block_units if recompute else [])])
         frugal = place(smallest, recompute)
-        try:
-            layout = lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
-        except ValueError as error:
-            refusal = error
-            continue
-        if recompute or CHECKPOINT not in layout.layout:
-            return layout
-    assert refusal is not None
-    raise refusal
+        return lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
+
+    return layout_beside_smallest(beside)
 
 
 def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: Any, policy: Any) -> Any:

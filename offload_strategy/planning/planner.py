@@ -52,6 +52,24 @@ def layout_for(planner: str) -> Callable[..., ActivationPlan]:
     return _LAYOUTS.get(planner, choose_layout)
 
 
+def layout_beside_smallest(lay_out: Callable[[bool], ActivationPlan]) -> ActivationPlan:
+    """The layout beside the parameters' smallest share of the GPU tier. ``lay_out(recomputing)``
+    lays the blocks out beside the share for one grouping (ValueError where nothing fits): first
+    each module's units alone, which serves a layout that recomputes no block; then a whole
+    block's units together, which a recomputed block needs. Raises the last refusal."""
+    refusal: Optional[ValueError] = None
+    for recomputing in (False, True):
+        try:
+            plan = lay_out(recomputing)
+        except ValueError as error:
+            refusal = error
+            continue
+        if recomputing or BlockPolicy.CHECKPOINT not in plan.layout:
+            return plan
+    assert refusal is not None
+    raise refusal
+
+
 class PlanPhase(enum.Enum):
     INITIAL = "initial placement"
     SEARCHED = "searched placement"
@@ -342,16 +360,12 @@ class Planner:
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
-        refusal: Optional[ValueError] = None
-        for recomputing in (False, True):
-            try:
-                plan = self.layout_beside(costs, links, planner, self.smallest_parameter_share(block_policies, recomputing), host_bytes, beside)
-            except ValueError as error:
-                refusal = error
-                continue
-            if recomputing or BlockPolicy.CHECKPOINT not in plan.layout:
-                return plan, self.budgets.gpu - plan.peak_bytes
-        raise ValueError(f"{refusal} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
+        try:
+            plan = layout_beside_smallest(lambda recomputing: self.layout_beside(
+                costs, links, planner, self.smallest_parameter_share(block_policies, recomputing), host_bytes, beside))
+        except ValueError as refusal:
+            raise ValueError(f"{refusal} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
+        return plan, self.budgets.gpu - plan.peak_bytes
 
     def layout_beside(
         self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int,
