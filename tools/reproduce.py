@@ -112,7 +112,7 @@ class Point:
 
 POINTS = (
     Point("LH-15", "LoHan §V-C: 135 TFLOPS, 13B, batch 32, RTX 4090, 12 SSDs", "tflops", 135.0,
-          (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", rate_from="LH-11",
+          (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11",
           note="the loss a chunk at a time, as in every LoHan setting (model.loss_chunk_tokens=auto): Hugging Face's fp32 loss would hold 19 GiB "
                "of the 22 GiB tier at the head's backward, which LoHan's run at this batch cannot have"),
     Point("LH-11", "LoHan §III-C: forward compute 5.96 s, 13B, batch 32", "forward_s", 5.96, (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB"),
@@ -125,14 +125,14 @@ POINTS = (
           note="host budget the machine's whole 256 GiB; the largest of LoHan's Table IV models the auto plan holds"),
     # LoHan's artifact (its repository's evaluation_data.md) lists the measurements its figures plot
     *(Point(f"LH-5a-{batch}", f"LoHan Fig. 5a (artifact data): {tflops} TFLOPS, 13B, batch {batch}, RTX 4090", "tflops", tflops,
-            (*LOHAN_13B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", rate_from="LH-11", note=note)
+            (*LOHAN_13B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note)
       for batch, tflops, note in ((8, 42.8, ""), (16, 84.3, ""), (64, 155.8, LOHAN_FINER_RECOMPUTE), (128, 153.8, LOHAN_FINER_RECOMPUTE))),
     *(Point(f"LH-10b-{drives}", f"LoHan Fig. 10b (artifact data): {tflops} TFLOPS, 13B, batch 32, RTX 4090, {drives} SSD{'s' * (drives > 1)}",
             "tflops", tflops, (*LOHAN_13B, "data.batch_size=32", f"+hardware.nvme_count={drives}"), "22GiB", nvme="40TB", rate_from="LH-11",
-            note="the drives' rates the 12-drive array's share each", drive_gbps=P5510)
+            drive_gbps=P5510, note="the drives' rates the 12-drive array's share each")
       for drives, tflops in ((1, 37.5), (2, 64.3), (3, 81.1), (6, 121.7))),
     *(Point(f"LH-7b-{batch}", f"LoHan Fig. 7b (artifact data): {tflops} TFLOPS, 175B, batch {batch}, RTX 4090", "tflops", tflops,
-            (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", rate_from="LH-11", note=note)
+            (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note)
       for batch, tflops, note in ((8, 52.6, ""), (16, 86.9, ""))),
     Point("PT-1a", "ProTrain Table 2: 34B on one RTX 3090 (384 GB)", "largest_b", 34.0, (*GPT2_W8192, "model.config.n_layer=42", "hardware=rtx3090"),
           "22GiB"),
