@@ -105,7 +105,8 @@ def test_swapped_blocks_match_plain_training(tmp_path, layout, offload):
     last = seen.metrics[-1]
     assert (last["activations/swapped_host_bytes"] > 0) == (layout != "nvme")
     assert (last["activations/swapped_nvme_bytes"] > 0) == (layout != "host")
-    assert last["activations/swap_prefetched"] > last["activations/swap_waits"] > 0
+    # only the first swapped block backward reaches waits: each brings the next back ahead
+    assert last["activations/swap_prefetched"] > 0 and last["activations/swap_waits"] == 1, last
     assert not any("forward" in vars(b) for b in find_blocks(trainer.lightning_module)), "the policies were not taken off"
     assert not nvme.exists() or not any(nvme.iterdir()), "swap files left behind"
 

@@ -13,8 +13,9 @@ offload side of LoHan §IV-B) hand every tensor autograd saves for backward to t
   stays in the GPU tier (counted in ``stats.host_full_bytes``).
 
 Backward unpacks a block's tensors in reverse order. The first unpack of a block brings back all of
-that block's tensors and starts bringing back the next swap block's (prefetch by block order), so
-later unpacks find their tensors already in the GPU tier.
+that block's tensors (unless they were brought back ahead) and starts bringing back the next swap
+block's (prefetch by block order), so later unpacks, and the next block's, find their tensors
+already in the GPU tier.
 
 A swapped run computes exactly what a kept run computes: values are copied bit for bit, and each
 tensor comes back with its own strides, since CPU and GPU kernels may add up in another order for
@@ -238,6 +239,8 @@ class ActivationSwap:
             self.stats.wait_seconds += time.perf_counter() - start
         else:
             self.stats.prefetched += 1
+            if copy.unpacked == 0:  # a block brought back ahead: its first unpack starts the next one's, as a waited one's does
+                self._prefetch_below(packed.block)
             self.device.wait(copy.to_device)
         packed.used = True
         view = packed.view()
