@@ -172,13 +172,14 @@ class BlockPolicy(_Name):
 
     KEEP = "keep"
     CHECKPOINT = "checkpoint"  # recomputed in backward
+    CHECKPOINT_HOST = "checkpoint_host"  # recomputed in backward from its input, which waits in host memory
     SWAP_HOST = "swap_host"  # copied to host memory after forward, back ahead of backward
     SWAP_NVME = "swap_nvme"  # on to NVMe
 
     @property
     def letter(self) -> str:
         """One letter per block in printed layouts."""
-        return {"keep": "K", "checkpoint": "C", "swap_host": "S", "swap_nvme": "N"}[self.value]
+        return {"keep": "K", "checkpoint": "C", "checkpoint_host": "H", "swap_host": "S", "swap_nvme": "N"}[self.value]
 
 
 class ActivationPlanner(_Name):

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import BlockPolicy, format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import ActivationPlan, BesideBlocks, BlockCost, Links
+from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links
 from .planning.cost_model import machine_from_spec
 from .planning.placement import GPU
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
@@ -115,8 +115,8 @@ class ActivationControl:
     def host_swap_bytes(self) -> int:
         """Host memory the activation layout in place swaps into."""
         if self.plan is None or not self.costs:  # a fixed layout: its swaps' bytes are not known, all of it may be theirs
-            return self.host_left() if BlockPolicy.SWAP_HOST in self.policies else 0
-        return sum(c.activation_bytes for c, p in zip(self.costs, self.plan.layout) if p == BlockPolicy.SWAP_HOST)
+            return self.host_left() if {BlockPolicy.SWAP_HOST, BlockPolicy.CHECKPOINT_HOST} & set(self.policies) else 0
+        return sum(c.host_bytes(p) for c, p in zip(self.costs, self.plan.layout))
 
     def links(self) -> Links:
         context = self.context
@@ -440,4 +440,4 @@ class ActivationControl:
 
 
 def _recomputed(layout: Sequence[str]) -> set[int]:
-    return {i for i, policy in enumerate(layout) if policy == BlockPolicy.CHECKPOINT}
+    return {i for i, policy in enumerate(layout) if policy in RECOMPUTED}

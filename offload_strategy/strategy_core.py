@@ -33,7 +33,7 @@ from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictTy
 from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
-from .planning.activations import BesideBlocks, BlockCost
+from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
@@ -784,7 +784,7 @@ class TieredCore:
             return
         recomputed, model = engine.take_recomputed(), planner.model
         seen = {i for i, (units, policy) in enumerate(zip(model.block_units, self.activations.policies))
-                if policy != BlockPolicy.CHECKPOINT and recomputed.intersection(units)}
+                if policy not in RECOMPUTED and recomputed.intersection(units)}
         new = sorted(i for i in seen - self._recomputed_known if tuple(model.block_units[i]) not in model.recomputed_by_model)
         self._recomputed_known |= seen
         if not new:

@@ -6,6 +6,7 @@ import pytest
 
 from offload_strategy.planning.activations import (
     CHECKPOINT,
+    CHECKPOINT_HOST,
     KEEP,
     SWAP_HOST,
     SWAP_NVME,
@@ -19,7 +20,7 @@ from offload_strategy.planning.activations import (
     step_seconds,
 )
 
-S, C, K, N = SWAP_HOST, CHECKPOINT, KEEP, SWAP_NVME
+S, C, K, N, H = SWAP_HOST, CHECKPOINT, KEEP, SWAP_NVME, CHECKPOINT_HOST
 
 
 def test_interleaved_layout_is_protrain_figure_2():
@@ -57,6 +58,26 @@ def test_peak_and_step_time_by_hand():
     assert step_seconds(costs, [S, C, K, K], slow) == pytest.approx(10 + 15)
     assert step_seconds(costs, [N, K, K, K], Links(d2h=100.0, h2d=100.0)) == float("inf")  # no SSD link
     assert step_seconds(costs, [N, K, K, K], Links(100.0, 100.0, nvme_write=20.0, nvme_read=50.0)) == pytest.approx(5 + 8)
+
+
+def test_blocks_recomputed_from_inputs_in_host_memory_by_hand():
+    """``checkpoint_host``: a checkpoint whose input waits in host memory. The GPU tier holds no
+    input between forward and backward; a block's backward holds its recomputed activations and
+    the next such block's input coming back; the inputs cross the link both ways and take host
+    memory before the swaps that follow them."""
+    costs = [BlockCost(activation_bytes=100, input_bytes=10, forward_seconds=1.0)] * 4
+    # end of forward: nothing held but the last input still leaving (10); backward at a block:
+    # its 100 recomputed and the input below coming back (10)
+    assert peak_bytes(costs, [H] * 4) == 110
+    assert peak_bytes(costs, [C] * 4) == 130  # the inputs in the GPU tier: 30 below the top block's 100
+    # end of forward: the two kept blocks' 200 and an input leaving; a kept block prefetches nothing
+    assert peak_bytes(costs, [H, H, K, K]) == 210
+    # forward max(4 s compute, 40 B out at 10 B/s); backward max(8 s + 4 s recomputing, 40 B back)
+    assert step_seconds(costs, [H] * 4, Links(d2h=10.0, h2d=10.0)) == pytest.approx(4 + 12)
+    assert step_seconds(costs, [H] * 4, Links(d2h=2.0, h2d=2.0)) == pytest.approx(20 + 20)  # the copies take longer
+    inputs = [BlockCost(10, 6, 1.0)] * 3
+    assert split_swaps(inputs, [H, S, S], host_bytes=15) == [H, N, N]  # 6 for the input, 10 more does not fit
+    assert split_swaps(inputs, [H, S, S], host_bytes=16) == [H, S, N]
 
 
 def test_lohans_iteration_time_with_the_model_states_on_the_ssd():
@@ -179,6 +200,8 @@ def test_the_searches_one_pass_pricing_gives_the_three_functions_numbers_to_the_
         host = rng.choice([0, 500, 3000, 10**9])
         n_swap = rng.randint(0, n)
         interleaved = interleaved_layout(n, n_swap, rng.randint(0, n - n_swap))
+        if rng.random() < 0.5:  # the checkpoints' inputs in host memory
+            interleaved = [H if p == C else p for p in interleaved]
         split = split_swaps(costs, interleaved, host)
         head = rng.choice([0, rng.randint(0, 3000)])  # what the head's backward holds beyond the blocks' moments
         priced = _Pricer(costs, links, host, head)(interleaved)

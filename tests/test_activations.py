@@ -129,6 +129,30 @@ def test_swapping_keeps_as_few_bytes_as_checkpointing(tmp_path):
     assert swapped + kept["swap_host"] >= 0.9 * kept["keep"], (swapped, kept)
 
 
+def test_checkpointed_blocks_whose_inputs_wait_in_host_memory_match_plain_training(tmp_path):
+    """``checkpoint_host``: each block is recomputed in backward as under ``checkpoint``, from its
+    input, which waits in host memory instead of the GPU tier. Losses and weights are plain
+    training's bit for bit; the recomputation is checkpoint's; what the GPU tier holds for backward
+    is checkpoint's less exactly the inputs host memory took; backward found all but the first
+    of them brought back already (each block's prefetches the next)."""
+    total = param_bytes(gpt2)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
+    metrics = {}
+    for activations in ("checkpoint", "checkpoint_host"):
+        seen = Swapped()
+        strategy = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", policy={"name": "auto", "activations": activations})
+        losses, weights, _ = train(strategy, tmp_path / activations, epochs=2, make_model=gpt2, extra_callbacks=(seen,))
+        assert losses == plain_losses, activations
+        assert_same_weights(plain_weights, weights)
+        metrics[activations] = seen.metrics[-1]
+    ours, theirs = metrics["checkpoint_host"], metrics["checkpoint"]
+    assert ours["activations/recomputed_flops"] == theirs["activations/recomputed_flops"] > 0
+    assert ours["activations/blocks_checkpoint_host"] == 4 and "activations/swapped_host_bytes" not in theirs
+    moved = ours["activations/swapped_host_bytes"]
+    assert moved > 0 and ours["activations/saved_bytes"] + moved == theirs["activations/saved_bytes"], (ours, theirs)
+    assert ours["activations/swap_waits"] == 1 and ours["activations/swap_prefetched"] == 3, str({k: v for k, v in ours.items() if "swap" in k})
+
+
 def test_swap_nvme_needs_an_nvme_path(tmp_path):
     strategy = TieredStrategy(policy={"name": "auto", "activations": "swap_nvme"})
     with pytest.raises(ValueError, match="swap_nvme but the strategy has no nvme_path"):

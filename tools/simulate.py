@@ -37,6 +37,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from offload_strategy.planning.activations import BesideBlocks  # noqa: E402  (planning: no torch)
+from offload_strategy.planning.activations import RECOMPUTED, BesideBlocks  # noqa: E402  (planning: no torch)
 
 STATE_FACTOR = 2.0  # Adam: two states per parameter
 
@@ -207,7 +208,7 @@ def unit_costs(model: Model, owners: list[int]) -> dict:
 def counts(layout: Optional[tuple[str, ...]], n_blocks: int) -> str:
     if layout is None:
         return f"{n_blocks}/0/0"
-    return f"{layout.count('keep')}/{layout.count('checkpoint')}/{layout.count('swap_host') + layout.count('swap_nvme')}"
+    return f"{layout.count('keep')}/{layout.count('checkpoint') + layout.count('checkpoint_host')}/{layout.count('swap_host') + layout.count('swap_nvme')}"
 
 
 def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int, sharding: Any, owners: list[int]) -> list[Row]:
@@ -243,7 +244,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
         return rows
     chosen = plan.parameters.placement
     layout = plan.activations.layout if plan.activations is not None else ()
-    swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout) if q == p) for p in ("swap_host", "swap_nvme")}
+    swapped = swapped_bytes(model, layout)
     activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.beside.in_blocks
     rows.append(Row("auto", homes_of(chosen), counts(layout or None, len(model.blocks)), chosen.gpu_bytes, activations,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
@@ -309,7 +310,7 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
     the layout beside the parameters' smallest working set (``_beside_smallest``) and the
     parameters placed again in what it leaves, grouped for its recomputed blocks. The layout's work and traffic are added to the
     parameters' step as the auto row adds them."""
-    from offload_strategy.planning.activations import CHECKPOINT
+    from offload_strategy.planning.activations import recomputes
     from offload_strategy.planning.auto import layout_added_seconds
     from offload_strategy.planning.placement import PlacementError
 
@@ -322,18 +323,24 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
             layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes, placement)
         except ValueError:
             layout = _beside_smallest(model, place, lay_out, gpu, host)
-            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, CHECKPOINT in layout.layout)
+            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, recomputes(layout.layout))
     except (PlacementError, ValueError) as error:
         return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
     streamed = streamed_bytes(model, placement)
     step = placed_step(model, unit_costs(model, owners), placement, machine)
     seconds = step.seconds + layout_added_seconds(step, streamed, model.blocks, layout.layout, parameter_links(machine, streamed))
-    swapped = {p: sum(b.activation_bytes for b, q in zip(model.blocks, layout.layout) if q == p) for p in ("swap_host", "swap_nvme")}
+    swapped = swapped_bytes(model, layout.layout)
     activations = layout.peak_bytes + model.beside.in_blocks
     fits = placement.gpu_bytes + activations <= gpu and placement.host_bytes + swapped["swap_host"] <= host
     return Row(name, homes_of(placement), counts(layout.layout, len(model.blocks)), placement.gpu_bytes, activations,
                placement.host_bytes + swapped["swap_host"], placement.nvme_bytes + swapped["swap_nvme"], sum(placement.device_slots.values()),
                seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + activations - gpu)}")
+
+
+def swapped_bytes(model: Model, layout: Sequence[str]) -> dict[str, int]:
+    """What ``layout`` keeps in host memory (swapped blocks, inputs recomputed from there) and on NVMe."""
+    return {"swap_host": sum(b.host_bytes(p) for b, p in zip(model.blocks, layout)),
+            "swap_nvme": sum(b.activation_bytes for b, p in zip(model.blocks, layout) if p == "swap_nvme")}
 
 
 def _beside_smallest(model: Model, place: Any, lay_out: Any, gpu: int, host: int) -> Any:
@@ -359,7 +366,7 @@ def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: An
 
     home = {"host": HOST, "nvme": NVME}.get(str(policy.placement))
     layouts = [policy.activations] if isinstance(policy.activations, str) else list(policy.activations)
-    may_recompute = any(a not in tuple(BlockPolicy) or a == BlockPolicy.CHECKPOINT for a in layouts)  # a planner may checkpoint
+    may_recompute = any(a not in tuple(BlockPolicy) or a in RECOMPUTED for a in layouts)  # a planner may checkpoint
     homes = {s.index: home for s in model.sizes} if home else None
 
     def place(share: int, recompute: bool = may_recompute) -> Any:
@@ -561,7 +568,7 @@ def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine:
                              nvme_bytes=nvme, state_factor=model.state_factor, blocks=model.blocks, block_units=model.block_units, links=links,
                              activation_host_bytes=host // 2, gradients_until_update=True, head=model.beside.head)
             layout = plan.activations.layout if plan.activations is not None else ()
-            row.update(persistent=plan.parameters.persistent, buffers=plan.parameters.buffers, checkpoint=layout.count("checkpoint"),
+            row.update(persistent=plan.parameters.persistent, buffers=plan.parameters.buffers, checkpoint=layout.count("checkpoint") + layout.count("checkpoint_host"),
                        swap=layout.count("swap_host") + layout.count("swap_nvme"), keep=layout.count("keep"), seconds=plan.seconds)
         except PlacementError as error:
             row.update(error=outside_note(model, gpu) + str(error).split(";")[0])

@@ -26,6 +26,14 @@ from ..config import BlockPolicy, format_bytes
 from .cost_model import Bandwidth, move_seconds
 
 KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT, BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
+CHECKPOINT_HOST = BlockPolicy.CHECKPOINT_HOST
+RECOMPUTED = (CHECKPOINT, CHECKPOINT_HOST)  # recomputed in backward: the block's units are needed together there
+SWAPPED = (SWAP_HOST, SWAP_NVME)
+
+
+def recomputes(layout: Sequence[str]) -> bool:
+    """Whether ``layout`` recomputes any block."""
+    return any(p in RECOMPUTED for p in layout)
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,19 @@ class BlockCost:
     activation_bytes: int
     input_bytes: int
     forward_seconds: float
+
+    def held_bytes(self, policy: str) -> int:
+        """GPU-tier bytes the block holds from its forward to its backward under ``policy``."""
+        return self.activation_bytes if policy == KEEP else self.input_bytes if policy == CHECKPOINT else 0
+
+    def moved_bytes(self, policy: str) -> int:
+        """Bytes the block copies out of the GPU tier after its forward and back before its
+        backward: its activations when swapped, its input when recomputed from host memory."""
+        return self.activation_bytes if policy in SWAPPED else self.input_bytes if policy == CHECKPOINT_HOST else 0
+
+    def host_bytes(self, policy: str) -> int:
+        """Host memory the block takes from its forward to its backward under ``policy``."""
+        return self.activation_bytes if policy == SWAP_HOST else self.input_bytes if policy == CHECKPOINT_HOST else 0
 
 
 @dataclass(frozen=True)
@@ -159,13 +180,16 @@ def interleaved_layout(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[st
 
 
 def split_swaps(costs: Sequence[BlockCost], layout: Sequence[str], host_bytes: int) -> list[str]:
-    """LoHan Eq. 3: host memory takes swapped blocks in forward order while it can; the rest go to NVMe."""
+    """LoHan Eq. 3: host memory takes swapped blocks in forward order while it can; the rest go
+    to NVMe. The inputs of blocks recomputed from host memory take their share of it as they come."""
     out, used = [], 0
     for cost, choice in zip(costs, layout):
-        if choice in (SWAP_HOST, SWAP_NVME):
+        if choice in SWAPPED:
             fits = used + cost.activation_bytes <= host_bytes
             used += cost.activation_bytes if fits else 0
             choice = SWAP_HOST if fits else SWAP_NVME
+        elif choice == CHECKPOINT_HOST:
+            used += cost.input_bytes
         out.append(choice)
     return out
 
@@ -174,23 +198,25 @@ def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str], head: int = 0)
     """The most activation bytes the GPU tier holds at once, over the moments that matter:
 
     - the end of forward, when the head's backward runs: kept blocks hold their activations,
-      checkpointed ones their inputs, the last swapped block may still be on its way out, and
-      ``head`` more bytes are held (``BesideBlocks.head``: what the head saved, its gradients);
+      checkpointed ones their inputs (in host memory under ``checkpoint_host``), the last block
+      copied out may still be on its way, and ``head`` more bytes are held
+      (``BesideBlocks.head``: what the head saved, its gradients);
     - backward at block j (last to first): the blocks below j still hold theirs, block j is
-      materialised (kept, recomputed or brought back), and a swapped block j has started bringing
-      back the swapped block below it (the runtime prefetches one swap block ahead).
+      materialised (kept, recomputed or brought back), and a block j that was copied out has
+      started bringing back the nearest copied-out block below it (the runtime prefetches one
+      such block ahead: a swapped block's activations, a ``checkpoint_host`` block's input).
     """
-    held = [c.activation_bytes if p == KEEP else c.input_bytes if p == CHECKPOINT else 0 for c, p in zip(costs, layout)]
-    in_flight = max((c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME)), default=0)
+    held = [c.held_bytes(p) for c, p in zip(costs, layout)]
+    in_flight = max((c.moved_bytes(p) for c, p in zip(costs, layout)), default=0)
     peak = sum(held) + in_flight + head
     below = 0
-    swapped_below = 0  # the nearest swapped block below j: what a swapped block j prefetches
+    moved_below = 0  # the nearest copied-out block below j: what a copied-out block j prefetches
     for j, (cost, policy) in enumerate(zip(costs, layout)):
-        swapped = policy in (SWAP_HOST, SWAP_NVME)
-        peak = max(peak, below + cost.activation_bytes + (swapped_below if swapped else 0))
+        moved = policy in SWAPPED or policy == CHECKPOINT_HOST
+        peak = max(peak, below + cost.activation_bytes + (moved_below if moved else 0))
         below += held[j]
-        if swapped:
-            swapped_below = cost.activation_bytes
+        if moved:
+            moved_below = cost.moved_bytes(policy)
     return peak
 
 
@@ -199,8 +225,8 @@ def step_seconds(costs: Sequence[BlockCost], layout: Sequence[str], links: Links
     host <-> GPU link is duplex, each direction its own term; the SSD is simplex, so its reads and
     writes in a pass add up."""
     forward = sum(c.forward_seconds for c in costs)
-    recompute = sum(c.forward_seconds for c, p in zip(costs, layout) if p == CHECKPOINT)
-    swapped = sum(c.activation_bytes for c, p in zip(costs, layout) if p in (SWAP_HOST, SWAP_NVME))
+    recompute = sum(c.forward_seconds for c, p in zip(costs, layout) if p in RECOMPUTED)
+    swapped = sum(c.moved_bytes(p) for c, p in zip(costs, layout))
     on_nvme = sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_NVME)
     return _passes_seconds(links, forward, recompute, swapped, on_nvme)
 
@@ -261,13 +287,18 @@ class _Pricer:
         host_used, in_flight, swapped, on_nvme, to_nvme = 0, 0, 0, 0, False
         below, swapped_below, moments = 0, 0, 0  # held below block j; the nearest swapped block below; backward's worst moment
         for a, i, f, choice in zip(self.activation, self.input, self.seconds, interleaved):
-            if choice in (SWAP_HOST, SWAP_NVME):
+            if choice in SWAPPED:
                 fits = host_used + a <= self.host_bytes
                 host_used += a if fits else 0
                 choice = SWAP_HOST if fits else SWAP_NVME
                 moments = max(moments, below + a + swapped_below)
                 swapped_below, in_flight, swapped = a, max(in_flight, a), swapped + a
                 on_nvme, to_nvme = on_nvme + (0 if fits else a), to_nvme or not fits
+            elif choice == CHECKPOINT_HOST:  # the input copied out and back, the rest recomputed
+                host_used += i
+                moments = max(moments, below + a + swapped_below)
+                swapped_below, in_flight, swapped = i, max(in_flight, i), swapped + i
+                recompute += f
             else:
                 moments = max(moments, below + a)
                 held = a if choice == KEEP else i

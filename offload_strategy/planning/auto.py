@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Tier
-from .activations import CHECKPOINT, KEEP, SWAP_HOST, SWAP_NVME, ActivationPlan, BlockCost, Links, layout_frontier, move_seconds
+from .activations import (CHECKPOINT, CHECKPOINT_HOST, KEEP, RECOMPUTED, SWAP_NVME, ActivationPlan, BlockCost, Links, layout_frontier,
+                          move_seconds, recomputes)
 from .cost_model import Machine, StepPrediction, UnitCost
 from .placement import PlacementError, UnitSize, minimum_gpu_bytes
 from .protrain import PlacementCandidate, search_persistent
@@ -169,7 +170,7 @@ def _priced(candidate: PlacementCandidate, sizes: Sequence[UnitSize], blocks: Se
 
 
 def recompute_seconds(blocks: Sequence[BlockCost], layout: Sequence[str]) -> float:
-    return sum(b.forward_seconds for b, policy in zip(blocks, layout) if policy == CHECKPOINT)
+    return sum(b.forward_seconds for b, policy in zip(blocks, layout) if policy in RECOMPUTED)
 
 
 def layout_added_seconds(
@@ -181,7 +182,7 @@ def layout_added_seconds(
     of its own work, and at least the parameters' refetches plus the swaps coming back on the
     host -> GPU link (and the NVMe reads). ``streamed_bytes``: the offloaded units' bytes, which
     forward copies in once; what the parameters copy in beyond that is backward's refetch."""
-    swapped = sum(b.activation_bytes for b, policy in zip(blocks, layout) if policy in (SWAP_HOST, SWAP_NVME))
+    swapped = sum(b.moved_bytes(policy) for b, policy in zip(blocks, layout))
     on_nvme = sum(b.activation_bytes for b, policy in zip(blocks, layout) if policy == SWAP_NVME)
     refetched = max(parameters.h2d_bytes - streamed_bytes, 0)
     forward = max(parameters.forward_seconds, move_seconds(swapped, links.d2h), move_seconds(on_nvme, links.nvme_write))
@@ -202,7 +203,7 @@ def _parameters_beside(
     refusal, when it was host memory or NVMe that fell short, or the host room the placement left
     when the layout's host swaps did not fit it. ``smallest``: the parameters' least GPU tier
     without and with a recomputed block's units together."""
-    recompute = CHECKPOINT in layout.layout
+    recompute = recomputes(layout.layout)
     budget = gpu_bytes - layout.peak_bytes
     host_bytes, nvme_bytes = parameters.host_bytes, parameters.nvme_bytes
     if budget < smallest[recompute]:
@@ -211,7 +212,7 @@ def _parameters_beside(
         candidate = parameters(budget, recompute)
     except PlacementError as error:
         return None, (error if error.tier is not Tier.GPU else None), None
-    swapped = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_HOST)
+    swapped = sum(b.host_bytes(policy) for b, policy in zip(blocks, layout.layout))
     if swapped > host_bytes - candidate.placement.host_bytes:
         return None, None, max(host_bytes - candidate.placement.host_bytes, 0)  # the layout was priced with host room this placement's streamed units take
     on_nvme = sum(b.activation_bytes for b, policy in zip(blocks, layout.layout) if policy == SWAP_NVME)
@@ -223,7 +224,7 @@ def _parameters_beside(
 def _no_layout_fits(front: Sequence[ActivationPlan], gpu_bytes: int, smallest_parameters: int, smallest_with_blocks: int) -> PlacementError:
     """Each layout with the parameters' smallest working set beside it (a whole block's units when
     it recomputes): the least of them is the GPU tier to ask for."""
-    need = min((layout.peak_bytes + (smallest_with_blocks if CHECKPOINT in layout.layout else smallest_parameters), layout) for layout in front)
+    need = min((layout.peak_bytes + (smallest_with_blocks if recomputes(layout.layout) else smallest_parameters), layout) for layout in front)
     return PlacementError(
         f"gpu_memory={gpu_bytes:,} bytes cannot hold the activations of any layout beside the parameters' smallest working set: "
         f"the least is {need[0]:,} bytes ({need[1].peak_bytes:,} for the activations laid out {describe_layout(need[1].layout)}, "
@@ -260,8 +261,9 @@ class _ParameterSearch:
 
 
 def describe_layout(layout: Sequence[str]) -> str:
-    """``S C K`` for a few blocks (swap, checkpoint, keep); counts for many."""
+    """``S C K`` for a few blocks (swap, checkpoint, keep; ``H`` checkpointed from host memory); counts for many."""
     if len(layout) <= 16:
-        return " ".join(p[0].upper() for p in layout)
+        return " ".join("H" if p == CHECKPOINT_HOST else p[0].upper() for p in layout)
     swapped = sum(p.startswith("swap") for p in layout)
-    return f"{layout.count(KEEP)} kept, {layout.count(CHECKPOINT)} checkpointed, {swapped} swapped"
+    from_host = f" ({layout.count(CHECKPOINT_HOST)} from host memory)" if CHECKPOINT_HOST in layout else ""
+    return f"{layout.count(KEEP)} kept, {layout.count(CHECKPOINT) + layout.count(CHECKPOINT_HOST)} checkpointed{from_host}, {swapped} swapped"

@@ -26,7 +26,8 @@ from typing import Callable, Optional
 
 from ..config import ActivationPlanner, BlockPolicy, PlacementMode, PolicyConfig, Tier, format_bytes
 from ..profiling.profile import StepProfile, steady_timing
-from .activations import ActivationPlan, BesideBlocks, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, teraio_layout
+from .activations import (RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, recomputes,
+                          teraio_layout)
 from .auto import AutoPlan, plan_auto
 from .cost_model import Machine, costs_from_timing
 from .lohan import lohan_layout
@@ -64,7 +65,7 @@ def layout_beside_smallest(lay_out: Callable[[bool], ActivationPlan]) -> Activat
         except ValueError as error:
             refusal = error
             continue
-        if recomputing or BlockPolicy.CHECKPOINT not in plan.layout:
+        if recomputing or not recomputes(plan.layout):
             return plan
     assert refusal is not None
     raise refusal
@@ -159,7 +160,7 @@ class Planner:
         checkpointed block's recompute holds views of all its units until their gradients are in,
         each checkpointed block's (every block's with ``every_block``)."""
         model = self.units
-        blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy == BlockPolicy.CHECKPOINT]
+        blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy in RECOMPUTED]
         return [*model.together, *blocks]
 
     # -- phase 1: placing ---------------------------------------------------------------------------

@@ -37,8 +37,8 @@ from .recompute import RecomputeHolds
 from .kv_cache import CacheReplay, caches_in
 from .saved_bytes import SavedBytes
 
-KEEP, CHECKPOINT = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT
-POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, SWAP_HOST, SWAP_NVME)
+KEEP, CHECKPOINT, CHECKPOINT_HOST = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT, BlockPolicy.CHECKPOINT_HOST
+POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, CHECKPOINT_HOST, SWAP_HOST, SWAP_NVME)
 
 
 def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.Module]:
@@ -148,6 +148,8 @@ class ActivationPolicies:
     def _run_as(self, index: int, choice: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if choice == CHECKPOINT:
             return _checkpointed(self, forward, *args, **kwargs)
+        if choice == CHECKPOINT_HOST:
+            return self._checkpointed_from_host(index, forward, *args, **kwargs)
         if choice in (SWAP_HOST, SWAP_NVME):
             return self._swapped(index, choice, forward, *args, **kwargs)
         if self.profile is not None and index == 0:
@@ -162,7 +164,7 @@ class ActivationPolicies:
     @property
     def recomputed_flops(self) -> int:
         """FLOPs a training step spends recomputing checkpointed blocks (each counted as the first)."""
-        return (self.block_flops or 0) * self.policies.count(CHECKPOINT)
+        return (self.block_flops or 0) * (self.policies.count(CHECKPOINT) + self.policies.count(CHECKPOINT_HOST))
 
     def _flops_counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if self.block_flops is not None or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
@@ -175,7 +177,8 @@ class ActivationPolicies:
 
     @property
     def swaps(self) -> set[str]:
-        return {p for p in self.policies if p in (SWAP_HOST, SWAP_NVME)}
+        """The swap policies in use, ``swap_host`` for a block whose checkpoint's input waits in host memory."""
+        return {SWAP_HOST if p == CHECKPOINT_HOST else p for p in self.policies if p in (SWAP_HOST, SWAP_NVME, CHECKPOINT_HOST)}
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.param_storages
@@ -188,6 +191,18 @@ class ActivationPolicies:
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         hooks = top(False) if top is not None else None
         return hooks is not None and (self.outer is None or tuple(hooks) != tuple(self.outer))
+
+    def _checkpointed_from_host(self, index: int, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        """A checkpoint whose input waits in host memory: the non-reentrant checkpoint saves the
+        block's positional tensor inputs for its recomputation through the saved-tensor hooks
+        around it (and only those: what the block saves inside is the checkpoint's), so under the
+        swap's hooks they are copied out after forward and brought back ahead of the block's
+        backward, the next such block's with them (DeepSpeed's ``cpu_checkpointing``; LoHan keeps
+        its checkpoints' inputs in host memory too)."""
+        if not torch.is_grad_enabled() or self.swap is None or self._under_users_hooks():
+            return _checkpointed(self, forward, *args, **kwargs)
+        with self.swap.hooks(index, SWAP_HOST):
+            return _checkpointed(self, forward, *args, **kwargs)
 
     def _swapped(self, index: int, destination: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or self.swap is None or self._under_users_hooks():
