@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import BlockPolicy, format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links
+from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, peak_bytes
 from .planning.cost_model import machine_from_spec
 from .planning.placement import GPU
 from .runtime.activation_swap import SWAP_NVME, ActivationSwap
@@ -141,10 +141,19 @@ class ActivationControl:
             # the parameters were placed for this layout's recomputed blocks, not another's
             self.plan = self.searched
             return None
+        # where the parameters are placed again for the layout, the staging buffers beyond the
+        # minimum (a cache of NVMe units) give way to what the layout keeps in host memory
+        lent = self._spare_staging() if planner.profiling_placement else 0
         self.plan, parameter_bytes = planner.layout(
-            costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), activations.policies, beside,
+            costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left() + lent, activations.policies, beside,
         )
+        if lent:
+            planner.host_reserve = sum(c.host_bytes(p) for c, p in zip(costs, self.plan.layout))
         return parameter_bytes
+
+    def _spare_staging(self) -> int:
+        engine = self.context.engine
+        return engine.placement.spare_staging_bytes if engine is not None else 0
 
     def choose_layout_beside(self, costs: list[BlockCost]) -> None:
         """The layout for what the parameters, placed again, left; the one they were placed for
@@ -188,7 +197,27 @@ class ActivationControl:
                         "the logits and the loss's among them, is not known yet and may ask for more)")
             # the counter has seen the first block's tensors and those before it
             beside = BesideBlocks(activations.profile.saved_before_blocks, 2 * self._counter().largest)
-            self._refuse_if_unfitting(activations.first_block_costs(), measured, beside)
+            costs = activations.first_block_costs()
+            self._profile_from_host_if_needed(costs, beside)
+            self._refuse_if_unfitting(costs, measured, beside)
+
+    def _profile_from_host_if_needed(self, costs: list[BlockCost], beside: BesideBlocks) -> None:
+        """The profiling steps' layout (the first block kept, the others recomputed) with the
+        recomputed blocks' inputs in host memory, where in the GPU tier they would not fit beside
+        the parameters' smallest share and in host memory they would. The blocks after the first
+        have not run yet: they run so from this step on, as the planner may have them run."""
+        activations, planner, budgets = self.policies_in_use, self.context.planner, self.context.budgets
+        if activations is None or planner is None or budgets is None or not activations.auto or self.context.policy.name == "none":
+            return
+        running = activations.policies
+        left = budgets.gpu - planner.smallest_parameter_share(running) - beside.in_blocks
+        if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
+            return
+        from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
+        inputs = sum(c.host_bytes(p) for c, p in zip(costs, from_host))
+        if peak_bytes(costs, from_host, beside.head) <= left and inputs <= self.host_left():
+            activations.apply(from_host)
+            self.attach_swap_if_needed()
 
     def refuse_unfitting(self) -> None:
         """Again once forward has measured every block and what it keeps outside them, before

@@ -156,8 +156,31 @@ def test_swaps_beyond_host_memory_go_to_nvme_or_are_not_chosen():
 
 def test_no_layout_fits_names_the_smallest_peak():
     costs = [BlockCost(100, 10, 1.0)] * 3
-    with pytest.raises(ValueError, match=r"the smallest peak is 120 bytes"):
+    # every block recomputed, the inputs in host memory: a block's 100 and the next input 10
+    with pytest.raises(ValueError, match=r"the smallest peak is 110 bytes"):
         choose_layout(costs, Links(50.0, 50.0), gpu_bytes=100, host_bytes=10**6)
+    # host memory holds one input only: two recomputed blocks keep theirs, 20 below the top block's 100
+    with pytest.raises(ValueError, match=r"the smallest peak is 120 bytes"):
+        choose_layout(costs, Links(50.0, 50.0), gpu_bytes=100, host_bytes=15)
+
+
+def test_the_checkpoints_inputs_go_to_host_memory_only_where_nothing_fits_with_them_in_the_gpu_tier():
+    """Three blocks of 100 bytes with inputs of 10, 1 s forward each, links of 50 B/s, host
+    memory for everything. In 120 bytes the fastest layout recomputes two blocks with their
+    inputs in the GPU tier (C C K: 3 + 6 + 2 = 11 s, peak 20 + 100); in 115, where no layout
+    with the inputs in the GPU tier fits, the same with them in host memory (H H K: 0.4 s of
+    copies each way, hidden: 11 s; peak 110, a block's 100 with the input below coming back).
+    The frontier the joint search walks has the latter below the smallest peak of the former."""
+    from offload_strategy.planning.activations import layout_frontier
+
+    costs = [BlockCost(100, 10, 1.0)] * 3
+    links = Links(50.0, 50.0)
+    plan = choose_layout(costs, links, gpu_bytes=120, host_bytes=10**6)
+    assert plan.layout == (C, C, K) and plan.peak_bytes == 120 and plan.seconds == pytest.approx(11.0)
+    plan = choose_layout(costs, links, gpu_bytes=115, host_bytes=10**6)
+    assert plan.layout == (H, H, K) and plan.peak_bytes == 110 and plan.seconds == pytest.approx(11.0)
+    front = layout_frontier(costs, links, host_bytes=10**6)
+    assert front[0].layout == (H, H, K) and all(H not in p.layout for p in front[1:]) and front[1].peak_bytes == 120, front
 
 
 def test_teraio_offloads_the_fewest_blocks_that_bring_every_kernel_under_capacity():

@@ -3,6 +3,8 @@ plain training (dropout included), alone and with offloaded parameters, and keep
 
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -151,6 +153,33 @@ def test_checkpointed_blocks_whose_inputs_wait_in_host_memory_match_plain_traini
     moved = ours["activations/swapped_host_bytes"]
     assert moved > 0 and ours["activations/saved_bytes"] + moved == theirs["activations/saved_bytes"], (ours, theirs)
     assert ours["activations/swap_waits"] == 1 and ours["activations/swap_prefetched"] == 3, str({k: v for k, v in ours.items() if "swap" in k})
+
+
+class FirstStepPolicies(L.Callback):
+    def __init__(self) -> None:
+        self.policies: list[str] = []
+
+    def on_train_batch_end(self, trainer, *args):
+        if not self.policies:
+            self.policies = [str(p) for p in trainer.strategy.tiered.activations.policies]
+
+
+def test_the_first_steps_recompute_from_host_memory_where_their_inputs_would_not_fit_in_the_gpu_tier(tmp_path):
+    """A 16-block GPT-2 in a GPU tier of 0.8x its parameters' bytes. The profiling steps keep the
+    first block (226 KiB) and recompute the others from their inputs (8 KiB each): at the last
+    block's backward the tier would hold the first block's activations, the last block's
+    recomputed ones and 14 inputs (565 KiB), more than the 481 KiB the parameters' smallest
+    share leaves, and the run was refused. With the inputs in host memory (the first block
+    measured, the others not run yet) it holds the two blocks and one input coming back
+    (459 KiB): the first steps run so, and training is plain training's."""
+    make = functools.partial(CausalLM, family="gpt2", config={**GPT2_4L, "n_layer": 16}, lr=1e-2, warmup_steps=2)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=make)
+    seen = FirstStepPolicies()
+    strategy = TieredStrategy(gpu_memory=int(0.8 * param_bytes(make)), host_memory="1GiB")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=make, extra_callbacks=(seen,))
+    assert seen.policies == ["keep"] + ["checkpoint_host"] * 15
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
 
 
 def test_swap_nvme_needs_an_nvme_path(tmp_path):

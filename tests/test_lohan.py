@@ -73,3 +73,23 @@ def test_a_walk_that_ends_over_budget_takes_the_fastest_prefix_that_fits():
     costs = [BlockCost(10, 1, 10.0), BlockCost(10, 1, 10.0)]
     search = lohan_search(costs, Links(d2h=10.0, h2d=10.0), gpu_bytes=15, host_bytes=BIG)
     assert search.plan.layout == (SWAP_HOST, CHECKPOINT) and search.plan.seconds == 70.0 and search.plan.peak_bytes == 11
+
+
+def test_the_recomputed_blocks_inputs_go_to_host_memory_where_no_set_fits_with_them_in_the_gpu_tier():
+    """Four blocks of 10 bytes with inputs of 4, 0.1 s forward each, 10 B/s links. With inputs in
+    the GPU tier no set peaks under 20 (two swapped blocks: one back, the next coming; with one
+    swapped, three inputs and the swap leaving, 22). In 15 bytes LoHan's walk starts again with
+    the inputs in host memory (its inter-block activations offloaded): all recomputed peaks at 14
+    (a block's 10 and the input below coming back), forward max(0.4 s, 16 B out / 10) = 1.6 s,
+    backward max(0.8 + 0.4 s, 16 B back / 10) = 1.6 s; swapping block 0 as well adds its 10 bytes
+    each way (4.4 s), so the walk stops there. 13 bytes: refused, naming the 14."""
+    from offload_strategy.planning.activations import CHECKPOINT_HOST
+
+    costs = [BlockCost(10, 4, 0.1)] * 4
+    links = Links(d2h=10.0, h2d=10.0)
+    assert lohan_search(costs, links, gpu_bytes=21, host_bytes=BIG).plan.layout == (SWAP_HOST, SWAP_HOST, CHECKPOINT, CHECKPOINT)
+    search = lohan_search(costs, links, gpu_bytes=15, host_bytes=BIG)
+    assert search.plan.layout == (CHECKPOINT_HOST,) * 4 and search.plan.peak_bytes == 14
+    assert search.plan.seconds == pytest.approx(3.2) and search.curve[0][1] == pytest.approx(4.4)
+    with pytest.raises(ValueError, match="at least 14 bytes"):
+        lohan_search(costs, links, gpu_bytes=13, host_bytes=BIG)

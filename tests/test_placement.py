@@ -58,6 +58,22 @@ def test_nvme_takes_what_host_memory_cannot():
     assert place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=49100, nvme_bytes=1 << 20, state_factor=2).staging_slots == {4096: 5}
 
 
+
+def test_staging_buffers_beyond_the_minimum_leave_the_host_reserve():
+    """With every unit on NVMe and 1 MiB of host memory, the gradients (16384 in flight) and the
+    four staging pages of the minimum leave room for a page per NVMe unit beyond them: 8 pages,
+    16384 + 8 x 4096 = 49152 bytes. Reserving all but 40000 bytes for activations leaves one extra
+    page (16384 + 5 x 4096 = 36864; a sixth page would make 40960). A reserve beyond what the
+    minimum takes drops every extra page, never the minimum's."""
+    homes = {u.index: NVME for u in UNITS}
+
+    def place(reserve: int):
+        return place_units(UNITS, GROUPS, gpu_bytes=6144, host_bytes=1 << 20, nvme_bytes=1 << 20, state_factor=2, homes=homes, host_reserve=reserve)
+
+    assert place(0).staging_slots == {4096: 8} and place(0).host_bytes == 49152 and place(0).spare_staging_bytes == 4 * 4096
+    assert place((1 << 20) - 40000).staging_slots == {4096: 5} and place((1 << 20) - 40000).host_bytes == 36864
+    assert place(1 << 20).staging_slots == {4096: 4} and place(1 << 20).spare_staging_bytes == 0
+
 def test_host_units_gradients_pass_through_buffers_when_a_home_each_does_not_fit():
     """Eight trainable units of 1024 bytes, streamed through a 2048-byte GPU tier. A home each in
     host memory is a page of gradients, a page of parameters and a page of Adam states (2048 bytes):

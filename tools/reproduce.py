@@ -59,9 +59,8 @@ LOHAN_175B = ("model=gpt3_175b", "model.config.n_positions=1024", "+model.config
               "data=synthetic", "data.seq_len=1024", "model.loss_chunk_tokens=auto", *LOHAN_POLICY)
 LOHAN_13B = (*LOHAN_175B, "model.config.n_embd=5120", "model.config.n_layer=40", "model.config.n_head=40")
 # Why some LoHan points differ (LoHan §IV-A, and its artifact's code): differences between the systems, not prices
-LOHAN_FINER_RECOMPUTE = ("LoHan recomputes half a block at a time, the checkpoints' inputs in host memory; this runtime recomputes whole "
-                         "blocks and keeps each checkpointed block's input in the GPU tier, so a block's activations at this batch leave "
-                         "no layout room")
+LOHAN_FINER_RECOMPUTE = ("LoHan recomputes half a block at a time; this runtime recomputes whole blocks (their inputs in host memory, "
+                         "as LoHan's), so a block's activations at this batch leave no room to swap any (64) or do not fit (128)")
 # LoHan Eq. 4-5: with every model state on the SSDs a step reads 16 bytes a parameter from them
 # (the 16-bit parameters in forward, 14 bytes of states in backward) and writes 14 back, and an
 # SSD is simplex, its reads and writes adding up

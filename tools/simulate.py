@@ -319,11 +319,13 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
     place = _policy_placement(model, gpu, host, nvme, sharding, policy)
     try:
         placement = place(gpu)
-        try:
-            layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes, placement)
+        try:  # the staging buffers beyond the minimum give way to what the layout keeps in host memory, as the runtime's
+            layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes + placement.spare_staging_bytes, placement)
+            if swapped_bytes(model, layout.layout)["swap_host"] > host - placement.host_bytes:
+                placement = place(gpu, reserve=swapped_bytes(model, layout.layout)["swap_host"])
         except ValueError:
             layout = _beside_smallest(model, place, lay_out, gpu, host)
-            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, recomputes(layout.layout))
+            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, recomputes(layout.layout), swapped_bytes(model, layout.layout)["swap_host"])
     except (PlacementError, ValueError) as error:
         return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
     streamed = streamed_bytes(model, placement)
@@ -352,7 +354,7 @@ def _beside_smallest(model: Model, place: Any, lay_out: Any, gpu: int, host: int
     def beside(recompute: bool) -> Any:
         smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *(model.block_units if recompute else [])])
         frugal = place(smallest, recompute)
-        return lay_out(gpu - smallest, host - frugal.host_bytes, frugal)
+        return lay_out(gpu - smallest, host - frugal.host_bytes + frugal.spare_staging_bytes, frugal)
 
     return layout_beside_smallest(beside)
 
@@ -369,10 +371,10 @@ def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: An
     may_recompute = any(a not in tuple(BlockPolicy) or a in RECOMPUTED for a in layouts)  # a planner may checkpoint
     homes = {s.index: home for s in model.sizes} if home else None
 
-    def place(share: int, recompute: bool = may_recompute) -> Any:
+    def place(share: int, recompute: bool = may_recompute, reserve: int = 0) -> Any:
         together = [*model.co_resident, *model.block_units] if recompute else model.co_resident
         return place_units(model.sizes, together, gpu_bytes=max(share, 0), host_bytes=host, nvme_bytes=nvme,
-                           state_factor=model.state_factor, homes=homes, sharding=sharding, gradients_until_update=True)
+                           state_factor=model.state_factor, homes=homes, sharding=sharding, gradients_until_update=True, host_reserve=reserve)
 
     return place
 

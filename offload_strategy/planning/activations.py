@@ -251,18 +251,24 @@ def _counts(most: int, stride: int) -> list[int]:
     return sorted({*range(0, most + 1, stride), most})
 
 
-def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0):
+def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0, inputs_in_host: bool = False):
     """Every interleaved layout (swapped, checkpointed counts) that has a path for its swaps, as
     (layout, peak bytes, predicted seconds, blocks managed). Beyond ``LAYOUT_COUNTS`` blocks the
     counts are evenly spaced (with every block swapped or checkpointed kept), as ProTrain's
     search tries a small set of them: each layout costs time linear in the blocks, so the full
-    search would grow with their cube."""
+    search would grow with their cube. ``inputs_in_host``: the checkpointed blocks' inputs wait in
+    host memory (``checkpoint_host``), in layouts where host memory holds them."""
     n = len(costs)
     stride = -(-n // LAYOUT_COUNTS)  # 1 up to LAYOUT_COUNTS blocks
     pricer = _Pricer(costs, links, host_bytes, head)
     for n_swap in _counts(n, stride):
         for n_checkpoint in _counts(n - n_swap, stride):
-            priced = pricer(interleaved_layout(n, n_swap, n_checkpoint))
+            layout = interleaved_layout(n, n_swap, n_checkpoint)
+            if inputs_in_host:
+                if not n_checkpoint or sum(c.input_bytes for c, p in zip(costs, layout) if p == CHECKPOINT) > host_bytes:
+                    continue
+                layout = [CHECKPOINT_HOST if p == CHECKPOINT else p for p in layout]
+            priced = pricer(layout)
             if priced is not None:
                 yield (*priced, n_swap + n_checkpoint)
 
@@ -314,23 +320,33 @@ class _Pricer:
 def choose_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> ActivationPlan:
     """ProTrain §3.3's search over (swapped, checkpointed) block counts: the fastest layout whose
     activation peak (``head``: :func:`peak_bytes`) fits ``gpu_bytes``; swaps beyond ``host_bytes``
-    go to NVMe where there is a link to it. Raises ValueError, with the smallest peak any layout
-    reaches, when none fits."""
+    go to NVMe where there is a link to it. Where no layout fits with the checkpointed blocks'
+    inputs in the GPU tier, the same search with them in host memory (``checkpoint_host``: the
+    least inter-block activations LoHan and ZeRO-Infinity offload). Raises ValueError, with the
+    smallest peak any layout reaches, when none fits."""
+    smallest: list[int] = []
+    for inputs_in_host in (False, True):
+        best = _fastest_fitting(_layouts(costs, links, host_bytes, head, inputs_in_host), gpu_bytes, smallest)
+        if best is not None:
+            return best
+    raise ValueError(
+        f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks in {gpu_bytes:,} bytes of the GPU tier "
+        f"(the smallest peak is {min(smallest):,} bytes); lower the batch size or sequence length, or raise gpu_memory."
+    )
+
+
+def _fastest_fitting(layouts, gpu_bytes: int, smallest: list[int]) -> Optional[ActivationPlan]:
+    """The fastest of ``layouts`` (as :func:`_layouts` yields them) within ``gpu_bytes``, fewer
+    managed blocks on a tie; each one's peak is added to ``smallest``."""
     best: ActivationPlan | None = None
     best_key: tuple[float, int] | None = None
-    smallest: int | None = None
-    for layout, peak, seconds, managed in _layouts(costs, links, host_bytes, head):
-        smallest = peak if smallest is None else min(smallest, peak)
+    for layout, peak, seconds, managed in layouts:
+        smallest.append(peak)
         if peak > gpu_bytes:
             continue
         key = (round(seconds, 12), managed)
         if best_key is None or key < best_key:
             best, best_key = ActivationPlan(tuple(layout), seconds, peak), key
-    if best is None:
-        raise ValueError(
-            f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks in {gpu_bytes:,} bytes of the GPU tier "
-            f"(the smallest peak is {smallest:,} bytes); lower the batch size or sequence length, or raise gpu_memory."
-        )
     return best
 
 
@@ -339,8 +355,17 @@ def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int, h
     than every layout with a smaller peak (the Pareto front of peak against time), or as fast and
     managing fewer blocks (as :func:`choose_layout` breaks ties: a swap the model prices as free
     still moves bytes), smallest peak first. Whatever the budget left for activations, the best
-    layout that fits is on it."""
-    ranked = sorted(_layouts(costs, links, host_bytes, head), key=lambda t: (t[1], round(t[2], 12), t[3]))
+    layout that fits is on it. Below the smallest peak of the layouts that keep the checkpointed
+    blocks' inputs in the GPU tier, those with the inputs in host memory (as :func:`choose_layout`
+    turns to them)."""
+    in_gpu = _front(_layouts(costs, links, host_bytes, head))
+    least = in_gpu[0].peak_bytes if in_gpu else None
+    in_host = [plan for plan in _front(_layouts(costs, links, host_bytes, head, inputs_in_host=True)) if least is None or plan.peak_bytes < least]
+    return in_host + in_gpu
+
+
+def _front(layouts) -> list[ActivationPlan]:
+    ranked = sorted(layouts, key=lambda t: (t[1], round(t[2], 12), t[3]))
     front: list[ActivationPlan] = []
     managed_last = 0
     for layout, peak, seconds, managed in ranked:

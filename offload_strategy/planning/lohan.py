@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .activations import CHECKPOINT, KEEP, SWAP_HOST, SWAP_NVME, ActivationPlan, BlockCost, Links, peak_bytes, split_swaps, step_seconds
+from .activations import CHECKPOINT, CHECKPOINT_HOST, KEEP, SWAP_HOST, SWAP_NVME, ActivationPlan, BlockCost, Links, peak_bytes, split_swaps, step_seconds
 
 # what the step-time curve over the swapped amount looks like (§IV-D)
 RISING, FALLING, TURNING = 1, 2, 3
@@ -59,8 +59,8 @@ def offloading_order(costs: Sequence[BlockCost]) -> list[int]:
     return sorted(range(len(costs)), key=lambda j: -offloading_benefit(costs[j]))
 
 
-def _layout(costs: Sequence[BlockCost], swapped: set[int], host_bytes: int) -> list[str]:
-    return split_swaps(costs, [SWAP_HOST if j in swapped else CHECKPOINT for j in range(len(costs))], host_bytes)
+def _layout(costs: Sequence[BlockCost], swapped: set[int], host_bytes: int, recomputed: str = CHECKPOINT) -> list[str]:
+    return split_swaps(costs, [SWAP_HOST if j in swapped else recomputed for j in range(len(costs))], host_bytes)
 
 
 def curve_case(curve: Sequence[tuple[int, float]]) -> int:
@@ -75,13 +75,39 @@ def curve_case(curve: Sequence[tuple[int, float]]) -> int:
 
 def lohan_search(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> LohanSearch:
     """Algorithm 1 on ``costs`` (one per block, forward order). Without an NVMe link, swaps beyond
-    ``host_bytes`` have nowhere to go and such sets do not fit. Raises ValueError with the
-    smallest peak of any set when none fits ``gpu_bytes`` (``head``: :func:`~.activations.peak_bytes`)."""
+    ``host_bytes`` have nowhere to go and such sets do not fit. The recomputed blocks keep their
+    inputs in the GPU tier where some set fits so, and otherwise in host memory (LoHan's
+    ``A_interBlock``: the inter-block activations offloaded, the least that keeps the GPU's
+    memory from running out). Raises ValueError with the smallest peak of any set when none fits
+    ``gpu_bytes`` (``head``: :func:`~.activations.peak_bytes`)."""
     if not costs:
         raise ValueError("LoHan's activation search needs at least one block.")
     order = offloading_order(costs)
+    least = None
+    for recomputed in (CHECKPOINT, CHECKPOINT_HOST):
+        walk = _walk(costs, order, links, gpu_bytes, host_bytes, head, recomputed)
+        if walk is None or isinstance(walk, int):
+            least = walk if least is None or (walk is not None and walk < least) else least
+            continue
+        layout, seconds, peak = walk
+        curve = [(sum(costs[j].activation_bytes for j in order[:k]), _seconds) for k, _seconds in enumerate(seconds) if k > 0]
+        plan = ActivationPlan(tuple(layout), step_seconds(costs, layout, links), peak)
+        return LohanSearch(plan, tuple(order), tuple(curve), curve_case(curve))
+    raise ValueError(
+        f"LoHan's swapping leaves at least {least:,} bytes of activations in the GPU tier at the worst moment, "
+        f"over the {gpu_bytes:,} bytes it has{'' if links.nvme_write > 0 else ' (and no NVMe tier to swap to beyond host memory)'}; "
+        f"raise gpu_memory, lower the batch size or sequence length, or use activations='auto', which can also keep blocks."
+    )
+
+
+def _walk(costs: Sequence[BlockCost], order: Sequence[int], links: Links, gpu_bytes: int, host_bytes: int, head: int, recomputed: str):
+    """Algorithm 1's walk with the recomputed blocks under ``recomputed``: (the chosen layout, the
+    step seconds with the first k blocks of ``order`` swapped for each k, its peak); the smallest
+    peak of any set where none fits; None where no set is possible (the inputs beyond host memory)."""
+    if recomputed == CHECKPOINT_HOST and sum(c.input_bytes for c in costs) > host_bytes:
+        return None
     # the first k blocks of the benefit order swapped, for k = 0 (all recomputed) .. all
-    layouts = [_layout(costs, set(order[:k]), host_bytes) for k in range(len(order) + 1)]
+    layouts = [_layout(costs, set(order[:k]), host_bytes, recomputed) for k in range(len(order) + 1)]
     seconds = [step_seconds(costs, layout, links) for layout in layouts]
     peaks = [peak_bytes(costs, layout, head) for layout in layouts]
     safe = [peak <= gpu_bytes and (SWAP_NVME not in layout or links.nvme_write > 0) for peak, layout in zip(peaks, layouts)]
@@ -95,16 +121,9 @@ def lohan_search(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_
         # way out), so the walk may end on a set that does not fit: the fastest prefix that does
         fitting = [k for k in range(len(order) + 1) if safe[k]]
         if not fitting:
-            raise ValueError(
-                f"LoHan's swapping leaves at least {min(peaks):,} bytes of activations in the GPU tier at the worst moment, "
-                f"over the {gpu_bytes:,} bytes it has{'' if links.nvme_write > 0 else ' (and no NVMe tier to swap to beyond host memory)'}; "
-                f"raise gpu_memory, lower the batch size or sequence length, or use activations='auto', which can also keep blocks."
-            )
+            return min(peaks)
         chosen = min(fitting, key=lambda k: (round(seconds[k], 12), k))
-    layout = layouts[chosen]
-    curve = [(sum(costs[j].activation_bytes for j in order[:k]), seconds[k]) for k in range(1, len(order) + 1)]
-    plan = ActivationPlan(tuple(layout), step_seconds(costs, layout, links), peaks[chosen])
-    return LohanSearch(plan, tuple(order), tuple(curve), curve_case(curve))
+    return layouts[chosen], seconds, peaks[chosen]
 
 
 def lohan_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_bytes: int, head: int = 0) -> ActivationPlan:

@@ -123,6 +123,12 @@ class Placement:
         return spare - (self.update_staging_buffers - UPDATE_STAGING_BUFFERS)
 
     @property
+    def spare_staging_bytes(self) -> int:
+        """Host bytes the staging buffers beyond the minimum take: a cache, which activations
+        kept in host memory come before (``place_units``'s ``host_reserve``)."""
+        return self._spare_staging * max(self.staging_slots, default=0)
+
+    @property
     def _spare_staging(self) -> int:
         """Buffers of the largest staging class beyond the minimum."""
         largest = max(self.staging_slots, default=None)
@@ -188,6 +194,7 @@ def place_units(
     gradients_until_update: bool = False,
     spill_gradients: bool = False,
     buffer_per_unit: bool = False,
+    host_reserve: int = 0,
 ) -> Placement:
     """Place ``units`` (in first-use order) within the three budgets.
 
@@ -210,6 +217,9 @@ def place_units(
     gradients pass through those buffers to NVMe and wait there: NVMe holds them too.
     ``buffer_per_unit``: every streamed unit gets a GPU-tier buffer of its own, so its parameters
     stay there through the whole step, fetched once per step (DeepSpeed's ZeRO-Offload).
+    ``host_reserve``: host bytes the staging buffers beyond the minimum leave free (for the
+    activations an activation layout keeps in host memory: LoHan Eq. 3 gives them what the model
+    states leave, before any cache of parameters).
     """
     costs = _Costs(state_factor, sharding, gradients_until_update, gradients_until_update and spill_gradients)
     everything = _everything_on_gpu(units, costs, gpu_bytes, all_on_gpu, homes, persistent)
@@ -221,6 +231,7 @@ def place_units(
     slots = _buffer_per_unit(streaming, gpu_bytes - used) if buffer_per_unit else _streaming_buffers(units, co_resident, streaming, gpu_bytes - used, prefetch)
     gpu_used = used + sum(s * c for s, c in slots.items())
     staging, host_used, in_flight = _host_and_nvme_homes(streaming, costs, home, host_bytes, nvme_bytes, homes)
+    staging, host_used = _leave_host_reserve(staging, host_used, host_bytes - host_reserve)
     through_buffers = (streaming if in_flight else [u for u in streaming if home[u.index] == NVME]) if costs.transient_gradients else []
     sent = [u for u in streaming if costs.sends(u)]
     slot = costs.gradient_slot([*through_buffers, *sent])
@@ -495,6 +506,19 @@ def _check_plan_host(homes: Optional[Mapping[int, str]], host_used: int, host_by
             f"host_memory grants {_fmt(host_bytes)}; raise host_memory or dump a new plan for this budget.",
             tier=HOST,
         )
+
+
+def _leave_host_reserve(staging: dict[int, int], host_used: int, host_bytes: int) -> tuple[dict[int, int], int]:
+    """Fewer staging buffers beyond the minimum, until ``host_used`` is within ``host_bytes``
+    (or none is left beyond it)."""
+    over = host_used - host_bytes
+    if over <= 0 or not staging:
+        return staging, host_used
+    slot = max(staging)
+    drop = min(staging[slot] - NVME_STAGING_BUFFERS, -(-over // slot))
+    if drop <= 0:
+        return staging, host_used
+    return {**staging, slot: staging[slot] - drop}, host_used - drop * slot
 
 
 def _split_host_and_nvme(

@@ -142,6 +142,8 @@ class Planner:
         # the placement in use streams every unit through the fewest buffers while the first steps
         # measure the activations (the strategy's choice): the search's plan replaces it, whatever it keeps
         self.profiling_placement = False
+        # host bytes the activation layout keeps there: the staging buffers beyond the minimum leave them
+        self.host_reserve = 0
 
     @property
     def searching(self) -> bool:
@@ -200,7 +202,7 @@ class Planner:
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
                 homes=homes, sharding=model.sharding, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
-                buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None,
+                buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None, host_reserve=self.host_reserve,
             )
 
         resident = self.resident.units if self.resident is not None and homes is None else None
@@ -308,7 +310,7 @@ class Planner:
         if planner == ActivationPlanner.TERAIO:  # offloads only: every block but the last leaves
             layouts: tuple[Sequence[str], ...] = ([BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP],)
         else:
-            layouts = (interleaved_layout(len(costs), 0, len(costs)), [BlockPolicy.SWAP_HOST] * len(costs))
+            layouts = (interleaved_layout(len(costs), 0, len(costs)), [BlockPolicy.CHECKPOINT_HOST] * len(costs), [BlockPolicy.SWAP_HOST] * len(costs))
         least = min(peak_bytes(costs, layout, beside.head) for layout in layouts)
         return beside.in_blocks + max(least, peak_bytes(costs, running, beside.head) if running else 0)
 
