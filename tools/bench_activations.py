@@ -1,4 +1,4 @@
-"""Activation policies side by side: keep, checkpoint, swap to host, and the planner's layout.
+"""Activation policies side by side: keep, checkpoint (inputs in the GPU tier or in host memory), swap to host, and the planner's layout.
 
     python tools/bench_activations.py                         # the table in docs/benchmarks.md
     python tools/bench_activations.py --layers 8 --width 512 --seq-len 512
@@ -53,13 +53,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     common = dict(host_memory="8GiB", hardware=args.link)
     with tempfile.TemporaryDirectory() as root:
         print("profiling the blocks", file=sys.stderr, flush=True)
-        measured, _ = run(args, config, Path(root), 2, policy={"name": "auto", "activations": "auto"}, **common)
+        measured, _ = run(args, config, Path(root), 4, policy={"name": "auto", "activations": "auto"}, **common)  # planned after the third step
         costs = measured.activation_costs
         keep_all = sum(c.activation_bytes for c in costs)
         budget = int(param_bytes + args.activation_share * keep_all)
         policy = {"name": "auto", "throttle": True, "placement": "fill"}  # parameters placed as before the layout, for every policy alike
         results = []
-        for name in ("keep", "checkpoint", "swap_host", "auto"):
+        for name in ("keep", "checkpoint", "checkpoint_host", "swap_host", "auto"):
             print(f"policy {name}", file=sys.stderr, flush=True)
             strategy, timer = run(args, config, Path(root), args.steps, gpu_memory=budget, policy={**policy, "activations": name}, **common)
             if name == "auto":  # the planner's own profile of this run prices every layout

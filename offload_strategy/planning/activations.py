@@ -251,21 +251,28 @@ def _counts(most: int, stride: int) -> list[int]:
     return sorted({*range(0, most + 1, stride), most})
 
 
-def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0, inputs_in_host: bool = False):
+def _layouts(costs: Sequence[BlockCost], links: Links, host_bytes: int, head: int = 0, inputs_in_host: bool = False,
+             peak_under: Optional[int] = None):
     """Every interleaved layout (swapped, checkpointed counts) that has a path for its swaps, as
     (layout, peak bytes, predicted seconds, blocks managed). Beyond ``LAYOUT_COUNTS`` blocks the
     counts are evenly spaced (with every block swapped or checkpointed kept), as ProTrain's
     search tries a small set of them: each layout costs time linear in the blocks, so the full
     search would grow with their cube. ``inputs_in_host``: the checkpointed blocks' inputs wait in
-    host memory (``checkpoint_host``), in layouts where host memory holds them."""
+    host memory (``checkpoint_host``), in layouts where host memory holds them and whose kept
+    blocks alone hold less than ``peak_under``."""
     n = len(costs)
     stride = -(-n // LAYOUT_COUNTS)  # 1 up to LAYOUT_COUNTS blocks
     pricer = _Pricer(costs, links, host_bytes, head)
+    kept_from = [0] * (n + 1)  # the kept blocks' activations, kept ones being the last
+    for j in reversed(range(n)):
+        kept_from[j] = kept_from[j + 1] + costs[j].activation_bytes
     for n_swap in _counts(n, stride):
         for n_checkpoint in _counts(n - n_swap, stride):
+            if inputs_in_host and (not n_checkpoint or (peak_under is not None and kept_from[n_swap + n_checkpoint] >= peak_under)):
+                continue
             layout = interleaved_layout(n, n_swap, n_checkpoint)
             if inputs_in_host:
-                if not n_checkpoint or sum(c.input_bytes for c, p in zip(costs, layout) if p == CHECKPOINT) > host_bytes:
+                if sum(c.input_bytes for c, p in zip(costs, layout) if p == CHECKPOINT) > host_bytes:
                     continue
                 layout = [CHECKPOINT_HOST if p == CHECKPOINT else p for p in layout]
             priced = pricer(layout)
@@ -360,7 +367,8 @@ def layout_frontier(costs: Sequence[BlockCost], links: Links, host_bytes: int, h
     turns to them)."""
     in_gpu = _front(_layouts(costs, links, host_bytes, head))
     least = in_gpu[0].peak_bytes if in_gpu else None
-    in_host = [plan for plan in _front(_layouts(costs, links, host_bytes, head, inputs_in_host=True)) if least is None or plan.peak_bytes < least]
+    in_host = [plan for plan in _front(_layouts(costs, links, host_bytes, head, inputs_in_host=True, peak_under=least))
+               if least is None or plan.peak_bytes < least]
     return in_host + in_gpu
 
 
