@@ -6,7 +6,8 @@ GPU tier is split between the two:
 
 - the activations' side is the Pareto front of ProTrain's interleaved layouts under LoHan's
   step-time model (:func:`~.activations.layout_frontier`): each layout on it is faster than every
-  layout that needs less of the GPU tier;
+  layout that needs less of the GPU tier (and, below the least peak of those, the layouts that
+  recompute from inputs in host memory, visited last: they serve only where nothing else fits);
 - for a layout's peak, the parameters get the rest of the GPU tier, and
   :func:`~.protrain.search_persistent` finds how many leading units stay resident and how many
   streaming buffers the rest makes, pricing each with the discrete-event model (:mod:`.cost_model`);
