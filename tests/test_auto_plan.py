@@ -107,12 +107,14 @@ def test_a_48_block_model_is_planned_within_a_second():
              for u, c in zip(units, analytic)}
     blocks = [BlockCost(300 * 2**20, 25 * 2**20, 0.01)] * 48
     machine = Machine(h2d=25e9, d2h=25e9)
-    start = time.process_time()  # its own CPU time: the suite's other worker shares the cores
-    best = plan_auto(sizes, [[u.index for u in used] for used in users.values()], [u.index for u in units], costs, machine,
-                     gpu_bytes=20 * 2**30, host_bytes=200 * 2**30, nvme_bytes=0, state_factor=2.0, blocks=blocks,
-                     links=Links(d2h=25e9, h2d=25e9), activation_host_bytes=100 * 2**30)
-    elapsed = time.process_time() - start
-    assert elapsed < 1.0, f"{elapsed:.2f} s of CPU time"
+    times = []
+    for _ in range(2):  # the lesser of two: the first also pays for lazy imports, and a loaded machine's stalls come and go
+        start = time.process_time()  # its own CPU time: the suite's other worker shares the cores
+        best = plan_auto(sizes, [[u.index for u in used] for used in users.values()], [u.index for u in units], costs, machine,
+                         gpu_bytes=20 * 2**30, host_bytes=200 * 2**30, nvme_bytes=0, state_factor=2.0, blocks=blocks,
+                         links=Links(d2h=25e9, h2d=25e9), activation_host_bytes=100 * 2**30)
+        times.append(time.process_time() - start)
+    assert min(times) < 1.0, f"{min(times):.2f} s of CPU time at the least of {times}"
     assert best.parameters.placement.gpu_bytes + best.activations.peak_bytes <= 20 * 2**30
 
 
