@@ -35,9 +35,9 @@ import dataclasses
 import os
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,8 +321,9 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
         placement = place(gpu)
         try:  # the staging buffers beyond the minimum give way to what the layout keeps in host memory, as the runtime's
             layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes + placement.spare_staging_bytes, placement)
-            if swapped_bytes(model, layout.layout)["swap_host"] > host - placement.host_bytes:
-                placement = place(gpu, reserve=swapped_bytes(model, layout.layout)["swap_host"])
+            in_host = swapped_bytes(model, layout.layout)["swap_host"]
+            if in_host > host - placement.host_bytes:
+                placement = place(gpu, reserve=in_host)
         except ValueError:
             layout = _beside_smallest(model, place, lay_out, gpu, host)
             placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, recomputes(layout.layout), swapped_bytes(model, layout.layout)["swap_host"])

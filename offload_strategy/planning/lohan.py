@@ -83,18 +83,18 @@ def lohan_search(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host_
     if not costs:
         raise ValueError("LoHan's activation search needs at least one block.")
     order = offloading_order(costs)
-    least = None
+    least: list[int] = []  # the smallest peak of each walk that found no set fitting
     for recomputed in (CHECKPOINT, CHECKPOINT_HOST):
         walk = _walk(costs, order, links, gpu_bytes, host_bytes, head, recomputed)
-        if walk is None or isinstance(walk, int):
-            least = walk if least is None or (walk is not None and walk < least) else least
+        if not isinstance(walk, tuple):
+            least += [] if walk is None else [walk]
             continue
         layout, seconds, peak = walk
-        curve = [(sum(costs[j].activation_bytes for j in order[:k]), _seconds) for k, _seconds in enumerate(seconds) if k > 0]
+        curve = [(sum(costs[j].activation_bytes for j in order[:k]), seconds[k]) for k in range(1, len(order) + 1)]
         plan = ActivationPlan(tuple(layout), step_seconds(costs, layout, links), peak)
         return LohanSearch(plan, tuple(order), tuple(curve), curve_case(curve))
     raise ValueError(
-        f"LoHan's swapping leaves at least {least:,} bytes of activations in the GPU tier at the worst moment, "
+        f"LoHan's swapping leaves at least {min(least):,} bytes of activations in the GPU tier at the worst moment, "
         f"over the {gpu_bytes:,} bytes it has{'' if links.nvme_write > 0 else ' (and no NVMe tier to swap to beyond host memory)'}; "
         f"raise gpu_memory, lower the batch size or sequence length, or use activations='auto', which can also keep blocks."
     )
