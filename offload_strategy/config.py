@@ -358,6 +358,10 @@ class HardwareSpec:
     nvme_count: int = 0
     nvme_read_gbps: Optional[float] = None
     nvme_write_gbps: Optional[float] = None
+    # one drive's own rates, where the array's (above) are below their sum: fewer drives than the
+    # machine has run at these each, up to the array's (``hardware.specs.known_hardware``)
+    nvme_drive_read_gbps: Optional[float] = None
+    nvme_drive_write_gbps: Optional[float] = None
     host_memory_gbps: Optional[float] = None  # what the CPU's memory channels move, both directions together
     # dense fp32 peak without tensor cores: what `32-true` matmuls run at under torch's default
     # (torch.backends.cuda.matmul.allow_tf32 is False)
@@ -377,8 +381,8 @@ class HardwareSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
                 object.__setattr__(self, field, parse_size(value, f"hardware.{field}"))
-        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "gpu_fp32_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "host_memory_gbps",
-                      "gpu_memory_gbps"):
+        for field in ("gpu_bf16_tflops", "gpu_fp16_tflops", "gpu_fp32_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
+                      "nvme_drive_read_gbps", "nvme_drive_write_gbps", "host_memory_gbps", "gpu_memory_gbps"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"hardware.{field}={value!r} must be a non-negative number or None.")

@@ -539,14 +539,25 @@ def test_a_setting_a_paper_ran_out_of_memory_in_is_reproduced_only_where_the_pla
     assert not said["8MiB"][1] and said["8MiB"][0] == "plans it: units 0/27/0, blocks 1/3/0", said
 
 
-def test_a_machine_with_fewer_of_its_drives_has_their_share_of_the_arrays_rates():
-    """LoHan's RTX 4090 machine has twelve drives; with three, a quarter of the array's rates,
-    unless a rate is given with the count."""
+def test_a_machine_with_fewer_of_its_drives_runs_each_at_its_own_rates_up_to_the_arrays():
+    """LoHan's RTX 4090 machine has twelve P5510 drives (6.5 GB/s read, 3.4 GB/s write each), an
+    array at TeraIO's 60% / 62% of their sums: 46.57 / 25.11 GB/s. With three drives, each at its
+    own rates: 19.5 / 10.2 GB/s (a quarter of the array's would be 11.64 / 6.28). With eight, the
+    sums (52.0 / 27.2) pass the array's, which bounds them; with 24, the array's doubled. A spec
+    without a drive's rates (the H100's one PM1733) scales the array's; a rate given with the count
+    stays as given, and a drive's rate given with it is used."""
     twelve = known_hardware("rtx4090")
-    three = known_hardware("rtx4090", nvme_count=3)
-    assert (three.nvme_read_gbps, three.nvme_write_gbps) == pytest.approx((twelve.nvme_read_gbps / 4, twelve.nvme_write_gbps / 4))
+    assert (twelve.nvme_read_gbps, twelve.nvme_write_gbps) == pytest.approx((46.567, 25.108), abs=1e-3)
+    rates = {n: (h.nvme_read_gbps, h.nvme_write_gbps) for n in (1, 3, 8, 12, 24) for h in [known_hardware("rtx4090", nvme_count=n)]}
+    assert rates[1] == pytest.approx((6.5, 3.4))
+    assert rates[3] == pytest.approx((19.5, 10.2))
+    assert rates[8] == pytest.approx((twelve.nvme_read_gbps, twelve.nvme_write_gbps))
+    assert rates[12] == (twelve.nvme_read_gbps, twelve.nvme_write_gbps)
+    assert rates[24] == pytest.approx((2 * twelve.nvme_read_gbps, 2 * twelve.nvme_write_gbps))
+    two = known_hardware("h100_80g", nvme_count=2)
+    assert (two.nvme_read_gbps, two.nvme_write_gbps) == pytest.approx((14.0, 7.6))
     assert known_hardware("rtx4090", nvme_count=3, nvme_read_gbps=10.0).nvme_read_gbps == 10.0
-    assert known_hardware("rtx4090", nvme_count=12).nvme_read_gbps == twelve.nvme_read_gbps
+    assert known_hardware("rtx4090", nvme_count=3, nvme_drive_read_gbps=5.0).nvme_read_gbps == pytest.approx(15.0)
 
 
 def test_simulate_prices_a_policy_that_fixes_every_home_as_the_runtime_places_it():

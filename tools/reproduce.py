@@ -128,7 +128,7 @@ POINTS = (
       for batch, tflops, note in ((8, 42.8, ""), (16, 84.3, ""), (64, 155.8, LOHAN_FINER_RECOMPUTE), (128, 153.8, LOHAN_FINER_RECOMPUTE))),
     *(Point(f"LH-10b-{drives}", f"LoHan Fig. 10b (artifact data): {tflops} TFLOPS, 13B, batch 32, RTX 4090, {drives} SSD{'s' * (drives > 1)}",
             "tflops", tflops, (*LOHAN_13B, "data.batch_size=32", f"+hardware.nvme_count={drives}"), "22GiB", nvme="40TB", rate_from="LH-11",
-            drive_gbps=P5510, note="the drives' rates the 12-drive array's share each")
+            drive_gbps=P5510, note="each drive at its datasheet rates, up to the 12-drive array's")
       for drives, tflops in ((1, 37.5), (2, 64.3), (3, 81.1), (6, 121.7))),
     *(Point(f"LH-7b-{batch}", f"LoHan Fig. 7b (artifact data): {tflops} TFLOPS, 175B, batch {batch}, RTX 4090", "tflops", tflops,
             (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note)

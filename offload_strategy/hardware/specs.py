@@ -5,7 +5,11 @@ Link figures are what a PCIe link delivers, not its theoretical per-direction ba
 (Table 2) measured pinned copies of 16 MB on PCIe 4.0 x16 at 24.74 GB/s host -> GPU and 25.91 GB/s
 back, 78.5% and 82.3% of 31.5, and those shares apply to every generation here. An SSD array
 delivers less than the sum of its drives: TeraIO (§5) measured about 16 GB/s from RAID-0 arrays of
-four drives rated 6.7 GB/s read and 6.5 GB/s write, 60% and 62% of the sums. GPU peaks are dense (no sparsity) tensor
+four drives rated 6.7 GB/s read and 6.5 GB/s write, 60% and 62% of the sums. What is lost is in
+the path the drives share, not in each drive: LoHan's machine scales near linearly from one drive
+to three (§V-F), and its one-drive step (Fig. 10b, 69.5 s) is shorter even than its states'
+traffic at the drive's datasheet rates. So a machine with fewer of its drives runs each at the
+drive's own rates, up to the array's (``known_hardware``). GPU peaks are dense (no sparsity) tensor
 core figures with fp32 accumulation, from the vendor datasheets and architecture whitepapers; the
 fp32 peak is the CUDA cores' (no TF32), what `32-true` matmuls run at under torch's defaults;
 the GPU memory bandwidth is the datasheet's (memory-bound kernels reach a share of it,
@@ -22,7 +26,7 @@ a whole machine with ``gpus`` GPUs, whose data-parallel ranks share its CPU side
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from ..config import HardwareSpec
 
@@ -122,6 +126,8 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
             nvme_count=12,  # LoHan Table III: 12x Intel P5510 3.84 TB
             nvme_read_gbps=12 * P5510_READ_GBPS * ARRAY_READ_SHARE,
             nvme_write_gbps=12 * P5510_WRITE_GBPS * ARRAY_WRITE_SHARE,
+            nvme_drive_read_gbps=P5510_READ_GBPS,
+            nvme_drive_write_gbps=P5510_WRITE_GBPS,
             host_memory_gbps=375.4,  # 2x Xeon Gold 5320: 8 channels of DDR4-2933 each
             gpu_fp32_tflops=82.6,  # Ada whitepaper
             gpu_memory_gbps=1008.0,  # Ada whitepaper: 21 Gbps GDDR6X, 384-bit
@@ -183,8 +189,11 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
 
 
 def known_hardware(name: str, **overrides: Any) -> HardwareSpec:
-    """The spec of a known machine, with any field replaced (``host_memory="512GiB"``); a new
-    ``nvme_count`` scales the NVMe rates not given with it (the machine's drives, more or fewer)."""
+    """The spec of a known machine, with any field replaced (``host_memory="512GiB"``). A new
+    ``nvme_count`` (the machine's drives, more or fewer) changes the NVMe rates not given with it:
+    fewer drives than the machine's run at one drive's rates each, up to the array's, where the
+    spec gives a drive's (``nvme_drive_read_gbps``; see the module docstring); more drives, or a
+    spec without a drive's rates, scale the array's with the count."""
     key = name.lower().replace("-", "_")
     if key not in KNOWN_MACHINES:
         raise ValueError(f"hardware={name!r} is not a known machine; known: {', '.join(sorted(KNOWN_MACHINES))}, or 'auto' to probe this one.")
@@ -195,9 +204,19 @@ def known_hardware(name: str, **overrides: Any) -> HardwareSpec:
         raise ValueError(f"hardware overrides {unknown} are not fields of HardwareSpec; fields: {sorted(fields)}.")
     count = overrides.get("nvme_count")
     if isinstance(count, int) and count > 0 and spec.nvme_count and count != spec.nvme_count:
-        # the same drives, more or fewer of them: an array's rates scale with its drives unless given
-        share = count / spec.nvme_count
-        for rate in ("nvme_read_gbps", "nvme_write_gbps"):
-            if rate not in overrides and getattr(spec, rate) is not None:
-                overrides[rate] = getattr(spec, rate) * share
+        for rate in ("nvme_read", "nvme_write"):
+            array, drive = f"{rate}_gbps", f"{rate.replace('nvme_', 'nvme_drive_')}_gbps"
+            if array not in overrides and getattr(spec, array) is not None:
+                overrides[array] = drives_rate(getattr(spec, array), spec.nvme_count, count, overrides.get(drive, getattr(spec, drive)))
     return dataclasses.replace(spec, **overrides) if overrides else spec
+
+
+def drives_rate(array_gbps: float, array_drives: int, drives: int, drive_gbps: Optional[float] = None) -> float:
+    """The rate of ``drives`` of the drives of an array of ``array_drives`` that moves
+    ``array_gbps``: one drive's ``drive_gbps`` each, up to the array's rate (the path they share;
+    more drives than the array's widen it in proportion). Without a drive's rate, the array's in
+    proportion to the drives."""
+    scaled = array_gbps * drives / array_drives
+    if drive_gbps is None:
+        return scaled
+    return min(drives * drive_gbps, max(array_gbps, scaled))
