@@ -608,6 +608,25 @@ def test_a_published_step_shorter_than_the_papers_own_drive_traffic_is_not_count
     assert drive_floor(dataclasses.replace(short, drive_gbps=None), at) == ""
 
 
+def test_a_published_figure_faster_than_the_models_compute_alone_says_so():
+    """The model's compute alone is its units' forward and backward seconds; a published step 1%
+    shorter is flagged with that compute's figure (a tokens/s point: the published rate times
+    0.99), 1% longer is not, and the largest-model kinds never are."""
+    from tools import simulate as sim
+    from tools.reproduce import Point, compute_ceiling, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4")
+    point = Point("tiny", "", "step_s", 1.0, overrides, "16MiB", host="1GiB")
+    at = setting(point, sim, 0.5)
+    compute = sum(c.forward_seconds + c.backward_seconds for c in at.model.costs)
+    assert f"{compute:.2f} s a step against the published {0.99 * compute:.2f} s" in compute_ceiling(dataclasses.replace(point, published=0.99 * compute), at)
+    assert compute_ceiling(dataclasses.replace(point, published=1.01 * compute), at) == ""
+    fast = at.model.tokens / (0.99 * compute)
+    said = compute_ceiling(dataclasses.replace(point, kind="tokens_per_s", published=fast), at)
+    assert said.startswith(f"above the GPU's compute alone in the model ({0.99 * fast:,.4g} at this rate"), said
+    assert compute_ceiling(dataclasses.replace(point, kind="largest_b", published=1e-9), at) == ""
+
+
 def test_lohans_configuration_recomputes_from_host_memory_the_staging_cache_gives_way():
     """A 24-block tiny GPT-2 at batch 16 x 64 in LoHan's configuration (every unit on NVMe) with
     a 24 MiB GPU tier and 64 MiB of host memory. With the recomputed blocks' inputs in the GPU
