@@ -309,7 +309,7 @@ def compute_ceiling(point: Point, at: Setting) -> str:
     step = published_step(point, at)
     if step >= compute:
         return ""
-    alone = point.published * step / compute
+    alone = compute if point.kind == "step_s" else point.published * step / compute  # a rate scales inversely with the step
     return (f"above the GPU's compute alone in the model ({alone:,.4g} at this rate, {compute:.2f} s a step against the published "
             f"{step:.2f} s): no schedule reaches it")
 
