@@ -606,6 +606,14 @@ def test_a_published_step_shorter_than_the_papers_own_drive_traffic_is_not_count
     assert drive_floor(dataclasses.replace(point, kind="tflops", published=flops / (0.99 * floor) / 1e12), at) != ""
     assert drive_floor(dataclasses.replace(point, kind="tflops", published=flops / (1.01 * floor) / 1e12), at) == ""
     assert drive_floor(dataclasses.replace(short, drive_gbps=None), at) == ""
+    # a figure that counts the recomputation means a step up to every block's forward longer: 1%
+    # under the floor without it, 1% over with every block recomputed, is not flagged
+    recomputed = sum(at.model.block_flops)
+    assert recomputed > 0.03 * flops
+    between = dataclasses.replace(point, kind="tflops", published=flops / (0.99 * floor) / 1e12, recomputation_counted=True)
+    assert drive_floor(between, at) == ""
+    beyond = dataclasses.replace(between, published=(flops + recomputed) / (0.99 * floor) / 1e12)
+    assert "(every block recomputed: the longest the figure can mean)" in drive_floor(beyond, at)
 
 
 def test_a_published_figure_faster_than_the_models_compute_alone_says_so():
@@ -646,3 +654,24 @@ def test_lohans_configuration_recomputes_from_host_memory_the_staging_cache_give
     row = plan_row(point, sim, at)
     assert row.fits and row.layout == "0/24/0", row
     assert row.host <= at.host and row.gpu_parameters + row.gpu_activations <= at.gpu, row
+
+
+def test_a_figure_that_counts_the_recomputation_adds_the_recomputed_blocks_forward():
+    """A tiny GPT-2 block (width 256, 64 tokens x 4) runs four matrix products over 12 x 256^2
+    weights, 2 FLOPs a weight a token: 24 x 256^2 x 256 = 402,653,184, and attention's two
+    products over 4 heads of 64, 2 x 2 x 4 x 64^2 x 256 = 16,777,216: 419,430,400 a block. A
+    figure that counts the recomputation adds that for every recomputed block of the plan (the
+    model's FLOPs otherwise), and means a step up to every block's forward longer."""
+    from tools import simulate as sim
+    from tools.reproduce import Point, published_step, recomputed_flops, setting
+
+    overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4")
+    point = Point("tiny", "", "tflops", 1.0, overrides, "16MiB", host="1GiB", recomputation_counted=True)
+    model = setting(point, sim, 0.5).model
+    assert model.block_flops == (419_430_400,) * 4
+    assert recomputed_flops(model, ("checkpoint", "keep", "checkpoint_host", "swap_host")) == 2 * 419_430_400
+    assert recomputed_flops(model, ()) == 0
+    at = setting(point, sim, 0.5)
+    assert published_step(point, at) == pytest.approx(3 * model.forward_flops / 1e12)
+    assert published_step(point, at, longest=True) == pytest.approx((3 * model.forward_flops + 4 * 419_430_400) / 1e12)
+    assert published_step(dataclasses.replace(point, recomputation_counted=False), at, longest=True) == pytest.approx(3 * model.forward_flops / 1e12)

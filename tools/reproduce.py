@@ -18,7 +18,10 @@ say which where it is known. Kinds of point:
 
 - ``step_s``, ``tokens_per_s``: the auto plan's predicted step at the paper's batch (or the fastest
   over the batches given, where the paper reports its best batch), all ranks' tokens;
-- ``tflops``: model FLOPs (forward, backward twice forward, attention included) per second;
+- ``tflops``: model FLOPs (forward, backward twice forward, attention included) per second, and
+  where the paper counts the recomputation too (``Point.recomputation_counted``: LoHan's), the
+  recomputed blocks' forward FLOPs of the plan on top (what the GPU runs, as the paper's figure
+  counts what its GPU ran);
 - ``forward_s``: the GPU compute of one forward, without transfers;
 - ``activations_gb``: what the blocks save for backward (bf16, each storage once);
 - ``largest_b``: the largest model of the point's width the budgets hold (``simulate.largest_depth``),
@@ -62,6 +65,12 @@ LOHAN_13B = (*LOHAN_175B, "model.config.n_embd=5120", "model.config.n_layer=40",
 LOHAN_FINER_RECOMPUTE = ("LoHan recomputes half a block at a time (its artifact checkpoints attention and MLP apart, their inputs in host "
                          "memory); this runtime recomputes whole blocks (their inputs in host memory, "
                          "as LoHan's), so a block's activations at this batch leave no room to swap any (64) or do not fit (128)")
+# LoHan's TFLOPS count the FLOPs its GPU ran, the recomputation's included: at batch 64 and 128
+# (155.8, 153.8) the figures are above what the 13B's forward and backward alone allow at the rate
+# LoHan's own forward at batch 32 measures (5.96 s, LH-11), which recomputation only lengthens; its
+# artifact recomputes every half block by default (run.sh, gpt_model.py); and its Fig. 10b at
+# batch 48 and 64 stays a constant 0.71-0.75x of every drive count counted without (3/4 where
+# every block is recomputed). Every LoHan TFLOPS point says so (``recomputation_counted``).
 # LoHan Eq. 4-5: with every model state on the SSDs a step reads 16 bytes a parameter from them
 # (the 16-bit parameters in forward, 14 bytes of states in backward) and writes 14 back, and an
 # SSD is simplex, its reads and writes adding up
@@ -108,11 +117,15 @@ class Point:
     # each SSD's datasheet (read, write) GB/s, where every model state is on the SSDs: the paper's
     # own traffic at those rates is a floor under its step (``drive_floor``)
     drive_gbps: Optional[tuple[float, float]] = None
+    # a ``tflops`` figure that counts the FLOPs the GPU ran, recomputation included (LoHan's: see
+    # the comment above LoHan's drive rates); the paper's own recomputed share is not known, so the step its
+    # figure means lies between none recomputed and every block
+    recomputation_counted: bool = False
 
 
 POINTS = (
     Point("LH-15", "LoHan §V-C: 135 TFLOPS, 13B, batch 32, RTX 4090, 12 SSDs", "tflops", 135.0,
-          (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11",
+          (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", recomputation_counted=True,
           note="the loss a chunk at a time, as in every LoHan setting (model.loss_chunk_tokens=auto): Hugging Face's fp32 loss would hold 19 GiB "
                "of the 22 GiB tier at the head's backward, which LoHan's run at this batch cannot have"),
     Point("LH-11", "LoHan §III-C: forward compute 5.96 s, 13B, batch 32", "forward_s", 5.96, (*LOHAN_13B, "data.batch_size=32"), "22GiB", nvme="40TB"),
@@ -125,14 +138,24 @@ POINTS = (
           note="host budget the machine's whole 256 GiB; the largest of LoHan's Table IV models the auto plan holds"),
     # LoHan's artifact (its repository's evaluation_data.md) lists the measurements its figures plot
     *(Point(f"LH-5a-{batch}", f"LoHan Fig. 5a (artifact data): {tflops} TFLOPS, 13B, batch {batch}, RTX 4090", "tflops", tflops,
-            (*LOHAN_13B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note)
+            (*LOHAN_13B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note,
+            recomputation_counted=True)
       for batch, tflops, note in ((8, 42.8, ""), (16, 84.3, ""), (64, 155.8, LOHAN_FINER_RECOMPUTE), (128, 153.8, LOHAN_FINER_RECOMPUTE))),
     *(Point(f"LH-10b-{drives}", f"LoHan Fig. 10b (artifact data): {tflops} TFLOPS, 13B, batch 32, RTX 4090, {drives} SSD{'s' * (drives > 1)}",
             "tflops", tflops, (*LOHAN_13B, "data.batch_size=32", f"+hardware.nvme_count={drives}"), "22GiB", nvme="40TB", rate_from="LH-11",
-            drive_gbps=P5510, note="each drive at its datasheet rates, up to the 12-drive array's")
+            drive_gbps=P5510, note="each drive at its datasheet rates, up to the 12-drive array's", recomputation_counted=True)
       for drives, tflops in ((1, 37.5), (2, 64.3), (3, 81.1), (6, 121.7))),
+    # the same figure's batches 48 and 64, added after the drives' rates and the FLOP count were settled: a check of both
+    *(Point(f"LH-10b-{batch}-{drives}", f"LoHan Fig. 10b (artifact data): {tflops} TFLOPS, 13B, batch {batch}, RTX 4090, "
+            f"{drives} SSD{'s' * (drives > 1)}", "tflops", tflops,
+            (*LOHAN_13B, f"data.batch_size={batch}", *((f"+hardware.nvme_count={drives}",) if drives < 12 else ())), "22GiB", nvme="40TB",
+            rate_from="LH-11", drive_gbps=P5510, recomputation_counted=True,
+            note="each drive at its datasheet rates, up to the 12-drive array's" if drives < 12 else "")
+      for batch, figures in ((48, (53.1, 89.7, 121.7, 146.3, 153.9)), (64, (70.3, 111.7, 136.3, 151.5, 148.2)))
+      for drives, tflops in zip((1, 2, 3, 6, 12), figures)),
     *(Point(f"LH-7b-{batch}", f"LoHan Fig. 7b (artifact data): {tflops} TFLOPS, 175B, batch {batch}, RTX 4090", "tflops", tflops,
-            (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note)
+            (*LOHAN_175B, f"data.batch_size={batch}"), "22GiB", nvme="40TB", drive_gbps=P5510, rate_from="LH-11", note=note,
+            recomputation_counted=True)
       for batch, tflops, note in ((8, 52.6, ""), (16, 86.9, ""))),
     Point("PT-1a", "ProTrain Table 2: 34B on one RTX 3090 (384 GB)", "largest_b", 34.0, (*GPT2_W8192, "model.config.n_layer=42", "hardware=rtx3090"),
           "22GiB"),
@@ -265,13 +288,24 @@ def _planned(point: Point, sim: Any, at: Setting, efficiency: float) -> tuple[fl
         return row.seconds, plan
     if point.kind == "tokens_per_s":
         return at.model.tokens * point.ranks / row.seconds, plan
-    return 3 * at.model.forward_flops / row.seconds / 1e12, plan  # backward twice forward
+    recomputed = recomputed_flops(at.model, row.blocks) if point.recomputation_counted else 0.0
+    return (3 * at.model.forward_flops + recomputed) / row.seconds / 1e12, plan  # backward twice forward
 
 
-def published_step(point: Point, at: Setting) -> float:
-    """The step, in seconds, a throughput or step-time point's published figure means for one rank."""
+def recomputed_flops(model: Any, blocks: tuple[str, ...]) -> float:
+    """The forward FLOPs a plan whose blocks do ``blocks`` runs again in backward."""
+    from offload_strategy.planning.activations import RECOMPUTED
+
+    return sum(f for f, policy in zip(model.block_flops, blocks) if policy in RECOMPUTED)
+
+
+def published_step(point: Point, at: Setting, longest: bool = False) -> float:
+    """The step, in seconds, a throughput or step-time point's published figure means for one rank.
+    A figure that counts the recomputation means a step as long as the paper's system recomputed:
+    the shortest (none recomputed), or with ``longest`` every block recomputed."""
     if point.kind == "tflops":
-        return 3 * at.model.forward_flops / (point.published * 1e12)
+        recomputed = sum(at.model.block_flops) if longest and point.recomputation_counted else 0.0
+        return (3 * at.model.forward_flops + recomputed) / (point.published * 1e12)
     if point.kind == "tokens_per_s":
         return at.model.tokens * point.ranks / point.published
     return point.published
@@ -280,8 +314,9 @@ def published_step(point: Point, at: Setting) -> float:
 def drive_floor(point: Point, at: Setting) -> str:
     """Why the paper's own traffic cannot fit in its published step on its drives, or "" where it
     can: the drives at their datasheet rates, all of them busy the whole step, without the array's
-    loss the model prices them with. A figure faster than that was not reached the way the paper
-    describes the setting, so no model of that setting can reproduce it."""
+    loss the model prices them with, against the longest step the figure can mean. A figure faster
+    than that was not reached the way the paper describes the setting, so no model of that setting
+    can reproduce it."""
     if point.drive_gbps is None or GROUPS.get(point.kind) != "throughput and step time":
         return ""
     from offload_strategy.config import format_bytes
@@ -289,12 +324,12 @@ def drive_floor(point: Point, at: Setting) -> str:
     drives, parameters = at.hardware.nvme_count, at.model.parameters
     (read_bytes, write_bytes), (read, write) = LOHAN_SSD_BYTES, point.drive_gbps
     floor = parameters * (read_bytes / read + write_bytes / write) / (drives * 1e9)
-    step = published_step(point, at)
+    step = published_step(point, at, longest=True)  # the longest the figure can mean, however much the paper recomputed
     if step >= floor:
         return ""
     return (f"the paper's own SSD traffic (Eq. 4-5: {read_bytes} bytes a parameter read, {write_bytes} written, the drive simplex) takes "
             f"{floor:.1f} s on {drives} drive{'s' * (drives > 1)} at the datasheet's {read:g} / {write:g} GB/s, longer than the published "
-            f"step of {step:.1f} s: the run moved less over its drives than the paper says (its host memory, "
+            f"step of {step:.1f} s{' (every block recomputed: the longest the figure can mean)' if point.recomputation_counted else ''}: the run moved less over its drives than the paper says (its host memory, "
             f"{format_bytes(at.hardware.host_memory)}, could hold this model's {format_bytes(read_bytes * parameters)} of states)")
 
 
@@ -530,6 +565,7 @@ def figures_table(points: list[Point], sim: Any, rates: dict[str, float], effici
             tally[0] += abs(ratio - 1) <= 0.2
             tally[1] += 1
         note = f"; {point.note}" if point.note else ""
+        note += "; the recomputation's FLOPs counted, as the paper's figures count them" if point.recomputation_counted else ""
         note += f"; the GPU at {rate:.1%} of its peak, from {point.rate_from}" if point.rate_from else ""
         note += f"; calibrates the GPU's rate ({rates[point.ident]:.1%} of its dense peak), not counted" if calibrating else ""
         note += f"; not counted: {unreproducible}" if unreproducible else ""

@@ -74,6 +74,7 @@ class Model:
     state_factor: float
     parameters: int
     forward_flops: float = 0.0  # one forward's, attention's products included
+    block_flops: tuple[float, ...] = ()  # each block's share of it: what recomputing the block runs again
     # what every layout of the blocks is planned beside, as the runtime plans it: the activations
     # kept outside the blocks (the logits' log-softmax...) and the backward's gradients
     beside: BesideBlocks = BesideBlocks()
@@ -105,7 +106,7 @@ class Model:
             self, units=[], costs=[self.costs[i] for i in order],
             sizes=[dataclasses.replace(self.sizes[i], index=k) for k, i in enumerate(order)],
             co_resident=groups, block_units=copy_of, blocks=[self.blocks[0]] * depth,
-            parameters=sum(self.costs[i].parameters for i in order), forward_flops=0.0,
+            parameters=sum(self.costs[i].parameters for i in order), forward_flops=0.0, block_flops=self.block_flops[:1] * depth,
         )
 
 
@@ -122,6 +123,7 @@ class Row:
     seconds: float
     fits: bool
     note: str = ""
+    blocks: tuple[str, ...] = ()  # each block's policy as planned (empty: every block kept)
 
 
 def head_recomputed(costs: list, head_units: list) -> list:
@@ -172,7 +174,7 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
                for u, c in zip(units, costs)],
         co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
         tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
-        forward_flops=compute.forward_flops, beside=compute.beside,
+        forward_flops=compute.forward_flops, block_flops=compute.block_flops, beside=compute.beside,
     )
 
 
@@ -248,7 +250,7 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
     activations = (plan.activations.peak_bytes if plan.activations is not None else 0) + model.beside.in_blocks
     rows.append(Row("auto", homes_of(chosen), counts(layout or None, len(model.blocks)), chosen.gpu_bytes, activations,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
-                    chosen.gpu_bytes + activations <= gpu))
+                    chosen.gpu_bytes + activations <= gpu, blocks=tuple(layout)))
     return rows
 
 
@@ -337,7 +339,7 @@ def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, shard
     fits = placement.gpu_bytes + activations <= gpu and placement.host_bytes + swapped["swap_host"] <= host
     return Row(name, homes_of(placement), counts(layout.layout, len(model.blocks)), placement.gpu_bytes, activations,
                placement.host_bytes + swapped["swap_host"], placement.nvme_bytes + swapped["swap_nvme"], sum(placement.device_slots.values()),
-               seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + activations - gpu)}")
+               seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + activations - gpu)}", tuple(layout.layout))
 
 
 def swapped_bytes(model: Model, layout: Sequence[str]) -> dict[str, int]:

@@ -214,6 +214,7 @@ class AnalyticCompute:
     largest_saved_bytes: int = 0  # the largest tensor saved, in a block or outside: the backward's gradients are twice it
     outside_after_bytes: int = 0  # of the outside bytes, those saved after the last block (freed by the head's backward)
     largest_through_blocks_bytes: Optional[int] = None  # the largest saved by the last block's end (None: not apart)
+    block_flops: tuple[float, ...] = ()  # each block's forward FLOPs (attention's products included), what recomputing it runs again
 
     @property
     def beside(self) -> BesideBlocks:
@@ -267,7 +268,8 @@ def analytic_compute(
     outside_excess = max(meter.traffic.excess - sum(meter.excess), 0.0)
     total_flops = meter.counter.get_total_flops() + sum(meter.fused)
     return AnalyticCompute(costs, seconds(max(outside_flops, 0), max(outside_moved, 0)) + outside_excess, total_flops,
-                           meter.outside_saved, meter.largest_saved, meter.outside_after, meter.largest_through_blocks)
+                           meter.outside_saved, meter.largest_saved, meter.outside_after, meter.largest_through_blocks,
+                           tuple(f + a for f, a in zip(meter.flops, meter.fused)))
 
 
 def attach_unattributed(
