@@ -117,9 +117,9 @@ class Point:
     # each SSD's datasheet (read, write) GB/s, where every model state is on the SSDs: the paper's
     # own traffic at those rates is a floor under its step (``drive_floor``)
     drive_gbps: Optional[tuple[float, float]] = None
-    # a ``tflops`` figure that counts the FLOPs the GPU ran, recomputation included (LoHan's: see
-    # the comment above LoHan's drive rates); the paper's own recomputed share is not known, so the step its
-    # figure means lies between none recomputed and every block
+    # a ``tflops`` figure that counts the FLOPs the GPU ran, recomputation included (LoHan's: the
+    # comment after LOHAN_FINER_RECOMPUTE says why); the paper's own recomputed share is not known,
+    # so the step its figure means lies between none recomputed and every block
     recomputation_counted: bool = False
 
 
