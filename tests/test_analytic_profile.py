@@ -675,3 +675,13 @@ def test_a_figure_that_counts_the_recomputation_adds_the_recomputed_blocks_forwa
     assert published_step(point, at) == pytest.approx(3 * model.forward_flops / 1e12)
     assert published_step(point, at, longest=True) == pytest.approx((3 * model.forward_flops + 4 * 419_430_400) / 1e12)
     assert published_step(dataclasses.replace(point, recomputation_counted=False), at, longest=True) == pytest.approx(3 * model.forward_flops / 1e12)
+
+
+def test_a_settings_command_carries_the_gpu_rate_its_point_is_priced_at():
+    """A point priced at a calibrated rate prints that rate in its tools/simulate.py command, so the
+    command run by hand gives the table's figure; at simulate's default (50%) the flag is left out."""
+    from tools.reproduce import POINTS, command
+
+    point = next(p for p in POINTS if p.ident == "LH-10b-3")
+    assert " --efficiency 0.9648 " in command(point, 0.96478) + " "
+    assert "--efficiency" not in command(point)

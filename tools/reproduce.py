@@ -340,7 +340,7 @@ def compute_ceiling(point: Point, at: Setting) -> str:
     the note says that the miss lies in the GPU's rate or the paper's FLOP count, not the plan."""
     if GROUPS.get(point.kind) != "throughput and step time":
         return ""
-    compute = sum(c.forward_seconds + c.backward_seconds for c in at.model.costs)
+    compute = at.model.compute_seconds
     step = published_step(point, at)
     if step >= compute:
         return ""
@@ -532,8 +532,11 @@ def findings_table(findings: list[Finding], sim: Any, rates: dict[str, float], e
     return reproduced
 
 
-def command(point: Any) -> str:
+def command(point: Any, efficiency: float = 0.5) -> str:
+    """``point``'s setting as a tools/simulate.py command line, the GPU at ``efficiency`` of its peak
+    (the flag left out at simulate's default)."""
     flags = [f"--gpu-memory {point.gpu}"]
+    flags += [f"--efficiency {efficiency:.4g}"] if efficiency != 0.5 else []
     flags += [f"--host-memory {point.host}"] if point.host else []
     flags += [f"--nvme-memory {point.nvme}"] if point.nvme != "0" else []
     flags += [f"--ranks {point.ranks}"] if point.ranks > 1 else []
@@ -603,7 +606,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.commands:
         print()
         for item in chosen:
-            print(f"{item.ident}: {command(item)}")
+            print(f"{item.ident}: {command(item, rates.get(item.rate_from or '', args.efficiency))}")
     return 0
 
 

@@ -80,6 +80,11 @@ class Model:
     beside: BesideBlocks = BesideBlocks()
 
     @property
+    def compute_seconds(self) -> float:
+        """The GPU's compute alone a step: every unit's forward and backward, nothing recomputed, nothing waited on."""
+        return sum(c.forward_seconds + c.backward_seconds for c in self.costs)
+
+    @property
     def outside_bytes(self) -> int:
         return self.beside.outside
 
@@ -210,7 +215,9 @@ def unit_costs(model: Model, owners: list[int]) -> dict:
 def counts(layout: Optional[tuple[str, ...]], n_blocks: int) -> str:
     if layout is None:
         return f"{n_blocks}/0/0"
-    return f"{layout.count('keep')}/{layout.count('checkpoint') + layout.count('checkpoint_host')}/{layout.count('swap_host') + layout.count('swap_nvme')}"
+    from offload_strategy.planning.activations import KEEP, RECOMPUTED, SWAPPED
+
+    return f"{layout.count(KEEP)}/{sum(p in RECOMPUTED for p in layout)}/{sum(p in SWAPPED for p in layout)}"
 
 
 def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int, sharding: Any, owners: list[int]) -> list[Row]:
@@ -766,7 +773,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     machine = machine_of(hardware, nvme, ranks=args.ranks, network=network, shard_states=not args.replicate_states, host_network=host_network,
                          shared_homes=shared, machines=args.machines)
     sharding, owners = rank_sharding(model, args.ranks, shared, args.replicate_states, args.machines)
-    compute = sum(c.forward_seconds + c.backward_seconds for c in model.costs)
+    compute = model.compute_seconds
     activations = sum(b.activation_bytes for b in model.blocks)
     title = (f"{model.name}: {model.parameters / 1e9:.2f} B parameters in {len(model.units)} units and {len(model.blocks)} blocks, {args.precision}; "
              f"{hardware.name} ({hardware.gpu}, {fmt(hardware.gpu_memory)}, {hardware.cpu_cores} cores); "

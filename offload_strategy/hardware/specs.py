@@ -204,8 +204,7 @@ def known_hardware(name: str, **overrides: Any) -> HardwareSpec:
         raise ValueError(f"hardware overrides {unknown} are not fields of HardwareSpec; fields: {sorted(fields)}.")
     count = overrides.get("nvme_count")
     if isinstance(count, int) and count > 0 and spec.nvme_count and count != spec.nvme_count:
-        for rate in ("nvme_read", "nvme_write"):
-            array, drive = f"{rate}_gbps", f"{rate.replace('nvme_', 'nvme_drive_')}_gbps"
+        for array, drive in (("nvme_read_gbps", "nvme_drive_read_gbps"), ("nvme_write_gbps", "nvme_drive_write_gbps")):
             if array not in overrides and getattr(spec, array) is not None:
                 overrides[array] = drives_rate(getattr(spec, array), spec.nvme_count, count, overrides.get(drive, getattr(spec, drive)))
     return dataclasses.replace(spec, **overrides) if overrides else spec

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Tier
-from .activations import (CHECKPOINT, CHECKPOINT_HOST, KEEP, RECOMPUTED, SWAP_NVME, ActivationPlan, BlockCost, Links, layout_frontier,
+from .activations import (CHECKPOINT_HOST, KEEP, RECOMPUTED, SWAP_NVME, ActivationPlan, BlockCost, Links, layout_frontier,
                           move_seconds, recomputes)
 from .cost_model import Machine, StepPrediction, UnitCost
 from .placement import PlacementError, UnitSize, minimum_gpu_bytes
@@ -267,4 +267,4 @@ def describe_layout(layout: Sequence[str]) -> str:
         return " ".join("H" if p == CHECKPOINT_HOST else p[0].upper() for p in layout)
     swapped = sum(p.startswith("swap") for p in layout)
     from_host = f" ({layout.count(CHECKPOINT_HOST)} from host memory)" if CHECKPOINT_HOST in layout else ""
-    return f"{layout.count(KEEP)} kept, {layout.count(CHECKPOINT) + layout.count(CHECKPOINT_HOST)} checkpointed{from_host}, {swapped} swapped"
+    return f"{layout.count(KEEP)} kept, {sum(p in RECOMPUTED for p in layout)} checkpointed{from_host}, {swapped} swapped"

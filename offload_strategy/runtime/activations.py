@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES, ActivationPlanner, BlockPolicy
-from ..planning.activations import BlockCost
+from ..planning.activations import RECOMPUTED, BlockCost
 from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .recompute import RecomputeHolds
@@ -164,7 +164,7 @@ class ActivationPolicies:
     @property
     def recomputed_flops(self) -> int:
         """FLOPs a training step spends recomputing checkpointed blocks (each counted as the first)."""
-        return (self.block_flops or 0) * (self.policies.count(CHECKPOINT) + self.policies.count(CHECKPOINT_HOST))
+        return (self.block_flops or 0) * sum(p in RECOMPUTED for p in self.policies)
 
     def _flops_counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if self.block_flops is not None or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
