@@ -208,6 +208,12 @@ class TieredCore:
         self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
         self._exposed: list[Any] = []  # gradients on ``.grad`` for the user's code between backward and the step
 
+    def __reduce__(self) -> Any:
+        # A pickle of the strategy (``torch.save(trainer)``, as Lightning's own tests do) holds its
+        # options, as before a run: what a run made (the engine's threads and files, the blocks'
+        # weak references, a parameter class made per strategy) has no meaning elsewhere.
+        return (_core_with_options, (type(self), self.options, self.lightning, self.ranks, self.state_dict_type))
+
     # -- what the strategy exposes ------------------------------------------------------------------
 
     @property
@@ -1176,6 +1182,12 @@ class TieredCore:
         out.update(self.prediction.metrics())
         out.update(self.ranks.link_metrics())
         return out
+
+
+def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:
+    core = cls(options, lightning, ranks)
+    core.state_dict_type = state_dict_type
+    return core
 
 
 def _work(unit: Any) -> tuple:
