@@ -24,6 +24,7 @@ at the cost of its memory. So does any read after construction, through the para
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -170,6 +171,20 @@ class DeferredParameter(OffloadedParameter):
             return None
         return super().__torch_function__(func, types, args, kwargs)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A pickle (``torch.save`` of the module) holds a plain ``nn.Parameter`` with the value,
+        computed or read for the pickle alone: this parameter stays deferred (one left on NVMe
+        after training is not brought into memory), and the pickle loads where this package was
+        never imported."""
+        registry = type(self).registry
+        if self not in registry:
+            return super().__reduce_ex__(protocol)
+        value = registry.value(self)
+        state = torch._utils._get_obj_state(self)  # attributes set on the parameter, as nn.Parameter pickles them
+        if not state:
+            return (torch._utils._rebuild_parameter, (value, self.requires_grad, OrderedDict()))
+        return (torch._utils._rebuild_parameter_with_state, (value, self.requires_grad, OrderedDict(), state))
+
 
 class DeferredParameters:
     """The parameters of one strategy's models whose values are recorded, not held."""
@@ -248,11 +263,17 @@ class DeferredParameters:
         self.recipes[id(p)].source = read
 
     @torch.no_grad()
-    def materialize(self, p: torch.Tensor, device: Optional[torch.device] = None) -> None:
-        """The parameter holds its value in a tensor of its own again."""
+    def value(self, p: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+        """A deferred parameter's value in a new tensor; the parameter stays deferred."""
         recipe = self.recipes[id(p)]
         value = torch.empty(recipe.shape, dtype=recipe.dtype, device=device)
         recipe.compute_into(value)
+        return value
+
+    @torch.no_grad()
+    def materialize(self, p: torch.Tensor, device: Optional[torch.device] = None) -> None:
+        """The parameter holds its value in a tensor of its own again."""
+        value = self.value(p, device)
         mark_present(p)
         p.data = value
         self._forget(p)

@@ -208,6 +208,12 @@ class TieredCore:
         self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
         self._exposed: list[Any] = []  # gradients on ``.grad`` for the user's code between backward and the step
 
+    def __reduce__(self) -> Any:
+        # A pickle of the strategy (``torch.save(trainer)``, as Lightning's own tests do) holds its
+        # options, as before a run: what a run made (the engine's threads and files, the blocks'
+        # weak references, a parameter class made per strategy) has no meaning elsewhere.
+        return (_core_with_options, (type(self), self.options, self.lightning, self.ranks, self.state_dict_type))
+
     # -- what the strategy exposes ------------------------------------------------------------------
 
     @property
@@ -246,10 +252,20 @@ class TieredCore:
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
+    def runs_an_engine(self) -> bool:
+        """Every policy but ``none`` places the model through an engine; ``none`` too under the
+        ``*-true`` 16-bit precisions, with every unit in the GPU tier, for the fp32 masters the
+        other placements update: without them the same recipe trained otherwise under ``none``
+        (a 16-bit AdamW's epsilon is 0 in fp16, and a parameter with a zero gradient became NaN)."""
+        return self.policy.name != "none" or self.keeps_fp32_masters()
+
+    def keeps_fp32_masters(self) -> bool:
+        return isinstance(self.lightning.precision_plugin, (HalfPrecision, FabricHalfPrecision))
+
     def places_parameters_itself(self) -> bool:
         """On a GPU, parameters are created in host memory and placed by the engine, so that a model
         larger than the GPU never has to fit there whole."""
-        return self.policy.name != "none" and self.lightning.root_device.type == "cuda"
+        return self.runs_an_engine() and self.lightning.root_device.type == "cuda"
 
     @contextlib.contextmanager
     def tensor_init_context(self, plain: Callable[[], contextlib.AbstractContextManager[None]], empty_init: Optional[bool]) -> Iterator[None]:
@@ -328,7 +344,7 @@ class TieredCore:
             activations = self._plan.activations
         self.activations.start(module, activations if activations is not None else "keep")
         context.planner = Planner(self.policy, context.budgets, self.options.nvme_path is not None, self._plan, self._refuse_a_full_disk)
-        if self.policy.name != "none":
+        if self.runs_an_engine():
             _refuse_lazy_parameters(module)
             context.engine = self._build_engine(recipe)
         self.deferred.materialize_all(root)  # nothing placed them (it all fits): computed where they run
@@ -400,7 +416,7 @@ class TieredCore:
         units, users = build_units(model)
         if self.policy.chunk_size:
             units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
-        fp32_masters = isinstance(self.lightning.precision_plugin, (HalfPrecision, FabricHalfPrecision))
+        fp32_masters = self.keeps_fp32_masters()
         planner.model = self._model_units(recipe, units, users, fp32_masters)
         policies = self.activations.policies if block_policies is None else block_policies
         together = planner.working_groups(policies) if recipe.training else list(planner.model.co_resident)  # no recompute without gradients
@@ -1166,6 +1182,12 @@ class TieredCore:
         out.update(self.prediction.metrics())
         out.update(self.ranks.link_metrics())
         return out
+
+
+def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:
+    core = cls(options, lightning, ranks)
+    core.state_dict_type = state_dict_type
+    return core
 
 
 def _work(unit: Any) -> tuple:

@@ -137,7 +137,7 @@ class TieredDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.tiered.policy.name == "none":  # nothing is tiered: plain DDP
+        if not self.tiered.runs_an_engine():  # nothing is tiered: plain DDP
             return super().configure_ddp()
         assert self.model is not None
         _sync_module_states(self.model, self._ranks.process_groups()[0])  # every rank starts from rank 0's parameters, as DDP does
@@ -286,7 +286,7 @@ class DataParallelRanks:
             host_group=host,
             device_group=device,
             control_group=control,
-            shard_states=self.shard_states,
+            shard_states=self.shard_states and self.options.policy.name != "none",  # 'none': every rank keeps every state, as DDP
             machines=self.machines,
             machine_group=machine,
             peer_group=peers,

@@ -33,9 +33,11 @@ def tiered_optimizer_step(
             return closure_result
         if not recipe.needs_all_gradients():
             _before_optimizer_step(trainer, optimizer)
-            if model.automatic_optimization:
+            if model.automatic_optimization and _holds_a_gradient(optimizer):
                 # Lightning's default hook, called as plain training calls it: it clips nothing
-                # here (by value is idempotent, and the engine already clipped each unit)
+                # here (by value is idempotent, and the engine already clipped each unit). With
+                # every gradient at the engine (the fp32 sums of *-true) there is nothing to give
+                # it, and torch's clip_grad_value_ fails on an empty list.
                 _configure_gradient_clipping(trainer, optimizer)
             engine.step(optimizer, closure_result, **kwargs)
             return closure_result
@@ -64,6 +66,10 @@ def _step_over_every_gradient(
         elif closure_result is not None or not model.automatic_optimization:
             scaler.step(gradients)
             scaler.update()
+
+
+def _holds_a_gradient(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _configure_gradient_clipping(trainer: "pl.Trainer", optimizer: Any) -> None:

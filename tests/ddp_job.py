@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--sgd", action="store_true", help="plain SGD instead of AdamW with warm-up")
     parser.add_argument("--after-backward", action="store_true", help="on_after_backward changes the gradients")
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--policy-none", action="store_true", help="policy 'none' (every unit in the GPU tier)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="the loss a chunk of this many tokens at a time")
     args = parser.parse_args()
 
@@ -151,6 +152,8 @@ def main() -> None:
     budgets = dict(gpu_memory=int(args.gpu_factor * total), host_memory=int(host * total), policy=PARAMETERS_ONLY)
     if args.default_policy:
         budgets = dict(gpu_memory=int(3.2 * total), host_memory=int(host * total), **({"policy": {"activations": args.activations}} if args.activations else {}))
+    if args.policy_none:
+        budgets = dict(policy="none", host_memory=int(host * total))
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":

@@ -11,6 +11,7 @@ Each run is ``tests/ddp_job.py`` started as a user starts it (``tests/ddp_launch
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.ddp_job import GPT2_4L
@@ -295,3 +296,19 @@ def test_persistent_units_are_all_reduced_and_updated_on_every_rank(tmp_path, pl
     assert ranks[0]["optimizer/gpu_state_bytes"] == ranks[1]["optimizer/gpu_state_bytes"] > 0
     assert_same_weights(load(plain_dir / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
     assert_same_optimizer_states(load(plain_dir / "last.ckpt")["optimizer_states"][0], load(tmp_path / "tiered_ddp" / "last.ckpt")["optimizer_states"][0])
+
+
+def test_policy_none_under_16_true_updates_fp32_masters_as_every_placement(tmp_path):
+    """Under policy 'none' plain DDP stepped the fp16 parameters themselves (NaN from the second
+    step, AdamW's epsilon being 0 in fp16); it now keeps fp32 masters, every unit in the GPU tier,
+    and trains as the host placement does, bit for bit."""
+    recipe = ["--epochs", "1", "--precision", "16-true"]
+    none = launch(tmp_path / "none", "--strategy", "tiered_ddp", "--policy-none", *recipe)
+    host = launch(tmp_path / "host", "--strategy", "tiered_ddp", *recipe)
+    for rank in (0, 1):
+        assert none[rank]["losses"] == host[rank]["losses"], f"rank {rank}"
+        assert none[rank]["metrics"]["units/gpu"] > 0 and none[rank]["metrics"]["units/host"] == 0
+        assert host[rank]["metrics"]["units/host"] > 0
+    weights = load(tmp_path / "none" / "weights.pt")
+    assert all(torch.isfinite(w).all() and w.dtype == torch.float16 for w in weights.values())
+    assert_same_weights(load(tmp_path / "host" / "weights.pt"), weights)

@@ -200,7 +200,7 @@ class Planner:
         def place(persistent: Optional[frozenset[int]] = None) -> Placement:
             return place_units(
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
-                homes=homes, sharding=model.sharding, prefetch=self.policy.prefetch, persistent=persistent,
+                all_on_gpu=self.policy.name == "none", homes=homes, sharding=model.sharding, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
                 buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None, host_reserve=self.host_reserve,
             )
