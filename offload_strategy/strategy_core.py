@@ -37,7 +37,7 @@ from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes
+from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
 from .planning.sharding import Sharding
@@ -436,7 +436,7 @@ class TieredCore:
             # a model's own checkpointing may show itself only in its first backward: the fewest
             # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
             return placement
-        smallest = minimum_gpu_bytes(planner.units.sizes, together, self.policy.prefetch)
+        smallest = planner.least_parameter_share(together)  # what host memory and NVMe can hold the rest of
         if smallest >= placement.gpu_bytes:
             return placement
         try:
@@ -613,7 +613,7 @@ class TieredCore:
         """The most activations a profiled forward kept outside the blocks, and the most backward
         gradients, on any rank."""
         measured, largest = self.activations.measured_beside, self.ranks.largest_on_every_rank
-        return BesideBlocks(*(largest(n) for n in measured.fields()))
+        return BesideBlocks(*(largest(n) for n in measured.fields())).scaled(self.activations.growth)
 
     def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, beside: Optional[BesideBlocks] = None) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
@@ -810,12 +810,13 @@ class TieredCore:
         if predicted is not None:
             self.prediction.planned(predicted.seconds, "step model")
 
-    def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None) -> Any:
-        """A training step's forward (``run``), between the planner's decisions and the engine's
-        step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
+    def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None, batch: Any = None) -> Any:
+        """A training step's forward (``run``) of ``batch``, between the planner's decisions and the
+        engine's step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self.take_back_exposed()  # before the engine may be replaced
         self._plan_between_steps(rules)
+        self.activations.note_batch(batch)  # after the plan: a batch the layout is planned with is a profiled step's
         self.prediction.step_begins()
         self.activations.begin_block_forward()
         try:

@@ -14,6 +14,7 @@ from typing import Optional
 import pytest
 
 from offload_strategy import TieredStrategy
+from offload_strategy.config import BlockPolicy
 from offload_strategy.hardware import cgroup as cgroup_module
 from offload_strategy.hardware import probe
 from offload_strategy.hardware.cgroup import CgroupMemory, cgroup_memory
@@ -187,3 +188,153 @@ def test_a_job_in_a_real_child_cgroup(tmp_path: Path) -> None:
     assert result["granted"] < limit  # host_memory=None: what the group leaves, not the machine
     assert "asks for more than is free in host memory" in result["over_limit"]
     assert len(result["losses"]) > 0
+
+
+# -- one count of host memory and NVMe, at set-up and after the profiled steps ------------------------
+
+FOUR_LAYERS = {"n_layer": 4}
+
+
+def _config() -> dict:
+    from tests.helpers import TINY_GPT2
+
+    return {**TINY_GPT2, **FOUR_LAYERS}
+
+
+def _same_as_plain(strategy: TieredStrategy, tmp_path: Path) -> None:
+    from tests.helpers import assert_same_weights
+
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, config=_config())
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, config=_config())
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+def test_host_memory_accepted_at_set_up_holds_after_the_profiled_steps(tmp_path: Path) -> None:
+    # everything fits the GPU tier at set-up; the measured activations then push the parameters
+    # out. The placement in the parameters' fewest buffers needs 940 KiB of host memory; 560 KiB
+    # was accepted at set-up and stopped the run after 3 steps. The parameters now keep the share
+    # host memory can hold the rest of, and the layout fits beside it.
+    _same_as_plain(TieredStrategy(gpu_memory="1MiB", host_memory="560KiB"), tmp_path)
+
+
+def test_host_memory_that_cannot_hold_a_layout_is_refused_before_any_update(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"first block's forward of the first training step") as refused:
+        train(TieredStrategy(gpu_memory="1MiB", host_memory="470KiB"), tmp_path / "refused", epochs=1, config=_config())
+    message = str(refused.value)
+    assert "host_memory=470.00 KiB and nvme_memory=0 B hold the rest of the parameters only beside" in message
+    named = message.split("gpu_memory must be at least ")[1].split(" (it is")[0]
+    # the number it names works
+    _same_as_plain(TieredStrategy(gpu_memory=named, host_memory="470KiB"), tmp_path)
+
+
+def test_nvme_budget_accepted_at_set_up_holds_after_the_profiled_steps(tmp_path: Path) -> None:
+    # 600 KiB of NVMe accepted at set-up, then 800 KiB asked for after 3 steps; and a layout that
+    # swapped more to NVMe than the placement left of the budget
+    strategy = TieredStrategy(gpu_memory="1MiB", host_memory="400KiB", nvme_path=tmp_path / "nvme", nvme_memory="600KiB")
+    _same_as_plain(strategy, tmp_path)
+
+
+def test_the_swap_store_asks_for_what_the_layout_swaps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # the NVMe budget is all that was free at set-up; by the time the layout swaps to NVMe the
+    # disk has 2 MiB free, more than the 677 KiB the swapped blocks need
+    from lightning.pytorch.callbacks import Callback
+
+    from offload_strategy.memory import nvme
+
+    class DiskFillsUp(Callback):
+        swapped: list[tuple[float, int]] = []
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            monkeypatch.setattr(nvme, "disk_free", lambda path: 2 * MiB)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            store = strategy.tiered.activations.swap_store
+            if store is not None:
+                self.swapped.append((strategy.metrics(reset=False)["activations/swapped_nvme_bytes"], store.capacity))
+
+    strategy = TieredStrategy(gpu_memory="1MiB", host_memory="300KiB", nvme_path=tmp_path / "nvme")
+    watch = DiskFillsUp()
+    losses, _, _ = train(strategy, tmp_path, epochs=1, config=_config(), extra_callbacks=(watch,))
+    assert len(losses) == 6
+    assert watch.swapped and all(0 < swapped <= capacity < 2 * MiB for swapped, capacity in watch.swapped)
+
+
+# -- the longest batch, named up front ---------------------------------------------------------------
+
+LONGEST = 32
+
+
+def _dynamic_padding() -> list:
+    """Six batches of 4 sequences, the fifth four times as long as the others (dynamic padding)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (4, n), generator=generator) for n in (8, 8, 8, 8, LONGEST, 8)]
+
+
+def _fit_padded(strategy, root: Path) -> tuple[list[float], dict, list[str]]:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from experiments.models import CausalLM
+    from tests.helpers import LossRecorder
+
+    class Layouts(Callback):
+        """The activation layout in place at each step."""
+
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if isinstance(trainer.strategy, TieredStrategy):
+                self.seen.append("".join(BlockPolicy(p).letter for p in trainer.strategy.tiered.activations.policies))
+
+    L.seed_everything(7, verbose=False)
+    model = CausalLM(family="gpt2", config=_config(), lr=1e-2, warmup_steps=2)
+    recorder, layouts = LossRecorder(), Layouts()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root, callbacks=[recorder, layouts],
+    )
+    trainer.fit(model, train_dataloaders=DataLoader(_dynamic_padding(), batch_size=None))
+    return recorder.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, layouts.seen
+
+
+def _longest_batch():
+    import torch
+
+    return torch.zeros(4, LONGEST, dtype=torch.long)
+
+
+def test_max_batch_refuses_in_the_first_step_what_a_longer_batch_would_stop_later(tmp_path: Path) -> None:
+    # without a bound, the layout planned for the short batches meets the long one at step 5,
+    # after four updates, and no layout fits it there
+    recorded: list = []
+    with pytest.raises(ValueError, match="scaled from the measured blocks to a batch whose blocks' inputs are 4.00x theirs"):
+        recorded.append(_fit_padded(TieredStrategy(gpu_memory="600KiB"), tmp_path / "unbounded"))
+    # with it, the same budget is refused in the first step's forward, before any update
+    with pytest.raises(ValueError, match=r"first block's forward of the first training step .*scaled 4\.00x to max_batch") as refused:
+        _fit_padded(TieredStrategy(gpu_memory="600KiB", max_batch=_longest_batch()), tmp_path / "bounded")
+    named = str(refused.value).split("gpu_memory must be at least ")[1].split(" (it is")[0]
+    # and the gpu_memory it names holds every batch, with one layout from the first plan on
+    from tests.helpers import assert_same_weights
+
+    plain_losses, plain_weights, _ = _fit_padded("auto", tmp_path / "plain")
+    losses, weights, layouts = _fit_padded(TieredStrategy(gpu_memory=named, max_batch=_longest_batch()), tmp_path / "named")
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    assert len(set(layouts[3:])) == 1, layouts  # laid out once, after the three profiled steps, never again
+
+
+def test_a_batch_beyond_max_batch_is_refused(tmp_path: Path) -> None:
+    import torch
+
+    with pytest.raises(ValueError, match=r"a training batch holds 128 tensor elements, more than the 64 of max_batch"):
+        _fit_padded(TieredStrategy(gpu_memory="2MiB", max_batch={"input_ids": torch.zeros(4, 16, dtype=torch.long)}), tmp_path)
+
+
+def test_max_batch_must_hold_a_tensor() -> None:
+    with pytest.raises(ValueError, match="max_batch=str holds no tensor"):
+        TieredStrategy(max_batch="longest")
