@@ -55,7 +55,8 @@ class TieredStrategy(SingleDeviceStrategy):
             available, one file otherwise. Both kinds load with ``ckpt_path``.
         max_batch: the longest training batch the run will see, as the dataloader yields it (a
             tensor, or a dict, tuple or list of them: under dynamic padding, one collated at the
-            longest sequence length and the largest batch size). The activation layout chosen
+            longest sequence length and the largest batch size; under Fabric, the inputs of the
+            model's forward, ``(args, kwargs)``). The activation layout chosen
             after the profiled steps is planned for it, the measured activations scaled by its
             tensor elements over the smallest profiled batch's, so the plan holds for every batch
             up to it from the first step: a run it cannot hold is refused in the first training

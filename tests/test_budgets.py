@@ -338,3 +338,15 @@ def test_a_batch_beyond_max_batch_is_refused(tmp_path: Path) -> None:
 def test_max_batch_must_hold_a_tensor() -> None:
     with pytest.raises(ValueError, match="max_batch=str holds no tensor"):
         TieredStrategy(max_batch="longest")
+
+
+def test_max_batch_under_fabric_bounds_the_models_inputs() -> None:
+    import torch
+
+    from offload_strategy import TieredFabricStrategy
+    from tests.test_fabric import BATCH, SEQ, fabric_train
+
+    half = torch.zeros(BATCH, SEQ // 2, dtype=torch.long)
+    elements = 2 * BATCH * SEQ  # input_ids and labels
+    with pytest.raises(ValueError, match=f"a training batch holds {elements:,} tensor elements, more than the {elements // 2:,} of max_batch"):
+        fabric_train(TieredFabricStrategy(gpu_memory="2MiB", max_batch={"input_ids": half, "labels": half}), steps=1)
