@@ -612,8 +612,9 @@ class TieredCore:
     def _beside(self) -> BesideBlocks:
         """The most activations a profiled forward kept outside the blocks, and the most backward
         gradients, on any rank."""
-        measured, largest = self.activations.measured_beside, self.ranks.largest_on_every_rank
-        return BesideBlocks(*(largest(n) for n in measured.fields())).scaled(self.activations.growth)
+        # scaled to a max_batch before the ranks agree: each rank scales from its own profiled batches
+        measured, largest = self.activations.measured_beside.scaled(self.activations.growth), self.ranks.largest_on_every_rank
+        return BesideBlocks(*(largest(n) for n in measured.fields()))
 
     def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, beside: Optional[BesideBlocks] = None) -> None:
         """``activations="auto"``, after the profiling step: the planner chooses every block's
