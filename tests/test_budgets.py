@@ -350,3 +350,18 @@ def test_max_batch_under_fabric_bounds_the_models_inputs() -> None:
     elements = 2 * BATCH * SEQ  # input_ids and labels
     with pytest.raises(ValueError, match=f"a training batch holds {elements:,} tensor elements, more than the {elements // 2:,} of max_batch"):
         fabric_train(TieredFabricStrategy(gpu_memory="2MiB", max_batch={"input_ids": half, "labels": half}), steps=1)
+
+
+@pytest.mark.parametrize("planner", ["auto", "lohan"])
+def test_layouts_swap_to_nvme_only_what_its_budget_leaves(planner: str) -> None:
+    from offload_strategy.planning.activations import BlockCost, Links, nvme_swapped_bytes
+    from offload_strategy.planning.planner import layout_for
+
+    # swapping is far faster than recomputing here: with NVMe room, every block but the last goes there
+    costs = [BlockCost(activation_bytes=MiB, input_bytes=MiB // 64, forward_seconds=1.0) for _ in range(8)]
+    fast = dict(h2d=1e12, d2h=1e12, nvme_read=1e12, nvme_write=1e12)
+    lay_out = layout_for(planner)
+    unbounded = lay_out(costs, Links(**fast), gpu_bytes=3 * MiB, host_bytes=0)
+    assert nvme_swapped_bytes(costs, unbounded.layout) > 2 * MiB
+    bounded = lay_out(costs, Links(**fast, nvme_room=2 * MiB), gpu_bytes=3 * MiB, host_bytes=0)
+    assert 0 < nvme_swapped_bytes(costs, bounded.layout) <= 2 * MiB
