@@ -53,6 +53,17 @@ class TieredStrategy(SingleDeviceStrategy):
             tensor by tensor, never the whole model in memory), or ``"auto"``: sharded when the
             parameters and optimizer states at home on NVMe exceed half the host memory
             available, one file otherwise. Both kinds load with ``ckpt_path``.
+        max_batch: the longest training batch the run will see, as the dataloader yields it (a
+            tensor, or a dict, tuple or list of them: under dynamic padding, one collated at the
+            longest sequence length and the largest batch size; under Fabric, the inputs of the
+            model's forward, ``(args, kwargs)``). The activation layout chosen
+            after the profiled steps is planned for it, the measured activations scaled by its
+            tensor elements over the smallest profiled batch's, so the plan holds for every batch
+            up to it from the first step: a run it cannot hold is refused in the first training
+            step, before any update, and a batch larger than it is refused. ``None``: the layout
+            is planned for the batches profiled, and a larger batch later is laid out again as its
+            first block is called (or, where no layout fits it, refused then). Without it, put the
+            longest batch first to have it profiled.
     """
 
 
@@ -69,12 +80,13 @@ class TieredStrategy(SingleDeviceStrategy):
         plan_file: Optional[Union[str, Path]] = None,
         *,
         state_dict_type: Union[str, StateDictType] = StateDictType.AUTO,
+        max_batch: Any = None,
         accelerator: Optional["Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file, max_batch)
         self.tiered = TieredCore(options, self, OneProcess())
         self.tiered.state_dict_type = StateDictType.coerce(state_dict_type)
         self._parallel_devices: Optional[list[torch.device]] = None
@@ -127,7 +139,8 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tiered.training_step(lambda: super(TieredStrategy, self).training_step(*args, **kwargs))
+        batch = args[0] if args else kwargs.get("batch")
+        return self.tiered.training_step(lambda: super(TieredStrategy, self).training_step(*args, **kwargs), batch=batch)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

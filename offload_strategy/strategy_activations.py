@@ -20,13 +20,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import BlockPolicy, format_bytes
 from .hardware.device import Device, make_device
 from .memory.nvme import NvmeStore
-from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, peak_bytes
+from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
 from .planning.cost_model import machine_from_spec
 from .planning.placement import GPU
-from .runtime.activation_swap import SWAP_NVME, ActivationSwap
+from .runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .runtime.activations import ActivationPolicies
 from .runtime.saved_bytes import SavedBytes
-from .strategy_context import TieredContext
+from .strategy_context import TieredContext, batch_elements
 
 
 def _unchanged(t: Any) -> Any:
@@ -53,6 +53,7 @@ class ActivationControl:
         self.planned_input_bytes = 0  # the first block's input the layout in place was planned for
         self.grown_costs: Optional[tuple[list[BlockCost], BesideBlocks]] = None  # a batch outgrew every layout beside the parameters as placed
         self._in_training_step = False
+        self.profiled_elements: Optional[int] = None  # the smallest batch the profiled steps ran, under a max_batch
 
     @property
     def saved_bytes(self) -> int:
@@ -95,8 +96,36 @@ class ActivationControl:
         return self.profiled and self.policies_in_use is not None and self.policies_in_use.planner == "auto"
 
     def block_costs(self) -> list[BlockCost]:
+        """The measured blocks' costs, for the longest batch where the user named one (``growth``)."""
         assert self.policies_in_use is not None
-        return self.policies_in_use.block_costs()
+        return _scaled(self.policies_in_use.block_costs(), self.growth)
+
+    # -- the longest batch ------------------------------------------------------------------------------
+
+    @property
+    def growth(self) -> float:
+        """How much larger than the smallest profiled batch the ``max_batch`` the user named is (in
+        tensor elements: activations grow with batch size times sequence length); 1 without one.
+        Every layout from the profiled steps' refusals on is planned for it, so the plan holds for
+        every batch up to it from the first step and none is laid out again mid-run."""
+        bound, seen = self.context.options.max_batch_elements, self.profiled_elements
+        return max(bound / seen, 1.0) if bound is not None and seen else 1.0
+
+    def note_batch(self, batch: Any) -> None:
+        """A training batch, before its forward: under a ``max_batch``, the smallest of the profiled
+        steps' is what their measurements are scaled from; a batch larger than the bound is refused."""
+        bound = self.context.options.max_batch_elements
+        if bound is None or batch is None:
+            return
+        elements = batch_elements(batch)
+        if elements > bound:
+            raise ValueError(
+                f"a training batch holds {elements:,} tensor elements, more than the {bound:,} of max_batch, the longest batch the "
+                f"activation layout was planned for: give max_batch the longest batch the run will see (largest batch size and "
+                f"sequence length), or leave it None to have larger batches laid out again as they come."
+            )
+        if self.measuring and elements:
+            self.profiled_elements = elements if self.profiled_elements is None else min(self.profiled_elements, elements)
 
     def gpu_parameter_bytes(self) -> int:
         """GPU tier taken by parameters, their gradients and optimizer states, as placed."""
@@ -118,12 +147,33 @@ class ActivationControl:
             return self.host_left() if {BlockPolicy.SWAP_HOST, BlockPolicy.CHECKPOINT_HOST} & set(self.policies) else 0
         return sum(c.host_bytes(p) for c, p in zip(self.costs, self.plan.layout))
 
-    def links(self) -> Links:
+    def links(self, nvme_room: bool = True) -> Links:
+        """The links swaps use beside the parameters' traffic as placed; with ``nvme_room``, the
+        NVMe budget the placement leaves, which bounds the layout's swaps there (the joint search
+        counts it per placement itself)."""
         context = self.context
         machine = machine_from_spec(context.hardware, nvme=context.nvme_path is not None)
         engine = context.engine
         moved = sum(s.unit.nbytes for s in engine.states if s.home != GPU) if engine is not None else 0
-        return Links.beside(machine, moved)
+        return Links.beside(machine, moved, self.nvme_room() if nvme_room else None)
+
+    def nvme_room(self) -> int:
+        """The NVMe budget the parameters' placement leaves (its units' parameters, states and spilled gradients)."""
+        engine, budgets = self.context.engine, self.context.budgets
+        assert budgets is not None
+        used = 0 if engine is None else max(engine.placement.nvme_bytes, engine.store.capacity if engine.store is not None else 0)
+        return max(budgets.nvme - used, 0)
+
+    def swap_store_capacity(self) -> int:
+        """What the activation swap's NVMe store may hold: the bytes the layout in place swaps
+        there, a quarter more for batches that grow before they are laid out again, within the
+        room the NVMe budget leaves; all that room where the layout's bytes are not known (a
+        layout the user fixed) or its swap_host blocks may overflow host memory onto NVMe."""
+        room = self.nvme_room()
+        if self.plan is None or not self.costs or SWAP_HOST in self.plan.layout:
+            return max(room, 1)
+        planned = nvme_swapped_bytes(self.costs, self.plan.layout)
+        return max(min(room, planned + planned // 4), 1)
 
     # -- the layout after the profiled step -----------------------------------------------------------
 
@@ -225,15 +275,22 @@ class ActivationControl:
         activations = self.policies_in_use
         if self.profiled and activations is not None:
             self._refuse_if_unfitting(activations.block_costs(), "measured in the first training step before any update",
-                                      self.measured_beside)
+                                      self.measured_beside)  # scaled to max_batch there
 
     def _refuse_if_unfitting(self, costs: list[BlockCost], measured: str, beside: BesideBlocks) -> None:
         activations, planner = self.policies_in_use, self.context.planner
         if activations is None or not activations.auto or self.context.policy.name == "none" or planner is None:
             return
         assert activations.planner is not None
-        # the profiled steps run their own layout (the first block kept) until the plan: it must fit too
-        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside, running=activations.policies)
+        growth = self.growth
+        if growth > 1:
+            measured += f", scaled {growth:.2f}x to max_batch"
+            costs, beside = _scaled(costs, growth), beside.scaled(growth)
+        # the profiled steps run their own layout (the first block kept) until the plan, beside the
+        # parameters in their smallest share: it must fit too (without an engine every parameter
+        # is in the GPU tier through those steps, whatever the planned layouts are placed beside)
+        running = activations.policies if self.context.engine is not None else ()
+        planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside, running=running)
 
     def note_forward_saved(self) -> None:
         """At the end of a profiled forward: what it kept for backward outside the blocks (the
@@ -319,8 +376,7 @@ class ActivationControl:
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
         growth = input_bytes / self.planned_input_bytes
-        costs = [replace(c, activation_bytes=round(c.activation_bytes * growth), input_bytes=round(c.input_bytes * growth),
-                         forward_seconds=c.forward_seconds * growth) for c in self.costs]
+        costs = _scaled(self.costs, growth)
         beside = self.beside.scaled(growth)
         links, host = self.links(), self.host_left()
         try:
@@ -338,8 +394,8 @@ class ActivationControl:
                     f"step may exceed it, and the parameters are placed again before the next")
         self.costs, self.beside, self.plan, self.searched, self.planned_input_bytes = costs, beside, plan, None, input_bytes
         activations.apply(plan.layout)
-        if activations.swaps and activations.swap is None:
-            self._attach_swap()
+        if activations.swaps and (activations.swap is None or self.swap_store is not None):
+            self.attach_swap_if_needed()
             assert activations.swap is not None
             activations.swap.begin_forward()
         rank_zero_info(
@@ -388,8 +444,14 @@ class ActivationControl:
     # -- swapping ---------------------------------------------------------------------------------------
 
     def attach_swap_if_needed(self) -> None:
+        """The swap's hooks where the layout swaps; its NVMe store made again, between steps or
+        before a step's first block, where the new layout swaps more there than it holds."""
         activations = self.policies_in_use
-        if activations is not None and activations.swaps and activations.swap is None:
+        if activations is None or not activations.swaps:
+            return
+        if activations.swap is not None and self.swap_store is not None and self.swap_store.capacity < self.swap_store_capacity():
+            self._detach_swap()
+        if activations.swap is None:
             self._attach_swap()
 
     def reattach_swap(self) -> None:
@@ -416,8 +478,7 @@ class ActivationControl:
             self._swap_device = device
         store = None
         if context.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory
-            used = engine.store.capacity if engine is not None and engine.store is not None else 0
-            store = NvmeStore(context.nvme_path, capacity=max(context.budgets.nvme - used, 1), checksums=context.policy.checksums)
+            store = NvmeStore(context.nvme_path, capacity=self.swap_store_capacity(), checksums=context.policy.checksums)
         self.swap_store = store
         swap = ActivationSwap(device, store, activations.is_parameter, host_limit=self.host_left())
         swap.outer = activations.outer
@@ -470,3 +531,12 @@ class ActivationControl:
 
 def _recomputed(layout: Sequence[str]) -> set[int]:
     return {i for i, policy in enumerate(layout) if policy in RECOMPUTED}
+
+
+def _scaled(costs: list[BlockCost], growth: float) -> list[BlockCost]:
+    """Blocks' costs for a batch ``growth`` times as large (activations and inputs grow in
+    proportion to batch size times sequence length, and so does the forward's time)."""
+    if growth == 1:
+        return costs
+    return [replace(c, activation_bytes=round(c.activation_bytes * growth), input_bytes=round(c.input_bytes * growth),
+                    forward_seconds=c.forward_seconds * growth) for c in costs]

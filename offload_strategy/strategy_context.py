@@ -9,6 +9,7 @@ Calls go one way: strategy → core → activation control, planner, engine; not
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
@@ -59,6 +60,9 @@ class TieredOptions:
     nvme_memory: Budget
     nvme_path: Optional[Path]
     plan_file: Optional[Path]
+    # the tensor elements of the longest training batch the user named (``max_batch``): the
+    # activation layout is planned for it from the first plan on; None: for the batches seen
+    max_batch_elements: Optional[int] = None
 
     @classmethod
     def parse(
@@ -70,6 +74,7 @@ class TieredOptions:
         nvme_path: Optional[Union[str, Path]],
         nvme_memory: BudgetLike,
         plan_file: Optional[Union[str, Path]],
+        max_batch: Any = None,
     ) -> "TieredOptions":
         # "auto" is probed at setup, not here: probing CUDA in the constructor would initialise it
         # in a process that may still fork workers.
@@ -83,8 +88,32 @@ class TieredOptions:
         return cls(
             policy=PolicyConfig.coerce(policy), hardware=hardware, gpu_memory=Budget.parse(gpu_memory, "gpu_memory"),
             host_memory=Budget.parse(host_memory, "host_memory"), nvme_memory=Budget.parse(nvme_memory, "nvme_memory"),
-            nvme_path=path, plan_file=_validate_plan_file(plan_file),
+            nvme_path=path, plan_file=_validate_plan_file(plan_file), max_batch_elements=_max_batch_elements(max_batch),
         )
+
+
+def batch_elements(batch: Any) -> int:
+    """The elements of every tensor in a batch (tensors, mappings and sequences of them, nested):
+    what a batch's activations grow with when its tensors grow with batch size times sequence length."""
+    if torch.is_tensor(batch):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        return sum(batch_elements(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_elements(v) for v in batch)
+    return 0
+
+
+def _max_batch_elements(max_batch: Any) -> Optional[int]:
+    if max_batch is None:
+        return None
+    elements = batch_elements(max_batch)
+    if elements <= 0:
+        raise ValueError(
+            f"max_batch={type(max_batch).__name__} holds no tensor: give the longest training batch as the dataloader yields it "
+            f"(its tensors, or a dict or tuple of them, at the largest batch size and sequence length the run will see)."
+        )
+    return elements
 
 
 @dataclass

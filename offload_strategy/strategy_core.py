@@ -37,7 +37,7 @@ from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from .planning.memferry import gradient_offload_plan
-from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize, minimum_gpu_bytes
+from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
 from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
 from .planning.sharding import Sharding
@@ -452,7 +452,7 @@ class TieredCore:
             # a model's own checkpointing may show itself only in its first backward: the fewest
             # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
             return placement
-        smallest = minimum_gpu_bytes(planner.units.sizes, together, self.policy.prefetch)
+        smallest = planner.least_parameter_share(together)  # what host memory and NVMe can hold the rest of
         if smallest >= placement.gpu_bytes:
             return placement
         try:
@@ -628,7 +628,8 @@ class TieredCore:
     def _beside(self) -> BesideBlocks:
         """The most activations a profiled forward kept outside the blocks, and the most backward
         gradients, on any rank."""
-        measured, largest = self.activations.measured_beside, self.ranks.largest_on_every_rank
+        # scaled to a max_batch before the ranks agree: each rank scales from its own profiled batches
+        measured, largest = self.activations.measured_beside.scaled(self.activations.growth), self.ranks.largest_on_every_rank
         return BesideBlocks(*(largest(n) for n in measured.fields()))
 
     def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, beside: Optional[BesideBlocks] = None) -> None:
@@ -826,12 +827,13 @@ class TieredCore:
         if predicted is not None:
             self.prediction.planned(predicted.seconds, "step model")
 
-    def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None) -> Any:
-        """A training step's forward (``run``), between the planner's decisions and the engine's
-        step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
+    def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None, batch: Any = None) -> Any:
+        """A training step's forward (``run``) of ``batch``, between the planner's decisions and the
+        engine's step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self.take_back_exposed()  # before the engine may be replaced
         self._plan_between_steps(rules)
+        self.activations.note_batch(batch)  # after the plan: a batch the layout is planned with is a profiled step's
         self.prediction.step_begins()
         self.activations.begin_block_forward()
         try:
@@ -1125,7 +1127,9 @@ class TieredCore:
         return True
 
     def resolve_budgets(self) -> TierBudgets:
-        """Grant each tier its budget, refusing up front any that asks for more than is free."""
+        """Grant each tier its budget, refusing up front any that asks for more than is free. On a
+        machine without a GPU the emulated GPU tier lives in host memory: the two are checked
+        together against the same memory (``_share_emulated``)."""
         options, root = self.options, self.lightning.root_device
         if options.nvme_path is not None:
             self._created_directories = _check_writable_directory(options.nvme_path) or self._created_directories
@@ -1153,6 +1157,8 @@ class TieredCore:
                     f"{format_bytes(free[name])} free. Lower {name}, give a fraction such as 0.9, "
                     f"or leave it None to use all that is free."
                 )
+        if root.type != "cuda":
+            granted["gpu_memory"], granted["host_memory"] = _share_emulated(options.gpu_memory, options.host_memory, free["host_memory"])
         budgets = TierBudgets(gpu=granted["gpu_memory"], host=granted["host_memory"], nvme=granted["nvme_memory"])
         return self.ranks.share_budgets(budgets, (options.gpu_memory, options.host_memory, options.nvme_memory))
 
@@ -1199,6 +1205,28 @@ def _nvme_state_bytes(engine: TieredEngine) -> int:
     """Parameters and optimizer states at home on NVMe."""
     on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
     return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+
+
+def _share_emulated(gpu: Budget, host: Budget, available: int) -> tuple[int, int]:
+    """The emulated GPU tier's budget and host memory's, from the same ``available`` host memory:
+    two bounded budgets (bytes or fractions) must fit in it together; one left None takes what
+    the other leaves; both None, each may use all of it (one pool: the planner fills the GPU tier
+    first and host memory holds what does not fit there)."""
+    gpu_bytes, host_bytes = gpu.resolve(available), host.resolve(available)
+    bounded_gpu, bounded_host = gpu.bytes is not None or gpu.fraction is not None, host.bytes is not None or host.fraction is not None
+    if bounded_gpu and bounded_host and gpu_bytes + host_bytes > available:
+        raise MemoryBudgetError(
+            f"gpu_memory={gpu} ({format_bytes(gpu_bytes)}) and host_memory={host} ({format_bytes(host_bytes)}) ask for "
+            f"{format_bytes(gpu_bytes + host_bytes)} together, but there is no GPU: the GPU tier is emulated in the same host memory, "
+            f"of which {format_bytes(available)} is available. Lower them so that together they are at most {format_bytes(available)} "
+            f"(host_memory={format_bytes(max(available - gpu_bytes, 0))} beside this gpu_memory), or leave host_memory None to take "
+            f"what gpu_memory leaves."
+        )
+    if bounded_gpu and not bounded_host:
+        host_bytes = max(available - gpu_bytes, 0)
+    elif bounded_host and not bounded_gpu:
+        gpu_bytes = max(available - host_bytes, 0)
+    return gpu_bytes, host_bytes
 
 
 def _half_host_available() -> int:

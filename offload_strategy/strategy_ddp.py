@@ -116,8 +116,9 @@ class TieredDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        max_batch: Any = None,
     ) -> None:
-        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file, max_batch)
         self.shard_states = bool(shard_states)
         self._ranks = DataParallelRanks(self, options, self.shard_states, bool(share_host_homes))
         self.tiered = TieredCore(options, self, self._ranks)
@@ -171,7 +172,8 @@ class TieredDDPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tiered.training_step(lambda: super(TieredDDPStrategy, self).training_step(*args, **kwargs))
+        batch = args[0] if args else kwargs.get("batch")
+        return self.tiered.training_step(lambda: super(TieredDDPStrategy, self).training_step(*args, **kwargs), batch=batch)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -115,13 +115,13 @@ class _TieredModule(nn.Module):
     """What ``fabric.setup`` returns inside its own wrapper: each forward is a training step of
     the core (with gradients enabled) or an evaluation step (without)."""
 
-    def __init__(self, module: nn.Module, forward: Callable[[Callable[[], Any]], Any]) -> None:
+    def __init__(self, module: nn.Module, forward: Callable[[Callable[[], Any], Any], Any]) -> None:
         super().__init__()
         self.module = module
         self._tiered_forward = forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tiered_forward(lambda: self.module(*args, **kwargs))
+        return self._tiered_forward(lambda: self.module(*args, **kwargs), (args, kwargs))  # the inputs: the batch max_batch bounds
 
 
 def _route_zero_grad(optimizer: torch.optim.Optimizer) -> None:
@@ -174,8 +174,9 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         parallel_devices: Optional[list[torch.device]] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
+        max_batch: Any = None,
     ) -> None:
-        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file)
+        options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file, max_batch)
         self._state = _FabricState(self)
         self.tiered = TieredCore(options, self._state, OneProcess())
         self._rules = FabricRules(training=False)
@@ -259,9 +260,9 @@ class TieredFabricStrategy(SingleDeviceStrategy):
             _route_zero_grad(optimizer)
         return _TieredModule(module, self._forward)
 
-    def _forward(self, run: Callable[[], Any]) -> Any:
+    def _forward(self, run: Callable[[], Any], inputs: Any = None) -> Any:
         if torch.is_grad_enabled() and self._rules.training:
-            return self.tiered.training_step(run, self._rules)
+            return self.tiered.training_step(run, self._rules, batch=inputs)
         return self.tiered.eval_step(run)
 
     # -- the step ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from ..config import HardwareSpec
+from .cgroup import cgroup_memory
 from .specs import KNOWN_MACHINES
 
 # GPU product-name fragments (as CUDA reports them) -> known spec to borrow peak figures from.
@@ -46,8 +47,19 @@ AVAILABLE_SHARE = 0.95
 
 
 def host_available() -> int:
-    """Bytes of host memory the OS can give without swapping."""
-    return int(psutil.virtual_memory().available)
+    """Bytes of host memory the OS can give without swapping, and within the limit of the control
+    group the process runs in, where one is set (``cgroup.py``: a container's limit is where the
+    OOM killer acts, however much the machine has free)."""
+    available = int(psutil.virtual_memory().available)
+    group = cgroup_memory()
+    return available if group is None else min(available, group.free)
+
+
+def host_total() -> int:
+    """Bytes of host memory the process may hold at most: the machine's, or its control group's limit."""
+    total = int(psutil.virtual_memory().total)
+    group = cgroup_memory()
+    return total if group is None else min(total, group.limit)
 
 
 # Training multiplies matrices on two threads: the training loop's and autograd's backward thread.
@@ -134,7 +146,7 @@ def probe_hardware(**overrides: Any) -> HardwareSpec:
         name="auto",
         gpu=gpu,
         gpu_memory=gpu_memory,
-        host_memory=int(psutil.virtual_memory().total),
+        host_memory=host_total(),
         cpu_cores=cpu_cores(),
         source=source,
         **figures,

@@ -69,15 +69,22 @@ class Links(Bandwidth):
     gradient_backward_seconds: float = 0.0
     nvme_forward_seconds: float = 0.0
     nvme_backward_seconds: float = 0.0
+    # bytes of the NVMe budget the parameters' placement leaves for swapped activations (None: no bound)
+    nvme_room: Optional[int] = None
 
     @classmethod
-    def beside(cls, links: Bandwidth, streamed_bytes: int = 0) -> "Links":
-        """``links`` with ``streamed_bytes`` of parameters crossing host -> GPU tier in forward and again in backward."""
+    def beside(cls, links: Bandwidth, streamed_bytes: int = 0, nvme_room: Optional[int] = None) -> "Links":
+        """``links`` with ``streamed_bytes`` of parameters crossing host -> GPU tier in forward and
+        again in backward, and ``nvme_room`` bytes of NVMe for swapped activations."""
         seconds = streamed_bytes / links.h2d if streamed_bytes else 0.0
         return cls(
             h2d=links.h2d, d2h=links.d2h, nvme_read=links.nvme_read, nvme_write=links.nvme_write,
-            parameter_forward_seconds=seconds, parameter_backward_seconds=seconds,
+            parameter_forward_seconds=seconds, parameter_backward_seconds=seconds, nvme_room=nvme_room,
         )
+
+    def holds_on_nvme(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` of swapped activations may go to NVMe: a link to it, and room in its budget."""
+        return nbytes <= 0 or (self.nvme_write > 0 and (self.nvme_room is None or nbytes <= self.nvme_room))
 
     @classmethod
     def lohan(cls, links: Bandwidth, parameters: int) -> "Links":
@@ -192,6 +199,11 @@ def split_swaps(costs: Sequence[BlockCost], layout: Sequence[str], host_bytes: i
             used += cost.input_bytes
         out.append(choice)
     return out
+
+
+def nvme_swapped_bytes(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
+    """The bytes a layout swaps to NVMe in a step (its ``swap_nvme`` blocks' activations)."""
+    return sum(c.activation_bytes for c, p in zip(costs, layout) if p == SWAP_NVME)
 
 
 def peak_bytes(costs: Sequence[BlockCost], layout: Sequence[str], head: int = 0) -> int:
@@ -318,7 +330,7 @@ class _Pricer:
                 below += held
                 recompute += f if choice == CHECKPOINT else 0
             layout.append(choice)
-        if to_nvme and self.links.nvme_write <= 0:
+        if to_nvme and not self.links.holds_on_nvme(on_nvme):
             return None
         # the end of forward (everything held, the last swap in flight), or a moment of backward
         return layout, max(below + in_flight + self.head, moments), _passes_seconds(self.links, self.forward, recompute, swapped, on_nvme)
@@ -427,6 +439,12 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
         else:
             layout[j] = SWAP_NVME
         peak = peak_bytes(costs, layout, head)
+    on_nvme = nvme_swapped_bytes(costs, layout)
+    if not links.holds_on_nvme(on_nvme):
+        raise ValueError(
+            f"TeraIO's offloads send {on_nvme:,} bytes of activations to NVMe, over the {links.nvme_room:,} bytes the NVMe budget "
+            f"leaves beside the parameters; raise nvme_memory or host_memory, or use activations='auto', which can also recompute blocks."
+        )
     if peak > gpu_bytes:
         raise ValueError(
             f"TeraIO's offloads leave {peak:,} bytes of activations in the GPU tier at the worst moment, over the {gpu_bytes:,} "

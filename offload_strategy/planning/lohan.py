@@ -35,7 +35,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .activations import CHECKPOINT, CHECKPOINT_HOST, KEEP, SWAP_HOST, SWAP_NVME, ActivationPlan, BlockCost, Links, peak_bytes, split_swaps, step_seconds
+from .activations import (CHECKPOINT, CHECKPOINT_HOST, KEEP, SWAP_HOST, ActivationPlan, BlockCost, Links, nvme_swapped_bytes,
+                          peak_bytes, split_swaps, step_seconds)
 
 # what the step-time curve over the swapped amount looks like (§IV-D)
 RISING, FALLING, TURNING = 1, 2, 3
@@ -110,7 +111,7 @@ def _walk(costs: Sequence[BlockCost], order: Sequence[int], links: Links, gpu_by
     layouts = [_layout(costs, set(order[:k]), host_bytes, recomputed) for k in range(len(order) + 1)]
     seconds = [step_seconds(costs, layout, links) for layout in layouts]
     peaks = [peak_bytes(costs, layout, head) for layout in layouts]
-    safe = [peak <= gpu_bytes and (SWAP_NVME not in layout or links.nvme_write > 0) for peak, layout in zip(peaks, layouts)]
+    safe = [peak <= gpu_bytes and links.holds_on_nvme(nvme_swapped_bytes(costs, layout)) for peak, layout in zip(peaks, layouts)]
     chosen, best = 0, math.inf
     for k in range(1, len(order) + 1):
         if seconds[k] >= best - 1e-12 and safe[chosen]:

@@ -31,7 +31,7 @@ from .activations import (RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, L
 from .auto import AutoPlan, plan_auto
 from .cost_model import Machine, costs_from_timing
 from .lohan import lohan_layout
-from .placement import Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
+from .placement import DEVICE_SLOT_ALIGNMENT, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .plan_file import PlanFile, check_plan
 from .sharding import Sharding
 
@@ -144,6 +144,8 @@ class Planner:
         self.profiling_placement = False
         # host bytes the activation layout keeps there: the staging buffers beyond the minimum leave them
         self.host_reserve = 0
+        # per unit grouping, the least GPU share host memory and NVMe hold the rest of (and the model it is for)
+        self._least_shares: dict[tuple[tuple[int, ...], ...], tuple[ModelUnits, int]] = {}
 
     @property
     def searching(self) -> bool:
@@ -294,11 +296,65 @@ class Planner:
 
     def smallest_parameter_share(self, block_policies: Sequence[str], recomputing: bool = True) -> int:
         """The GPU tier the parameters need at the least: every block's units streamed together
-        (``recomputing``: any block may be recomputed), or each module's alone."""
+        (``recomputing``: any block may be recomputed), or each module's alone; and no less than
+        host memory and NVMe need to hold the rest (:meth:`least_parameter_share`)."""
         if self.model is None or not self.model.sizes:
             return 0
         groups = self.working_groups(block_policies, every_block=True) if recomputing else list(self.units.together)
-        return minimum_gpu_bytes(self.units.sizes, groups, self.policy.prefetch)
+        return self.least_parameter_share(groups)
+
+    def least_parameter_share(self, groups: list[list[int]]) -> int:
+        """The least of the GPU tier the parameters can be placed in, ``groups`` of units used
+        together: the fewest streaming buffers those groups need, where host memory and NVMe hold
+        what that leaves out; else the least share whose placement they hold (bisected: a larger
+        share keeps more units resident, leaving them less). The profiling placement, the layout
+        that places the parameters again and the refusals that name a minimum all count with it,
+        so that a budget accepted at set-up is not refused by the placement after the profiled
+        steps. Where the first-use placement does not choose the homes (a plan file, a placement
+        mode that fixes them), or even the whole budget is refused, the fewest buffers (the
+        placement then refuses with its own numbers)."""
+        model = self.units
+        smallest = minimum_gpu_bytes(model.sizes, groups, self.policy.prefetch)
+        if self.plan is not None or self.policy.placement not in (PlacementMode.FILL, PlacementMode.SEARCH):
+            return smallest
+        key = tuple(tuple(group) for group in groups)
+        known = self._least_shares.get(key)
+        if known is not None and known[0] is model:
+            return known[1]
+        least, most = smallest, self.budgets.gpu
+        if not self._holds(groups, least) and self._holds(groups, most):
+            while most - least > DEVICE_SLOT_ALIGNMENT:  # ``least`` is refused, ``most`` held
+                middle = (least + most) // 2
+                least, most = (least, middle) if self._holds(groups, middle) else (middle, most)
+            least = most
+        self._least_shares[key] = (model, least)
+        return least
+
+    def _holds(self, groups: list[list[int]], gpu_bytes: int) -> bool:
+        """Whether the first-use placement in ``gpu_bytes`` of the GPU tier fits every budget."""
+        return self._first_use(groups, gpu_bytes) is not None
+
+    def _first_use(self, groups: list[list[int]], gpu_bytes: int) -> Optional[Placement]:
+        """The first-use placement in ``gpu_bytes`` of the GPU tier; None where a budget refuses it."""
+        model, budgets = self.units, self.budgets
+        try:
+            return place_units(
+                model.sizes, groups, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
+                sharding=model.sharding, prefetch=self.policy.prefetch, gradients_until_update=model.gradients_until_update,
+                spill_gradients=model.spill_gradients, host_reserve=self.host_reserve,
+            )
+        except PlacementError:
+            return None
+
+    def _share_placed(self, block_policies: Sequence[str], recomputing: bool) -> tuple[int, Optional[Placement]]:
+        """The parameters' smallest share (:meth:`smallest_parameter_share`) and the first-use
+        placement in it, whose host memory and NVMe a layout beside it cannot have; no placement
+        where the homes are fixed (their use is the placement in use's) or none fits."""
+        share = self.smallest_parameter_share(block_policies, recomputing)
+        if self.model is None or self.plan is not None or self.policy.placement not in (PlacementMode.FILL, PlacementMode.SEARCH):
+            return share, None
+        groups = self.working_groups(block_policies, every_block=True) if recomputing else list(self.units.together)
+        return share, self._first_use(groups, share)
 
     def least_activation_peak(
         self, costs: Sequence[BlockCost], planner: str, beside: BesideBlocks = BesideBlocks(), running: Sequence[str] = (),
@@ -311,8 +367,21 @@ class Planner:
             layouts: tuple[Sequence[str], ...] = ([BlockPolicy.SWAP_HOST] * (len(costs) - 1) + [BlockPolicy.KEEP],)
         else:
             layouts = (interleaved_layout(len(costs), 0, len(costs)), [BlockPolicy.CHECKPOINT_HOST] * len(costs), [BlockPolicy.SWAP_HOST] * len(costs))
-        least = min(peak_bytes(costs, layout, beside.head) for layout in layouts)
+        # a layout that moves blocks out needs the room the parameters' smallest share leaves in host memory and NVMe
+        room = self._room_beside_smallest(len(costs))
+        held = [layout for layout in layouts if room is None or _moved_out(costs, layout) <= room] or layouts[:1]
+        least = min(peak_bytes(costs, layout, beside.head) for layout in held)
         return beside.in_blocks + max(least, peak_bytes(costs, running, beside.head) if running else 0)
+
+    def _room_beside_smallest(self, blocks: int) -> Optional[int]:
+        """Host memory and NVMe the parameters placed in their smallest share (any block
+        recomputed) leave for activations moved out of the GPU tier; None where not known."""
+        if self.model is None or len(self.model.block_units) != blocks:
+            return None
+        _share, placed = self._share_placed([BlockPolicy.CHECKPOINT] * blocks, True)
+        if placed is None:
+            return None
+        return max(self.budgets.host - placed.host_bytes, 0) + (max(self.budgets.nvme - placed.nvme_bytes, 0) if self.has_nvme else 0)
 
     def activation_minimum_note(
         self, costs: Sequence[BlockCost], planner: str, block_policies: Sequence[str], beside: BesideBlocks = BesideBlocks(),
@@ -320,8 +389,16 @@ class Planner:
     ) -> str:
         smallest = self.smallest_parameter_share(block_policies)
         least = self.least_activation_peak(costs, planner, beside, running)
+        fewest = (minimum_gpu_bytes(self.units.sizes, self.working_groups(block_policies, every_block=True), self.policy.prefetch)
+                  if self.model is not None and self.model.sizes else smallest)
+        held = (
+            f" (not the fewest buffers, {format_bytes(fewest)}: host_memory={format_bytes(self.budgets.host)} and "
+            f"nvme_memory={format_bytes(self.budgets.nvme)} hold the rest of the parameters only beside {format_bytes(smallest)} of them "
+            f"in the GPU tier; more host memory or NVMe lets the activations have more of it)"
+            if smallest > fewest else ""
+        )
         return (
-            f"With {format_bytes(smallest)} of streaming buffers for the parameters{beside.note(', ')}, gpu_memory must be at least "
+            f"With {format_bytes(smallest)} of streaming buffers for the parameters{held}{beside.note(', ')}, gpu_memory must be at least "
             f"{format_bytes(smallest + least, at_least=True)} (it is {format_bytes(self.budgets.gpu)})."
         )
 
@@ -363,9 +440,15 @@ class Planner:
         except ValueError as error:
             if self.policy.name == "none":
                 raise ValueError(f"{error} policy 'none' keeps every parameter in the GPU tier; use policy 'auto' to make room.") from None
+        def beside_share(recomputing: bool) -> ActivationPlan:
+            # the swaps take what the parameters placed in that share leave of host memory and NVMe
+            share, placed = self._share_placed(block_policies, recomputing)
+            room = links if placed is None else replace(links, nvme_room=max(self.budgets.nvme - placed.nvme_bytes, 0))
+            left = host_bytes if placed is None else min(host_bytes, max(self.budgets.host - placed.host_bytes, 0))
+            return self.layout_beside(costs, room, planner, share, left, beside)
+
         try:
-            plan = layout_beside_smallest(lambda recomputing: self.layout_beside(
-                costs, links, planner, self.smallest_parameter_share(block_policies, recomputing), host_bytes, beside))
+            plan = layout_beside_smallest(beside_share)
         except ValueError as refusal:
             raise ValueError(f"{refusal} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
         return plan, self.budgets.gpu - plan.peak_bytes
@@ -380,3 +463,8 @@ class Planner:
         gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.in_blocks, 0)
         plan = layout_for(planner)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes, head=beside.head)
         return replace(plan, peak_bytes=plan.peak_bytes + beside.in_blocks) if beside.in_blocks else plan
+
+
+def _moved_out(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
+    """The bytes a layout keeps out of the GPU tier from forward to backward (host memory or NVMe)."""
+    return sum(c.host_bytes(p) for c, p in zip(costs, layout))
