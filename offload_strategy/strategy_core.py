@@ -1024,7 +1024,7 @@ class TieredCore:
         if not is_sharded_checkpoint(checkpoint_path):
             return plain(checkpoint_path, weights_only=weights_only)
         # the model's and optimizers' tensors are read when loaded into their places, the rest now
-        source = ShardedCheckpoint(checkpoint_path)
+        source = ShardedCheckpoint(checkpoint_path, weights_only)
         checkpoint = source.meta(lambda path: read(path, weights_only=weights_only))
         checkpoint["state_dict"] = source.model_state()
         if source.optimizer_count():
