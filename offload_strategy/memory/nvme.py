@@ -10,9 +10,9 @@ whole pages. Requests are cut into chunks spread over a small thread pool, which
 here than mmap, numpy.memmap or libaio (docs/architecture.md, "Platform facts").
 
 Checksums (on by default): each chunk's XXH3-64 is taken by the thread that writes it and checked by
-the thread that reads it back, seeded by the store, the file, the write and the chunk's offset, so
-that a flipped bit, a zeroed block, another file's data or an older write of the same file is an
-error naming the file (docs/benchmarks.md measures what they cost).
+the thread that reads it back against the digests of the key's last write, kept in memory, so that
+a flipped bit, a zeroed block, another file's data or an older write of the same file is an error
+naming the file (docs/benchmarks.md measures what they cost).
 
 A machine shared with other users: the NVMe path and every directory above it must be writable by
 this user (or root) alone, or carry the sticky bit (``check_private_directory``), and the run's files
@@ -28,7 +28,6 @@ import mmap
 import os
 import shutil
 import stat
-import struct
 import tempfile
 import threading
 import time
@@ -73,25 +72,22 @@ class _Mismatch(Exception):
 
 @dataclass
 class _Seal:
-    """The digests a request's chunks are checked against: XXH3-64 of each chunk, seeded by the
-    store's salt, the file's number, the write's version and the chunk's offset, so that the bytes
-    of another store, another file, an older write or another place do not pass."""
+    """What one write of a key wrote: the XXH3-64 of each chunk, by the chunk's offset. A read of
+    the key checks each chunk against its digest here, so bytes that are not this write's (damaged,
+    another file's, an older write's) fail, whatever file system or disk returned them."""
 
-    identity: bytes  # the store's salt, the file's number and the write's version
     digests: dict[int, int]  # chunk offset -> digest of what was written there
 
-    def digest(self, data: memoryview, offset: int) -> int:
-        seed = xxhash.xxh3_64_intdigest(self.identity + struct.pack("<Q", offset))
-        return xxhash.xxh3_64_intdigest(data, seed=seed)
+    @staticmethod
+    def digest(data: memoryview) -> int:
+        return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass
 class _Entry:
     name: str  # the file's name in the run directory
     file: Path  # its full path, for messages
-    number: int
     length: int  # true byte length; the file may be padded to whole pages
-    version: int = 0  # writes so far
     seal: Optional[_Seal] = None  # the last write's digests, when checksums are on
 
 
@@ -304,7 +300,6 @@ class NvmeStore:
         self._remove_dir = weakref.finalize(self, self._run.remove)
         self.capacity = capacity
         self.checksums = checksums  # XXH3 of every chunk written, checked on every read
-        self._salt = os.urandom(8)  # the files of another store (another run, the activations') do not pass
         self.direct = direct and _direct_works(self._run.fd)
         self.bytes_written = 0
         self.bytes_read = 0
@@ -345,11 +340,10 @@ class NvmeStore:
                 )
             if entry is None:  # file names are counters: keys may hold any characters
                 name = f"{self._next_file:08d}.bin"
-                entry = self._entries[key] = _Entry(name, self.path / name, self._next_file, n)
+                entry = self._entries[key] = _Entry(name, self.path / name, n)
                 self._next_file += 1
             entry.length, self._used = n, used + n
-            entry.version += 1
-            entry.seal = _Seal(self._salt + struct.pack("<QQ", entry.number, entry.version), {}) if self.checksums else None
+            entry.seal = _Seal({}) if self.checksums else None  # a new write: the old digests no longer hold
         flags = os.O_CREAT | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
         return self._transfer(_Request("write", key, entry, flags, data, _round_up(n) if self.direct else n))
 
@@ -452,7 +446,7 @@ class NvmeStore:
     def _write_chunk(self, fd: int, data: np.ndarray, off: int, n: int, aligned: bool, seal: Optional[_Seal]) -> None:
         view = memoryview(data)[off : off + n]
         if seal is not None:
-            seal.digests[off] = seal.digest(view, off)
+            seal.digests[off] = seal.digest(view)
         if self.direct:
             body = n - n % PAGE if aligned else 0
             _all(lambda b, o: os.pwritev(fd, [b], o), view[:body], off)
@@ -477,7 +471,7 @@ class NvmeStore:
                     view[body:] = bounce[: n - body]
         else:
             _all(lambda b, o: os.preadv(fd, [b], o), view, off)
-        if seal is not None and seal.digests.get(off) != seal.digest(view, off):
+        if seal is not None and seal.digests.get(off) != seal.digest(view):
             raise _Mismatch(off, n)
         with self._lock:
             self.bytes_read += n
