@@ -46,7 +46,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-from .checkpoint_io import PARTIAL_SUFFIX, fsync_path, locked, partial_prefix, remove_abandoned_partials, remove_path, replace_atomically
+from .checkpoint_io import (
+    PARTIAL_SUFFIX, fsync_path, locked, naming_failures, partial_prefix, remove_abandoned_partials, remove_path, replace_atomically,
+)
 from .runtime.lending import storage_address
 from .weights import WeightsMismatchError
 
@@ -110,14 +112,17 @@ def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers
             # unit. A file per tensor: DCP's writer keeps each tensor of a file until the file
             # closes. Flushed together at the end rather than each as it closes (1.5x faster here).
             writer = dcp.FileSystemWriter(temporary, single_file_per_rank=False, sync_files=False, thread_count=1, per_thread_copy_ahead=0)
-            with _single_process():
-                dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
-            with open(temporary / META_FILE, "wb") as handle:
-                torch.save(rest, handle)
-            for written in temporary.iterdir():
-                fsync_path(written)
-            fsync_path(temporary)
-            replace_atomically(temporary, path)
+            with naming_failures("write", path, temporary):
+                with _single_process():
+                    dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
+                with open(temporary / META_FILE, "wb") as handle:
+                    torch.save(rest, handle)
+            with naming_failures("fsync (flush to disk)", path, temporary):
+                for written in temporary.iterdir():
+                    fsync_path(written)
+                fsync_path(temporary)
+            with naming_failures("rename into place", path, temporary):
+                replace_atomically(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):  # the error that stopped the save is the one to see
             remove_path(temporary)
@@ -295,7 +300,7 @@ class ShardedCheckpoint:
         if not targets:
             return {}
         nested = _nest(targets)
-        with _single_process():
+        with naming_failures("read", self.path), _single_process():
             dcp.load(nested, storage_reader=self._reader, planner=_LoadPlanner(self.weights_only), no_dist=True)
         return {path: _find(nested, path) for path in paths}
 

@@ -71,6 +71,7 @@ def test_the_strategy_refuses_an_unsafe_nvme_path_at_set_up(tmp_path):
     strategy = tiered("nvme", shared)  # nvme_path = shared/nvme
     with pytest.raises(NvmeUnsafePathError, match="no sticky bit"):
         fit(strategy, tmp_path / "run", Net, steps=1)
+    assert list(shared.iterdir()) == [], "the NVMe path was made before it was refused"
 
 
 def test_a_renamed_run_directory_and_a_planted_link_are_never_followed(tmp_path):

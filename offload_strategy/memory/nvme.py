@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -345,7 +346,7 @@ class NvmeStore:
             entry.length, self._used = n, used + n
             entry.seal = _Seal({}) if self.checksums else None  # a new write: the old digests no longer hold
         flags = os.O_CREAT | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
-        return self._transfer(_Request("write", key, entry, flags, data, _round_up(n) if self.direct else n))
+        return self._transfer(_Request(_Op.WRITE, key, entry, flags, data, _round_up(n) if self.direct else n))
 
     def read(self, key: str, dst: torch.Tensor) -> Future:
         """Fill ``dst`` with the bytes stored under ``key``; the sizes must match exactly. With
@@ -361,7 +362,7 @@ class NvmeStore:
             raise ValueError(
                 f"NVMe key {key!r} holds {entry.length} bytes but dst has {data.nbytes} bytes; read into a tensor of the stored size."
             )
-        return self._transfer(_Request("read", key, entry, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None))
+        return self._transfer(_Request(_Op.READ, key, entry, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None))
 
     def delete(self, key: str) -> None:
         with self._lock:
@@ -429,7 +430,7 @@ class NvmeStore:
 
         if not spans:
             finish()
-        chunk = self._write_chunk if request.op == "write" else self._read_chunk
+        chunk = self._write_chunk if request.op is _Op.WRITE else self._read_chunk
         seal = request.entry.seal
         for off, length in spans:
             self._pool.submit(chunk, fd, request.data, off, length, aligned, seal).add_done_callback(finish)
@@ -477,11 +478,16 @@ class NvmeStore:
             self.bytes_read += n
 
 
+class _Op(Enum):
+    READ = "read"
+    WRITE = "write"
+
+
 @dataclass(frozen=True)
 class _Request:
     """One read or write of a key's whole file."""
 
-    op: str  # "read" or "write"
+    op: _Op
     key: str
     entry: _Entry
     flags: int
@@ -490,7 +496,7 @@ class _Request:
 
     def failure(self, err: BaseException, directory: Path) -> BaseException:
         """The error a request's future fails with: what was done to which key, in which file."""
-        what = f"NVMe {self.op} of key {self.key!r} ({format_bytes(self.data.nbytes)}) in {self.entry.file}"
+        what = f"NVMe {self.op.value} of key {self.key!r} ({format_bytes(self.data.nbytes)}) in {self.entry.file}"
         if isinstance(err, _Mismatch):
             return NvmeChecksumError(
                 5, f"{what}: the data came back different from what was written (bytes {err.offset}-{err.offset + err.length} "
