@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from offload_strategy import PolicyConfig
 from offload_strategy.memory.nvme import PAGE, NvmeChecksumError, NvmeStore
+from offload_strategy.sharded_checkpoint import consolidate
 from tests.helpers import tiny_data
 from tests.test_recipes import Net, fit, tiered
 
@@ -162,12 +163,17 @@ class DamageAtSecondEpochEnd(L.Callback):
             flip_bit(_files(settled(trainer, engine_store(trainer)), is_parameters))
 
 
-def test_a_checkpoint_due_after_the_damage_is_never_written(tmp_path):
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_checkpoint_due_after_the_damage_is_never_written(tmp_path, state_dict_type):
+    """A single file gathers the true values before it is written; a sharded checkpoint reads
+    each NVMe value as its writer reaches it: either way the damaged read stops the save."""
+    from tests.test_sharded_checkpoint import sharded
+
     checkpoints = tmp_path / "ckpt"
     every_epoch = ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1)
     L.seed_everything(7, verbose=False)
     trainer = L.Trainer(
-        strategy=tiered("nvme", tmp_path), accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=3, limit_val_batches=0,
+        strategy=sharded(tmp_path, "nvme", state_dict_type), accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=3, limit_val_batches=0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "run",
         callbacks=[every_epoch, DamageAtSecondEpochEnd()],
     )
@@ -175,8 +181,11 @@ def test_a_checkpoint_due_after_the_damage_is_never_written(tmp_path):
         trainer.fit(Net(), datamodule=tiny_data())
     assert _checksum_error(raised.value) is not None, repr(raised.value)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0.ckpt"], "the damaged state was saved"
-    state = torch.load(checkpoints / "epoch=0.ckpt", weights_only=True)["state_dict"]
-    assert all(torch.isfinite(v).all() for v in state.values())
+    if state_dict_type == "sharded":
+        state = consolidate(checkpoints / "epoch=0.ckpt")["state_dict"]
+    else:
+        state = torch.load(checkpoints / "epoch=0.ckpt", weights_only=True)["state_dict"]
+    assert state and all(torch.isfinite(v).all() for v in state.values())
 
 
 def test_checksums_are_on_by_default_and_false_turns_them_off(tmp_path):
