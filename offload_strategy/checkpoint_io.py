@@ -81,7 +81,13 @@ def naming_failures(operation: str, path: Path, temporary: Union[str, Path, None
         beside = f" (through the temporary file {temporary})" if temporary is not None else ""
         hint = " The disk is full: free space there or save elsewhere." if err.errno == errno.ENOSPC else (
             " The disk or file system reported a failure: check the device (dmesg) before trusting files on it." if err.errno == errno.EIO else "")
-        raise type(err)(err.errno, f"checkpoint {path}: could not {operation}{beside}: {err.strerror}.{hint}") from err
+        words = (err.strerror or os.strerror(err.errno)).rstrip(".")
+        message = f"checkpoint {path}: could not {operation}{beside}: {words}.{hint}"
+        try:
+            named = type(err)(err.errno, message)
+        except TypeError:  # a subclass constructed otherwise
+            named = OSError(err.errno, message)
+        raise named from err
 
 
 def fsync_path(path: Path) -> None:
