@@ -35,19 +35,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        with naming_failures("create the directory of", path):
+            path.parent.mkdir(parents=True, exist_ok=True)
         remove_abandoned_partials(path.parent)
-        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent)
+        with naming_failures("create a temporary file for", path):
+            fd, temporary = tempfile.mkstemp(prefix=partial_prefix(path.parent, path.name), suffix=PARTIAL_SUFFIX, dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as handle:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel if this process dies
                 umask = os.umask(0)
                 os.umask(umask)
                 os.fchmod(fd, 0o666 & ~umask)  # the permissions a plain open() would give
-                torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-                replace_atomically(Path(temporary), path)  # before the lock goes with the handle
+                with naming_failures("write", path, temporary):
+                    torch.save(checkpoint, handle)
+                    handle.flush()
+                with naming_failures("fsync (flush to disk)", path, temporary):
+                    os.fsync(handle.fileno())
+                with naming_failures("rename into place", path, temporary):
+                    replace_atomically(Path(temporary), path)  # before the lock goes with the handle
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
@@ -60,7 +65,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"{path} is a directory, not a checkpoint file. A sharded checkpoint (a directory holding .metadata and meta.pt) "
                 f"loads with strategy='tiered', or converts to one file with `python tools/consolidate.py {path} OUT.ckpt`."
             )
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        with naming_failures("read", Path(path)):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+@contextlib.contextmanager
+def naming_failures(operation: str, path: Path, temporary: Union[str, Path, None] = None) -> Iterator[None]:
+    """An ``OSError`` inside raised again naming the checkpoint, the operation and the errno's
+    words (a bare ``[Errno 5] Input/output error`` says none of them); its class and errno kept."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None:
+            raise
+        beside = f" (through the temporary file {temporary})" if temporary is not None else ""
+        hint = " The disk is full: free space there or save elsewhere." if err.errno == errno.ENOSPC else (
+            " The disk or file system reported a failure: check the device (dmesg) before trusting files on it." if err.errno == errno.EIO else "")
+        words = (err.strerror or os.strerror(err.errno)).rstrip(".")
+        message = f"checkpoint {path}: could not {operation}{beside}: {words}.{hint}"
+        try:
+            named = type(err)(err.errno, message)
+        except TypeError:  # a subclass constructed otherwise
+            named = OSError(err.errno, message)
+        raise named from err
 
 
 def fsync_path(path: Path) -> None:
@@ -111,7 +138,7 @@ def replace_atomically(new: Path, target: Path) -> None:
     elif _exchange(new, target):
         remove_path(new)  # the old one, now under the partial name
     else:  # a filesystem without exchange: a short moment with nothing at ``target``
-        aside = new.with_name(new.name + ".old")
+        aside = new.with_name(new.name.removesuffix(PARTIAL_SUFFIX) + ".old")  # no longer than ``new``
         os.rename(target, aside)
         os.rename(new, target)
         remove_path(aside)
@@ -129,8 +156,25 @@ def remove_path(path: Path) -> None:
 
 PARTIAL_SUFFIX = ".partial"
 FRESH_SECONDS = 10.0  # a partial file younger than this may not be locked by its writer yet
-# ``.<checkpoint name>.<mkstemp's 8 characters>.partial``
-_PARTIAL = re.compile(r"^\..+\.[A-Za-z0-9_]{8}" + re.escape(PARTIAL_SUFFIX) + "$")
+_RANDOM = 8  # the characters mkstemp and mkdtemp add
+# ``.<the checkpoint name, cut>.<mkstemp's 8 characters>.partial``, or ``.<8 characters>.partial``
+_PARTIAL = re.compile(r"^\.(.+\.)?[A-Za-z0-9_]{8}" + re.escape(PARTIAL_SUFFIX) + "$")
+
+
+def partial_prefix(directory: Path, name: str) -> str:
+    """The prefix of a temporary name beside a checkpoint called ``name`` in ``directory``, for
+    ``mkstemp`` or ``mkdtemp`` with ``PARTIAL_SUFFIX``. It holds the whole name where the temporary
+    name fits the file system's limit (255 bytes on Linux's); else as much of it as keeps the
+    temporary name no longer than ``name`` itself, so that it fits wherever ``name`` does."""
+    added = 1 + 1 + _RANDOM + len(PARTIAL_SUFFIX)  # the dot before, the dot after, the random part
+    encoded = os.fsencode(name)
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    keep = len(encoded) if len(encoded) + added <= limit else max(0, len(encoded) - added)
+    kept = encoded[:keep].decode(errors="ignore")  # whole characters only
+    return f".{kept}." if kept else "."
 
 
 def remove_abandoned_partials(directory: Path) -> list[Path]:

@@ -225,7 +225,10 @@ class PolicyConfig:
     write is just a write; 1 on CUDA devices for now.
     ``throttle``: on a machine without a GPU, make copies between the emulated GPU tier and host
     memory take as long as the hardware spec's PCIe link would (for what-if runs).
-    ``checksums``: verify everything read back from NVMe against a CRC-32 taken when it was written.
+    ``checksums``: verify everything read back from NVMe (parameters, optimizer states, spilled
+    gradients, swapped activations) against an XXH3 checksum of each chunk taken as it was written,
+    seeded by the file and the write, so that damaged, swapped or stale files are an error naming
+    the file before anything reads the value; ``False`` turns them off (docs/benchmarks.md: their cost).
     ``activations``: what each repeated block does with its activations: ``"keep"``,
     ``"checkpoint"`` (recompute in backward), ``"swap_host"`` or ``"swap_nvme"`` (copied out of the
     GPU tier after forward, back ahead of backward); one name for all blocks or a list with one per block;
@@ -250,7 +253,7 @@ class PolicyConfig:
     chunk_size: Optional[Union[int, str]] = None
     gradient_reserve: Optional[float] = None
     throttle: bool = False
-    checksums: bool = False
+    checksums: bool = True
     activations: Union[str, tuple[str, ...], None] = None
     block_class: Optional[str] = None
     placement: Optional[str] = None

@@ -18,12 +18,21 @@ checkpoint.
 Reading: :class:`ShardedCheckpoint` opens the directory and hands out mappings whose values are
 read when asked for; :meth:`ShardedCheckpoint.load_model` reads each parameter straight into its
 tensor, or, for a parameter built without memory (``deferred.py``), when the engine places it.
+
+DCP keeps its ``.metadata`` as a pickle and every value that is not a tensor (an optimizer's
+hyperparameters) as ``torch.save`` bytes, which it loads with ``weights_only=False``: a directory
+from elsewhere could run code as it loads. Here ``.metadata`` is read by an unpickler that builds
+only the classes DCP writes there (``_METADATA_CLASSES``) and refuses the directory otherwise, and
+the other values load under ``weights_only`` as a single-file checkpoint's do (``True`` unless the
+caller says ``False``, as ``torch.load``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
@@ -35,9 +44,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-from .checkpoint_io import PARTIAL_SUFFIX, fsync_path, locked, remove_abandoned_partials, remove_path, replace_atomically
+from .checkpoint_io import (
+    PARTIAL_SUFFIX, fsync_path, locked, naming_failures, partial_prefix, remove_abandoned_partials, remove_path, replace_atomically,
+)
 from .runtime.lending import storage_address
 from .weights import WeightsMismatchError
 
@@ -91,7 +102,7 @@ def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned_partials(path.parent)
     tensors, rest = split_checkpoint(checkpoint)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent))
+    temporary = Path(tempfile.mkdtemp(prefix=partial_prefix(path.parent, path.name), suffix=PARTIAL_SUFFIX, dir=path.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -101,14 +112,17 @@ def write_sharded(checkpoint: Mapping[str, Any], path: Union[str, Path], readers
             # unit. A file per tensor: DCP's writer keeps each tensor of a file until the file
             # closes. Flushed together at the end rather than each as it closes (1.5x faster here).
             writer = dcp.FileSystemWriter(temporary, single_file_per_rank=False, sync_files=False, thread_count=1, per_thread_copy_ahead=0)
-            with _single_process():
-                dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
-            with open(temporary / META_FILE, "wb") as handle:
-                torch.save(rest, handle)
-            for written in temporary.iterdir():
-                fsync_path(written)
-            fsync_path(temporary)
-            replace_atomically(temporary, path)
+            with naming_failures("write", path, temporary):
+                with _single_process():
+                    dcp.save(tensors, storage_writer=writer, planner=_StandInPlanner(readers or {}), no_dist=True)
+                with open(temporary / META_FILE, "wb") as handle:
+                    torch.save(rest, handle)
+            with naming_failures("fsync (flush to disk)", path, temporary):
+                for written in temporary.iterdir():
+                    fsync_path(written)
+                fsync_path(temporary)
+            with naming_failures("rename into place", path, temporary):
+                replace_atomically(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):  # the error that stopped the save is the one to see
             remove_path(temporary)
@@ -130,17 +144,84 @@ def _single_process() -> Iterator[None]:
             raise
 
 
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A sharded checkpoint's metadata asks for more than DCP's own classes: it is refused unread."""
+
+
+# what DCP's FileSystemWriter pickles into ``.metadata``: its dataclasses, torch's sizes, dtypes and
+# layouts, and the path it was written to
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP writes into ``.metadata``; anything else refuses the checkpoint."""
+
+    def __init__(self, file: Any, where: Path) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where} asks to build {module}.{name}, which torch.distributed.checkpoint never writes there: the "
+            f"checkpoint was not written by it (or was altered) and loading it could run code it carries. It is "
+            f"refused; load only checkpoints from a source you trust, and re-save a trusted one."
+        )
+
+
+def read_dcp_metadata(directory: Path) -> Metadata:
+    """A DCP directory's ``.metadata`` through :class:`_MetadataUnpickler`."""
+    where = directory / _DCP_METADATA
+    with open(where, "rb") as handle:
+        metadata = _MetadataUnpickler(handle, where).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not torch.distributed.checkpoint's Metadata.")
+    return metadata
+
+
 class _CachedReader(dcp.FileSystemReader):
-    """DCP's reader, reading the directory's metadata once for many small loads."""
+    """DCP's reader, reading the directory's metadata once for many small loads, through the
+    allowlisting unpickler."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
+        self._directory = path
         self._metadata: Optional[Metadata] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
+            metadata = read_dcp_metadata(self._directory)
+            if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._metadata = metadata
         return self._metadata
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, loading values that are not tensors under ``weights_only`` (DCP's own loads
+    them with ``weights_only=False``)."""
+
+    def __init__(self, weights_only: bool) -> None:
+        super().__init__()
+        self.weights_only = weights_only
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        if self.weights_only:
+            torch.load(value, weights_only=True)  # raises where the value holds anything but plain data
+            value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 Path_ = tuple[Union[str, int], ...]  # a value's place in the nested state: keys, and indices into lists
@@ -197,10 +278,12 @@ def _original_key(key: Union[str, int]) -> Any:
 
 
 class ShardedCheckpoint:
-    """A sharded checkpoint directory, read a few tensors at a time."""
+    """A sharded checkpoint directory, read a few tensors at a time. ``weights_only``: what values
+    other than tensors may hold, as for ``torch.load`` (``None``: its default, ``True``)."""
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    def __init__(self, path: Union[str, Path], weights_only: Optional[bool] = None) -> None:
         self.path = Path(path)
+        self.weights_only = weights_only is not False
         if not is_sharded_checkpoint(self.path):
             raise FileNotFoundError(f"{self.path} is not a sharded checkpoint directory (it needs {_DCP_METADATA} and {META_FILE}).")
         self._reader = _CachedReader(self.path)
@@ -217,8 +300,8 @@ class ShardedCheckpoint:
         if not targets:
             return {}
         nested = _nest(targets)
-        with _single_process():
-            dcp.load(nested, storage_reader=self._reader, planner=DefaultLoadPlanner(), no_dist=True)
+        with naming_failures("read", self.path), _single_process():
+            dcp.load(nested, storage_reader=self._reader, planner=_LoadPlanner(self.weights_only), no_dist=True)
         return {path: _find(nested, path) for path in paths}
 
     def _empty(self, path: Path_) -> Any:
@@ -228,7 +311,10 @@ class ShardedCheckpoint:
         assert isinstance(entry, BytesStorageMetadata)
         return None  # DCP puts the unpickled object there
 
-    def meta(self, load: Callable[[Path], dict[str, Any]] = lambda path: torch.load(path, weights_only=False)) -> dict[str, Any]:
+    def meta(self, load: Optional[Callable[[Path], dict[str, Any]]] = None) -> dict[str, Any]:
+        """``meta.pt``, by ``load`` where given, else by ``torch.load`` under this checkpoint's ``weights_only``."""
+        if load is None:
+            return torch.load(self.path / META_FILE, weights_only=self.weights_only)
         return load(self.path / META_FILE)
 
     def optimizer_count(self) -> int:
@@ -304,10 +390,10 @@ class LazyState(Mapping):
         return len(self._paths)
 
 
-def consolidate(directory: Union[str, Path]) -> dict[str, Any]:
+def consolidate(directory: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
     """The whole checkpoint a sharded directory holds, as the single-file checkpoint plain
-    Lightning writes (it needs the whole state in memory)."""
-    source = ShardedCheckpoint(directory)
+    Lightning writes (it needs the whole state in memory); ``weights_only`` as for ``torch.load``."""
+    source = ShardedCheckpoint(directory, weights_only)
     checkpoint = source.meta()
     tensors = assemble(source.read(list(source.entries)))
     checkpoint["state_dict"] = tensors.pop(MODEL, {})

@@ -33,6 +33,7 @@ from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictTy
 from .deferred import DeferredParameters
 from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
+from .memory.nvme import make_private_directory
 from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
 from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
@@ -1042,7 +1043,7 @@ class TieredCore:
         if not is_sharded_checkpoint(checkpoint_path):
             return plain(checkpoint_path, weights_only=weights_only)
         # the model's and optimizers' tensors are read when loaded into their places, the rest now
-        source = ShardedCheckpoint(checkpoint_path)
+        source = ShardedCheckpoint(checkpoint_path, weights_only)
         checkpoint = source.meta(lambda path: read(path, weights_only=weights_only))
         checkpoint["state_dict"] = source.model_state()
         if source.optimizer_count():
@@ -1293,15 +1294,16 @@ def _refuse_weight_averaging_on_nvme(trainer: "pl.Trainer", engine: Optional[Tie
 
 
 def _check_writable_directory(path: Path) -> list[Path]:
-    """Create ``path`` if needed and make sure files can be written there, before training starts;
-    the directories it created, deepest first (removed again at teardown if left empty)."""
+    """Create ``path`` if needed (0700, and only where no other user could redirect what is made
+    there: ``make_private_directory``) and make sure files can be written there, before training
+    starts; the directories it created, deepest first (removed again at teardown if left empty)."""
     created = []
     missing = path
     while not missing.exists() and missing != missing.parent:
         created.append(missing)
         missing = missing.parent
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_private_directory(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-write-test-"):
             pass
     except OSError as error:

@@ -37,7 +37,7 @@ from .planning.placement import UnitSize
 from .planning.planner import TierBudgets
 from .planning.sharding import Sharding, assign_owners
 from .runtime.data_parallel import DataParallel, Reduction, collective_latency, collective_rate
-from .runtime.shared_homes import SHARED_MEMORY_DIR, shared_memory_available
+from .runtime.shared_homes import SHARED_MEMORY_DIR, shared_memory_unavailable
 from .strategy_context import TieredOptions
 from .strategy_core import TieredCore, check_precision, exposes_core
 from .strategy_recipe import reads_gradients_after_backward
@@ -317,7 +317,8 @@ class DataParallelRanks:
         if self._homes_shared is None:
             processes = self.strategy.num_processes
             wanted = self.share_host_homes and self.shard_states and processes > 1
-            possible = self._on_every_rank(shared_memory_available())
+            unavailable = shared_memory_unavailable()
+            possible = self._on_every_rank(not unavailable)
             if self.share_host_homes and not self.shard_states:
                 rank_zero_warn("share_host_homes needs shard_states=True (every rank updating every unit would write the one copy at "
                                "once); each rank keeps its own copy of host homes.")
@@ -325,7 +326,8 @@ class DataParallelRanks:
                 rank_zero_warn("share_host_homes: each machine runs one rank, so there is nothing to share; each rank keeps its own copy "
                                "of host homes.")
             elif wanted and not possible:
-                rank_zero_warn(f"share_host_homes: a machine has no {SHARED_MEMORY_DIR} to map from; each rank keeps its own copy of host homes.")
+                why = unavailable or f"another machine cannot map files from its {SHARED_MEMORY_DIR}"
+                rank_zero_warn(f"share_host_homes: {why}; each rank keeps its own copy of host homes.")
             self._homes_shared = wanted and possible
         return self._homes_shared
 

@@ -330,9 +330,10 @@ def _shared_scratch_cases(root: Path) -> None:
 
     def run_as_second_user() -> bool:
         removed = remove_stale_run_directories(root)
-        path, owner = create_run_directory(root)
-        os.close(owner)
-        return removed == [] and path.is_dir()
+        run = create_run_directory(root)
+        os.close(run.owner)
+        os.close(run.fd)
+        return removed == [] and run.path.is_dir()
 
     assert _as_other_user(54322, run_as_second_user) == 0, "another user's directory blocked the run"
     assert remove_stale_run_directories(root) == [] and (foreign / "00000000.bin").exists(), "another user's directory was touched"

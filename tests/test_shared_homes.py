@@ -48,8 +48,8 @@ def test_host_homes_are_shared_by_each_machines_ranks():
 def test_a_machine_without_shared_memory_keeps_a_copy_per_rank(monkeypatch):
     from offload_strategy import strategy_ddp
 
-    monkeypatch.setattr(strategy_ddp, "shared_memory_available", lambda: False)
-    with pytest.warns(UserWarning, match="has no /dev/shm"):
+    monkeypatch.setattr(strategy_ddp, "shared_memory_unavailable", lambda: "/dev/shm does not exist or is not a directory")
+    with pytest.warns(UserWarning, match="/dev/shm does not exist"):
         assert not _ranks(4, 2).homes_shared()
 
 

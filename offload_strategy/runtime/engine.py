@@ -125,7 +125,7 @@ class TieredEngine:
         nvme_path: Optional[str] = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         direct_gradients: frozenset[int] = frozenset(),
-        checksums: bool = False,
+        checksums: bool = True,
         fp32_masters: bool = False,
         data_parallel: Optional[DataParallel] = None,
         prefetch: bool = True,

@@ -35,9 +35,27 @@ if TYPE_CHECKING:
 SHARED_MEMORY_DIR = Path("/dev/shm")
 
 
+def shared_memory_unavailable(directory: Path = SHARED_MEMORY_DIR) -> str:
+    """Why the ranks cannot map files from this machine's shared-memory file system, and what to
+    do; '' when they can."""
+    if not directory.is_dir():
+        return f"{directory} does not exist or is not a directory (no shared-memory file system is mounted there)"
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError as err:
+        return f"{directory} cannot be examined ({err.strerror})"
+    if read_only:
+        return (f"{directory} is mounted read-only (a container run with a read-only root, or a read-only mount); "
+                f"mount a writable tmpfs there (docker: --tmpfs {directory} or --shm-size)")
+    if not os.access(directory, os.W_OK):
+        status = directory.stat()
+        return f"{directory} is not writable by this user (uid {os.geteuid()}; it is mode {status.st_mode & 0o7777:o}, owned by uid {status.st_uid})"
+    return ""
+
+
 def shared_memory_available(directory: Path = SHARED_MEMORY_DIR) -> bool:
     """Whether this machine has a shared-memory file system the ranks can map files from."""
-    return directory.is_dir() and os.access(directory, os.W_OK)
+    return not shared_memory_unavailable(directory)
 
 
 def map_shared_homes(
