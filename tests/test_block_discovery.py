@@ -178,3 +178,10 @@ def test_a_list_of_layers_of_several_classes():
 def test_jamba_trains_like_plain_with_its_layers_checkpointed(tmp_path):
     seen = assert_trains_like_plain(tmp_path, jamba, "checkpoint")
     assert len(seen.blocks) == 4 and len({type(b) for b in seen.blocks}) == 2
+
+
+def test_a_sequential_of_weight_normed_layers():
+    # each parametrized module gets a class of its own: the layers are still of one class
+    layers = nn.Sequential(*(torch.nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)) for _ in range(3)))
+    assert len({type(layer) for layer in layers}) == 3
+    assert find_blocks(nn.ModuleDict({"layers": layers})) == list(layers)

@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
@@ -86,10 +87,16 @@ def _holds_layers(module: nn.Module) -> bool:
     children = list(module.children())
     if not children or not all(any(True for _ in c.parameters()) for c in children):
         return False
-    if len({type(c) for c in children}) == 1:
+    if len({_layer_class(c) for c in children}) == 1:
         return True
     # several classes: layers looped over (each a module of its own modules), not a pipeline of steps
     return isinstance(module, nn.ModuleList) and all(any(True for _ in c.children()) for c in children)
+
+
+def _layer_class(module: nn.Module) -> type:
+    """A module's class; a parametrized module's (weight norm's, spectral norm's) is a class of its
+    own, made for it, whose base is the module's class."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
 
 
 def describe_blocks(model: nn.Module, blocks: Sequence[nn.Module], calls: Sequence[int] = ()) -> str:
