@@ -71,6 +71,11 @@ class ActivationControl:
         return self.policies_in_use.blocks if self.policies_in_use is not None else []
 
     @property
+    def described_blocks(self) -> str:
+        """Which modules were taken as blocks, for the placement line."""
+        return self.policies_in_use.description if self.policies_in_use is not None else "no repeated blocks"
+
+    @property
     def policies(self) -> list[str]:
         return list(self.policies_in_use.policies) if self.policies_in_use is not None else []
 
@@ -300,7 +305,10 @@ class ActivationControl:
         end (the blocks' backward's). The layout is planned beside the most of each."""
         activations = self.policies_in_use
         profile = activations.profile if activations is not None else None
-        if profile is None or profile.blocks_saved_bytes is None:
+        if profile is None:
+            return
+        profile.reading_blocks = False  # the forward ended: a later one's calls of the last block are not this one's
+        if profile.blocks_saved_bytes is None:
             return
         saved = self._counter()
         outside = max(saved.bytes - profile.blocks_saved_bytes, 0)
@@ -338,6 +346,7 @@ class ActivationControl:
                          engine.home_region.untyped_storage().data_ptr()}
         activations.param_storages.clear()
         activations.param_storages.update(storages)
+        activations.begin_forward()
         self._in_training_step = True
         if activations.swap is not None:
             activations.swap.begin_forward()
@@ -356,7 +365,7 @@ class ActivationControl:
         activations = self.policies_in_use
         if activations is None or not activations.blocks or not self.costs:
             return
-        self.planned_input_bytes = max(c.input_bytes for c in self.costs)
+        self.planned_input_bytes = max(activations.per_call_input_bytes(self.costs))  # the first block's call is what is watched
         activations.before_first_block = self._check_growth  # in place with the next ``apply``
 
     def _check_growth(self, args: Any, kwargs: Any) -> None:

@@ -470,14 +470,15 @@ class TieredCore:
             f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
             f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device"
         )
+        blocks = f" Blocks: {self.activations.described_blocks}."
         if recipe.training and self.activations.auto and self.activations.blocks:
             # the activations are not known yet: a user told "nothing is offloaded" and then shown
             # every unit in host memory after the first step took the two lines for a contradiction
             return said + (
                 ", unless the activations the first training step measures do not fit beside them"
-                " (then the units are placed again, and a line says where)."
+                " (then the units are placed again, and a line says where)." + blocks
             )
-        return said + "."
+        return said + "." + blocks
 
     def _start_engine(
         self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool, recipe: Rules
@@ -534,7 +535,7 @@ class TieredCore:
             units += (f", through the fewest streaming buffers ({format_bytes(engine.placement.gpu_bytes)} of gpu_memory="
                       f"{format_bytes(planner.budgets.gpu)}) while those steps measure the activations")
         return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
-                f"activations per block: {layout}")
+                f"blocks: {self.activations.described_blocks}; activations per block: {layout}")
 
     def _say_when_updates_wait(self, recipe: Rules, engine: TieredEngine) -> None:
         """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""

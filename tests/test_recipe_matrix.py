@@ -289,9 +289,11 @@ def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
 # GPU tiers the default policy must offload in: the first steps run one placement, the fourth the
 # searched one with its activation layout (the engine replaced, or built, between two steps)
 # each above the least the model's activations need, its logits' included, and below what every unit needs
+# weight-and-spectral-norm: its weight-normed layers are blocks (once refused as of several
+# classes), so its activations are planned: the logits' beside them ask for 341 KiB
 DEFAULT_POLICY_TIERS = {"gpt2": "650KiB", "opt": "450KiB", "llama": "500KiB", "bert": "475KiB", "t5": "475KiB",
                         "cnn-batchnorm": "250KiB", "block-reused": "115KiB", "lstm": "200KiB", "torch-transformer": "200KiB",
-                        "own-checkpoint": "300KiB", "weight-and-spectral-norm": "100KiB", "gpt2-own-checkpointing": "400KiB",
+                        "own-checkpoint": "300KiB", "weight-and-spectral-norm": "350KiB", "gpt2-own-checkpointing": "400KiB",
                         "t5-own-checkpointing": "400KiB", "mixtral": "1000KiB", "bart": "425KiB"}
 
 

@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
@@ -42,17 +43,77 @@ POLICIES = BLOCK_POLICIES  # (KEEP, CHECKPOINT, CHECKPOINT_HOST, SWAP_HOST, SWAP
 
 
 def find_blocks(model: nn.Module, block_class: Optional[str] = None) -> list[nn.Module]:
-    """The model's repeated blocks, in order; [] when it has none."""
+    """The model's repeated blocks, in order; [] when it has none (see :func:`block_lists`)."""
     if block_class is not None:
         return [m for m in model.modules() if type(m).__name__ == block_class]
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters()):
-                if len(children) > len(best):
-                    best = children
-    return best
+    lists = block_lists(model)
+    return list(lists[0].members) if lists else []
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """A ``ModuleList`` / ``Sequential`` that may hold a model's blocks."""
+
+    name: str  # its qualified name in the model
+    members: tuple[nn.Module, ...]
+    trainable: bool  # some member has a parameter that trains
+
+    def rank(self) -> tuple[bool, bool, int]:
+        """A list of several layers over one of a single (applied several times, ALBERT), one
+        whose layers train over a frozen one (a teacher beside its student), then the longest."""
+        return len(self.members) >= 2, self.trainable, len(self.members)
+
+
+def block_lists(model: nn.Module) -> list[BlockList]:
+    """The lists that may hold the model's blocks, best first: a ``ModuleList`` or ``Sequential``
+    whose members all have parameters and are of one class, or a ``ModuleList`` of layers of
+    several classes (a hybrid model's attention and Mamba layers), that is not inside a member of
+    another such list of several (a decoder layer's per-head norms, a MoE layer's experts: the
+    layers that hold them are the blocks, however many they are)."""
+    found = [
+        BlockList(name, tuple(module.children()), any(p.requires_grad for c in module.children() for p in c.parameters()))
+        for name, module in model.named_modules() if _holds_layers(module)
+    ]
+    # (a list of one layer, ALBERT's, may hold a whole model: it hides nothing)
+    inside = {id(m) for candidate in found if len(candidate.members) >= 2 for member in candidate.members for m in member.modules()}
+    modules = dict(model.named_modules())
+    outermost = [c for c in found if id(modules[c.name]) not in inside]
+    return sorted(outermost, key=BlockList.rank, reverse=True)  # (stable: the first of equals first)
+
+
+def _holds_layers(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    children = list(module.children())
+    if not children or not all(any(True for _ in c.parameters()) for c in children):
+        return False
+    if len({_layer_class(c) for c in children}) == 1:
+        return True
+    # several classes: layers looped over (each a module of its own modules), not a pipeline of steps
+    return isinstance(module, nn.ModuleList) and all(any(True for _ in c.children()) for c in children)
+
+
+def _layer_class(module: nn.Module) -> type:
+    """A module's class; a parametrized module's (weight norm's, spectral norm's) is a class of its
+    own, made for it, whose base is the module's class."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
+
+
+def describe_blocks(model: nn.Module, blocks: Sequence[nn.Module], calls: Sequence[int] = ()) -> str:
+    """Which modules are the blocks, for the placement line: ``model.layers (24 × LlamaDecoderLayer)``."""
+    if not blocks:
+        return "no repeated blocks"
+    names = {id(m): name for name, m in model.named_modules()}
+    parents = list(dict.fromkeys(names.get(id(b), "?").rpartition(".")[0] or "(the model)" for b in blocks))
+    classes: dict[str, int] = {}
+    for block in blocks:
+        classes[type(block).__name__] = classes.get(type(block).__name__, 0) + 1
+    counted = ", ".join(f"{n} × {name}" for name, n in classes.items())
+    where = parents[0] if len(parents) == 1 else f"{len(parents)} places ({', '.join(parents[:3])}{', ...' if len(parents) > 3 else ''})"
+    said = f"{where} ({counted})"
+    if any(n > 1 for n in calls):
+        said += f", called {'/'.join(str(n) for n in dict.fromkeys(calls))} times per forward (each call under its block's policy)"
+    return said
 
 
 AUTO, TERAIO, LOHAN = ActivationPlanner.AUTO, ActivationPlanner.TERAIO, ActivationPlanner.LOHAN
@@ -84,6 +145,7 @@ class BlockProfile:
     blocks_saved_bytes: Optional[int] = None
     saved_before_blocks: int = 0  # ... and what it had counted when the first block started
     largest_through_blocks: int = 0  # the largest tensor it had saved when the last block ended
+    reading_blocks: bool = False  # the profiled forward has started the blocks and has yet to end (``stop_reading``)
 
 
 class ActivationPolicies:
@@ -97,8 +159,9 @@ class ActivationPolicies:
 
     def __init__(self, model: nn.Module, policy: Union[str, Sequence[str]], block_class: Optional[str] = None) -> None:
         self.blocks = find_blocks(model, block_class)
+        self.named = functools.partial(describe_blocks, model, self.blocks)  # (called with the calls seen)
         if not self.blocks and (not isinstance(policy, str) or policy not in (KEEP, *PLANNERS)):
-            where = f"of class {block_class!r}" if block_class else "(no ModuleList or Sequential of modules of one class)"
+            where = f"of class {block_class!r}" if block_class else "(no ModuleList or Sequential of layers with parameters)"
             raise ValueError(f"policy.activations={policy!r} needs repeated blocks, but the model has none {where}; name them with policy.block_class.")
         self.auto = isinstance(policy, str) and policy in PLANNERS and bool(self.blocks)
         self.planner: Optional[str] = policy if self.auto and isinstance(policy, str) else None  # which search lays the blocks out
@@ -108,6 +171,13 @@ class ActivationPolicies:
         # the saved-tensor hooks that block hooks stand in for (the engine's), or None
         self.outer: Optional[tuple[Any, Any]] = None
         self.profile: Optional[BlockProfile] = None
+        # A block may be called several times in one forward (ALBERT applies one layer N times):
+        # each call runs under the block's policy (a checkpoint per call, recomputed on its own),
+        # and the block's costs are its calls' (``block_costs``). The most calls one training
+        # forward made of each block, counted from ``begin_forward``:
+        self.calls = [1] * len(self.blocks)
+        self._calls_now = [0] * len(self.blocks)
+        self._call_hooks = [b.register_forward_pre_hook(functools.partial(self._count_call, i)) for i, b in enumerate(self.blocks)]
         self.block_flops: Optional[int] = None  # one forward of the first block, counted at the first training step
         self._wrapped: list[nn.Module] = []
         self._profile_hooks: list[Any] = []
@@ -125,6 +195,20 @@ class ActivationPolicies:
         else:
             self.policies = [KEEP] * len(self.blocks) if policy in PLANNERS else resolve_policies(self.blocks, policy)
         self.apply(self.policies)
+
+    def _count_call(self, index: int, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and torch._C._current_autograd_node() is None:  # a training forward's, not a recomputation's
+            self._calls_now[index] += 1
+            self.calls[index] = max(self.calls[index], self._calls_now[index])
+
+    def begin_forward(self) -> None:
+        """A training forward starts: its blocks' calls are counted from none."""
+        self._calls_now = [0] * len(self.blocks)
+
+    @property
+    def description(self) -> str:
+        """Which modules are the blocks (and how often a forward calls them, where more than once)."""
+        return self.named(self.calls)
 
     def apply(self, policies: Sequence[str]) -> None:
         """Put ``policies`` (one per block) in place of the current ones."""
@@ -163,8 +247,8 @@ class ActivationPolicies:
 
     @property
     def recomputed_flops(self) -> int:
-        """FLOPs a training step spends recomputing checkpointed blocks (each counted as the first)."""
-        return (self.block_flops or 0) * sum(p in RECOMPUTED for p in self.policies)
+        """FLOPs a training step spends recomputing checkpointed blocks (each call counted as the first block's)."""
+        return (self.block_flops or 0) * sum(n for p, n in zip(self.policies, self.calls) if p in RECOMPUTED)
 
     def _flops_counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if self.block_flops is not None or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
@@ -265,9 +349,12 @@ class ActivationPolicies:
         def start(module: nn.Module, args: Any) -> None:
             if first_forward() and 0 not in self._done:
                 profile.saved_before_blocks = self.saved_so_far().bytes
+                profile.reading_blocks = True
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
-            if first_forward():  # (prepended: the timing hook has yet to mark the last block done)
+            # every call of the last block in the profiled forward (a block called several times
+            # ends the blocks at its last call); prepended: the timing hook has yet to mark it done
+            if profile.reading_blocks and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
                 saved = self.saved_so_far()
                 profile.blocks_saved_bytes = saved.bytes - profile.saved_before_blocks
                 profile.largest_through_blocks = saved.largest
@@ -302,7 +389,8 @@ class ActivationPolicies:
         (repeated blocks take inputs of one size and save what the first one did)."""
         assert self.profile is not None and 0 in self._done
         first = self.profile.input_bytes[0]
-        return [BlockCost(activation_bytes=max(self.profile.activation_bytes, first), input_bytes=first, forward_seconds=0.0)] * len(self.blocks)
+        one = BlockCost(activation_bytes=max(self.profile.activation_bytes, first), input_bytes=first, forward_seconds=0.0)
+        return [_times(one, n) for n in self.calls]
 
     def block_costs(self) -> list[BlockCost]:
         """The profiled blocks as the planner sees them (every block saves what the first one did)."""
@@ -314,9 +402,13 @@ class ActivationPolicies:
         held = hold_spikes(dict(enumerate(seconds)), dict.fromkeys(range(len(seconds)), "block"))  # a stall of one block is not its work
         seconds = [held[i] for i in range(len(seconds))]
         return [
-            BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f)
-            for i, f in zip(self.profile.input_bytes, seconds)
+            _times(BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f), n)
+            for i, f, n in zip(self.profile.input_bytes, seconds, self.calls)
         ]
+
+    def per_call_input_bytes(self, costs: Sequence[BlockCost]) -> list[int]:
+        """Each block's input for one of its calls, from its costs (which are its calls')."""
+        return [c.input_bytes // n for c, n in zip(costs, self.calls)]
 
     def end_profile(self) -> None:
         for hook in self._profile_hooks:
@@ -334,6 +426,20 @@ class ActivationPolicies:
     def remove(self) -> None:
         self._unwrap()
         self.end_profile()
+        for hook in self._call_hooks:
+            hook.remove()
+        self._call_hooks = []
+
+
+def _times(cost: BlockCost, calls: int) -> BlockCost:
+    """A block called ``calls`` times in a forward: each call keeps (or, checkpointed, saves the
+    input of, or recomputes) what one does, so the block's bytes and seconds are ``calls`` times
+    one's. A recomputed block's peak is priced at all its calls' activations, though it
+    recomputes one call at a time: more than it takes, never less."""
+    if calls == 1:
+        return cost
+    return BlockCost(activation_bytes=cost.activation_bytes * calls, input_bytes=cost.input_bytes * calls,
+                     forward_seconds=cost.forward_seconds * calls)
 
 
 def _synchronize(args: Any) -> None:
