@@ -304,6 +304,10 @@ class UnitCache:
         del self.slot_owner[s.device_slot.tensor.data_ptr()]
         self.ctx.memory.device_pool.release(s.device_slot)
         s.device_slot = None
+        # autocast keeps the 16-bit cast of every trainable weight until its region exits: the
+        # evicted unit's would stay in the GPU tier (this thread's cache; the others' casts are
+        # made again when next used, with the same bits)
+        torch.clear_autocast_cache()
 
     @torch.no_grad()
     def keep_writes(self, s: UnitState) -> None:
