@@ -196,6 +196,8 @@ class TieredEngine:
     ) -> None:
         """The tiers' memory, the NVMe store, and the collaborators over one context."""
         self.memory = TierMemory.allocate(states, self.placement, self.device, self._owns, self._shared_homes())
+        # a staging slot goes back (to be refilled from NVMe) only once no copy out of it is queued
+        self.memory.staging_pool.before_release = lambda slot, check=self.device.check_host_access: check(slot.tensor, "releases an NVMe staging slot")
         # what a saved tensor aliasing the GPU tier shares with it
         self._arena_device, self._arena_storage = self.memory.arena.device, self.memory.arena.untyped_storage().data_ptr()
         nvme_states = None

@@ -356,6 +356,8 @@ class UnitUpdater:
                 raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
             self.ctx.store.read(self.ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
             s.host_copy = staging
+        self.ctx.settle_host_copy(s)
+        self.ctx.device.check_host_access(s.host_copy.tensor, "updates an NVMe unit in its kept staging copy")
         return s.host_copy
 
 
