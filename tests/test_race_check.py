@@ -58,6 +58,7 @@ def _model(frozen: bool):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen_blocks"])
 def test_nvme_staging_slots_are_released_and_refilled_only_after_their_copies(tmp_path, monkeypatch, frozen):
     """Every unit streamed from NVMe under the race check (turned on in make_device by the
@@ -71,5 +72,21 @@ def test_nvme_staging_slots_are_released_and_refilled_only_after_their_copies(tm
                               nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=_model(frozen), extra_callbacks=(checked,))
     assert checked.race_checked and checked.nvme_units > 0
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.slow
+def test_host_units_are_updated_at_home_only_after_the_copies_out_of_them(tmp_path, monkeypatch):
+    """GO-MemFerry's direct gradients, written at home by compute: the update at home waits for
+    the compute on the host (``compute_done``), and with it for every copy out of the home that
+    compute waited for; the emulated tier skipped that wait, which the race check named at the
+    update. Every copy lands late: training is plain Lightning's, bit for bit."""
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2_4l)
+    monkeypatch.setenv(RACE_CHECK_ENV, "4")
+    total, checked = param_bytes(gpt2_4l), Checked()
+    strategy = TieredStrategy(policy="go_memferry", gpu_memory=int(0.5 * total), host_memory=int(6 * total))
+    losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, extra_callbacks=(checked,))
+    assert checked.race_checked and trainer.strategy.metrics()["units/direct_gradients"] > 0
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)

@@ -256,6 +256,7 @@ class UnitUpdater:
             params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
+            self.ctx.device.check_host_access(self.ctx.home_bytes(s), "updates a host unit at home")
         if speculation is not None:
             _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
             self._remember_state_bytes(s, slot)
