@@ -352,7 +352,7 @@ class DataParallelRanks:
             where: list[Any] = [None] * self.strategy.world_size
             dist.all_gather_object(where, (self.strategy.node_rank, self.strategy.local_rank), group=control)
             machines, peers = machines_and_peers(where)
-            groups = {ranks: dist.new_group(list(ranks), backend="gloo") for ranks in (*machines, *peers)}
+            groups = {ranks: self._new_group(list(ranks)) for ranks in (*machines, *peers)}
             rank = self.strategy.global_rank
             mine, peer = next(m for m in machines if rank in m), next(p for p in peers if rank in p)
             self._machine_groups = (groups[mine], groups[peer], mine, peer)
@@ -387,11 +387,16 @@ class DataParallelRanks:
         """(host, device, control) groups, created once and in the same order on every rank: gloo
         for tensors in host memory (CPU tensors work under NCCL too), the default group for the GPU tier."""
         if self._groups is None:
-            host = dist.new_group(backend="gloo")
-            control = dist.new_group(backend="gloo")
+            host, control = self._new_group(), self._new_group()
             device = dist.group.WORLD if self.strategy.root_device.type == "cuda" else host
             self._groups = (host, device, control)
         return self._groups
+
+    def _new_group(self, ranks: Optional[list[int]] = None) -> Any:
+        """A gloo group with the strategy's ``timeout`` (``new_group``'s own default is half an
+        hour): a rank that stops responding fails the others' collectives after the timeout, as
+        it fails Lightning's default group's."""
+        return dist.new_group(ranks, backend="gloo", timeout=getattr(self.strategy, "_timeout", None))
 
     def same_on_every_rank(self, choice: Any) -> Any:
         return self.strategy.broadcast(choice, src=0)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,19 @@ class RankBranch(CausalLM):
         return loss
 
 
+class Hang(L.Callback):
+    """Rank ``rank`` stops responding before batch ``batch``: it writes the time it stopped to
+    ``<out>/hung.txt`` and sleeps, as a process stuck in I/O or a deadlock would."""
+
+    def __init__(self, out: Path, rank: int, batch: int) -> None:
+        self.out, self.rank, self.batch = out, rank, batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.batch:
+            (self.out / "hung.txt").write_text(str(time.time()))
+            time.sleep(3600)
+
+
 def model_bytes(config: dict = GPT2_4L) -> int:
     model = CausalLM(family="gpt2", config=config, lr=1e-2, warmup_steps=2)
     model.configure_model()
@@ -144,6 +159,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--policy-none", action="store_true", help="policy 'none' (every unit in the GPU tier)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="the loss a chunk of this many tokens at a time")
+    parser.add_argument("--timeout", type=float, default=None, help="the strategy's timeout, seconds")
+    parser.add_argument("--hang", type=int, nargs=2, default=None, metavar=("RANK", "STEP"), help="RANK stops responding before STEP")
     args = parser.parse_args()
 
     config = dict(GPT2_4L, n_layer=args.layers)
@@ -157,7 +174,8 @@ def main() -> None:
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
     if args.strategy == "tiered_ddp":
-        strategy = TieredDDPStrategy(shard_states=not args.no_shard, share_host_homes=args.share_homes, **budgets)
+        timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
+        strategy = TieredDDPStrategy(shard_states=not args.no_shard, share_host_homes=args.share_homes, **timeout, **budgets)
     elif args.strategy == "tiered":
         strategy = TieredStrategy(**budgets)
     else:
@@ -169,6 +187,7 @@ def main() -> None:
     kind = next((k for k, wanted in kinds.items() if wanted), CausalLM)
     model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2, loss_chunk_tokens=args.loss_chunk_tokens)
     recorder, metrics = LossRecorder(), Metrics()
+    hang = [Hang(args.out, *args.hang)] if args.hang else []
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -183,7 +202,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=args.out,
-        callbacks=[recorder, metrics],
+        callbacks=[recorder, metrics, *hang],
         precision=args.precision,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip_norm,

@@ -84,6 +84,34 @@ def launch_machines(out: Path, machines: int, *args: str) -> dict[int, dict]:
     return _start(out, ("--num-nodes", str(machines), *args), [{**meet, "NODE_RANK": str(m)} for m in range(machines)], timeout=400)
 
 
+def launch_until_one_fails(out: Path, wait: float, *args: str) -> tuple[int, float, str]:
+    """Run the job with every rank started at once until one rank exits with an error (within
+    ``wait`` seconds of the start, else an assertion error); stop the others. Return that rank,
+    the seconds from ``<out>/hung.txt``'s time (written by the job's ``--hang`` rank) to its exit,
+    and its log."""
+    out.mkdir(parents=True, exist_ok=True)
+    meet, base = _meeting_point(), {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK")}
+    logs = [out / f"process{rank}.log" for rank in range(2)]
+    handles = [log.open("w") for log in logs]
+    started = [subprocess.Popen([sys.executable, str(JOB), "--out", str(out), *args], cwd=out, env={**base, **meet, "LOCAL_RANK": str(rank), "NODE_RANK": "0"},
+                                stdout=handle, stderr=subprocess.STDOUT) for rank, handle in enumerate(handles)]
+    deadline = time.monotonic() + wait
+    try:
+        while not (failed := [r for r, process in enumerate(started) if process.poll() not in (None, 0)]):
+            assert time.monotonic() < deadline, f"no rank failed within {wait} s:\n{logs[0].read_text()[-3000:]}"
+            time.sleep(0.05)
+        ended = time.time()
+    finally:
+        for process, handle in zip(started, handles):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            handle.close()
+    hung = out / "hung.txt"
+    assert hung.exists(), f"no rank stopped responding:\n{logs[failed[0]].read_text()[-3000:]}"
+    return failed[0], ended - float(hung.read_text()), logs[failed[0]].read_text()
+
+
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 

@@ -31,12 +31,23 @@ class Seen(L.Callback):
         self.engine = None
         self.persistent: set[int] = set()
         self.updates_in_backward = self.updates = 0
+        self.handed_over: list[int] = []  # at each update handed to the worker in backward: the offloaded units still waiting for gradients
         self.fetched_per_step: list[float] = []  # host -> GPU tier bytes of each training step
         self.parameter_bytes = 0.0  # of the offloaded units
         self.h2d_before = 0.0
 
     def on_train_batch_start(self, trainer, *args) -> None:
         self.h2d_before = trainer.strategy.metrics().get("link/h2d_bytes_total", 0.0)
+        engine, self.handed_over = trainer.strategy.engine, []
+        if engine is not None and "submit" not in vars(engine.updater):
+            submit = engine.updater.submit
+
+            def handing_over(s, engine=engine, submit=submit) -> None:
+                (optimizers,) = engine.unit_optimizers.values()
+                self.handed_over.append(sum(o is not s and not o.updated and o.home != "gpu" and o.unit.index in optimizers.slots for o in engine.states))
+                submit(s)
+
+            engine.updater.submit = handing_over
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.metrics = trainer.strategy.metrics()
@@ -50,6 +61,8 @@ class Seen(L.Callback):
             backward_end = max(self.engine.backward_log, default=0.0)
             self.updates_in_backward = sum(start < backward_end for _, start, _ in self.engine.update_log)
             self.updates = len(self.engine.update_log)
+            # updates handed to the worker while backward had other units' gradients to make (an order, not a duration)
+            self.updates_before_backward_ended = sum(waiting > 0 for waiting in self.handed_over)
 
 
 def test_every_paper_and_baseline_has_a_preset():
@@ -113,7 +126,9 @@ def _check_placement(name, m, seen, strategy, units):
         # every update after backward (on two threads there: their times may add up to more than the step waited)
         assert seen.updates_in_backward == 0 and seen.updates > 0, m
     else:
-        assert m["optimizer/exposed_ms"] < m["optimizer/update_ms"], m  # some hidden behind backward
+        # some started behind backward: handed to the worker before backward's last unit had its
+        # gradients (how much of their time that hides is for the benchmarks, not asserted here)
+        assert seen.updates_before_backward_ended > 0, (seen.handed_over, m)
     if name == "l2l":
         slots = sum(size * count for size, count in seen.engine.placement.device_slots.items())
         # one layer resident at a time: without prefetch no buffer waits for the next unit

@@ -6,22 +6,38 @@ The runtime talks to one :class:`Device` and never asks which kind it has:
 - :class:`EmulatedDevice` stands in for a GPU on CPU-only machines: the GPU tier is a budget of
   host memory, and one copy thread per direction makes transfers truly asynchronous (optionally
   throttled to a link's bandwidth), so every scheduling path, race and metric runs in CI.
+
+On CUDA, :meth:`Device.wait` orders later compute after a copy but lets the host run on: host
+code may write, read or give back a copy's buffers only after waiting for its event on the host
+(:meth:`Device.host_wait`, ``Event.wait``, :meth:`Device.synchronize`). The emulated device's
+compute is the host's, so its ``wait`` blocks, and a missing host wait goes unseen. With a
+:class:`RaceCheck` (``EmulatedDevice(race_check=...)``, or ``OFFLOAD_STRATEGY_RACE_CHECK=1`` in
+the environment, as ``TORCH_CUDA_SANITIZER`` turns on PyTorch's check of CUDA streams) copies land
+late, after a random delay each, and the books CUDA would keep are kept: each copy's buffers stay
+in flight until the host has waited for it (or for a later copy ordered after it), and
+:meth:`Device.check_host_access` raises :class:`CopyRaceError`, naming the buffer, the call that
+touched it and the call that issued the copy, when the host touches one of them before.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 import queue
+import random
 import threading
 import time
+import traceback
 import weakref
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from ..config import HardwareSpec, format_bytes
 
 _H2D, _D2H = "host-to-device", "device-to-host"
+RACE_CHECK_ENV = "OFFLOAD_STRATEGY_RACE_CHECK"
 
 
 class DeviceMemoryError(ValueError):
@@ -40,6 +56,7 @@ class Event:
         self.finished_at: Optional[float] = None
         self.error: Optional[BaseException] = None
         self._finished = threading.Event()
+        self.on_host_wait: Optional[Callable[["Event"], None]] = None  # a RaceCheck's books
 
     def done(self) -> bool:
         """True once the copy has completed, or failed (then :meth:`wait` raises its error)."""
@@ -54,6 +71,8 @@ class Event:
             blocked = time.perf_counter() - start
         if self.error is not None:
             raise self.error
+        if self.on_host_wait is not None:
+            self.on_host_wait(self)
         return blocked
 
     def _block(self) -> None:
@@ -154,6 +173,16 @@ class Device(abc.ABC):
     def wait(self, event: Event) -> float:
         """Make later compute on :attr:`compute` see the copy's result; return seconds the host blocked."""
 
+    def host_wait(self, event: Event) -> float:
+        """Block the host until the copy has completed (then the host may touch its buffers); return
+        the seconds blocked."""
+        return event.wait()
+
+    def check_host_access(self, tensor: torch.Tensor, action: str) -> None:
+        """The host is about to ``action`` (``"writes"``, ``"reads"``, ``"releases"``: with what)
+        ``tensor``'s memory: raise :class:`CopyRaceError` where a copy may still be using it
+        (only an emulated device with a :class:`RaceCheck` keeps the books)."""
+
     def compute_done(self) -> Event:
         """An event that completes with the compute queued so far (on the emulated tier compute is
         synchronous: already complete). The host waits on it before reading what a kernel wrote
@@ -207,16 +236,17 @@ class _Link:
         self.thread = threading.Thread(target=self._serve, name=f"offload-{name}", daemon=True)
         self.thread.start()
 
-    def put(self, event: Event, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def put(self, event: Event, dst: torch.Tensor, src: torch.Tensor, delay: float = 0.0) -> None:
         self._last = event
-        self._queue.put((event, dst, src))
+        self._queue.put((event, dst, src, delay))
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
             self._run(*item)
             item = None  # drop the buffers while idle
 
-    def _run(self, event: Event, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _run(self, event: Event, dst: torch.Tensor, src: torch.Tensor, delay: float) -> None:
+        time.sleep(delay)  # a RaceCheck's late landing
         start = time.perf_counter()
         try:
             dst.copy_(src)
@@ -247,36 +277,155 @@ def _stop_links(links: tuple[_Link, ...]) -> None:
         link.stop()
 
 
+class CopyRaceError(RuntimeError):
+    """The host touched a buffer a copy may still be reading or writing (see :class:`RaceCheck`)."""
+
+
+@dataclass
+class _InFlight:
+    event: Event
+    direction: str
+    dst: tuple[int, int]  # [start, end) addresses
+    src: tuple[int, int]
+    issued_by: str
+    order: int  # in the order copies were issued
+    ordered_compute_at: Optional[int] = None  # the issue order when compute was made to wait for it
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _caller() -> str:
+    """The innermost frame outside this module: the call that issued or touched a buffer."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.endswith(("device.py", "pools.py")) and frame.name != "<lambda>":
+            return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+class RaceCheck:
+    """CUDA's ordering of copies, kept as books on the emulated device (see the module docstring).
+
+    A copy stays in flight until the host waits for it, or for a copy the stream order puts after
+    it: a later copy in the same direction (one stream each), or any copy issued after compute was
+    made to wait for it (each copy waits for the compute queued before it), or the compute queued
+    after that wait (``compute_done``). Each copy lands after a random delay of up to
+    ``max_delay_s`` (drawn from ``seed``), so a buffer used before its copy lands holds the wrong
+    bytes as well."""
+
+    def __init__(self, max_delay_s: float = 0.002, seed: int = 0) -> None:
+        self.max_delay_s = max_delay_s
+        self._random = random.Random(seed)
+        self._in_flight: list[_InFlight] = []
+        self._issued = 0
+        self._lock = threading.Lock()
+
+    def issued(self, event: Event, direction: str, dst: torch.Tensor, src: torch.Tensor) -> float:
+        """Book a copy just issued; the seconds its landing is delayed by."""
+        with self._lock:
+            self._issued += 1
+            self._in_flight.append(_InFlight(event, direction, _span(dst), _span(src), _caller(), self._issued))
+            event.on_host_wait = self._host_waited
+            return self._random.uniform(0.0, self.max_delay_s)
+
+    def compute_ordered(self, event: Event) -> None:
+        with self._lock:
+            for r in self._in_flight:
+                if r.event is event and r.ordered_compute_at is None:
+                    r.ordered_compute_at = self._issued
+
+    def compute_done(self) -> Event:
+        """An event for the compute queued so far: once the host has waited for it, so has it for
+        every copy compute was made to wait for."""
+        with self._lock:
+            issued = self._issued
+        event = Event(0)
+        event._finish(None)
+        event.on_host_wait = lambda _: self._forget(lambda r: r.ordered_compute_at is not None and r.ordered_compute_at <= issued)
+        return event
+
+    def _host_waited(self, event: Event) -> None:
+        with self._lock:
+            waited = next((r for r in self._in_flight if r.event is event), None)
+        if waited is not None:
+            self._forget(lambda r: r is waited or (r.direction == waited.direction and r.order < waited.order)
+                         or (r.ordered_compute_at is not None and r.ordered_compute_at < waited.order))
+
+    def _forget(self, landed: Callable[[_InFlight], bool]) -> None:
+        with self._lock:
+            self._in_flight = [r for r in self._in_flight if not landed(r)]
+
+    def all_waited(self) -> None:
+        with self._lock:
+            self._in_flight = []
+
+    def check(self, tensor: torch.Tensor, action: str) -> None:
+        start, end = _span(tensor)
+        with self._lock:
+            for r in self._in_flight:
+                for role, (lo, hi) in (("write", r.dst), ("read", r.src)):
+                    if lo < end and start < hi:
+                        raise CopyRaceError(
+                            f"{_caller()}: the host {action} ({end - start} bytes at {start:#x}) while the {r.direction} copy "
+                            f"issued at {r.issued_by} may still {role} it: no host wait for that copy's event (Device.wait "
+                            f"orders compute only, as on CUDA). Wait for it first (Device.host_wait)."
+                        )
+
+
 class EmulatedDevice(Device):
     """A GPU tier emulated in host memory, with asynchronous (optionally throttled) copy links.
 
     With ``h2d_gbps``/``d2h_gbps`` set, a copy of n bytes takes at least n / (gbps * 1e9) seconds
-    on its link, so a CPU run can behave like, e.g., PCIe 4.0 x16 (31.5 GB/s).
+    on its link, so a CPU run can behave like, e.g., PCIe 4.0 x16 (31.5 GB/s). With
+    ``race_check``, copies land late and a host access to a copy's buffers before a host wait
+    for it raises (:class:`RaceCheck`).
     """
 
     is_emulated = True
 
-    def __init__(self, capacity: int, h2d_gbps: Optional[float] = None, d2h_gbps: Optional[float] = None) -> None:
+    def __init__(self, capacity: int, h2d_gbps: Optional[float] = None, d2h_gbps: Optional[float] = None,
+                 race_check: Optional[RaceCheck] = None) -> None:
         for name, gbps in (("h2d_gbps", h2d_gbps), ("d2h_gbps", d2h_gbps)):
             if gbps is not None and not gbps > 0:
                 raise ValueError(f"{name}={gbps!r} must be > 0 GB/s, or None for an unthrottled link.")
         super().__init__(torch.device("cpu"), capacity)
+        self.race_check = race_check
         self._links = {_H2D: _Link("h2d", h2d_gbps), _D2H: _Link("d2h", d2h_gbps)}
         self._stop = weakref.finalize(self, _stop_links, tuple(self._links.values()))
 
     def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
         event = Event(src.numel())
-        self._links[direction].put(event, dst, src)
+        delay = self.race_check.issued(event, direction, dst, src) if self.race_check is not None else 0.0
+        self._links[direction].put(event, dst, src, delay)
         return event
 
     def wait(self, event: Event) -> float:
-        """Compute runs on the host here, so making it see the copy means blocking the host."""
-        return event.wait()
+        """Compute runs on the host here, so making it see the copy means blocking the host (under
+        a race check, without counting as the host's wait: on CUDA it would not be one)."""
+        if self.race_check is None:
+            return event.wait()
+        start = time.perf_counter()
+        event._block()
+        if event.error is not None:
+            raise event.error
+        self.race_check.compute_ordered(event)
+        return time.perf_counter() - start
+
+    def compute_done(self) -> Event:
+        return self.race_check.compute_done() if self.race_check is not None else super().compute_done()
+
+    def check_host_access(self, tensor: torch.Tensor, action: str) -> None:
+        if self.race_check is not None:
+            self.race_check.check(tensor, action)
 
     def synchronize(self) -> None:
         """Wait for every queued copy; raise the first error of a copy that failed since the last call."""
         for link in self._links.values():
             link.drain()
+        if self.race_check is not None:
+            self.race_check.all_waited()
 
     def _release(self) -> None:
         self._stop()  # runs once, however often it is called
@@ -333,11 +482,13 @@ def make_device(root: torch.device, capacity: int, spec: Optional[HardwareSpec] 
     """The device for ``root``: a CudaDevice on cuda, an EmulatedDevice anywhere else.
 
     With ``throttle`` and a ``spec``, the emulated links run at the spec's H2D/D2H bandwidths
-    (a bandwidth the spec leaves unknown stays unthrottled).
+    (a bandwidth the spec leaves unknown stays unthrottled). ``OFFLOAD_STRATEGY_RACE_CHECK=<seed>``
+    in the environment (any whole number but 0) gives the emulated device a :class:`RaceCheck`.
     """
     root = torch.device(root)
     if root.type == "cuda":
         return CudaDevice(root, capacity)
+    race_check = RaceCheck(seed=int(os.environ[RACE_CHECK_ENV])) if os.environ.get(RACE_CHECK_ENV, "0") not in ("", "0") else None
     if throttle and spec is not None:
-        return EmulatedDevice(capacity, h2d_gbps=spec.h2d_gbps, d2h_gbps=spec.d2h_gbps)
-    return EmulatedDevice(capacity)
+        return EmulatedDevice(capacity, h2d_gbps=spec.h2d_gbps, d2h_gbps=spec.d2h_gbps, race_check=race_check)
+    return EmulatedDevice(capacity, race_check=race_check)

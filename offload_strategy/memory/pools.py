@@ -13,7 +13,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -97,6 +97,7 @@ class SlotPool:
         self.alignment = alignment
         self.classes = classes
         self.backing = backing
+        self.before_release: Optional[Callable[[Slot], None]] = None  # checks a slot is free to give back
         self._slots: dict[int, Slot] = {}  # offset -> slot, every slot of this pool
         self._free: dict[int, list[Slot]] = {}
         offset = 0
@@ -150,7 +151,10 @@ class SlotPool:
         return slot
 
     def release(self, slot: Slot) -> None:
-        """Return ``slot`` to its free list; refuses slots of other pools and double releases."""
+        """Return ``slot`` to its free list; refuses slots of other pools and double releases
+        (and, with ``before_release`` set, whatever it refuses: a slot a copy may still use)."""
+        if self.before_release is not None:
+            self.before_release(slot)
         with self._lock:
             if self._slots.get(slot.offset) is not slot:
                 raise ValueError(

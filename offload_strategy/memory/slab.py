@@ -47,10 +47,23 @@ class _Mapping(mmap.mmap):
             pass
 
 
+def _not_inherited(mapping: mmap.mmap) -> None:
+    """A process forked later (a DataLoader worker: Lightning starts them after set-up) gets no
+    copy of the slab: Linux copies pinned anonymous pages into the child at fork (since 5.9;
+    before, the parent's next write moved its page while the GPU went on copying into the
+    child's), tens of GB per worker. No child uses the slab; one that read it would fault."""
+    try:
+        mapping.madvise(mmap.MADV_DONTFORK)
+    except (AttributeError, OSError):  # not Linux: fork copies nothing pinned there
+        pass
+
+
 class HostSlab:
     """One page-aligned host allocation of exactly ``nbytes`` (anonymous mmap), pinned with
     ``torch.cuda.cudart().cudaHostRegister`` where CUDA exists — never PyTorch's power-of-two
     pinned allocator.
+
+    Processes forked after it is made do not inherit it (``MADV_DONTFORK``).
 
     Every page is faulted in at creation, in parallel over torch's intra-op threads, so that
     training never waits on the OS for a first touch. ``pin=False``, a build without CUDA, or
@@ -90,6 +103,7 @@ class HostSlab:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):  # no transparent huge pages here: 4 KiB pages work too
             pass
+        _not_inherited(mapping)
         self._mapping = mapping
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         if fault_in:  # a write to one byte per page makes the kernel back every page now

@@ -178,7 +178,7 @@ class UnitCache:
             fetch.event = ctx.device.copy_to_device(slot.tensor[:n], ctx.home_bytes(s))
         elif s.host_copy is not None:
             # The copy kept in host memory is current: no NVMe read (10Cache Alg. 4).
-            fetch.event = ctx.device.copy_to_device(slot.tensor[:n], s.host_copy.tensor[:n])
+            fetch.event = s.host_copy_read = ctx.device.copy_to_device(slot.tensor[:n], s.host_copy.tensor[:n])
             ctx.requests.nvme_reads_avoided += 1
         else:
             staging = self.staging(n, wait=evict, keep=s)
@@ -202,6 +202,7 @@ class UnitCache:
         self.ctx.device.wait(fetch.event)
         if fetch.staging is not None:
             s.host_copy = fetch.staging  # keep it: backward and the optimizer step need the unit again
+            s.host_copy_read = fetch.event  # until the host waits for it, the slot stays as it is
         s.fetch = None
         return time.perf_counter() - start
 
@@ -212,8 +213,7 @@ class UnitCache:
         while slot is None:
             victim = self._copy_to_drop(nbytes, wait, keep)
             if victim is not None:
-                pool.release(victim.host_copy)
-                victim.host_copy = None
+                self.drop_host_copy(victim)
             elif wait and any(x.fetch is not None and x.fetch.staging is not None for x in self.ctx.states):
                 self.drain_staging()
             else:
@@ -234,6 +234,7 @@ class UnitCache:
 
     def drop_host_copy(self, s: UnitState) -> None:
         if s.host_copy is not None:
+            self.ctx.settle_host_copy(s)
             self.ctx.memory.staging_pool.release(s.host_copy)
             s.host_copy = None
 
@@ -304,6 +305,10 @@ class UnitCache:
         del self.slot_owner[s.device_slot.tensor.data_ptr()]
         self.ctx.memory.device_pool.release(s.device_slot)
         s.device_slot = None
+        # autocast keeps the 16-bit cast of every trainable weight until its region exits: the
+        # evicted unit's would stay in the GPU tier (this thread's cache; the others' casts are
+        # made again when next used, with the same bits)
+        torch.clear_autocast_cache()
 
     @torch.no_grad()
     def keep_writes(self, s: UnitState) -> None:

@@ -115,10 +115,20 @@ class EngineContext:
             self.store.read(self.key(s), buffer).result()
         return buffer
 
+    def settle_host_copy(self, s: UnitState) -> None:
+        """The host waits for the last copy out of the unit's kept staging copy into the GPU tier:
+        a device-side wait ordered only compute after it, so on CUDA it may still be queued, and
+        releasing, refilling or writing the slot now would change what it copies."""
+        if s.host_copy_read is not None:
+            self.device.host_wait(s.host_copy_read)
+            s.host_copy_read = None
+
     def write_home(self, s: UnitState, buffer: torch.Tensor) -> None:
         """An NVMe unit's new bytes go home (and to its kept host copy)."""
         self.store.write(self.key(s), buffer).result()
         if s.host_copy is not None:
+            self.settle_host_copy(s)
+            self.device.check_host_access(s.host_copy.tensor, "writes an NVMe unit's kept staging copy")
             s.host_copy.tensor[: buffer.numel()].copy_(buffer)
 
     def home_bytes(self, s: UnitState) -> torch.Tensor:

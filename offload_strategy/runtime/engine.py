@@ -112,6 +112,23 @@ class _SavedRef:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class _SavedCast:
+    """A saved 16-bit cast of a streamed parameter (autocast's, under ``*-mixed``): cast again from
+    the unit when backward unpacks it, so that no copy of the weight outlives the unit's eviction
+    (a cast gives the same bits every time)."""
+
+    unit: int
+    position: int  # of the parameter in its unit
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in the cast's elements
+    dtype: torch.dtype
+
+
+SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+
+
 class TieredEngine:
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
 
@@ -179,6 +196,8 @@ class TieredEngine:
     ) -> None:
         """The tiers' memory, the NVMe store, and the collaborators over one context."""
         self.memory = TierMemory.allocate(states, self.placement, self.device, self._owns, self._shared_homes())
+        # a staging slot goes back (to be refilled from NVMe) only once no copy out of it is queued
+        self.memory.staging_pool.before_release = lambda slot, check=self.device.check_host_access: check(slot.tensor, "releases an NVMe staging slot")
         # what a saved tensor aliasing the GPU tier shares with it
         self._arena_device, self._arena_storage = self.memory.arena.device, self.memory.arena.untyped_storage().data_ptr()
         nvme_states = None
@@ -539,6 +558,9 @@ class TieredEngine:
 
     def pack_saved(self, t: torch.Tensor) -> Any:
         if t.device != self._arena_device or t.untyped_storage().data_ptr() != self._arena_storage:
+            cast = self._streamed_cast(t)
+            if cast is not None:
+                return cast
             step = self.ctx.step
             if step.active and step.phase is Phase.FORWARD:
                 self.saved.add(t)  # kept for backward (checkpointed blocks save only inputs)
@@ -549,20 +571,48 @@ class TieredEngine:
             return t  # persistent buffers never move
         return _SavedRef(s.unit.index, self.cache.owner_offset(s, ptr), tuple(t.shape), tuple(t.stride()), t.dtype)
 
+    def _streamed_cast(self, t: torch.Tensor) -> Optional[_SavedCast]:
+        """``t`` (or the tensor it views) as a reference to the streamed parameter it is the 16-bit
+        cast of, or None. Autocast casts a weight for each operation that computes in 16 bits (and
+        caches the cast of a trainable one until its region exits); a saved cast would keep the
+        weight's bytes in the GPU tier until backward, outside the plan."""
+        if t.dtype not in SIXTEEN_BITS or not t.requires_grad:
+            return None
+        base = t if t._base is None else t._base
+        node = base.grad_fn
+        if node is None or node.name() != "ToCopyBackward0" or base.storage_offset() != 0 or not base.is_contiguous():
+            return None
+        where = self.ctx.param_slot.get(id(getattr(node.next_functions[0][0], "variable", None)))
+        if where is None or where[0].home == GPU:
+            return None
+        s, i = where
+        p = s.unit.params[i]
+        if base.shape != p.shape or base.device != p.device or not p.is_contiguous():
+            return None
+        return _SavedCast(s.unit.index, i, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
     def unpack_saved(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _SavedCast):
+            self._used_in_backward(packed.unit)
+            self.cache.request(packed.unit)
+            cast = self.states[packed.unit].unit.params[packed.position].detach().to(packed.dtype)
+            return cast.as_strided(packed.shape, packed.stride, packed.storage_offset)
         if not isinstance(packed, _SavedRef):
             return packed
-        self.forwards.backward_starts()  # of a graph built between steps: nothing more to record
-        if not self.forwards.running:
-            self.ctx.step.phase = Phase.BACKWARD
-            self.backward_log.append(time.perf_counter())
-            self.timer.unpacked(packed.unit)
-            self.states[packed.unit].used_in_backward = True
+        self._used_in_backward(packed.unit)
         buffer = self.cache.request(packed.unit)
         typed = buffer.view(packed.dtype)
         element = typed.element_size()
         # as_strided's offset counts from the start of the storage, not of the view
         return typed.as_strided(packed.shape, packed.stride, typed.storage_offset() + packed.byte_offset // element)
+
+    def _used_in_backward(self, unit: int) -> None:
+        self.forwards.backward_starts()  # of a graph built between steps: nothing more to record
+        if not self.forwards.running:
+            self.ctx.step.phase = Phase.BACKWARD
+            self.backward_log.append(time.perf_counter())
+            self.timer.unpacked(unit)
+            self.states[unit].used_in_backward = True
 
     # -- training-step boundaries -------------------------------------------------------------------
 

@@ -64,8 +64,7 @@ class GradientPath:
             return None
         if s.unit.index in self.direct and grad.data_ptr() == home.data_ptr():
             record.fresh = True  # accumulated in place, at home
-            if not self.ctx.device.is_emulated:  # by a kernel the host must wait for before reading
-                record.event = self.ctx.device.compute_done()
+            record.event = self.ctx.device.compute_done()  # by a kernel the host must wait for before reading (emulated: done)
         elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
             record.wait()
             record.event = self.ctx.device.copy_to_host(record.landing, grad)

@@ -13,8 +13,11 @@ parameters once per machine and the network carries each update to each other ma
 The memory is a file in ``/dev/shm`` (tmpfs): the machine's first rank creates it and reserves
 its pages (``posix_fallocate``, so that a full ``/dev/shm`` is an error now, with the numbers,
 rather than a bus error mid-run, on every rank of every machine), every rank of the machine maps
-it, and the first rank removes the name once all have mapped it, so nothing is left behind
-however the run ends.
+it, and the first rank removes the name once all have mapped it. A run killed before that (a
+SIGKILL while the pages are reserved) cannot remove it: the name holds the creating process's id
+and pid namespace (``offload_strategy-homes-<namespace>-<pid>-<random>``), and the next run on the
+machine that creates one removes every such file whose process no longer lives, so a dead run's
+memory is held only until then.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from .data_parallel import DataParallel
 
 SHARED_MEMORY_DIR = Path("/dev/shm")
+PREFIX = "offload_strategy-homes"
 
 
 def shared_memory_unavailable(directory: Path = SHARED_MEMORY_DIR) -> str:
@@ -99,8 +103,10 @@ def map_shared_homes(
 
 
 def _create(directory: Path, nbytes: int, world_size: int) -> tuple[str, str]:
-    """A new file of ``nbytes`` with its pages reserved: (its path, '') or ('', why not)."""
-    path = directory / f"offload_strategy-homes-{uuid.uuid4().hex}"
+    """A new file of ``nbytes`` with its pages reserved: (its path, '') or ('', why not); first the
+    files of dead runs are removed (their pages may be what is missing)."""
+    remove_dead_runs_files(directory)
+    path = directory / f"{PREFIX}-{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as err:
@@ -119,3 +125,39 @@ def _create(directory: Path, nbytes: int, world_size: int) -> tuple[str, str]:
     finally:
         os.close(fd)
     return str(path), ""
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (its inode): a pid names a process only within one, and
+    containers sharing ``/dev/shm`` may each have their own."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_dead_runs_files(directory: Path = SHARED_MEMORY_DIR) -> list[Path]:
+    """Remove the shared-homes files this user's runs of this pid namespace made and whose
+    process is gone (a run killed before it removed its own); return them. A file of a live
+    process, another namespace's or another user's is left alone."""
+    namespace, uid, removed = _pid_namespace(), os.getuid(), []
+    for path in directory.glob(f"{PREFIX}-{namespace}-*-*"):
+        pid = path.name[len(PREFIX) + len(namespace) + 2:].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or _alive(int(pid)) or path.stat().st_uid != uid:
+                continue
+            path.unlink()
+        except OSError:  # removed meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+    return removed

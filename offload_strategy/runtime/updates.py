@@ -256,6 +256,7 @@ class UnitUpdater:
             params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
+            self.ctx.device.check_host_access(self.ctx.home_bytes(s), "updates a host unit at home")
         if speculation is not None:
             _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
             self._remember_state_bytes(s, slot)
@@ -356,6 +357,8 @@ class UnitUpdater:
                 raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
             self.ctx.store.read(self.ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
             s.host_copy = staging
+        self.ctx.settle_host_copy(s)
+        self.ctx.device.check_host_access(s.host_copy.tensor, "updates an NVMe unit in its kept staging copy")
         return s.host_copy
 
 
