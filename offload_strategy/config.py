@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional, Union
 
+# What the process may hold beyond ``host_memory`` (and the emulated GPU tier's budget on a
+# machine without a GPU) from construction to after teardown: the runtime's own threads and
+# buffers that no budget counts: the allocator arenas of the update worker, the NVMe threads and
+# autograd's backward thread (glibc keeps one arena per thread, and freed blocks in it), the
+# NVMe store's bounce buffers, and the state Lightning, torch and autograd make at the first step.
+RUNTIME_HOST_ALLOWANCE = 192 * 2**20
+
 # A budget as a user writes it: bytes (int), a size string ("16GiB"), a fraction of what is
 # free (float in (0, 1], or a string such as "50%"), or None for "all that is free".
 BudgetLike = Union[int, float, str, None]
