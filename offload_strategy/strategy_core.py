@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import sys
 import tempfile
 import weakref
@@ -27,7 +28,7 @@ from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecis
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
@@ -45,7 +46,7 @@ from .profiling import StepProfile, fastest_timing
 from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
 from .runtime.engine import TieredEngine
-from .runtime.optimizer import compact, measured_state_factor
+from .runtime.optimizer import StatesReadOnUse, compact, measured_state_factor
 from .runtime.out_of_memory import PlannedUse, out_of_memory_explained
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
@@ -1066,7 +1067,10 @@ class TieredCore:
             optimizer.load_state_dict(state)
         return None
 
-    def teardown(self) -> None:
+    def teardown(self, plain: Callable[[], None]) -> None:
+        """``plain``: the base strategy's teardown, run after the engine's close with the states
+        left on NVMe out of sight (it moves every optimizer state to the CPU, which would read
+        them all back)."""
         self.take_back_exposed()  # never left on ``.grad`` over memory the engine frees
         self.lightning.precision_plugin.__dict__.pop("clip_gradients", None)
         self.activations.close()
@@ -1074,15 +1078,25 @@ class TieredCore:
             self._close_engine()
         finally:
             _remove_if_empty(self._created_directories)
+        with contextlib.ExitStack() as unread:
+            for optimizer in self.lightning.optimizers:
+                if isinstance(optimizer.state, StatesReadOnUse):
+                    unread.enter_context(optimizer.state.unread())
+            plain()
 
     def _close_engine(self) -> None:
-        """Parameters back to plain tensors with their true values, every tier freed."""
+        """Parameters back to plain tensors with their true values, every tier freed; what lives
+        on NVMe comes back into host memory as far as the host budget leaves room, the rest stays
+        there and is read when used (``_bring_back``)."""
         engine = self.context.engine
         if engine is None:
             return
         self.context.engine = None
         self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
-        leave = self._too_large_to_bring_back(engine)
+        on_nvme = _units_on_nvme(engine)
+        room = self._room_after_training(engine)
+        store = engine.store
+        leave = bool(on_nvme) and store is not None
         try:
             # while training's own failure propagates (teardown inside Lightning's handler),
             # that failure is the one to see; otherwise a failure to read back is raised
@@ -1090,23 +1104,52 @@ class TieredCore:
         finally:
             engine.device.close()
             self._share_optimizer_attributes()
-        if leave and engine.store is not None:
-            weakref.finalize(self, engine.store.close)  # the parameters left there read from it
-
-    def _too_large_to_bring_back(self, engine: TieredEngine) -> bool:
-        """What lives on NVMe (parameters and optimizer states) would take more than half of the
-        host memory available: after training it stays there, each parameter read when used."""
-        on_nvme = [s for s in engine.states if s.home == NVME]
-        nbytes = _nvme_state_bytes(engine)
-        if not on_nvme or nbytes <= _half_host_available():
-            return False
-        rank_zero_warn(
-            f"tiered: after training, the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of parameters and "
-            f"optimizer states, more than half of the {format_bytes(host_available())} of host memory available): each parameter is "
-            f"read from its file when used, and their optimizer states are not brought back into the optimizer. Save checkpoints "
-            f"during training to keep the optimizer's states."
+        del engine
+        if not leave or store is None:
+            return
+        gc.collect()  # the tiers' memory goes (the engine's cycles) before anything is read back into it
+        stay = self._bring_back(on_nvme, room)
+        if not stay:
+            store.close()
+            return
+        weakref.finalize(self, store.close)  # the parameters and states left there read from it
+        nbytes = sum(size for _, size in stay)
+        rank_zero_info(
+            f"tiered: after training, {len(stay)} of the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of "
+            f"parameters and optimizer states beyond the {format_bytes(room)} that host_memory and the host memory available leave "
+            f"after the units in memory): each parameter, and its optimizer states, is read from its file when first used "
+            f"(optimizer.state_dict(), a checkpoint, more training) and held from then on."
         )
-        return True
+
+    def _room_after_training(self, engine: TieredEngine) -> int:
+        """Host memory that units at home on NVMe may take after training: the host budget (and
+        the emulated GPU tier's, host memory too) less what the units in those tiers bring back,
+        within half of what the machine has available."""
+        budgets = self.budgets
+        if budgets is None:
+            return 0
+        emulated = self.lightning.root_device.type != "cuda"
+        homes = (HOST, GPU) if emulated else (HOST,)
+        states = engine.updater.state_bytes if engine.updater is not None else {}
+        held = sum(int(s.unit.nbytes) + states.get(s.unit.index, 0) for s in engine.states if s.home in homes)
+        return max(min(budgets.host + (budgets.gpu if emulated else 0) - held, _half_host_available()), 0)
+
+    def _bring_back(self, on_nvme: list[tuple[list[torch.nn.Parameter], int]], room: int) -> list[tuple[list[torch.nn.Parameter], int]]:
+        """Units left on NVMe read back into memory, parameters and optimizer states, in order,
+        as long as they fit in ``room``; the ones that stay."""
+        stay: list[tuple[list[torch.nn.Parameter], int]] = []
+        for params, size in on_nvme:
+            if size > room or stay:  # in order: what comes back is a prefix, what stays the rest
+                stay.append((params, size))
+                continue
+            room -= size
+            for p in params:
+                if p in self.deferred:
+                    self.deferred.materialize(p)
+                for optimizer in self.lightning.optimizers:
+                    if p in optimizer.state:
+                        optimizer.state[p]  # noqa: B018 (read from its file, then held)
+        return stay
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free."""
@@ -1177,6 +1220,12 @@ def _nvme_state_bytes(engine: TieredEngine) -> int:
     """Parameters and optimizer states at home on NVMe."""
     on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
     return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+
+
+def _units_on_nvme(engine: TieredEngine) -> list[tuple[list[torch.nn.Parameter], int]]:
+    """Each unit at home on NVMe: its parameters, and their bytes with the optimizer states' in its file."""
+    sizes = engine.nvme_states.sizes if engine.nvme_states is not None else {}
+    return [(list(s.unit.params), s.unit.nbytes + sizes.get(s.unit.index, 0)) for s in engine.states if s.home == NVME]
 
 
 def _half_host_available() -> int:
