@@ -297,6 +297,7 @@ def print_memory(result: dict[str, Any]) -> None:
     print("| quantity | value |\n|---|---|")
     print(f"| parameters | {n:,} |")
     print(f"| training state (fp32 parameters, gradients, 2 AdamW states) | {format_bytes(state)} ({state / ram:.2f}x RAM, {state / budgets.host:.1f}x the host budget) |")
+    print(f"| seconds per step | {', '.join(f'{t:.2f}' for t in result['steps'])} |")
     for phase, peak in result["phases"].items():
         print(f"| peak RSS (high-water mark), {phase} | {format_bytes(peak)} ({peak / ram:.2f}x RAM) |")
     print(f"\nAnonymous resident set (RssAnon, sampled every 5 ms) over the {format_bytes(before)} held before fit, against the bound "
