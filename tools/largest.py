@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = Model(family="gpt2", config=config, lr=1e-4)
     strategy = TieredStrategy(
-        policy=policy(args.placement), gpu_memory=args.gpu_memory, host_memory=args.host_memory,
+        policy=policy(args.placement), gpu_memory=args.gpu_memory, host_memory=args.host_memory, nvme_memory=args.nvme_memory,
         nvme_path=str(args.nvme_path), hardware="auto", state_dict_type="sharded",
     )
     checkpoint = args.nvme_path / "largest.ckpt" if args.checkpoint else None
@@ -253,6 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gpu-memory", default="512MiB", help="the emulated GPU tier")
     parser.add_argument("--host-memory", default=None, help="host budget (default: all that is free)")
+    parser.add_argument("--nvme-memory", default=None, help="NVMe budget (default: all that is free)")
     parser.add_argument("--nvme-path", type=Path, default=None, help="directory for the NVMe tier (default: a temporary one)")
     parser.add_argument("--weights", type=Path, default=None, help="a local Hugging Face directory or weights file to start from")
     parser.add_argument("--checkpoint", action="store_true", help="write a sharded checkpoint after the last step and report its phase")
