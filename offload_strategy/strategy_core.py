@@ -19,7 +19,7 @@ import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
-from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
+from .hardware import disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resolve_hardware
 from .hardware.device import make_device
 from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
@@ -45,6 +45,7 @@ from .planning.sharding import Sharding
 from .profiling import StepProfile, fastest_timing
 from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
+from .memory.nvme import NvmeStore
 from .runtime.engine import TieredEngine
 from .runtime.optimizer import StatesReadOnUse, compact, measured_state_factor
 from .runtime.out_of_memory import PlannedUse, out_of_memory_explained
@@ -355,12 +356,19 @@ class TieredCore:
         # standard, exact: they move through these; with sharded states, each rank's units' too
         states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self._timed = []  # another engine's units
-        self._close_engine()
+        # in memory as they move, unless they would take more than half of it: then read from
+        # the old files into their new homes (the disk holds both meanwhile)
+        left = self._close_engine(leave=lambda engine: _nvme_state_bytes(engine) > _half_host_available())
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None and not may_fit:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
+        if left is not None:
+            self.deferred.materialize_all(self.lightning.root_device)  # none when the new engine placed them all
+            left.store.close()
         for optimizer, state in zip(optimizers, states):
             optimizer.load_state_dict(state)
+        del states
+        release_freed_host_memory()  # the states just moved through memory
         self.activations.use_saved_tensor_hooks()
         self.activations.reattach_swap()  # it copied through the old engine's device, now closed
 
@@ -1075,48 +1083,51 @@ class TieredCore:
         self.lightning.precision_plugin.__dict__.pop("clip_gradients", None)
         self.activations.close()
         try:
-            self._close_engine()
+            left = self._close_engine()
+            if left is not None:
+                self._settle_after_training(left)
         finally:
             _remove_if_empty(self._created_directories)
+        release_freed_host_memory()  # what training freed leaves the process with it
         with contextlib.ExitStack() as unread:
             for optimizer in self.lightning.optimizers:
                 if isinstance(optimizer.state, StatesReadOnUse):
                     unread.enter_context(optimizer.state.unread())
             plain()
 
-    def _close_engine(self) -> None:
-        """Parameters back to plain tensors with their true values, every tier freed; what lives
-        on NVMe comes back into host memory as far as the host budget leaves room, the rest stays
-        there and is read when used (``_bring_back``)."""
+    def _close_engine(self, leave: Callable[[TieredEngine], bool] = lambda engine: True) -> Optional[_LeftOnNvme]:
+        """Parameters back to plain tensors with their true values, every tier freed, but the
+        units at home on NVMe where ``leave(engine)``: those stay there, read when used; what
+        stays, if any."""
         engine = self.context.engine
         if engine is None:
-            return
+            return None
         self.context.engine = None
         self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
-        on_nvme = _units_on_nvme(engine)
-        room = self._room_after_training(engine)
-        store = engine.store
-        leave = bool(on_nvme) and store is not None
+        units = _units_on_nvme(engine)
+        left = _LeftOnNvme(engine.store, units, self._room_after_training(engine)) if engine.store is not None and units and leave(engine) else None
         try:
             # while training's own failure propagates (teardown inside Lightning's handler),
             # that failure is the one to see; otherwise a failure to read back is raised
-            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if leave else None)
+            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if left else None)
         finally:
             engine.device.close()
             self._share_optimizer_attributes()
-        del engine
-        if not leave or store is None:
-            return
-        gc.collect()  # the tiers' memory goes (the engine's cycles) before anything is read back into it
-        stay = self._bring_back(on_nvme, room)
+        return left
+
+    def _settle_after_training(self, left: _LeftOnNvme) -> None:
+        """Once the tiers' memory is gone, the units left on NVMe that fit come back (``_bring_back``);
+        the others stay there, their store open while anything reads from it, and a line says so."""
+        gc.collect()  # the engine's cycles, and the tiers' memory with them, before anything is read back
+        stay = self._bring_back(left.units, left.room)
         if not stay:
-            store.close()
+            left.store.close()
             return
-        weakref.finalize(self, store.close)  # the parameters and states left there read from it
+        weakref.finalize(self, left.store.close)  # the parameters and states left there read from it
         nbytes = sum(size for _, size in stay)
         rank_zero_info(
-            f"tiered: after training, {len(stay)} of the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of "
-            f"parameters and optimizer states beyond the {format_bytes(room)} that host_memory and the host memory available leave "
+            f"tiered: after training, {len(stay)} of the {len(left.units)} units at home on NVMe stay there ({format_bytes(nbytes)} of "
+            f"parameters and optimizer states beyond the {format_bytes(left.room)} that host_memory and the host memory available leave "
             f"after the units in memory): each parameter, and its optimizer states, is read from its file when first used "
             f"(optimizer.state_dict(), a checkpoint, more training) and held from then on."
         )
@@ -1220,6 +1231,16 @@ def _nvme_state_bytes(engine: TieredEngine) -> int:
     """Parameters and optimizer states at home on NVMe."""
     on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
     return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+
+
+@dataclass(frozen=True)
+class _LeftOnNvme:
+    """Units an engine's close left on NVMe, the store they read from, and the host memory the
+    budget leaves them after the units in memory (``TieredCore._room_after_training``)."""
+
+    store: NvmeStore
+    units: list[tuple[list[torch.nn.Parameter], int]]
+    room: int
 
 
 def _units_on_nvme(engine: TieredEngine) -> list[tuple[list[torch.nn.Parameter], int]]:
