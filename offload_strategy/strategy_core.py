@@ -356,9 +356,7 @@ class TieredCore:
         # standard, exact: they move through these; with sharded states, each rank's units' too
         states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self._timed = []  # another engine's units
-        # in memory as they move, unless they would take more than half of it: then read from
-        # the old files into their new homes (the disk holds both meanwhile)
-        left = self._close_engine(leave=lambda engine: _nvme_state_bytes(engine) > _half_host_available())
+        left = self._close_engine(leave=self._left_while_placing_again)
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None and not may_fit:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
@@ -371,6 +369,13 @@ class TieredCore:
         release_freed_host_memory()  # the states just moved through memory
         self.activations.use_saved_tensor_hooks()
         self.activations.reattach_swap()  # it copied through the old engine's device, now closed
+
+    def _left_while_placing_again(self, engine: TieredEngine) -> bool:
+        """NVMe units are read from the old files into their new homes (which holds the old files
+        and the new ones on the disk meanwhile) where the disk has room for both or they would take
+        more than half of the host memory available; else they move through host memory."""
+        free = disk_free(str(self.options.nvme_path)) if self.options.nvme_path is not None else 0
+        return free - nvme_reserve(free) >= engine.placement.nvme_bytes or _nvme_state_bytes(engine) > _half_host_available()
 
     def _model_units(self, recipe: Rules, units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
         """What the planner knows of the model's units: sizes (no gradients or states without

@@ -114,21 +114,26 @@ def test_the_resident_set_grows_by_at_most_the_budgets_from_construction_to_afte
     assert report["deferred"] > 0 and report["states_on_nvme"] > 0
 
 
-@pytest.mark.parametrize("memory", ["plenty", "short"])
-def test_placing_again_between_steps_moves_units_on_nvme_exactly(tmp_path, monkeypatch, memory):
+@pytest.mark.parametrize("way", ["through memory", "from the old files"])
+def test_placing_again_between_steps_moves_units_on_nvme_exactly(tmp_path, monkeypatch, way):
     """The default policy places the units again after its profiled steps: the NVMe units move
-    through memory, or, where they would take more than half of it, from the old files into their
-    new homes (which are closed after); training and what fit leaves are plain training's."""
+    through host memory where the disk has no room for a second copy of their files, else they
+    are read from the old files into their new homes (which are closed after); training and what
+    fit leaves are plain training's."""
     import offload_strategy.strategy_core as strategy_module
 
-    class HostFills(L.Callback):
+    class DiskFills(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
-            if memory == "short":
-                monkeypatch.setattr(strategy_module, "host_available", lambda: 2**10)
+            if way == "through memory":
+                monkeypatch.setattr(strategy_module, "disk_free", lambda path: 0)
 
     plain_losses, plain_weights, plain = fit("auto", tmp_path / "plain", Deep)
     strategy = TieredStrategy(gpu_memory="640KiB", host_memory="448KiB", nvme_path=str(tmp_path / "nvme"), nvme_memory="64MiB")
-    losses, weights, model = fit(strategy, tmp_path / "tiered", Deep, callbacks=(HostFills(),))
+    left: list[bool] = []
+    original = strategy_module.TieredCore._left_while_placing_again
+    monkeypatch.setattr(strategy_module.TieredCore, "_left_while_placing_again", lambda core, engine: left.append(original(core, engine)) or left[-1])
+    losses, weights, model = fit(strategy, tmp_path / "tiered", Deep, callbacks=(DiskFills(),))
+    assert left == [way == "from the old files"]  # placed again once, the way asked
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
     assert_same_optimizer_states(plain.trainer.optimizers[0].state_dict(), model.trainer.optimizers[0].state_dict())
