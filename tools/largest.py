@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     checkpoint = args.nvme_path / "largest.ckpt" if args.checkpoint else None
     saves: list[float] = []
-    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
+    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * max(args.batch_size * (args.steps + 2) * 2, 40))
     steps: list[float] = []
     traffic: list[tuple[float, float]] = []
     trainer = L.Trainer(
