@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -137,3 +138,28 @@ def test_placing_again_between_steps_moves_units_on_nvme_exactly(tmp_path, monke
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
     assert_same_optimizer_states(plain.trainer.optimizers[0].state_dict(), model.trainer.optimizers[0].state_dict())
+
+
+def test_fitting_again_after_fit_takes_the_states_left_on_nvme(tmp_path):
+    """A second ``fit`` of the same trainer places the model again: the parameters and optimizer
+    states left on NVMe by the first are read into the new homes, and training goes on as plain
+    training does."""
+
+    def run(strategy: Any, root: Path) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+        L.seed_everything(7, verbose=False)
+        model, losses = Deep(), Losses()
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root, callbacks=[losses],
+        )
+        trainer.fit(model, datamodule=tiny_data())
+        left = len(getattr(trainer.optimizers[0].state, "pending", ()))
+        trainer.fit_loop.epoch_loop.max_steps = 6
+        trainer.fit(model, datamodule=tiny_data())
+        return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}, left
+
+    plain_losses, plain_weights, _ = run("auto", tmp_path / "plain")
+    losses, weights, left = run(budgeted(tmp_path), tmp_path / "tiered")
+    assert left > 0  # the first fit left states on NVMe
+    assert len(losses) == 6 and losses == plain_losses
+    assert_same_weights(plain_weights, weights)
