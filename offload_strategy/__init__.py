@@ -10,7 +10,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .callbacks import OffloadMonitor
-from .config import PRESETS, Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
+from .config import PRESETS, RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
 from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
 from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
@@ -51,6 +51,7 @@ _register_strategies()
 __all__ = [
     "KNOWN_MACHINES",
     "PRESETS",
+    "RUNTIME_HOST_ALLOWANCE",
     "OffloadedParameterError",
     "Budget",
     "HardwareSpec",

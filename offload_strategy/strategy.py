@@ -200,5 +200,4 @@ class TieredStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        self.tiered.teardown()
-        super().teardown()
+        self.tiered.teardown(super().teardown)

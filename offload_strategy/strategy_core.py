@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -27,11 +28,11 @@ from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecis
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
-from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
+from .hardware import disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resolve_hardware
 from .hardware.device import make_device
 from .memory.nvme import make_private_directory
 from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
@@ -45,8 +46,9 @@ from .planning.sharding import Sharding
 from .profiling import StepProfile, fastest_timing
 from .runtime.activations import find_blocks
 from .runtime.data_parallel import DataParallel, Reduction
+from .memory.nvme import NvmeStore
 from .runtime.engine import TieredEngine
-from .runtime.optimizer import compact, measured_state_factor
+from .runtime.optimizer import StatesReadOnUse, compact, measured_state_factor
 from .runtime.out_of_memory import PlannedUse, out_of_memory_explained
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
@@ -371,14 +373,26 @@ class TieredCore:
         # standard, exact: they move through these; with sharded states, each rank's units' too
         states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self._timed = []  # another engine's units
-        self._close_engine()
+        left = self._close_engine(leave=self._left_while_placing_again)
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None and not may_fit:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
+        if left is not None:
+            self.deferred.materialize_all(self.lightning.root_device)  # none when the new engine placed them all
+            left.store.close()
         for optimizer, state in zip(optimizers, states):
             optimizer.load_state_dict(state)
+        del states
+        release_freed_host_memory()  # the states just moved through memory
         self.activations.use_saved_tensor_hooks()
         self.activations.reattach_swap()  # it copied through the old engine's device, now closed
+
+    def _left_while_placing_again(self, engine: TieredEngine) -> bool:
+        """NVMe units are read from the old files into their new homes (which holds the old files
+        and the new ones on the disk meanwhile) where the disk has room for both or they would take
+        more than half of the host memory available; else they move through host memory."""
+        free = disk_free(str(self.options.nvme_path)) if self.options.nvme_path is not None else 0
+        return free - nvme_reserve(free) >= engine.placement.nvme_bytes or _nvme_state_bytes(engine) > _half_host_available()
 
     def _model_units(self, recipe: Rules, units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
         """What the planner knows of the model's units: sizes (no gradients or states without
@@ -1086,47 +1100,92 @@ class TieredCore:
             optimizer.load_state_dict(state)
         return None
 
-    def teardown(self) -> None:
+    def teardown(self, plain: Callable[[], None]) -> None:
+        """``plain``: the base strategy's teardown, run after the engine's close with the states
+        left on NVMe out of sight (it moves every optimizer state to the CPU, which would read
+        them all back)."""
         self.take_back_exposed()  # never left on ``.grad`` over memory the engine frees
         self.lightning.precision_plugin.__dict__.pop("clip_gradients", None)
         self.activations.close()
         try:
-            self._close_engine()
+            left = self._close_engine()
+            if left is not None:
+                self._settle_after_training(left)
         finally:
             _remove_if_empty(self._created_directories)
+        release_freed_host_memory()  # what training freed leaves the process with it
+        with contextlib.ExitStack() as unread:
+            for optimizer in self.lightning.optimizers:
+                if isinstance(optimizer.state, StatesReadOnUse):
+                    unread.enter_context(optimizer.state.unread())
+            plain()
 
-    def _close_engine(self) -> None:
-        """Parameters back to plain tensors with their true values, every tier freed."""
+    def _close_engine(self, leave: Callable[[TieredEngine], bool] = lambda engine: True) -> Optional[_LeftOnNvme]:
+        """Parameters back to plain tensors with their true values, every tier freed, but the
+        units at home on NVMe where ``leave(engine)``: those stay there, read when used; what
+        stays, if any."""
         engine = self.context.engine
         if engine is None:
-            return
+            return None
         self.context.engine = None
         self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
-        leave = self._too_large_to_bring_back(engine)
+        units = _units_on_nvme(engine)
+        left = _LeftOnNvme(engine.store, units, self._room_after_training(engine)) if engine.store is not None and units and leave(engine) else None
         try:
             # while training's own failure propagates (teardown inside Lightning's handler),
             # that failure is the one to see; otherwise a failure to read back is raised
-            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if leave else None)
+            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if left else None)
         finally:
             engine.device.close()
             self._share_optimizer_attributes()
-        if leave and engine.store is not None:
-            weakref.finalize(self, engine.store.close)  # the parameters left there read from it
+        return left
 
-    def _too_large_to_bring_back(self, engine: TieredEngine) -> bool:
-        """What lives on NVMe (parameters and optimizer states) would take more than half of the
-        host memory available: after training it stays there, each parameter read when used."""
-        on_nvme = [s for s in engine.states if s.home == NVME]
-        nbytes = _nvme_state_bytes(engine)
-        if not on_nvme or nbytes <= _half_host_available():
-            return False
-        rank_zero_warn(
-            f"tiered: after training, the {len(on_nvme)} units at home on NVMe stay there ({format_bytes(nbytes)} of parameters and "
-            f"optimizer states, more than half of the {format_bytes(host_available())} of host memory available): each parameter is "
-            f"read from its file when used, and their optimizer states are not brought back into the optimizer. Save checkpoints "
-            f"during training to keep the optimizer's states."
+    def _settle_after_training(self, left: _LeftOnNvme) -> None:
+        """Once the tiers' memory is gone, the units left on NVMe that fit come back (``_bring_back``);
+        the others stay there, their store open while anything reads from it, and a line says so."""
+        gc.collect()  # the engine's cycles, and the tiers' memory with them, before anything is read back
+        stay = self._bring_back(left.units, left.room)
+        if not stay:
+            left.store.close()
+            return
+        weakref.finalize(self, left.store.close)  # the parameters and states left there read from it
+        nbytes = sum(size for _, size in stay)
+        rank_zero_info(
+            f"tiered: after training, {len(stay)} of the {len(left.units)} units at home on NVMe stay there ({format_bytes(nbytes)} of "
+            f"parameters and optimizer states beyond the {format_bytes(left.room)} that host_memory and the host memory available leave "
+            f"after the units in memory): each parameter, and its optimizer states, is read from its file when first used "
+            f"(optimizer.state_dict(), a checkpoint, more training) and held from then on."
         )
-        return True
+
+    def _room_after_training(self, engine: TieredEngine) -> int:
+        """Host memory that units at home on NVMe may take after training: the host budget (and
+        the emulated GPU tier's, host memory too) less what the units in those tiers bring back,
+        within half of what the machine has available."""
+        budgets = self.budgets
+        if budgets is None:
+            return 0
+        emulated = self.lightning.root_device.type != "cuda"
+        homes = (HOST, GPU) if emulated else (HOST,)
+        states = engine.updater.state_bytes if engine.updater is not None else {}
+        held = sum(int(s.unit.nbytes) + states.get(s.unit.index, 0) for s in engine.states if s.home in homes)
+        return max(min(budgets.host + (budgets.gpu if emulated else 0) - held, _half_host_available()), 0)
+
+    def _bring_back(self, on_nvme: list[tuple[list[torch.nn.Parameter], int]], room: int) -> list[tuple[list[torch.nn.Parameter], int]]:
+        """Units left on NVMe read back into memory, parameters and optimizer states, in order,
+        as long as they fit in ``room``; the ones that stay."""
+        stay: list[tuple[list[torch.nn.Parameter], int]] = []
+        for params, size in on_nvme:
+            if size > room or stay:  # in order: what comes back is a prefix, what stays the rest
+                stay.append((params, size))
+                continue
+            room -= size
+            for p in params:
+                if p in self.deferred:
+                    self.deferred.materialize(p)
+                for optimizer in self.lightning.optimizers:
+                    if p in optimizer.state:
+                        optimizer.state[p]  # noqa: B018 (read from its file, then held)
+        return stay
 
     def resolve_budgets(self) -> TierBudgets:
         """Grant each tier its budget, refusing up front any that asks for more than is free. On a
@@ -1229,6 +1288,22 @@ def _share_emulated(gpu: Budget, host: Budget, available: int) -> tuple[int, int
     elif bounded_host and not bounded_gpu:
         gpu_bytes = max(available - host_bytes, 0)
     return gpu_bytes, host_bytes
+
+
+@dataclass(frozen=True)
+class _LeftOnNvme:
+    """Units an engine's close left on NVMe, the store they read from, and the host memory the
+    budget leaves them after the units in memory (``TieredCore._room_after_training``)."""
+
+    store: NvmeStore
+    units: list[tuple[list[torch.nn.Parameter], int]]
+    room: int
+
+
+def _units_on_nvme(engine: TieredEngine) -> list[tuple[list[torch.nn.Parameter], int]]:
+    """Each unit at home on NVMe: its parameters, and their bytes with the optimizer states' in its file."""
+    sizes = engine.nvme_states.sizes if engine.nvme_states is not None else {}
+    return [(list(s.unit.params), s.unit.nbytes + sizes.get(s.unit.index, 0)) for s in engine.states if s.home == NVME]
 
 
 def _half_host_available() -> int:

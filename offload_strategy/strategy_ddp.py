@@ -227,8 +227,7 @@ class TieredDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.tiered.teardown()
-        super().teardown()
+        self.tiered.teardown(super().teardown)
 
     # -- checkpoints: one consolidated, standard checkpoint ------------------------------------------
 

@@ -321,8 +321,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        self.tiered.teardown()
-        super().teardown()
+        self.tiered.teardown(super().teardown)
 
 
 def _check_precision(precision: Optional[Precision]) -> Optional[Precision]:

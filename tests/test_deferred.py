@@ -15,6 +15,7 @@ from torch import nn
 from experiments.models import build_causal_lm
 from offload_strategy import TieredStrategy
 from offload_strategy.deferred import DeferredParameters
+from tests.ddp_launch import assert_same_optimizer_states
 from tests.test_recipes import Net, assert_like_plain, fit, tiered
 
 
@@ -207,7 +208,7 @@ def test_everything_fitting_computes_the_parameters_where_they_are(tmp_path):
     assert all(torch.equal(plain_weights[k], weights[k]) for k in plain_weights)
 
 
-def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exactly(tmp_path, monkeypatch):
+def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exactly(tmp_path, monkeypatch, caplog):
     import offload_strategy.strategy_core as strategy_module
 
     class HostFills(L.Callback):
@@ -216,22 +217,27 @@ def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exac
         def on_train_end(self, trainer, pl_module) -> None:
             monkeypatch.setattr(strategy_module, "host_available", lambda: 2**10)
 
-    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Net)
+    plain_losses, plain_weights, plain_model = fit("auto", tmp_path / "plain", Net)
+    plain_states = plain_model.trainer.optimizers[0].state_dict()
     strategy = tiered("nvme", tmp_path)
-    with pytest.warns(UserWarning, match=r"the 7 units at home on NVMe stay there"):
-        L.seed_everything(7, verbose=False)
-        model = Net()
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                            default_root_dir=tmp_path, callbacks=[HostFills()])
-        from tests.helpers import tiny_data
+    L.seed_everything(7, verbose=False)
+    model = Net()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        default_root_dir=tmp_path, callbacks=[HostFills()])
+    from tests.helpers import tiny_data
+    with caplog.at_level("INFO"):
         trainer.fit(model, datamodule=tiny_data())
+    assert any("7 of the 7 units at home on NVMe stay there" in r.getMessage() for r in caplog.records)
     assert [n for n, p in model.named_parameters() if p not in strategy.deferred] == []  # nothing was read back into memory
-    assert len(trainer.optimizers[0].state) == 0
+    state = trainer.optimizers[0].state
+    assert len(state.held) == 0 and len(state) == len(plain_model.trainer.optimizers[0].state)  # every state still on NVMe
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # each read from its file now
     for name in plain_weights:
         assert torch.equal(plain_weights[name], weights[name]), name
     assert len(strategy.deferred) == 0
+    assert_same_optimizer_states(plain_states, trainer.optimizers[0].state_dict())  # each read from its unit's file now
+    assert len(state.pending) == 0
     del model, trainer, strategy
     gc.collect()  # the kept store closes with the last parameter that reads from it
     assert not [t.name for t in threading.enumerate() if t.name.startswith("nvme_")]

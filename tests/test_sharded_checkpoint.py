@@ -161,8 +161,7 @@ def test_auto_shards_only_what_would_not_fit_in_host_memory(tmp_path, monkeypatc
         def on_train_start(self, trainer, pl_module) -> None:
             monkeypatch.setattr(strategy_module, "host_available", lambda: 2**10)
 
-    with pytest.warns(UserWarning, match="stay there"):
-        train(sharded(tmp_path / "b", state_dict_type="auto"), tmp_path / "large", epochs=1, save_every_epoch=True, extra_callbacks=(HostFills(),))
+    train(sharded(tmp_path / "b", state_dict_type="auto"), tmp_path / "large", epochs=1, save_every_epoch=True, extra_callbacks=(HostFills(),))
     assert is_sharded_checkpoint(tmp_path / "large" / "ckpt" / "epoch=0.ckpt")
 
 

@@ -18,9 +18,11 @@ own phase, its seconds and bytes), from the tiers, without gathering the model.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -56,15 +58,46 @@ def reset_peak() -> None:
 
 
 class Phases:
-    """Peak resident set of each phase of a run."""
+    """Peak resident set of each phase of a run: the kernel's high-water mark (``VmHWM``, reset
+    between phases), and the anonymous resident set (``RssAnon``: the heap, tensors, pinned and
+    mapped anonymous memory; not the libraries' file pages) sampled by a thread every
+    ``interval`` seconds, whose peak per phase is held against the budget."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.005) -> None:
         self.peaks: dict[str, int] = {}
+        self.anonymous: dict[str, int] = {}
         self.start = time.perf_counter()
+        self.phase = "before fit"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self.note()
+            self._stop.wait(interval)
+
+    def note(self) -> None:
+        rss = proc_status("RssAnon")
+        with self._lock:
+            self.anonymous[self.phase] = max(self.anonymous.get(self.phase, 0), rss)
+
+    def begin(self, name: str) -> None:
+        """The phase ``name`` starts now (the anonymous peak of the one before is closed)."""
+        self.note()
+        with self._lock:
+            self.phase = name
+        self.note()
 
     def end(self, name: str) -> None:
         self.peaks[name] = peak_rss()
         reset_peak()
+
+    def stop(self) -> None:
+        self.note()
+        self._stop.set()
+        self._thread.join()
 
 
 def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float, float]], checkpoint: Optional[Path], saves: list[float]) -> Any:
@@ -73,10 +106,15 @@ def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float,
     class Watch(L.Callback):
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             if checkpoint is not None:  # a sharded checkpoint of the trained state, written from the tiers
+                phases.begin("sharded checkpoint save")
                 start = time.perf_counter()
                 trainer.save_checkpoint(checkpoint)
                 saves.append(time.perf_counter() - start)
                 phases.end("sharded checkpoint save")
+            phases.begin("teardown")
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            phases.begin("steps")
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             phases.end("construction and placement")
@@ -142,6 +180,11 @@ def compute_alone(args: argparse.Namespace, repeats: int = 3) -> tuple[float, fl
     return median(passes) * args.layers, median(steps) * args.layers
 
 
+def policy(placement: str) -> dict[str, Any]:
+    """Every unit on NVMe with its states (``nvme``), or the default policy's search (``search``)."""
+    return {"placement": "nvme", "activations": "keep"} if placement == "nvme" else {"placement": placement}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
 
@@ -155,9 +198,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     class Model(CausalLM):
         def configure_model(self) -> None:
             if self.model is None:
+                phases.begin("construction")
                 super().configure_model()
                 if args.weights:
                     load_weights(self.model, args.weights)
+                phases.begin("setup")
 
     if args.gradients_at_home:
         class Model(Model):  # type: ignore[no-redef]
@@ -170,12 +215,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = Model(family="gpt2", config=config, lr=1e-4)
     strategy = TieredStrategy(
-        policy={"placement": "nvme", "activations": "keep"}, gpu_memory=args.gpu_memory, host_memory=args.host_memory,
+        policy=policy(args.placement), gpu_memory=args.gpu_memory, host_memory=args.host_memory, nvme_memory=args.nvme_memory,
         nvme_path=str(args.nvme_path), hardware="auto", state_dict_type="sharded",
     )
     checkpoint = args.nvme_path / "largest.ckpt" if args.checkpoint else None
     saves: list[float] = []
-    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (args.steps + 2) * 2)
+    data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * max(args.batch_size * (args.steps + 2) * 2, 40))
     steps: list[float] = []
     traffic: list[tuple[float, float]] = []
     trainer = L.Trainer(
@@ -184,11 +229,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[make_callback(phases, steps, traffic, checkpoint, saves)], default_root_dir=str(args.nvme_path),
         gradient_clip_val=args.gradient_clip_val,
     )
+    before = proc_status("RssAnon")  # what the process holds before fit: the growth is held against the budget
     trainer.fit(module, datamodule=data)
     phases.end("teardown")
+    phases.begin("after fit")
+    gc.collect()
+    time.sleep(args.after_fit_seconds)  # sampled while the process holds what fit left
+    phases.stop()
     parameters = sum(p.numel() for p in module.parameters())
     written = sum(f.stat().st_size for f in checkpoint.iterdir()) if checkpoint is not None and checkpoint.is_dir() else 0
-    return {"parameters": parameters, "phases": phases.peaks, "steps": steps, "traffic": traffic, "budgets": strategy.budgets, "saves": saves, "written": written}
+    return {
+        "parameters": parameters, "phases": phases.peaks, "anonymous": phases.anonymous, "before": before, "steps": steps, "traffic": traffic,
+        "budgets": strategy.budgets, "saves": saves, "written": written,
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -200,36 +253,72 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gpu-memory", default="512MiB", help="the emulated GPU tier")
     parser.add_argument("--host-memory", default=None, help="host budget (default: all that is free)")
+    parser.add_argument("--nvme-memory", default=None, help="NVMe budget (default: all that is free)")
     parser.add_argument("--nvme-path", type=Path, default=None, help="directory for the NVMe tier (default: a temporary one)")
     parser.add_argument("--weights", type=Path, default=None, help="a local Hugging Face directory or weights file to start from")
     parser.add_argument("--checkpoint", action="store_true", help="write a sharded checkpoint after the last step and report its phase")
     parser.add_argument("--gradient-clip-val", type=float, default=None, help="clip gradients by norm (Lightning's gradient_clip_val)")
     parser.add_argument("--gradients-at-home", action="store_true", help="a hook before the step: every offloaded unit keeps a host gradient home")
     parser.add_argument("--probe-bytes", type=int, default=GiB, help="bytes written and read to measure the raw disk")
+    parser.add_argument("--placement", default="nvme", help="the policy's placement: nvme (every unit on NVMe) or search (the default policy)")
+    parser.add_argument("--after-fit-seconds", type=float, default=1.0, help="how long the resident set is sampled after fit returns")
+    parser.add_argument("--skip-probes", action="store_true", help="measure neither the raw disk nor compute alone (the memory table only)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="offload-largest-") as scratch:
         args.nvme_path = args.nvme_path or Path(scratch)
         args.nvme_path.mkdir(parents=True, exist_ok=True)
         result = run(args)
-        write_gbps, read_gbps = raw_disk_gbps(args.nvme_path, args.probe_bytes)
-    passes, updates = compute_alone(args)
-    from offload_strategy import format_bytes
+        disk = None if args.skip_probes else raw_disk_gbps(args.nvme_path, args.probe_bytes)
+    print_memory(result)
+    if disk is not None:
+        print_times(args, result, *disk)
+    return 0
+
+
+def memory_bound(budgets: Any) -> int:
+    """What the process may grow by beyond what it held before ``fit``: the host budget, the
+    emulated GPU tier's (host memory too, on a machine without a GPU) and the runtime's allowance."""
+    import torch
+
+    from offload_strategy import RUNTIME_HOST_ALLOWANCE
+
+    return budgets.host + (0 if torch.cuda.is_available() else budgets.gpu) + RUNTIME_HOST_ALLOWANCE
+
+
+def print_memory(result: dict[str, Any]) -> None:
+    from offload_strategy import RUNTIME_HOST_ALLOWANCE, format_bytes
 
     n = result["parameters"]
     state = 16 * n  # fp32 parameters, gradients, AdamW's exp_avg and exp_avg_sq
-    budgets = result["budgets"]
+    budgets, before = result["budgets"], result["before"]
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    steady = result["steps"][1:] or result["steps"]
-    seconds = sorted(steady)[len(steady) // 2]
-    read, written = result["traffic"][-1] if result["traffic"] else (0, 0)
-    bound = read / (read_gbps * 1e9) + written / (write_gbps * 1e9)
+    bound = memory_bound(budgets)
     print(f"\nGPT-2 {n / 1e6:.0f}M parameters on {os.cpu_count()} cores, {format_bytes(ram)} of RAM; budgets: GPU tier "
           f"{format_bytes(budgets.gpu)} (emulated), host {format_bytes(budgets.host)}, NVMe {format_bytes(budgets.nvme)}\n")
     print("| quantity | value |\n|---|---|")
     print(f"| parameters | {n:,} |")
     print(f"| training state (fp32 parameters, gradients, 2 AdamW states) | {format_bytes(state)} ({state / ram:.2f}x RAM, {state / budgets.host:.1f}x the host budget) |")
+    print(f"| seconds per step | {', '.join(f'{t:.2f}' for t in result['steps'])} |")
     for phase, peak in result["phases"].items():
-        print(f"| peak RSS, {phase} | {format_bytes(peak)} ({peak / ram:.2f}x RAM) |")
+        print(f"| peak RSS (high-water mark), {phase} | {format_bytes(peak)} ({peak / ram:.2f}x RAM) |")
+    print(f"\nAnonymous resident set (RssAnon, sampled every 5 ms) over the {format_bytes(before)} held before fit, against the bound "
+          f"{format_bytes(bound)} = host {format_bytes(budgets.host)} + emulated GPU tier {format_bytes(budgets.gpu)} + "
+          f"allowance {format_bytes(RUNTIME_HOST_ALLOWANCE)}:\n")
+    print("| phase | peak anonymous RSS | growth over before fit | of the bound |\n|---|---|---|---|")
+    for phase, peak in result["anonymous"].items():
+        if phase != "before fit":
+            print(f"| {phase} | {format_bytes(peak)} | {format_bytes(peak - before)} | {(peak - before) / bound:.2f}x |")
+
+
+def print_times(args: argparse.Namespace, result: dict[str, Any], write_gbps: float, read_gbps: float) -> None:
+    from offload_strategy import format_bytes
+
+    passes, updates = compute_alone(args)
+    steady = result["steps"][1:] or result["steps"]
+    seconds = sorted(steady)[len(steady) // 2]
+    read, written = result["traffic"][-1] if result["traffic"] else (0, 0)
+    bound = read / (read_gbps * 1e9) + written / (write_gbps * 1e9)
+    print("\n| quantity | value |\n|---|---|")
     print(f"| seconds per step (median after the first) | {seconds:.2f} |")
     print(f"| NVMe read / written per step | {format_bytes(read)} / {format_bytes(written)} |")
     print(f"| raw disk read / write (GB/s) | {read_gbps:.2f} / {write_gbps:.2f} |")
@@ -243,7 +332,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         save = result["saves"][0]
         print(f"| sharded checkpoint save | {save:.1f} s, {format_bytes(result['written'])} written "
               f"({result['written'] / save / 1e9:.2f} GB/s; raw disk write {write_gbps:.2f} GB/s) |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from ..config import HardwareSpec
-from .probe import AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
+from .probe import (
+    AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss,
+    release_freed_host_memory,
+)
 from .specs import KNOWN_MACHINES, known_hardware
 
 
@@ -35,6 +38,7 @@ __all__ = [
     "disk_free",
     "gpu_free",
     "host_available",
+    "release_freed_host_memory",
     "known_hardware",
     "probe_hardware",
     "process_peak_rss",

@@ -6,6 +6,7 @@ datasheet figures of the known machine whose GPU it recognises.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import resource
@@ -102,6 +103,19 @@ def process_peak_rss() -> int:
     """Peak resident set of this process in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def release_freed_host_memory() -> None:
+    """Give the OS back the freed memory the C allocator keeps (glibc's ``malloc_trim``; nothing
+    where there is none). glibc serves blocks under its mmap threshold, which it raises up to
+    32 MiB as large blocks are freed, from heaps it returns only from their top: after training
+    puts gigabytes through them (optimizer states moved between engines, units read back), they
+    would keep those gigabytes resident though nothing uses them."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def disk_free(path: Optional[str]) -> int:

@@ -958,10 +958,11 @@ class TieredEngine:
     ) -> None:
         """Remove hooks, give every parameter a plain tensor with its true value, free all tiers.
 
-        With ``leave_on_nvme`` (the training state on NVMe is too large for host memory), NVMe
-        units stay there: each parameter is handed to ``leave_on_nvme(p, name, read)`` with a
-        function reading its value, the NVMe store stays open (``self.store``; its owner closes
-        it), and their optimizer states are not brought back into the user's optimizer.
+        With ``leave_on_nvme``, NVMe units stay there: each parameter is handed to
+        ``leave_on_nvme(p, name, read)`` with a function reading its value, the NVMe store stays
+        open (``self.store``; its owner closes it), and the user's optimizer reads their states
+        from their files when first used (``optimizer.StatesReadOnUse``). The functions hold the
+        store and the units, nothing of the engine, so no tier's memory outlives the close.
 
         Every step runs even when one fails (threads joined, hooks removed, files and pinned
         memory freed); the first failure is then raised (``raise_errors``), so that a unit that
@@ -979,10 +980,13 @@ class TieredEngine:
             errors += _attempt([self.lending.take_back, *(lambda s=s: self._materialize_for_good(s, leave_on_nvme) for s in self.states)])
             nvme_states = self.nvme_states
 
-            def states_in_memory() -> contextlib.AbstractContextManager:
-                return nvme_states.materialized(skip=left) if nvme_states is not None else contextlib.nullcontext()
+            def in_memory(unit: int) -> contextlib.AbstractContextManager:
+                return nvme_states.unit_in_memory(unit) if nvme_states is not None else contextlib.nullcontext()
 
-            errors += _attempt([lambda u=u: u.restore_facade(states_in_memory, left) for u in self.updater.optimizers.values()])
+            def readers(unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
+                return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
+
+            errors += _attempt([lambda u=u: u.restore_facade(in_memory, readers) for u in self.updater.optimizers.values()])
         for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
                 if s.unit.index not in left:
@@ -1024,9 +1028,10 @@ class TieredEngine:
         if s.home == NVME and self.store is not None and s.placeholders and leave_on_nvme is not None:
             s.host_copy = None  # the slab is freed: reads come from the file
             self.ctx.bind(s, s.placeholders)
+            read, unit = _file_reader(self.store, self.ctx.key(s), s.unit.nbytes), s.unit
             for i, p in enumerate(s.unit.params):
                 mark_present(p)
-                leave_on_nvme(p, s.unit.param_names[i], lambda s=s, i=i: s.unit.views(self.ctx.read_home(s))[i].clone())
+                leave_on_nvme(p, s.unit.param_names[i], lambda i=i: unit.views(read())[i].clone())
         elif s.home == NVME and self.store is not None and s.placeholders:
             self.ctx.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
 
@@ -1088,6 +1093,18 @@ class TieredEngine:
         out["optimizer/host_master_bytes"] = masters
         out["optimizer/nvme_state_bytes"] = float(sum(self.nvme_states.sizes.values()) if self.nvme_states is not None else 0)
         return out
+
+
+def _file_reader(store: NvmeStore, key: str, nbytes: int) -> Callable[[], torch.Tensor]:
+    """A function reading an NVMe unit's bytes from its file into a fresh buffer (``EngineContext.read_home``
+    without the engine: it holds the store alone)."""
+
+    def read() -> torch.Tensor:
+        buffer = torch.empty(align(nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+        store.read(key, buffer).result()
+        return buffer
+
+    return read
 
 
 def _attempt(actions: list[Optional[Callable[[], Any]]]) -> list[BaseException]:

@@ -19,7 +19,7 @@ and writes the low-precision copy, which is what forward fetches, beside it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -174,6 +174,36 @@ class NvmeOptimizerStates:
         for entry, placeholder in zip(self.layouts[unit], self.placeholders[unit]):
             entry.set(placeholder)
         self.loaded.discard(unit)
+
+    @contextlib.contextmanager
+    def unit_in_memory(self, unit: int) -> Iterator[None]:
+        """The unit's offloaded states (if it has any) are real tensors of their own for the
+        duration: one unit's at a time, so that bringing states back never holds two copies of more."""
+        if unit not in self.layouts or unit in self.loaded:
+            yield
+            return
+        self.load(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+        try:
+            yield
+        finally:
+            self._drop(unit)
+
+    def reader(self, unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
+        """A function reading the unit's states from its file, each into a tensor of its own, keyed
+        by (id of the master, state's key); None where the unit has none on NVMe. It holds the
+        store and the layout's places, nothing of the engine, so that what reads after training
+        keeps no tier's memory alive."""
+        if unit not in self.layouts or unit in self.loaded:
+            return None
+        store, name, size = self.store, self._file(unit), self.sizes[unit]
+        places = [(id(e.param), e.key, e.offset, e.nbytes, e.dtype, e.shape) for e in self.layouts[unit] if e.key is not None]
+
+        def read() -> dict[tuple[int, str], torch.Tensor]:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            store.read(name, buffer).result()
+            return {(param, key): buffer[offset : offset + nbytes].view(dtype).view(shape).clone() for param, key, offset, nbytes, dtype, shape in places}
+
+        return read
 
     @contextlib.contextmanager
     def materialized(self, skip: frozenset[int] = frozenset()) -> Iterator[None]:

@@ -394,26 +394,126 @@ class UnitOptimizers:
         self.facade.state_dict = types.MethodType(state_dict, self.facade)  # type: ignore[method-assign]
         self.facade.load_state_dict = types.MethodType(load_state_dict, self.facade)  # type: ignore[method-assign]
 
-    def restore_facade(self, materialize: Callable[[], contextlib.AbstractContextManager], left: frozenset[int] = frozenset()) -> None:
+    def restore_facade(
+        self, in_memory: Callable[[int], contextlib.AbstractContextManager],
+        readers: Callable[[int], Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]] = lambda unit: None,
+    ) -> None:
         """End of training: the facade holds the real states of its own parameters, as after plain
-        training (but those of the units ``left`` on NVMe, too large to bring back)."""
-        self.facade.state = collections.defaultdict(dict)
-        with materialize():
-            for index, slot in [*self.slots.items(), *([(LOOSE, self.loose)] if self.loose is not None else [])]:
-                if index in left:
-                    continue
+        training. ``in_memory(unit)`` holds a unit's offloaded states in memory while they are
+        taken (one unit at a time); a unit ``readers`` gives a function for stays on NVMe: its
+        parameters' states are read from the file when first used (``StatesReadOnUse``)."""
+        state = StatesReadOnUse()
+        for index, slot in [*self.slots.items(), *([(LOOSE, self.loose)] if self.loose is not None else [])]:
+            read = readers(index)
+            if read is not None:
+                state.defer([p for p, master in zip(slot.params, slot.masters) if slot.inner.state.get(master)], _unit_states(slot, read))
+                continue
+            with in_memory(index):
                 for position, (p, master) in enumerate(zip(slot.params, slot.masters)):
                     values = slot.inner.state.get(master)
                     if values:
-                        # fp32 states of a low-precision parameter take its dtype, as plain training has them
-                        cast = slot.widened(position)
-                        self.facade.state[p] = {
-                            k: (v.to(p.dtype) if cast and k != "step" and v.is_floating_point() else v.clone()) if torch.is_tensor(v) else v
-                            for k, v in values.items()
-                        }
+                        state[p] = _plain_states(slot, position, values, {})
+        self.facade.state = state
         self.on_zero_grad = lambda units: None
         for name in ("state_dict", "load_state_dict", "zero_grad"):
             self.facade.__dict__.pop(name, None)
+
+
+def _plain_states(slot: UnitSlot, position: int, values: dict, read: dict[tuple[int, str], torch.Tensor]) -> dict:
+    """One parameter's states as plain training holds them: fp32 states of a low-precision
+    parameter take its dtype; a tensor that owns its memory is taken as it is (the inner optimizer
+    is done with it), any other is copied. ``read``: values read from the unit's file."""
+    p, master = slot.params[position], slot.masters[position]
+    cast = slot.widened(position)
+    plain = {}
+    for k, v in values.items():
+        v = read.get((id(master), k), v)
+        if torch.is_tensor(v):
+            if cast and k != "step" and v.is_floating_point():
+                v = v.to(p.dtype)
+            elif v.untyped_storage().nbytes() != v.nbytes or v.storage_offset() != 0 or not v.is_contiguous():
+                v = v.clone()
+        plain[k] = v
+    return plain
+
+
+def _unit_states(slot: UnitSlot, read: Callable[[], dict[tuple[int, str], torch.Tensor]]) -> Callable[[], dict[Any, dict]]:
+    """A function giving the plain states of each parameter of the slot, read from the unit's
+    file; it keeps the scalar states (a step count) the optimizer holds in memory, not the optimizer."""
+    kept = [
+        (p, position, {k: v.clone() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in slot.inner.state.get(master, {}).items()})
+        for position, (p, master) in enumerate(zip(slot.params, slot.masters))
+    ]
+    shell = UnitSlot.__new__(UnitSlot)  # the slot's parameters and masters only: no inner optimizer kept alive
+    shell.params, shell.masters = list(slot.params), list(slot.masters)
+
+    def states() -> dict[Any, dict]:
+        values = read()
+        return {p: _plain_states(shell, position, scalars, values) for p, position, scalars in kept if scalars}
+
+    return states
+
+
+class StatesReadOnUse(MutableMapping):
+    """An optimizer's ``state`` after training where units' states stayed on NVMe: a parameter's
+    entry is read from its unit's file the first time it is used (``optimizer.state_dict()``, a
+    checkpoint, more training), with the rest of its unit, and held from then on as plain
+    training holds it; the others are a ``defaultdict(dict)``'s."""
+
+    def __init__(self) -> None:
+        self.held: collections.defaultdict = collections.defaultdict(dict)
+        self.pending: dict[int, tuple[Any, Callable[[], None]]] = {}  # id(parameter) -> (parameter, its unit's read)
+        self._unread = False
+
+    @contextlib.contextmanager
+    def unread(self) -> Iterator[None]:
+        """Iteration sees the states in memory only for the duration (Lightning's teardown moves
+        every state it finds to the CPU: where they already are)."""
+        self._unread = True
+        try:
+            yield
+        finally:
+            self._unread = False
+
+    def defer(self, params: Sequence[Any], states: Callable[[], dict[Any, dict]]) -> None:
+        def bring() -> None:
+            for p, values in states().items():
+                if self.pending.pop(id(p), None) is not None:  # not replaced or removed meanwhile
+                    self.held[p] = values
+
+        for p in params:
+            self.pending[id(p)] = (p, bring)
+
+    def _bring(self, p: Any) -> None:
+        waiting = self.pending.get(id(p))
+        if waiting is not None:
+            waiting[1]()
+
+    def __getitem__(self, p: Any) -> dict:
+        self._bring(p)
+        return self.held[p]
+
+    def __setitem__(self, p: Any, value: dict) -> None:
+        self.pending.pop(id(p), None)
+        self.held[p] = value
+
+    def __delitem__(self, p: Any) -> None:
+        if self.pending.pop(id(p), None) is None:
+            del self.held[p]
+
+    def __contains__(self, p: object) -> bool:
+        return id(p) in self.pending or p in self.held
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from list(self.held)
+        if not self._unread:
+            yield from [p for p, _ in list(self.pending.values())]
+
+    def __len__(self) -> int:
+        return len(self.held) + (0 if self._unread else len(self.pending))
+
+    def __repr__(self) -> str:
+        return f"StatesReadOnUse({len(self.held)} parameters' states in memory, {len(self.pending)} on NVMe)"
 
 
 class LiveState(MutableMapping):
