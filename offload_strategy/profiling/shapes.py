@@ -102,6 +102,7 @@ class Pricing:
     half: bool = False
     mixed: bool = False
     state_factor: float = STATE_FACTOR  # the optimizer's state bytes per parameter byte
+    fused_attention: bool = True  # attention saves what a GPU's fused kernel keeps (a CPU's: torch's math path)
 
 
 def shape_model(module: nn.Module, forward: Callable[[], Any], pricing: Pricing, *, name: str, tokens: int, batch_size: int,
@@ -113,7 +114,8 @@ def shape_model(module: nn.Module, forward: Callable[[], Any], pricing: Pricing,
     costs = analytic_units(units, users, tokens, pricing.hardware, dtype=pricing.dtype, efficiency=pricing.efficiency)
     blocks = find_blocks(module)
     autocast = Autocast(torch.float16 if pricing.dtype == "fp16" else torch.bfloat16) if pricing.mixed and pricing.dtype != "fp32" else None
-    compute = analytic_compute(module, blocks, forward, pricing.hardware, dtype=pricing.dtype, efficiency=pricing.efficiency, autocast=autocast)
+    compute = analytic_compute(module, blocks, forward, pricing.hardware, dtype=pricing.dtype, efficiency=pricing.efficiency, autocast=autocast,
+                               fused_attention=pricing.fused_attention)
     inside = [{id(m) for m in block.modules()} for block in blocks]
     block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
     costs = attach_unattributed(costs, block_units, compute)  # attention's products and the memory-bound work
