@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -215,7 +216,9 @@ def _tokens(batch: Any) -> tuple[int, int]:
 def _step_loss(model: nn.Module, batch: Any, loss: Optional[Loss]) -> torch.Tensor:
     """The training step's loss, as the run computes it."""
     if callable(getattr(model, "training_step", None)) and loss is None:
-        return _as_loss(model.training_step(batch, 0))  # type: ignore[operator]
+        with warnings.catch_warnings():  # its self.log calls have no trainer to log to here
+            warnings.filterwarnings("ignore", message=".*self.log.*")
+            return _as_loss(model.training_step(batch, 0))  # type: ignore[operator]
     if loss is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(f"with loss=, example_batch must be (inputs, target); got a {type(batch).__name__}.")
@@ -245,13 +248,31 @@ class _Fit:
 def _preset_estimate(model: ShapeModel, name: str, host: int, machine: Machine, priced: bool) -> PresetEstimate:
     policy = PolicyConfig.coerce(name)
     try:
-        gpu, fit = least_gpu(lambda gpu: accepts(model, policy, TierBudgets(gpu, host, _ANY_NVME)), _upper(model))
+        least, fit = least_budgets(model, policy, host)
     except ValueError as error:
         return PresetEstimate(name, 0, 0, 0, None, "-", note=str(error))
     placement = fit.placement
     units = "/".join(str(sum(h == tier for h in placement.home.values())) for tier in ("gpu", "host", "nvme"))
-    step = _step(model, policy, placement, TierBudgets(gpu, host, placement.nvme_bytes), machine) if priced else None
-    return PresetEstimate(name, gpu, placement.host_bytes, placement.nvme_bytes, step, units, activations_beside=fit.beside)
+    step = _step(model, policy, placement, least, machine) if priced else None
+    return PresetEstimate(name, least.gpu, least.host, least.nvme, step, units, activations_beside=fit.beside)
+
+
+def least_budgets(model: ShapeModel, policy: PolicyConfig, host: int) -> tuple[TierBudgets, _Fit]:
+    """The least GPU tier with ``host`` bytes of host memory and NVMe to spare; then the least host
+    memory with that GPU tier (NVMe only where the policy or that placement uses it); then the
+    least NVMe with both; and what the run holds at the three."""
+    upper = _upper(model)
+    try:
+        gpu, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(n, host, _ANY_NVME)), upper)
+    except ValueError:
+        raise ValueError(f"no gpu_memory up to {format_bytes(upper)} fits beside host_memory={format_bytes(host)} (95% of the machine's): "
+                         f"it homes more than that there; give hardware= a machine with more host memory") from None
+    spare = _ANY_NVME if policy.placement == PlacementMode.NVME or fit.placement.nvme_bytes else 0
+    least_host, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, n, spare)), host)
+    if not spare:
+        return TierBudgets(gpu, least_host, 0), fit
+    nvme, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, least_host, n)), upper)
+    return TierBudgets(gpu, least_host, nvme), fit
 
 
 def _upper(model: ShapeModel) -> int:
@@ -261,12 +282,15 @@ def _upper(model: ShapeModel) -> int:
     return int(2 * (states + kept + model.beside.bytes)) + (64 << 20)
 
 
-def least_gpu(fits: Callable[[int], Optional[_Fit]], upper: int) -> tuple[int, _Fit]:
-    """The least GPU tier ``fits`` accepts (bisected: the planner's decisions only grow easier with
-    more), and what it holds there; ValueError with the refusal where even ``upper`` is refused."""
+def least_budget(fits: Callable[[int], Optional[_Fit]], upper: int) -> tuple[int, _Fit]:
+    """The least budget of one tier ``fits`` accepts (bisected: the planner's decisions only grow
+    easier with more), and what the run holds there; ValueError where even ``upper`` is refused."""
     top = fits(upper)
     if top is None:
-        raise ValueError(f"refused even with gpu_memory={format_bytes(upper)}")
+        raise ValueError(f"refused even with {format_bytes(upper)}")
+    nothing = fits(0)
+    if nothing is not None:
+        return 0, nothing
     low, high, best = 0, upper, top
     while high - low > max(4096, int(_RESOLUTION * high)):
         middle = (low + high) // 2
@@ -292,6 +316,7 @@ def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets) -> Op
         placement = _profiling_placement(planner, placement, together, planning)
         if planning is not None:
             planner.refuse_unfitting_activations(model.blocks, planning, running, "estimated", model.beside, running=running)
+            placement = _placed_beside_layout(planner, model, planning, running, together)
     except ValueError:  # PlacementError too
         return None
     return _Fit(placement, 0 if planning is not None else _kept_peak(model, running))
@@ -337,6 +362,14 @@ def _profiling_placement(planner: Planner, placement: Placement, together: list[
         return planner.place(planner.units, smallest, together, activations_auto=True)
     except PlacementError:
         return planner.place(planner.units, planner.budgets.gpu, together, activations_auto=True)
+
+
+def _placed_beside_layout(planner: Planner, model: ShapeModel, planning: str, running: Sequence[str], together: list[list[int]]) -> Placement:
+    """The parameters placed again, after the profiled steps, in what the least peak of the
+    blocks' layout leaves of the GPU tier (the runtime's ``layout`` phase): more of them home in
+    host memory or NVMe than while the blocks were measured."""
+    peak = planner.least_activation_peak(model.blocks, planning, model.beside, running)
+    return planner.place(planner.units, max(planner.budgets.gpu - peak, 0), together, activations_auto=True)
 
 
 def _kept_peak(model: ShapeModel, running: Sequence[str]) -> int:

@@ -5,7 +5,7 @@ training runs of a few steps on this machine, and the time the estimate took.
 
     python tools/estimate_check.py                         # every held-out model, policy auto
     python tools/estimate_check.py --models llama --policies auto fill zero3_offload
-    python tools/estimate_check.py --timing-only model=llama_70b   # the estimate of a Hydra model, timed
+    python tools/estimate_check.py --timing-only llama_70b --hardware h100_80g   # the estimate command, timed
 
 A run is accepted when it trains ``--steps`` steps (the profiled step, the warm ones and the plan's
 first) without the strategy refusing its budget; the bisection stops within 1% of the least.
@@ -145,10 +145,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--models", nargs="*", default=list(HELD_OUT), choices=list(HELD_OUT))
     parser.add_argument("--policies", nargs="*", default=["auto"])
     parser.add_argument("--timing-only", action="store_true", help="only time the estimate of a Hydra model (overrides as for the CLI)")
-    parser.add_argument("overrides", nargs="*", help="with --timing-only: the model and options, e.g. model=llama_70b hardware=h100_80g")
-    args = parser.parse_intermixed_args(argv)
+    parser.add_argument("command", nargs="*", help="with --timing-only: the estimate command's model and options, e.g. llama_70b --hardware h100_80g")
+    args, options = parser.parse_known_args(argv)
     if args.timing_only:
-        time_hydra(args.overrides)
+        time_hydra([*args.command, *options])
     else:
         check(args.models, args.policies)
     return 0

@@ -1,7 +1,7 @@
 """A model as the step model sees it, from its shapes: built on the meta device (nothing allocated
 or run), its units costed from their shapes and a ``HardwareSpec``, its blocks' activations from
 one forward on the meta device (``analytic.py``). Used by :func:`offload_strategy.estimate`, the
-``offload-strategy`` command and ``tools/simulate.py`` / ``tools/plan.py --from-shapes``."""
+``offload-strategy`` command, and the repository's simulation and planning tools."""
 
 from __future__ import annotations
 
