@@ -95,7 +95,7 @@ def test_a_model_on_the_meta_device_is_estimated_as_the_same_model_with_values()
     assert estimate(meta, example_batch("llama"), policy="auto")["auto"] == estimate(HELD_OUT["llama"](), example_batch("llama"), policy="auto")["auto"]
 
 
-def test_sixteen_bit_parameters_need_less_gpu_memory_than_fp32():
+def test_sixteen_bit_parameters_with_fp32_masters_need_more_of_the_gpu_under_none():
     model = HELD_OUT["llama"]()
     fp32 = estimate(model, example_batch("llama"), policy="none")["none"]
     bf16 = estimate(model, example_batch("llama"), policy="none", precision="bf16-true")["none"]
