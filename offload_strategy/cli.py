@@ -10,7 +10,7 @@ the model: a Hugging Face ``config.json`` (a causal language model built from it
 device) or a model config of the repository's ``conf/model/`` by name. ``report`` checks the
 environment: torch, CUDA, pinned registration, O_DIRECT on the NVMe path, free memory per tier,
 cgroup limits. Also ``python -m offload_strategy``. Plans and what-ifs of Hydra jobs are made by
-the repository's ``tools/plan.py`` and ``tools/simulate.py``, which compose its Hydra configs.
+the repository's planning and simulation tools (its tools/ folder), which compose its Hydra configs.
 """
 
 from __future__ import annotations
