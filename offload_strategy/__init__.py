@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .callbacks import OffloadMonitor
 from .config import PRESETS, RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
+from .estimate import Estimate, PresetEstimate, estimate
 from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
 from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
@@ -54,6 +55,9 @@ __all__ = [
     "RUNTIME_HOST_ALLOWANCE",
     "OffloadedParameterError",
     "Budget",
+    "Estimate",
+    "PresetEstimate",
+    "estimate",
     "HardwareSpec",
     "MemoryBudgetError",
     "OffloadMonitor",

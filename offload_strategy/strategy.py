@@ -45,7 +45,7 @@ class TieredStrategy(SingleDeviceStrategy):
             that is free. On a machine without a GPU, ``gpu_memory`` is the capacity of the
             emulated GPU tier.
         nvme_path: a directory for the NVMe tier; ``None`` means no NVMe tier.
-        plan_file: a JSON plan (as written by ``tools/plan.py`` or :meth:`dump_plan`) to run
+        plan_file: a JSON plan (as written by :meth:`dump_plan`) to run
             instead of planning: every unit's home and every block's activation policy. A plan
             made for another model is refused with the first difference.
         state_dict_type: how checkpoints are written, in the words of Lightning's FSDP strategy:

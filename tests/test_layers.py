@@ -29,6 +29,7 @@ LAYERS = {
     "memory": 3,
     "runtime": 4,
     "profiling.analytic": 5,
+    "profiling.shapes": 5,
     "deferred": 5,
     "weights": 5,
     "losses": 5,
@@ -45,6 +46,9 @@ LAYERS = {
     "checkpoint_io": 6,
     "sharded_checkpoint": 6,
     "__init__": 6,
+    "estimate": 6,
+    "cli": 6,
+    "__main__": 6,
 }
 GLUE = 6
 NO_TORCH = {"config", "profiling.profile", "profiling", "planning"}

@@ -31,7 +31,6 @@ run: budgets are per rank, gradients are reduced over the network link.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import textwrap
@@ -45,9 +44,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from offload_strategy.planning.activations import RECOMPUTED, BesideBlocks  # noqa: E402  (planning: no torch)
+from offload_strategy.planning.activations import RECOMPUTED, BesideBlocks  # noqa: E402,F401  (planning: no torch)
+from offload_strategy.profiling.shapes import (STATE_FACTOR, Pricing, ShapeModel, head_recomputed, parameter_links,  # noqa: E402,F401
+                                               placed_step, shape_model, streamed_bytes, unit_costs)
 
-STATE_FACTOR = 2.0  # Adam: two states per parameter
+Model = ShapeModel  # the name the tools and tests use
 
 
 def _available_share() -> float:
@@ -56,63 +57,6 @@ def _available_share() -> float:
 
     return AVAILABLE_SHARE
 TABLE4_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4)  # batch sizes of the ProTrain / LoHan study, relative to data.batch_size
-
-
-@dataclass
-class Model:
-    """Everything the predictions need about the model, built once."""
-
-    name: str
-    units: list  # TransferUnit
-    costs: list  # AnalyticUnit, one per unit
-    sizes: list  # UnitSize, one per unit
-    co_resident: list[list[int]]
-    block_units: list[list[int]]
-    blocks: list  # BlockCost at the configured batch
-    tokens: int
-    batch_size: int
-    state_factor: float
-    parameters: int
-    forward_flops: float = 0.0  # one forward's, attention's products included
-    block_flops: tuple[float, ...] = ()  # each block's share of it: what recomputing the block runs again
-    # what every layout of the blocks is planned beside, as the runtime plans it: the activations
-    # kept outside the blocks (the logits' log-softmax...) and the backward's gradients
-    beside: BesideBlocks = BesideBlocks()
-
-    @property
-    def compute_seconds(self) -> float:
-        """The GPU's compute alone a step: every unit's forward and backward, nothing recomputed, nothing waited on."""
-        return sum(c.forward_seconds + c.backward_seconds for c in self.costs)
-
-    @property
-    def outside_bytes(self) -> int:
-        return self.beside.outside
-
-    @property
-    def gradient_bytes(self) -> int:
-        return self.beside.gradients
-
-    def deeper(self, depth: int) -> "Model":
-        """This model with ``depth`` copies of its first block, units renumbered in execution
-        order (the units before the blocks, each copy's, the rest), for capacity searches. Its
-        ``units`` are left empty: the predictions need the sizes and costs only."""
-        first = self.block_units[0]
-        in_blocks = {i for units in self.block_units for i in units}
-        start = min(in_blocks)
-        before = [s.index for s in self.sizes if s.index not in in_blocks and s.index < start]
-        after = [s.index for s in self.sizes if s.index not in in_blocks and s.index > start]
-        order = [*before, *(i for _ in range(depth) for i in first), *after]
-        copy_of = [[len(before) + b * len(first) + k for k in range(len(first))] for b in range(depth)]
-        outside = {old: len(before) + depth * len(first) + k for k, old in enumerate(after)} | {old: k for k, old in enumerate(before)}
-        position = {old: k for k, old in enumerate(first)}
-        groups = [[outside[i] for i in g] for g in self.co_resident if not set(g) & in_blocks]
-        groups += [[copy[position[i]] for i in g] for copy in copy_of for g in self.co_resident if set(g) <= set(first)]
-        return dataclasses.replace(
-            self, units=[], costs=[self.costs[i] for i in order],
-            sizes=[dataclasses.replace(self.sizes[i], index=k) for k, i in enumerate(order)],
-            co_resident=groups, block_units=copy_of, blocks=[self.blocks[0]] * depth,
-            parameters=sum(self.costs[i].parameters for i in order), forward_flops=0.0, block_flops=self.block_flops[:1] * depth,
-        )
 
 
 @dataclass(frozen=True)
@@ -131,25 +75,12 @@ class Row:
     blocks: tuple[str, ...] = ()  # each block's policy as planned (empty: every block kept)
 
 
-def head_recomputed(costs: list, head_units: list) -> list:
-    """Under a loss computed in chunks (``model.loss_chunk_tokens``) backward runs each chunk's
-    head and cross-entropy again: the head's units' forward (with its share of the loss's
-    memory-bound work) once more in backward."""
-    again = {u.index for u in head_units}
-    return [dataclasses.replace(c, backward_seconds=c.backward_seconds + c.forward_seconds) if i in again else c for i, c in enumerate(costs)]
-
-
 def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None, dtype: Optional[str] = None,
           mixed: bool = False) -> Model:
     """The step model's view of ``cfg.model`` built on the meta device: 16-bit parameters where
     ``half`` (``*-true``), fp32 ones computed under autocast in ``dtype`` where ``mixed``."""
     import torch
     from hydra.utils import instantiate
-
-    from offload_strategy.planning.placement import UnitSize
-    from offload_strategy.profiling.analytic import Autocast, analytic_compute, analytic_units, attach_unattributed
-    from offload_strategy.runtime.activations import find_blocks
-    from offload_strategy.runtime.units import build_units
 
     module = instantiate(cfg.model)
     with torch.device("meta"):
@@ -158,29 +89,12 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
         module.to(torch.bfloat16)
     batch = int(batch_size or cfg.data.batch_size)
     seq = int(cfg.data.seq_len)
-    units, users = build_units(module)
-    dtype = dtype or ("bf16" if half else "fp32")  # 32-true: the CUDA cores' fp32 peak (torch leaves TF32 off)
-    costs = analytic_units(units, users, batch * seq, hardware, dtype=dtype, efficiency=efficiency)
-    blocks = find_blocks(module)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    autocast = Autocast(torch.float16 if dtype == "fp16" else torch.bfloat16) if mixed and dtype != "fp32" else None
-    compute = analytic_compute(module, blocks, lambda: module._loss(ids), hardware, dtype=dtype, efficiency=efficiency, autocast=autocast)
-    block_costs = compute.blocks
-    inside = [{id(m) for m in block.modules()} for block in blocks]
-    block_units = [sorted({u.index for m, used in users.items() if id(m) in ids_ for u in used}) for ids_ in inside]
-    costs = attach_unattributed(costs, block_units, compute)  # attention's products and the memory-bound work
-    if cfg.model.get("loss_chunk_tokens") is not None:
-        costs = head_recomputed(costs, users.get(module.model.get_output_embeddings(), []))
-    # under bf16-true gradients, states and masters are fp32 (twice the 16-bit bytes); gradients land in 16 bits first
-    widen = 2 if half else 1
-    return Model(
-        name=str(cfg.model.get("name", cfg.model.family)), units=units, costs=costs,
-        sizes=[UnitSize(u.index, u.nbytes, c.trainable_bytes * widen, landing_bytes=u.nbytes if half and c.trainable_bytes else 0)
-               for u, c in zip(units, costs)],
-        co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units, blocks=block_costs,
-        tokens=batch * seq, batch_size=batch, state_factor=STATE_FACTOR + (1.0 if half else 0.0), parameters=sum(c.parameters for c in costs),
-        forward_flops=compute.forward_flops, block_flops=compute.block_flops, beside=compute.beside,
-    )
+    # 32-true: the CUDA cores' fp32 peak (torch leaves TF32 off)
+    pricing = Pricing(hardware, dtype=dtype or ("bf16" if half else "fp32"), efficiency=efficiency, half=half, mixed=mixed)
+    head = module.model.get_output_embeddings() if cfg.model.get("loss_chunk_tokens") is not None else None
+    return shape_model(module, lambda: module._loss(ids), pricing, name=str(cfg.model.get("name", cfg.model.family)), tokens=batch * seq,
+                       batch_size=batch, head=head)
 
 
 def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True,
@@ -197,19 +111,6 @@ def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float
     machine = machine_from_spec(hardware, nvme=bool(nvme))
     return replace(machine, world_size=ranks, network=machine.h2d if network is None else network, shard_states=shard_states,
                    host_network=host_network, shared_homes=shared_homes, replicated_persistent=shard_states, machines=machines)
-
-
-def unit_costs(model: Model, owners: list[int]) -> dict:
-    from offload_strategy.planning.cost_model import UnitCost
-
-    return {
-        size.index: UnitCost(
-            nbytes=size.nbytes, forward_seconds=c.forward_seconds, backward_seconds=c.backward_seconds,
-            gradient_bytes=size.nbytes if c.trainable_bytes else 0, update_seconds=c.update_seconds, owned=owners[size.index] == 0,
-            reduced_bytes=size.reduced_bytes,  # as the runtime reduces them: 16-bit gradients in 16 bits
-        )
-        for c, size in zip(model.costs, model.sizes)
-    }
 
 
 def counts(layout: Optional[tuple[str, ...]], n_blocks: int) -> str:
@@ -259,23 +160,6 @@ def compare_policies(model: Model, machine: Any, gpu: int, host: int, nvme: int,
                     chosen.host_bytes + swapped["swap_host"], chosen.nvme_bytes + swapped["swap_nvme"], plan.parameters.buffers, plan.seconds,
                     chosen.gpu_bytes + activations <= gpu, blocks=tuple(layout)))
     return rows
-
-
-def placed_step(model: Model, costs: dict, placement: Any, machine: Any) -> Any:
-    """The step model's prediction for the parameters as ``placement`` homes them: NVMe units
-    read and write their states there, persistent units update in the GPU tier."""
-    from offload_strategy.planning.cost_model import simulate_step
-    from offload_strategy.planning.placement import GPU, NVME
-
-    step_units = [
-        dataclasses.replace(
-            costs[size.index], home=placement.home[size.index],
-            state_bytes=int(size.trainable_bytes * model.state_factor) if placement.home[size.index] == NVME else 0,
-            update_seconds=0.0 if placement.home[size.index] == GPU else costs[size.index].update_seconds,
-        )
-        for size in model.sizes
-    ]
-    return simulate_step(step_units, placement.device_slots, machine, placement.host_copies)
 
 
 # the placements a policy row prices: each fixes every unit's home, or places them by first use
@@ -419,20 +303,6 @@ def outside_note(model: Model, gpu: int) -> str:
         return ""
     return (f"the activations outside the blocks ({fmt(model.outside_bytes)}) and the backward's gradients ({fmt(model.gradient_bytes)}) "
             f"leave {fmt(max(gpu - model.beside.bytes, 0))} of {fmt(gpu)} at the head's backward: ")
-
-
-def streamed_bytes(model: Model, placement: Any) -> int:
-    """The offloaded units' bytes: what forward copies into the GPU tier once."""
-    from offload_strategy.planning.placement import GPU
-
-    return sum(model.sizes[i].nbytes for i, h in placement.home.items() if h != GPU)
-
-
-def parameter_links(machine: Any, streamed: int) -> Any:
-    """The links activation swaps use, with ``streamed`` parameter bytes crossing host -> GPU in each pass."""
-    from offload_strategy.planning.activations import Links
-
-    return Links.beside(machine, streamed)
 
 
 def homes_of(placement: Any) -> str:

@@ -25,7 +25,7 @@ from .placement import GPU, HOST, NVME
 
 PLAN_VERSION = 1
 HOMES = (GPU, HOST, NVME)
-_FIX = "dump a plan for this model and these budgets (tools/plan.py, or strategy.dump_plan after setup), or leave plan_file unset to plan anew"
+_FIX = "dump a plan for this model and these budgets (strategy.dump_plan(path) after set-up), or leave plan_file unset to plan anew"
 
 
 @dataclass(frozen=True)

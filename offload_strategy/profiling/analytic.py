@@ -231,12 +231,15 @@ def analytic_compute(
     dtype: str = "bf16",
     efficiency: float = 0.5,
     autocast: Optional["Autocast"] = None,
+    fused_attention: bool = True,
 ) -> AnalyticCompute:
     """Each block's activation bytes, input bytes and forward time, and the forward time outside
     the blocks, from one call of ``forward`` (which runs ``model`` on meta-device inputs; see the
     module docstring): FLOPs at ``efficiency`` of the dense peak plus the memory-bound bytes at
     ``GPU_MEMORY_SHARE`` of the memory bandwidth. ``autocast``: the forward runs under mixed
-    precision, its casts made by this mode."""
+    precision, its casts made by this mode. ``fused_attention``: attention saves what a GPU's
+    fused kernel keeps; without, what torch's own kernel saves on the meta device (its math path,
+    as a CPU runs it)."""
     peak = hardware.peak_flops(dtype)
     if not peak:
         raise ValueError(f"hardware {hardware.name!r} gives no {dtype} peak FLOP/s; set gpu_{dtype}_tflops to model it.")
@@ -253,7 +256,8 @@ def analytic_compute(
         handles.append(block.register_forward_pre_hook(meter.pre(index), with_kwargs=True))
         handles.append(block.register_forward_hook(meter.post(index), with_kwargs=True))
     reference = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = meter.attention
+    if fused_attention:
+        torch.nn.functional.scaled_dot_product_attention = meter.attention
     try:
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), meter.counter, meter.traffic, autocast or contextlib.nullcontext():
             forward()

@@ -1,0 +1,227 @@
+"""The ``offload-strategy`` command.
+
+    offload-strategy estimate path/to/config.json --batch-size 8 --seq-len 2048 --hardware rtx4090
+    offload-strategy estimate llama_70b --hardware h100_80g --precision bf16-true
+    offload-strategy report --nvme-path /mnt/nvme
+
+``estimate`` prints the least ``gpu_memory``, ``host_memory`` and ``nvme_memory`` each policy preset
+needs for a model and its predicted step (:func:`offload_strategy.estimate`), nothing allocated for
+the model: a Hugging Face ``config.json`` (a causal language model built from it on the meta
+device) or a model config of the repository's ``conf/model/`` by name. ``report`` checks the
+environment: torch, CUDA, pinned registration, O_DIRECT on the NVMe path, free memory per tier,
+cgroup limits. Also ``python -m offload_strategy``. Plans and what-ifs of Hydra jobs are made by
+the repository's planning and simulation tools (its tools/ folder), which compose its Hydra configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .config import PRESETS, format_bytes
+from .estimate import PRECISIONS, Estimate, estimate
+
+# the repository's Hydra configs, beside the package in a checkout
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line ``argv`` (``sys.argv[1:]`` by default); returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    command: Callable[[argparse.Namespace], int] = args.run
+    return command(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload-strategy", description="Budgets before a run, and a check of this machine.")
+    commands = parser.add_subparsers(dest="command")
+    est = commands.add_parser("estimate", help="the least budgets of every policy preset for a model, and its predicted step")
+    est.add_argument("model", help="a Hugging Face config.json (or its directory), or a model config of conf/model/ by name (llama_70b)")
+    est.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the Hydra data config's, else 1)")
+    est.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the Hydra data config's, else 2048)")
+    est.add_argument("--precision", default="bf16-true", choices=PRECISIONS)
+    est.add_argument("--policy", nargs="*", default=None, choices=list(PRESETS), help="presets to estimate (default: all)")
+    est.add_argument("--hardware", default="auto", help="a known machine (rtx4090, h100_80g, ...) or auto: this one")
+    est.add_argument("--efficiency", type=float, default=0.5, help="share of the GPU's dense peak matrix products reach")
+    est.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    est.set_defaults(run=_estimate)
+    report = commands.add_parser("report", help="check this machine: torch, CUDA, pinned memory, O_DIRECT, free memory, cgroup limits")
+    report.add_argument("--nvme-path", default=None, help="the directory the NVMe tier would use")
+    report.set_defaults(run=_report)
+    return parser
+
+
+# -- estimate ------------------------------------------------------------------------------------------
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    model, batch = _model_and_batch(args.model, args.batch_size, args.seq_len)
+    result = estimate(model, batch, precision=args.precision, policy=args.policy, hardware=args.hardware, efficiency=args.efficiency)
+    print(json.dumps(_rows(result), indent=2) if args.json else result)
+    return 0
+
+
+def _rows(result: Estimate) -> dict[str, Any]:
+    return {name: {"gpu_memory": row.gpu_memory, "host_memory": row.host_memory, "nvme_memory": row.nvme_memory,
+                   "step_seconds": row.step_seconds, "units": row.units, "note": row.note} for name, row in result.items()}
+
+
+def _model_and_batch(name: str, batch_size: Optional[int], seq_len: Optional[int]) -> tuple[nn.Module, Any]:
+    """The model on the meta device and one batch of token ids, from a config file or a Hydra name."""
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise SystemExit(f"{path}: no such file; give a Hugging Face config.json or a model config name of {CONF / 'model'}.")
+        return _from_config_file(path, batch_size or 1, seq_len or 2048)
+    return _from_hydra(name.removeprefix("model="), batch_size, seq_len)
+
+
+class _CausalLM(nn.Module):
+    """A causal language model whose forward on token ids gives its loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.model(input_ids=ids, labels=ids).loss
+        return loss
+
+
+def _from_config_file(path: Path, batch_size: int, seq_len: int) -> tuple[nn.Module, Any]:
+    import transformers
+
+    fields = json.loads(path.read_text())
+    kind = fields.pop("model_type", None)
+    if kind is None:
+        raise SystemExit(f"{path} names no model_type: give a Hugging Face model's config.json.")
+    config = transformers.AutoConfig.for_model(kind, **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return _CausalLM(model), torch.zeros(batch_size, seq_len, dtype=torch.long)
+
+
+def _from_hydra(name: str, batch_size: Optional[int], seq_len: Optional[int]) -> tuple[nn.Module, Any]:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    known = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+    if name not in known:
+        raise SystemExit(f"{name!r} is neither a config.json nor a model config of {CONF / 'model'} ({', '.join(known) or 'none found'}).")
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"model={name}", "data=synthetic", "logger=none"])
+    module = instantiate(cfg.model)  # its layers are built by configure_model, on the meta device by the estimate
+    rows, tokens = batch_size or int(cfg.data.batch_size), seq_len or int(cfg.data.seq_len)
+    return module, torch.zeros(rows, tokens, dtype=torch.long)
+
+
+# -- report ----------------------------------------------------------------------------------------------
+
+
+def _report(args: argparse.Namespace) -> int:
+    for name, value in environment_report(args.nvme_path):
+        print(f"{name:<28} {value}")
+    return 0
+
+
+def environment_report(nvme_path: Optional[str] = None) -> list[tuple[str, str]]:
+    """What this machine offers the strategy, line by line (name, value)."""
+    from .hardware import host_available
+
+    lines = [("torch", torch.__version__), ("python", sys.version.split()[0]), ("CUDA available", _cuda())]
+    lines.append(("pinned registration", _pinned()))
+    lines.append(("host memory available", format_bytes(host_available())))
+    lines.append(("GPU memory free", _gpu_free()))
+    lines += _nvme_lines(nvme_path)
+    lines += _cgroup_lines(Path("/sys/fs/cgroup"))
+    return lines
+
+
+def _cuda() -> str:
+    if not torch.cuda.is_available():
+        return "no (the GPU tier is emulated in host memory)"
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return f"yes, CUDA {torch.version.cuda}: {names}"
+
+
+def _pinned() -> str:
+    """Whether host memory can be registered with CUDA, as the host tier registers it."""
+    if not torch.cuda.is_available():
+        return "not applicable (no CUDA)"
+    from .memory.slab import HostSlab
+
+    try:
+        with HostSlab(1 << 21, pin=True):
+            return "yes (cudaHostRegister of 2 MiB)"
+    except (RuntimeError, MemoryError) as error:
+        return f"no: {error}"
+
+
+def _gpu_free() -> str:
+    if not torch.cuda.is_available():
+        return "n/a"
+    from .hardware import gpu_free
+
+    return ", ".join(f"cuda:{i} {format_bytes(gpu_free(torch.device('cuda', i)))}" for i in range(torch.cuda.device_count()))
+
+
+def _nvme_lines(path: Optional[str]) -> list[tuple[str, str]]:
+    if path is None:
+        return [("NVMe path", "none given (--nvme-path DIR checks O_DIRECT and free space there)")]
+    from .hardware import disk_free
+    from .memory.nvme import _direct_works
+
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        return [("NVMe path", f"{directory}: not a directory")]
+    direct = "yes" if _direct_works(directory) else "no (tmpfs or a file system without it: buffered I/O, which fills the page cache)"
+    return [("NVMe path", str(directory)), ("O_DIRECT", direct), ("NVMe free", format_bytes(disk_free(str(directory))))]
+
+
+def _cgroup_lines(root: Path) -> list[tuple[str, str]]:
+    """The cgroup (v2) limits of this process where readable: memory, swap, CPUs, locked memory."""
+    group = _own_cgroup(root)
+    lines = []
+    for name, file in (("cgroup memory.max", "memory.max"), ("cgroup memory.current", "memory.current"), ("cgroup cpu.max", "cpu.max")):
+        value = _read(group / file)
+        if value is not None:
+            lines.append((name, _bytes_or_raw(value) if file.startswith("memory") else value))
+    if not lines:
+        lines.append(("cgroup limits", f"not readable under {root}"))
+    return lines
+
+
+def _own_cgroup(root: Path) -> Path:
+    text = _read(Path("/proc/self/cgroup")) or ""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return root / line[3:].lstrip("/")
+    return root
+
+
+def _read(path: Path) -> Optional[str]:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _bytes_or_raw(value: str) -> str:
+    return format_bytes(int(value)) if value.isdigit() else value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
