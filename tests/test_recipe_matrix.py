@@ -363,17 +363,22 @@ class OwnCkptWide(Net):
 
 class OwnCkptInnerGroups(Net):
     """The model checkpoints groups of six layers that are not the blocks this runtime finds (it
-    finds the six layers of a group as the repeated blocks)."""
+    finds the layers of one list as the repeated blocks; the groups are no module)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]) for _ in range(4))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(12))
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         x = self.embed(batch[:, :-1])
-        for block in self.blocks:
-            x = x + torch.tanh(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
+        for start in range(0, len(self.blocks), 6):
+            x = x + torch.tanh(torch.utils.checkpoint.checkpoint(self._group, x, start, use_reentrant=False))
         return self.head(self.norm(x))
+
+    def _group(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        for layer in self.blocks[start:start + 6]:
+            x = layer(x)
+        return x
 
 
 def test_a_recomputation_the_gpu_tier_cannot_hold_stops_the_step_with_the_reason(tmp_path):
