@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from experiments.models import CausalLM
 from tests.helpers import assert_same_weights, tiny_data
 from tests.test_model_zoo import ConvNet
+from tests.test_recompute_buffers import BatchNorm2dNet, BatchNormNet, RunningNet, SpectralNet
+from tests.test_recompute_buffers import DEFAULT_POLICY_TIERS as BUFFER_MODEL_TIERS
 from offload_strategy import TieredStrategy
 from tests import test_recipes as recipes
 from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, fit, tiered
@@ -132,6 +134,17 @@ class Parametrized(Net):
         torch.nn.utils.parametrizations.spectral_norm(self.head)
 
 
+class OwnCheckpointBatchNorm(BatchNormNet):
+    """Blocks with batch norm that the model checkpoints itself: its recomputation updates the
+    running statistics again, in plain training too (the model's business, kept as it is)."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = self.embed(batch[:, :-1])
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(lambda y, b=block: torch.tanh(b(y)), x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
 class Mixtral(L.LightningModule):
     """A mixture of experts (8 experts, 2 per token, the router's auxiliary loss in the loss):
     which experts get tokens, and so which receive gradients, changes from step to step."""
@@ -177,7 +190,10 @@ class Bart(L.LightningModule):
 MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm("llama"), "bert": Bert, "t5": T5,
           "cnn-batchnorm": ConvNet, "block-reused": ReusedBlock, "lstm": Recurrent, "torch-transformer": TorchTransformer,
           "own-checkpoint": OwnCheckpoint, "weight-and-spectral-norm": Parametrized, "gpt2-own-checkpointing": CheckpointingGPT2,
-          "t5-own-checkpointing": CheckpointingT5, "mixtral": Mixtral, "bart": Bart}
+          "t5-own-checkpointing": CheckpointingT5, "mixtral": Mixtral, "bart": Bart,
+          # buffers the blocks change in place in every forward (tests/test_recompute_buffers.py)
+          "batchnorm-blocks": BatchNormNet, "batchnorm2d-blocks": BatchNorm2dNet, "spectral-norm-blocks": SpectralNet,
+          "running-statistic-blocks": RunningNet, "own-checkpoint-batchnorm": OwnCheckpointBatchNorm}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -294,7 +310,10 @@ def test_model_checkpoint_top_k_and_resume(tmp_path, placement):
 DEFAULT_POLICY_TIERS = {"gpt2": "650KiB", "opt": "450KiB", "llama": "500KiB", "bert": "475KiB", "t5": "475KiB",
                         "cnn-batchnorm": "250KiB", "block-reused": "115KiB", "lstm": "200KiB", "torch-transformer": "200KiB",
                         "own-checkpoint": "300KiB", "weight-and-spectral-norm": "350KiB", "gpt2-own-checkpointing": "400KiB",
-                        "t5-own-checkpointing": "400KiB", "mixtral": "1000KiB", "bart": "425KiB"}
+                        "t5-own-checkpointing": "400KiB", "mixtral": "1000KiB", "bart": "425KiB",
+                        "batchnorm-blocks": BUFFER_MODEL_TIERS["batchnorm1d"], "batchnorm2d-blocks": BUFFER_MODEL_TIERS["batchnorm2d"],
+                        "spectral-norm-blocks": BUFFER_MODEL_TIERS["spectral-norm"], "running-statistic-blocks": BUFFER_MODEL_TIERS["user-buffer"],
+                        "own-checkpoint-batchnorm": "500KiB"}
 
 
 def assert_like_plain_under_the_default_policy(tmp_path: Path, make: Any, gpu_memory: str, steps: int = 7, **kwargs: Any) -> None:

@@ -3,7 +3,9 @@
 The blocks are the repeated layers of a model: the longest ``ModuleList`` / ``Sequential`` whose
 children are all of one class (a transformer's layers), or the modules of a class the user names.
 A checkpointed block runs under non-reentrant ``torch.utils.checkpoint``: it saves its inputs only
-and recomputes the rest in backward, with the RNG state of the first run (dropout matches). The
+and recomputes the rest in backward, with the RNG state of the first run (dropout matches) and
+the values its buffers had when the first run began (``buffer_replay.py``; what the recomputation
+writes to them is dropped). The
 engine keeps a recomputed block's parameter units resident until their gradients are in (units
 with nothing to train until the gradients of the block's inputs are: ``recompute.py``).
 
@@ -34,8 +36,9 @@ from ..config import ACTIVATION_PLANNERS, BLOCK_POLICIES, ActivationPlanner, Blo
 from ..planning.activations import RECOMPUTED, BlockCost
 from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
-from .recompute import RecomputeHolds
+from .buffer_replay import BufferReplay
 from .kv_cache import CacheReplay, caches_in
+from .recompute import RecomputeHolds
 from .saved_bytes import SavedBytes
 
 KEEP, CHECKPOINT, CHECKPOINT_HOST = BlockPolicy.KEEP, BlockPolicy.CHECKPOINT, BlockPolicy.CHECKPOINT_HOST
@@ -477,12 +480,17 @@ def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwar
     tensors = _module_tensors(block)
     holds, group = policies.recompute_holds, []  # the frozen units its recomputation fetches
     caches = caches_in(args, kwargs)
-    replay, runs = (CacheReplay(caches) if caches else None), []
+    # what the forward changes in place, given to each recomputation as the forward found it
+    replays: list[Union[BufferReplay, CacheReplay]] = [BufferReplay(block), *([CacheReplay(caches)] if caches else [])]
+    runs: list[None] = []
 
     def recompute_as_run(*args: Any, **kwargs: Any) -> Any:
         runs.append(None)  # the first run is the forward, every later one a recomputation
-        cached = contextlib.nullcontext() if replay is None else replay.forward() if len(runs) == 1 else replay.recomputing()
-        with cached, _tensors_as(tensors), holds.recomputing(group) if holds is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_tensors_as(tensors))  # (first: the replays change the tensors it puts back)
+            for replay in replays:
+                stack.enter_context(replay.forward() if len(runs) == 1 else replay.recomputing())
+            stack.enter_context(holds.recomputing(group) if holds is not None else contextlib.nullcontext())
             return forward(*args, **kwargs)
 
     out = checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)

@@ -7,7 +7,8 @@ attends over twice the keys (eager attention then fails on its mask's shape; a p
 prefix tuning would be followed by the keys twice) and the cache left to the user holds them
 twice. :class:`CacheReplay` gives the recomputation each cache as the block's forward found it,
 and afterwards puts back what the cache held before the recomputation, so that both see what
-plain training's forward saw.
+plain training's forward saw. (``buffer_replay.BufferReplay`` does the same for the buffers of
+the block's modules.)
 
 What such a block appends to an empty layer (the cache ``use_cache`` makes for each forward) is
 forgotten once its forward returns, as Hugging Face's own gradient checkpointing gives its layers
