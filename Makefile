@@ -50,7 +50,7 @@ device-wheels: env
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(DEVICE_PY) --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform any --find-links $(WHEELS) -d $(WHEELS) "hjson==3.1.0" "torchao==0.18.0"
 
-# On a GPU machine, with the system's Python (no virtual environment is made there): README, "Running on a GPU".
+# On a GPU machine, with the system's Python (no virtual environment is made there): docs/gpu.md.
 OUT  ?= gpu-check
 PART ?= all
 gpu-check:

@@ -344,7 +344,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "teraio": {"placement": "fill", "activations": "teraio"},
     "protrain": {"placement": "search", "activations": "auto"},
     "lohan": {"placement": "host", "activations": "lohan", "update_during_backward": True},
-    # DeepSpeed's configurations (README, "Presets"): stage 2 with offload_optimizer to the CPU;
+    # DeepSpeed's configurations (docs/guide.md, "Presets and the papers"): stage 2 with offload_optimizer to the CPU;
     # stage 3 with offload_param and offload_optimizer to the CPU; stage 3 with both to NVMe
     "zero_offload": {"placement": "offload_states", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},
     "zero3_offload": {"placement": "host", "activations": "keep", "gradient_reserve": 1.0, "update_during_backward": False},

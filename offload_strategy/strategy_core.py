@@ -1037,7 +1037,7 @@ class TieredCore:
         return plain(optimizer)
 
     def _writes_sharded(self) -> bool:
-        """The next checkpoint is a directory written tensor by tensor (README, "Checkpoints")."""
+        """The next checkpoint is a directory written tensor by tensor (docs/guide.md, "Checkpoints")."""
         if self.state_dict_type is StateDictType.AUTO:
             return self.engine is not None and _nvme_state_bytes(self.engine) > _half_host_available()
         return self.state_dict_type is StateDictType.SHARDED
@@ -1226,7 +1226,7 @@ class TieredCore:
     # -- metrics ------------------------------------------------------------------------------------
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        """Numbers the strategy reports (README, the metric table), read by
+        """Numbers the strategy reports (docs/reference.md, "Metrics"), read by
         :class:`~offload_strategy.OffloadMonitor`; after ``fit`` the engine's figures are those
         of the run's last step. ``reset=False`` reads the per-interval figures without starting
         a new interval (the progress bar does)."""

@@ -1,5 +1,5 @@
 """The plan's predicted step beside the steps measured under it, so that every prediction the
-strategy prints comes with the step model's error on this run (README, "What it decided")."""
+strategy prints comes with the step model's error on this run (docs/guide.md, "What the strategy prints and decides")."""
 
 from __future__ import annotations
 

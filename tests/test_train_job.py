@@ -187,7 +187,7 @@ def test_ddp_preset_trains_two_ranks_and_reports_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_sweep_over_every_policy_preset_runs(tmp_path):
-    """The README's sweep: every preset, at the budgets it names, trains."""
+    """The sweep of docs/reference.md, "Hydra configuration": every preset, at the budgets it names, trains."""
     presets = sorted(p.stem for p in (ROOT / "conf" / "policy").glob("*.yaml"))
     sweep = tmp_path / "sweep"
     run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", "policy=glob(*)", "logger=csv", "data=synthetic",

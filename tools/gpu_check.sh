@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the project checks on a CUDA GPU, in one command, without network access: the wheels
 # the machine's image lacks come with the checkout (`make device-wheels`, folder .whl/), and every
-# result lands in one folder. README, "Running on a GPU".
+# result lands in one folder. docs/gpu.md.
 #
 #   tools/gpu_check.sh OUT [all|tests|probe|bench|peers]     (make gpu-check OUT=... PART=...)
 #

@@ -1038,7 +1038,7 @@ class TieredEngine:
     # -- metrics ------------------------------------------------------------------------------------
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        """The figures of README's metric table: ``cache/*`` and ``optimizer/*_ms`` over the steps
+        """The figures of the metric table (docs/reference.md, "Metrics"): ``cache/*`` and ``optimizer/*_ms`` over the steps
         since the last call with ``reset`` (a logging interval), ``link/*_total`` since the start,
         the rest as they are now."""
         out = {f"cache/{k}": v for k, v in self.ctx.requests.report().items()}
