@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -187,7 +188,12 @@ def _nvme_lines(path: Optional[str]) -> list[tuple[str, str]]:
     directory = Path(path).expanduser()
     if not directory.is_dir():
         return [("NVMe path", f"{directory}: not a directory")]
-    direct = "yes" if _direct_works(directory) else "no (tmpfs or a file system without it: buffered I/O, which fills the page cache)"
+    held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        works = _direct_works(held)
+    finally:
+        os.close(held)
+    direct = "yes" if works else "no (tmpfs or a file system without it: buffered I/O, which fills the page cache)"
     return [("NVMe path", str(directory)), ("O_DIRECT", direct), ("NVMe free", format_bytes(disk_free(str(directory))))]
 
 

@@ -149,8 +149,7 @@ def test_a_module_left_on_nvme_after_fit_pickles_its_values_and_stays_there(tmp_
             monkeypatch.setattr(strategy_core, "host_available", lambda: 2**10)
 
     plain, _ = fit_layers("auto", tmp_path / "plain")
-    with pytest.warns(UserWarning, match=r"units at home on NVMe stay there"):
-        model, _ = fit_layers(tiered("nvme", tmp_path), tmp_path / "tiered", callbacks=(HostFills(),))
+    model, _ = fit_layers(tiered("nvme", tmp_path), tmp_path / "tiered", callbacks=(HostFills(),))
     assert {type(p).__name__ for p in model.parameters()} == {"DeferredParameter"}
     torch.save(model, tmp_path / "module.pt")
     assert all(isinstance(p, DeferredParameter) for p in model.parameters())  # still on NVMe
