@@ -1,13 +1,13 @@
 """Per-block activation policies: keep a block's activations, or recompute them in backward.
 
-The blocks are the repeated layers of a model: the longest ``ModuleList`` / ``Sequential`` whose
-children are all of one class (a transformer's layers), or the modules of a class the user names.
+The blocks are the repeated layers of a model: the outermost ``ModuleList`` / ``Sequential`` of
+layers whose members train (a transformer's layers; :func:`block_lists`), or the modules of a
+class the user names.
 A checkpointed block runs under non-reentrant ``torch.utils.checkpoint``: it saves its inputs only
 and recomputes the rest in backward, with the RNG state of the first run (dropout matches) and
 the values its buffers had when the first run began (``buffer_replay.py``; what the recomputation
-writes to them is dropped). The
-engine keeps a recomputed block's parameter units resident until their gradients are in (units
-with nothing to train until the gradients of the block's inputs are: ``recompute.py``).
+writes to them is dropped). The engine keeps a unit a recomputation fetched resident until the
+block's backward in that graph has unpacked the last view of its buffer (``recompute.py``).
 
 A swap block (``swap_host``, ``swap_nvme``) runs its forward under the saved-tensor hooks of an
 :class:`~offload_strategy.runtime.activation_swap.ActivationSwap`, which the strategy attaches once
@@ -28,7 +28,6 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -478,7 +477,8 @@ def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwar
     if not isinstance(block, nn.Module):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     tensors = _module_tensors(block)
-    holds, group = policies.recompute_holds, []  # the frozen units its recomputation fetches
+    # the views of units' buffers this call saves, and the units each backward's recomputation holds
+    views = policies.recompute_holds.track() if policies.recompute_holds is not None else None
     caches = caches_in(args, kwargs)
     # what the forward changes in place, given to each recomputation as the forward found it
     replays: list[Union[BufferReplay, CacheReplay]] = [BufferReplay(block), *([CacheReplay(caches)] if caches else [])]
@@ -486,19 +486,16 @@ def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwar
 
     def recompute_as_run(*args: Any, **kwargs: Any) -> Any:
         runs.append(None)  # the first run is the forward, every later one a recomputation
+        first = len(runs) == 1
         with contextlib.ExitStack() as stack:
             stack.enter_context(_tensors_as(tensors))  # (first: the replays change the tensors it puts back)
             for replay in replays:
-                stack.enter_context(replay.forward() if len(runs) == 1 else replay.recomputing())
-            stack.enter_context(holds.recomputing(group) if holds is not None else contextlib.nullcontext())
+                stack.enter_context(replay.forward() if first else replay.recomputing())
+            if views is not None:
+                stack.enter_context(views.counting() if first else views.recomputing())
             return forward(*args, **kwargs)
 
-    out = checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
-    if holds is not None:
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if inputs:  # every input's gradient computed: nothing of the block's backward is left to read its units
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: holds.release(group), mode="all")
-    return out
+    return checkpoint(recompute_as_run, *args, use_reentrant=False, **kwargs)
 
 
 ModuleTensors = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]

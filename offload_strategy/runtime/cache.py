@@ -9,6 +9,7 @@ not resident when needed is fetched synchronously and counted as a miss.
 from __future__ import annotations
 
 import bisect
+import enum
 import time
 from collections import deque
 from typing import Optional
@@ -30,6 +31,15 @@ RECENT_GUARD = 2
 # Units fetched because a parameter was read outside its module's forward stay resident while
 # this many other such units are fetched after them.
 TOUCHED_GUARD = 4
+
+
+class Protection(enum.Enum):
+    """What keeps a resident unit that no module uses from eviction when a buffer is needed."""
+
+    ALL = "all"  # its gradients are still coming, backward used it last, or it was read as an attribute
+    LANDING = "landing"  # as ALL, once the own class's copies still landing have landed
+    RECENT = "recent"  # only backward's last use: a node may still hold views of its buffer
+    NONE = "none"  # nothing: when nothing else can make room
 
 
 class UnitCache:
@@ -147,7 +157,7 @@ class UnitCache:
         """Evict a unit of buffer size ``size`` needed later than ``index`` (Belady), never one in use."""
         table = self.ctx.table
         distance = table.next_use(index)
-        victim = table.farthest([i for i in self.evictable(hard=False) if self.ctx.states[i].device_slot.slot_bytes == size])
+        victim = table.farthest([i for i in self.evictable(Protection.ALL) if self.ctx.states[i].device_slot.slot_bytes == size])
         victim_distance = table.next_use(victim) if victim is not None else None
         if victim is None or (victim_distance is not None and distance is not None and victim_distance <= distance):
             return False
@@ -253,42 +263,65 @@ class UnitCache:
                 fetch.nvme = None
                 fetch.event = device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
 
-    def evictable(self, hard: bool) -> list[int]:
-        """Resident offloaded units not in use. Soft protection (units whose gradients are still
-        coming, units backward used last) is dropped when nothing else can make room."""
+    def evictable(self, level: "Protection") -> list[int]:
+        """Resident offloaded units not in use, less those ``level`` still protects (see
+        :class:`Protection`)."""
         backward = self.ctx.step.phase is Phase.BACKWARD
         out = []
         for s in self.ctx.states:
             if s.home == GPU or not s.resident or s.pins > 0 or s.recompute_pinned:
                 continue
+            recent = backward and s.unit.index in self.recent
+            if level is not Protection.NONE and recent:
+                continue
             # read as an attribute outside a forward: kept while there is room, never at the cost
             # of a module that needs a buffer now (the placement's minimum does not count them)
             touched = s.unit.index in self.touched
             waiting_for_grads = s.used_in_backward and s.grads_arrived < len(s.unit.trainable)
-            if not hard and (touched or waiting_for_grads or (backward and s.unit.index in self.recent)):
+            if level is Protection.ALL and (touched or waiting_for_grads):
                 continue
             out.append(s.unit.index)
         return out
 
     def _evict_for(self, nbytes: int) -> Optional[Slot]:
-        """A buffer for ``nbytes``: a free one, else by evicting the unit needed farthest ahead,
-        trying the unit's own size class before larger ones, and units no one still waits for
-        (gradients, a recent backward use) before any other."""
+        """A buffer for ``nbytes``, in the unit's own size class while anything there can be freed,
+        since a unit parked in a larger buffer may hold it while a larger unit of the same module
+        or recomputed block needs it, which the placement's minimum does not count: a free one,
+        else by evicting the unit needed farthest ahead that nothing protects, else one whose
+        copy is still landing (a prefetch along an order this step does not follow), else one
+        kept for its gradients; only then a larger class, and last anything not in use."""
         ctx = self.ctx
-        pool = ctx.memory.device_pool
         sizes = [c for c in ctx.memory.class_sizes if c >= nbytes]
+        own, larger = sizes[:1], sizes[1:]
         while True:
-            for hard in (False, True):
-                for size in sizes:
-                    if pool.free_slots(size):
-                        return pool.acquire(size)
-                    victims = [i for i in self.evictable(hard) if ctx.states[i].device_slot.slot_bytes == size]
-                    if victims:
-                        self.evict(ctx.table.farthest(victims))
-                        return pool.acquire(size)
+            order = ((own, Protection.ALL), (own, Protection.LANDING), (own, Protection.RECENT), (larger, Protection.ALL), (sizes, Protection.NONE))
+            for classes, level in order:
+                slot = self._free_or_evict(classes, level)
+                if slot is not None:
+                    return slot
             if not any(x.fetch is not None for x in ctx.states):
                 return None
             self.drain_prefetches()  # units in flight become evictable once they land
+
+    def _free_or_evict(self, classes: list[int], level: "Protection") -> Optional[Slot]:
+        ctx = self.ctx
+        pool = ctx.memory.device_pool
+        for size in classes:
+            protected = level
+            if level is Protection.LANDING:
+                landing = [x for x in ctx.states if x.fetch is not None and x.device_slot.slot_bytes == size]
+                if not landing:
+                    continue
+                for x in landing:  # fetches nobody has asked for yet: they land, then may go
+                    self.complete(x)
+                protected = Protection.ALL
+            if pool.free_slots(size):
+                return pool.acquire(size)
+            victims = [i for i in self.evictable(protected) if ctx.states[i].device_slot.slot_bytes == size]
+            if victims:
+                self.evict(ctx.table.farthest(victims))
+                return pool.acquire(size)
+        return None
 
     def drain_prefetches(self) -> None:
         for s in self.ctx.states:

@@ -174,7 +174,7 @@ class TieredEngine:
         # units whose modules ran again in a backward (a checkpoint's recomputation, this runtime's
         # or the model's own), gathered until the strategy takes them (``take_recomputed``)
         self.recomputed_units: set[int] = set()
-        self.recompute_holds = RecomputeHolds(self.states)
+        self.recompute_holds = RecomputeHolds(self.states, self._streamed_unit_of)
         self.memory: Optional[TierMemory] = None
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
@@ -442,8 +442,7 @@ class TieredEngine:
                 cache.request(i)
                 if i in held:
                     cache.hold(i)
-                if recomputing and torch.is_grad_enabled():
-                    states[i].recompute_pinned = True  # a forward that backward recomputes
+                if recomputing and torch.is_grad_enabled():  # a forward that backward recomputes
                     self.recompute_holds.fetched(states[i])
                     recomputed.add(i)
 
@@ -454,6 +453,13 @@ class TieredEngine:
         hook = UnitHook(pre_hook)
         hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
         return hook
+
+    def _streamed_unit_of(self, t: torch.Tensor) -> Optional[int]:
+        """The streamed unit whose GPU-tier buffer ``t`` views (None: none)."""
+        if t.device != self._arena_device or _storage_address(t) != self._arena_storage:
+            return None
+        s = self.cache.owner(t.data_ptr())
+        return s.unit.index if s is not None else None
 
     def _refuse_stale_aliases(self, module: nn.Module) -> None:
         """``torch.func.functional_call`` swapped tensors into ``module`` that are views of a
@@ -491,7 +497,6 @@ class TieredEngine:
             # a checkpointed module's own forward recomputed in backward (its hooks ran in the
             # first forward only): held like every unit of a recomputed block
             self.cache.request(s.unit.index)
-            s.recompute_pinned = True
             self.recompute_holds.fetched(s)
             self.recomputed_units.add(s.unit.index)
             return
@@ -524,6 +529,7 @@ class TieredEngine:
         """Every gradient of ``s`` for this backward has arrived: reduced across ranks first, where
         there are ranks; updated now, where the step allows (LoHan §IV-C)."""
         self.cache.keep_writes(s)  # written in forward (a max-norm embedding): home before an update there
+        self.recompute_holds.gradients_complete(s)
         exchange = self.exchange
         ready = exchange.complete(s) if exchange is not None and exchange.mode is not None else [s]
         if self.ctx.step.update_in_backward:

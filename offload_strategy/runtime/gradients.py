@@ -81,7 +81,6 @@ class GradientPath:
         s.grads_arrived += 1
         if s.grads_arrived < len(s.unit.trainable):
             return None
-        s.recompute_pinned = False
         return s
 
     def take_buffer(self, s: UnitState) -> None:

@@ -11,8 +11,10 @@ Deviations from 10Cache, and why:
   used last in forward, which backward needs first, without a special case at the turn.
 - Alg. 4's write-back on eviction is not needed for parameters: between optimizer steps the copy in
   the GPU tier equals the one at home, so eviction only frees the buffer.
-- The cursor resynchronises on a use found a few entries ahead, and leaves the table alone on a use
-  it does not expect (eval loops, dynamic graphs): such uses are fetched on demand and counted.
+- The cursor resynchronises on a use found a few entries ahead; on a use farther ahead (a step
+  that skips layers: LayerDrop) it moves there too, counting the use as unexpected; a use the
+  table holds nowhere ahead (eval loops, dynamic graphs) leaves it alone. Such uses are fetched on
+  demand and counted: a changed order costs time, never correctness.
 """
 
 from __future__ import annotations
@@ -64,7 +66,15 @@ class PrefetchTable:
                 self.cursor = position + 1
                 return True
         # A unit used again right after its entry (a module called twice) is expected too.
-        return self.cursor > 0 and self.order[self.cursor - 1] == unit
+        if self.cursor > 0 and self.order[self.cursor - 1] == unit:
+            return True
+        # Further ahead: this step skips what the table holds in between (a layer LayerDrop
+        # leaves out, a module skipped on some steps); the cursor follows, so that the next
+        # units are prefetched again. Still counted as unexpected.
+        ahead = self.next_use(unit)
+        if ahead is not None:
+            self.cursor += ahead + 1
+        return False
 
     def upcoming(self, limit: int) -> Iterator[int]:
         """The next distinct units the table expects, at most ``limit`` entries ahead."""
