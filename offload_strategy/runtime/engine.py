@@ -217,7 +217,7 @@ class TieredEngine:
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
         self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending, (self.pack_saved, self.unpack_saved))
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
-        self.timer = StepTimer(ctx.step, [s.unit.name for s in states], [s.unit.nbytes for s in states])
+        self.timer = StepTimer(ctx.step, self.device, [s.unit.name for s in states], [s.unit.nbytes for s in states])
         self.speculation = SpeculativeUpdates()
 
     def _shared_homes(self) -> Optional[SharedHomes]:
