@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import sys
 import tempfile
 import weakref
@@ -372,6 +373,7 @@ class TieredCore:
         states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self._timed = []  # another engine's units
         self._close_engine()
+        self._free_closed_engine()
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None and not may_fit:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
@@ -379,6 +381,16 @@ class TieredCore:
             optimizer.load_state_dict(state)
         self.activations.use_saved_tensor_hooks()
         self.activations.reattach_swap()  # it copied through the old engine's device, now closed
+
+    def _free_closed_engine(self) -> None:
+        """The closed engine's GPU arena and pinned slab freed before the next engine allocates
+        its own: the saved-tensor hooks stop naming the old engine, and a collection frees what
+        its reference cycles (its parameters' class, its components' bound methods) still hold;
+        on CUDA the caching allocator gives the arena back."""
+        self.activations.use_saved_tensor_hooks()  # without an engine: the counting hooks
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _model_units(self, recipe: Rules, units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
         """What the planner knows of the model's units: sizes (no gradients or states without

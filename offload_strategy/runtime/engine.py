@@ -1011,6 +1011,15 @@ class TieredEngine:
         self._watched = []
 
     @torch.no_grad()
+    def _in_host_tier(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views the engine's pinned slab (or the machine's shared one)."""
+        slabs = [self.memory.slab, self.memory.shared_slab] if self.memory is not None else []
+        return any(
+            slab is not None and not slab.closed and slab.tensor.numel() > 0
+            and slab.tensor.data_ptr() <= t.data_ptr() < slab.tensor.data_ptr() + slab.tensor.numel()
+            for slab in slabs
+        )
+
     def _materialize_for_good(self, s: UnitState, leave_on_nvme: Optional[Callable] = None) -> None:
         """The unit's parameters become plain tensors holding their true values (an NVMe unit's
         handed to ``leave_on_nvme`` with a reader instead, where given)."""
@@ -1021,6 +1030,8 @@ class TieredEngine:
                 p.data = p.data.clone()
             elif s.home == HOST and s.home_views:
                 p.data = s.home_views[i].clone()
+            if p.grad is not None and self._in_host_tier(p.grad):
+                p.grad = p.grad.clone()  # a gradient at home: the slab is freed
         if s.home == NVME and self.store is not None and s.placeholders and leave_on_nvme is not None:
             s.host_copy = None  # the slab is freed: reads come from the file
             self.ctx.bind(s, s.placeholders)
