@@ -129,6 +129,17 @@ class _SavedCast:
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
+def _refuse_dha_on_a_gpu(placement: Placement, device: Device) -> None:
+    """Units computed in place at home are bound to their host homes, CPU tensors: a GPU's
+    kernels cannot take them (binding device views of the pinned home has not run on a GPU)."""
+    if placement.dha and not device.is_emulated:
+        raise ValueError(
+            f"placement.dha puts {len(placement.dha)} unit(s) (indices {sorted(placement.dha)[:8]}) in place at home, "
+            f"which runs only on the emulated GPU tier: on {device.compute} their parameters would be host tensors "
+            f"in GPU kernels. Give those units a home of gpu, host or nvme instead (placement.dha=frozenset())."
+        )
+
+
 class TieredEngine:
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
 
@@ -152,6 +163,7 @@ class TieredEngine:
         self.model = model
         # writes a parameter built without memory into its home (deferred.py); False for the others
         self._initial_value = initial_value or (lambda p, target: False)
+        _refuse_dha_on_a_gpu(placement, device)
         self.device = device
         self.placement = placement
         self.data_parallel = data_parallel
@@ -988,6 +1000,7 @@ class TieredEngine:
                 if s.unit.index not in left:
                     mark_present(p)
         errors += _attempt([
+            self.device.synchronize,  # no copy still reads or writes the slab when it is unregistered
             self.store.close if self.store is not None and not left else None,
             self.memory.slab.close if self.memory is not None else None,
             self.memory.shared_slab.close if self.memory is not None and self.memory.shared_slab is not None else None,
