@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
-from .hardware import disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
+from .hardware import cuda_gpu_margin, disk_free, gpu_free, host_available, process_peak_rss, resolve_hardware
 from .hardware.device import make_device
 from .memory.nvme import make_private_directory
 from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
@@ -1154,7 +1154,7 @@ class TieredCore:
             "nvme_memory": disk_free(str(options.nvme_path)) if options.nvme_path else 0,
         }
         where = {
-            "gpu_memory": f"{root} (less cuBLAS's workspaces)" if root.type == "cuda" else "the emulated GPU tier (host memory)",
+            "gpu_memory": f"{root} ({cuda_gpu_margin(root).describe()})" if root.type == "cuda" else "the emulated GPU tier (host memory)",
             "host_memory": "host memory",
             "nvme_memory": str(options.nvme_path),
         }

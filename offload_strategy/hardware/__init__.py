@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from ..config import HardwareSpec
-from .probe import AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
+from .probe import AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, cuda_gpu_margin, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss
 from .specs import KNOWN_MACHINES, known_hardware
 
 
@@ -33,6 +33,7 @@ __all__ = [
     "cpu_cores",
     "cublas_workspace_bytes",
     "disk_free",
+    "cuda_gpu_margin",
     "gpu_free",
     "host_available",
     "known_hardware",
