@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
-from .hardware import disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resolve_hardware
+from .hardware import cuda_gpu_margin, disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resolve_hardware
 from .hardware.device import make_device
 from .memory.nvme import make_private_directory
 from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
@@ -374,6 +374,7 @@ class TieredCore:
         states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self._timed = []  # another engine's units
         left = self._close_engine(leave=self._left_while_placing_again)
+        self._free_closed_engine()
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
         if self.context.engine is None and not may_fit:
             raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
@@ -393,6 +394,16 @@ class TieredCore:
         more than half of the host memory available; else they move through host memory."""
         free = disk_free(str(self.options.nvme_path)) if self.options.nvme_path is not None else 0
         return free - nvme_reserve(free) >= engine.placement.nvme_bytes or _nvme_state_bytes(engine) > _half_host_available()
+
+    def _free_closed_engine(self) -> None:
+        """The closed engine's GPU arena and pinned slab freed before the next engine allocates
+        its own: the saved-tensor hooks stop naming the old engine, and a collection frees what
+        its reference cycles (its parameters' class, its components' bound methods) still hold;
+        on CUDA the caching allocator gives the arena back."""
+        self.activations.use_saved_tensor_hooks()  # without an engine: the counting hooks
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _model_units(self, recipe: Rules, units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
         """What the planner knows of the model's units: sizes (no gradients or states without
@@ -1201,7 +1212,7 @@ class TieredCore:
             "nvme_memory": disk_free(str(options.nvme_path)) if options.nvme_path else 0,
         }
         where = {
-            "gpu_memory": f"{root} (less cuBLAS's workspaces)" if root.type == "cuda" else "the emulated GPU tier (host memory)",
+            "gpu_memory": f"{root} ({cuda_gpu_margin(root).describe()})" if root.type == "cuda" else "the emulated GPU tier (host memory)",
             "host_memory": "host memory",
             "nvme_memory": str(options.nvme_path),
         }

@@ -7,7 +7,7 @@ from typing import Any, Union
 
 from ..config import HardwareSpec
 from .probe import (
-    AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss,
+    AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, cuda_gpu_margin, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss,
     release_freed_host_memory,
 )
 from .specs import KNOWN_MACHINES, known_hardware
@@ -36,6 +36,7 @@ __all__ = [
     "cpu_cores",
     "cublas_workspace_bytes",
     "disk_free",
+    "cuda_gpu_margin",
     "gpu_free",
     "host_available",
     "release_freed_host_memory",

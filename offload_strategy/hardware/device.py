@@ -98,6 +98,23 @@ class _CudaEvent(Event):
         self.cuda_event.synchronize()
 
 
+class TimeMark:
+    """A point on the compute's own timeline, recorded where the compute is queued (:meth:`Device.mark_time`).
+    The emulated tier computes on the host, so its marks are the host's clock."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+
+class _CudaTimeMark(TimeMark):
+    """A timing event on the compute stream: it completes when the GPU reaches it, not when the host queues it."""
+
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        super().__init__()
+        self.cuda_event = torch.cuda.Event(enable_timing=True)
+        self.cuda_event.record(stream)
+
+
 class Device(abc.ABC):
     """The GPU tier (a capacity handed out by :meth:`allocate`) and the two links to it.
 
@@ -190,6 +207,15 @@ class Device(abc.ABC):
         event = Event(0)
         event._finish(None)
         return event
+
+    def mark_time(self) -> TimeMark:
+        """A mark on the compute's timeline at the compute queued so far (read it with
+        :meth:`seconds_between`; on CUDA a kernel's launch and its run are apart)."""
+        return TimeMark()
+
+    def seconds_between(self, start: TimeMark, end: TimeMark) -> float:
+        """The compute's seconds from ``start`` to ``end`` (on CUDA the host waits for ``end`` first)."""
+        return end.at - start.at
 
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -469,6 +495,15 @@ class CudaDevice(Device):
         event = _CudaEvent(0)
         event.cuda_event.record(torch.cuda.current_stream(self.compute))
         return event
+
+    def mark_time(self) -> TimeMark:
+        return _CudaTimeMark(torch.cuda.current_stream(self.compute))
+
+    def seconds_between(self, start: TimeMark, end: TimeMark) -> float:
+        if not isinstance(start, _CudaTimeMark) or not isinstance(end, _CudaTimeMark):
+            raise TypeError("time marks not made by a CudaDevice; read them with the device that made them.")
+        end.cuda_event.synchronize()  # the later mark done: so is the earlier one, on the same stream
+        return start.cuda_event.elapsed_time(end.cuda_event) / 1e3
 
     def synchronize(self) -> None:
         for stream in self._streams.values():

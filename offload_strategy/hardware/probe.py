@@ -18,7 +18,7 @@ from typing import Any, Optional
 import psutil
 import torch
 
-from ..config import HardwareSpec
+from ..config import HardwareSpec, format_bytes
 from .cgroup import cgroup_memory
 from .specs import KNOWN_MACHINES
 
@@ -90,13 +90,56 @@ def gpu_reserve(device: torch.device) -> int:
     return _MATMUL_THREADS * workspace
 
 
+# Of the GPU's memory, the share "all that is free" leaves beside the plan: NCCL's communicator
+# buffers (made by the first collective, after the budget is read: hundreds of MB, more with NVLS),
+# the caching allocator's fragmentation, SDPA's and cuDNN's workspaces. Not measured yet on a GPU.
+GPU_MARGIN_SHARE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMargin:
+    """What a GPU tier of "all that is free" (or a fraction of it) leaves outside the plan."""
+
+    workspaces: int  # cuBLAS's, both training threads
+    cached: int  # reserved by PyTorch's caching allocator and not allocated: free, but not to cudaMalloc
+    share: int  # GPU_MARGIN_SHARE of the GPU's memory
+
+    @property
+    def nbytes(self) -> int:
+        return self.workspaces + self.share
+
+    def describe(self) -> str:
+        return (f"less cuBLAS's workspaces ({format_bytes(self.workspaces)}) and {GPU_MARGIN_SHARE:.0%} of its memory "
+                f"({format_bytes(self.share)}) for NCCL's buffers, the caching allocator's fragmentation and SDPA's and "
+                f"cuDNN's workspaces")
+
+
+def gpu_margin(total: int, workspaces: int, reserved: int, allocated: int) -> GpuMargin:
+    """The margin for a GPU of ``total`` bytes whose caching allocator holds ``reserved`` bytes, of
+    them ``allocated`` in use: what it reserved and does not use counts as free to this process."""
+    return GpuMargin(workspaces=workspaces, cached=max(reserved - allocated, 0), share=int(total * GPU_MARGIN_SHARE))
+
+
+def gpu_room(free: int, margin: GpuMargin) -> int:
+    """What a GPU tier of "all that is free" may take: the driver's free bytes and the cache's
+    unused ones, less the margin."""
+    return max(free + margin.cached - margin.nbytes, 0)
+
+
 def gpu_free(device: torch.device) -> int:
-    """Bytes the GPU tier can have on a CUDA device: free memory less :func:`gpu_reserve`; on other
+    """Bytes the GPU tier can have on a CUDA device: free memory less :func:`gpu_margin`; on other
     devices the GPU tier is emulated in host memory."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return max(int(free) - gpu_reserve(device), 0)
+        free, total = torch.cuda.mem_get_info(device)
+        margin = gpu_margin(int(total), gpu_reserve(device), torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+        return gpu_room(int(free), margin)
     return host_available()
+
+
+def cuda_gpu_margin(device: torch.device) -> GpuMargin:
+    """The margin :func:`gpu_free` leaves on the CUDA ``device``."""
+    _free, total = torch.cuda.mem_get_info(device)
+    return gpu_margin(int(total), gpu_reserve(device), torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
 
 
 def process_peak_rss() -> int:

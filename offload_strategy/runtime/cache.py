@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..hardware.device import Event
 from ..memory import Slot
 from ..memory.dha import can_view, device_view
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, align
@@ -209,12 +210,20 @@ class UnitCache:
             fetch.nvme.result()
             fetch.event = self.ctx.device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
             fetch.nvme = None
-        self.ctx.device.wait(fetch.event)
+        self._wait_timed(fetch.event)
         if fetch.staging is not None:
             s.host_copy = fetch.staging  # keep it: backward and the optimizer step need the unit again
             s.host_copy_read = fetch.event  # until the host waits for it, the slot stays as it is
         s.fetch = None
         return time.perf_counter() - start
+
+    def _wait_timed(self, event: Event) -> None:
+        """Order compute after a unit's copy; in a timed step, with marks either side of the wait."""
+        device, marks = self.ctx.device, self.ctx.step.stall_marks
+        before = device.mark_time() if marks is not None else None
+        device.wait(event)
+        if marks is not None and before is not None:
+            marks.append((before, device.mark_time()))
 
     def staging(self, nbytes: int, wait: bool, keep: Optional[UnitState] = None) -> Optional[Slot]:
         """A free staging buffer, dropping the kept host copy needed farthest ahead (never ``keep``'s) if none is free."""

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..hardware.device import Device
+from ..hardware.device import Device, TimeMark
 from ..memory.nvme import NvmeStore
 from ..planning.placement import HOST_SLOT_ALIGNMENT, Placement, align
 from .metrics import RequestStats
@@ -41,6 +41,9 @@ class StepState:
     norms_wanted: bool = False  # clipping by norm follows backward: gradients' norms are taken as they leave for NVMe
     gradient_scale: Optional[torch.Tensor] = None  # clipping's coefficient, for gradients multiplied where their update reads them
     stalled_seconds: float = 0.0  # the training thread's waits for units, cumulative over the run
+    # in a timed step, the compute's waits for units as marks either side of each (on CUDA the GPU
+    # waits, not the host): the step timer leaves them out of the units' compute
+    stall_marks: Optional[list[tuple[TimeMark, TimeMark]]] = None
 
 
 @dataclass(eq=False)

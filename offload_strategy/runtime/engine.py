@@ -129,6 +129,17 @@ class _SavedCast:
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
+def _refuse_dha_on_a_gpu(placement: Placement, device: Device) -> None:
+    """Units computed in place at home are bound to their host homes, CPU tensors: a GPU's
+    kernels cannot take them (binding device views of the pinned home has not run on a GPU)."""
+    if placement.dha and not device.is_emulated:
+        raise ValueError(
+            f"placement.dha puts {len(placement.dha)} unit(s) (indices {sorted(placement.dha)[:8]}) in place at home, "
+            f"which runs only on the emulated GPU tier: on {device.compute} their parameters would be host tensors "
+            f"in GPU kernels. Give those units a home of gpu, host or nvme instead (placement.dha=frozenset())."
+        )
+
+
 class TieredEngine:
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
 
@@ -152,6 +163,7 @@ class TieredEngine:
         self.model = model
         # writes a parameter built without memory into its home (deferred.py); False for the others
         self._initial_value = initial_value or (lambda p, target: False)
+        _refuse_dha_on_a_gpu(placement, device)
         self.device = device
         self.placement = placement
         self.data_parallel = data_parallel
@@ -217,7 +229,7 @@ class TieredEngine:
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
         self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending, (self.pack_saved, self.unpack_saved))
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
-        self.timer = StepTimer(ctx.step, [s.unit.name for s in states], [s.unit.nbytes for s in states])
+        self.timer = StepTimer(ctx.step, self.device, [s.unit.name for s in states], [s.unit.nbytes for s in states])
         self.speculation = SpeculativeUpdates()
 
     def _shared_homes(self) -> Optional[SharedHomes]:
@@ -998,6 +1010,7 @@ class TieredEngine:
                 if s.unit.index not in left:
                     mark_present(p)
         errors += _attempt([
+            self.device.synchronize,  # no copy still reads or writes the slab when it is unregistered
             self.store.close if self.store is not None and not left else None,
             self.memory.slab.close if self.memory is not None else None,
             self.memory.shared_slab.close if self.memory is not None and self.memory.shared_slab is not None else None,
@@ -1021,6 +1034,15 @@ class TieredEngine:
         self._watched = []
 
     @torch.no_grad()
+    def _in_host_tier(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views the engine's pinned slab (or the machine's shared one)."""
+        slabs = [self.memory.slab, self.memory.shared_slab] if self.memory is not None else []
+        return any(
+            slab is not None and not slab.closed and slab.tensor.numel() > 0
+            and slab.tensor.data_ptr() <= t.data_ptr() < slab.tensor.data_ptr() + slab.tensor.numel()
+            for slab in slabs
+        )
+
     def _materialize_for_good(self, s: UnitState, leave_on_nvme: Optional[Callable] = None) -> None:
         """The unit's parameters become plain tensors holding their true values (an NVMe unit's
         handed to ``leave_on_nvme`` with a reader instead, where given)."""
@@ -1031,6 +1053,8 @@ class TieredEngine:
                 p.data = p.data.clone()
             elif s.home == HOST and s.home_views:
                 p.data = s.home_views[i].clone()
+            if p.grad is not None and self._in_host_tier(p.grad):
+                p.grad = p.grad.clone()  # a gradient at home: the slab is freed
         if s.home == NVME and self.store is not None and s.placeholders and leave_on_nvme is not None:
             s.host_copy = None  # the slab is freed: reads come from the file
             self.ctx.bind(s, s.placeholders)
