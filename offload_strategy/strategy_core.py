@@ -514,14 +514,13 @@ class TieredCore:
             count = tiers.setdefault(str(state.home), [0, 0])
             count[0] += 1
             count[1] += state.unit.nbytes
-        title = "tiered: placement (a unit is a group of parameters that moves between tiers as one)"
+        title = "tiered: placement (a unit: parameters that move between tiers as one; optimizer states with their unit's parameters)"
         planner = self.planner
         if planner is not None and planner.profiling_placement:
-            title = (f"tiered: placement while the first {WARM_UP_STEPS + TIMED_STEPS} steps measure the activations: offloaded units "
-                     f"stream through the fewest buffers ({format_bytes(engine.placement.gpu_bytes)} of gpu_memory="
-                     f"{format_bytes(planner.budgets.gpu)}); a unit is a group of parameters that moves as one")
+            title = (f"tiered: placement while the first {WARM_UP_STEPS + TIMED_STEPS} steps measure the activations (fewest buffers: "
+                     f"{format_bytes(engine.placement.gpu_bytes)} of gpu_memory={format_bytes(planner.budgets.gpu)})")
         lines = [title, *placement_table(tiers)]
-        lines.append(f"tiered: gradients {self._where_gradients_live(engine, tiers)}; optimizer states with their unit's parameters")
+        lines.append(f"tiered: gradients {self._where_gradients_live(engine, tiers)}")
         lines.append(f"tiered: blocks: {self.activations.described_blocks}{self._layout_note()}")
         return "\n".join(lines)
 
@@ -547,8 +546,7 @@ class TieredCore:
         if activations.searched is not None:  # placed again for the searched layout, which its own line gives
             return ""
         if activations.measuring:
-            return (f"; each block's activations are kept or recomputed as the first {WARM_UP_STEPS + TIMED_STEPS} training steps "
-                    f"measure, then laid out (a line says how)")
+            return f"; their activations are laid out after the first {WARM_UP_STEPS + TIMED_STEPS} steps (a line says how)"
         if activations.auto:
             return ""
         policies = activations.policies if activations.blocks else []

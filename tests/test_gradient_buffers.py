@@ -200,7 +200,7 @@ def test_each_placement_is_described_as_a_table(tmp_path, caplog, placement):
 
         assert rows[2].split() == [placement, "|", "7", "|", *format_bytes(total).split()]
         assert ("through 4 host buffers" in line) == (placement == "nvme")
-    assert "optimizer states with their unit's parameters" in line and "activations per block: K" in rows[-1]
+    assert "optimizer states with their unit's parameters" in rows[0] and "activations per block: K" in rows[-1]
 
 
 class Deep(Net):
