@@ -195,10 +195,6 @@ def run(cfg: DictConfig) -> float:
         summary["checkpoint"] = checkpoints.last_model_path or checkpoints.best_model_path or None
         if logger is not None:
             report_summary(logger, summary, trainer.global_step)
-    except (PlacementError, MemoryBudgetError) as error:
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
-            raise
-        return record_refusal(output_dir, error)
     finally:
         finish_wandb()
     if not trainer.is_global_zero:  # under data parallelism rank 0 reports for the run
@@ -221,7 +217,12 @@ def run(cfg: DictConfig) -> float:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    return run(cfg)
+    try:
+        return run(cfg)
+    except (PlacementError, MemoryBudgetError) as error:  # budgets refused, when the strategy is built or set up
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise
+        return record_refusal(Path(HydraConfig.get().runtime.output_dir), error)
 
 
 if __name__ == "__main__":
