@@ -234,8 +234,8 @@ class ActivationControl:
         priced = "searched with the placement above" if plan is self.searched else f"predicted {plan.seconds * 1e3:.1f} ms per step"
         rank_zero_info(
             f"tiered: activation layout {' '.join(BlockPolicy(p).letter for p in plan.layout)} "
-            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced}, "
-            f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._beside_note()}."
+            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced};\n"  # a second line keeps both short
+            f"  peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._beside_note()}."
         )
 
     def _beside_note(self) -> str:

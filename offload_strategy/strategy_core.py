@@ -1217,11 +1217,10 @@ def searched_placement_line(resident: int, units: int, buffers: int, seconds: fl
     if resident == units:
         kept = f"all {units} units stay in the GPU tier"
     elif resident == 0:
-        kept = f"no unit stays in the GPU tier: each of the {units} is copied in when used, through {buffers} GPU buffers"
+        kept = f"all {units} units copied in when used, through {buffers} GPU buffers"
     else:
-        kept = (f"{resident} of {units} units stay in the GPU tier for the whole step, the other {units - resident} "
-                f"are copied in when used, through {buffers} GPU buffers")
-    return f"tiered: placement search (fastest predicted step, {seconds * 1e3:.1f} ms): {kept}"
+        kept = f"{resident} of {units} units kept in the GPU tier, {units - resident} copied in through {buffers} buffers"
+    return f"tiered: placement search (fastest predicted step {seconds * 1e3:.1f} ms): {kept}"
 
 
 def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:
