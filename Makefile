@@ -22,8 +22,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH)" -e ".[experiments,test]"
 	touch $@
 
+# the default model offloaded to host memory and NVMe files (conf/experiment/offload_cpu.yaml);
+# EXPERIMENT= (empty) runs the plain default job, whose budgets are all free memory; an experiment= in ARGS wins
+EXPERIMENT ?= offload_cpu
 train: env
-	$(PY) experiments/train.py $(ARGS)
+	$(PY) experiments/train.py $(if $(and $(EXPERIMENT),$(if $(findstring experiment=,$(ARGS)),,x)),experiment=$(EXPERIMENT)) $(ARGS)
 
 test: env
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(ARGS)

@@ -120,6 +120,38 @@ def _fmt(key: str, value: Any) -> str:
     return str(value)
 
 
+def _tiers(summary: dict[str, Any]) -> tuple[str, str]:
+    """Units per tier and memory per tier, from the tiered strategy's figures (absent for a plain run)."""
+    units = ", ".join(f"{tier} {int(summary[f'offload/units/{tier}'])}" for tier in ("gpu", "host", "nvme")
+                      if summary.get(f"offload/units/{tier}") is not None)
+    memory = [f"{name} {_fmt('_bytes', summary.get(key))}" for name, key in
+              (("gpu tier peak", "offload/tier/gpu_peak_bytes"), ("host peak", "offload/tier/host_peak_bytes"),
+               ("nvme", "offload/tier/nvme_bytes"), ("process peak", "peak_host_bytes")) if summary.get(key) is not None]
+    return units or "n/a (not the tiered strategy)", ", ".join(memory)
+
+
+def format_short_summary(summary: dict[str, Any], metrics_path: Optional[Path] = None) -> str:
+    """About ten lines a user reads at the end of a run; every figure is in ``metrics.json`` and the logger."""
+    units, memory = _tiers(summary)
+    step = summary.get("step_time_ms")
+    rows = [
+        ("run", f"{summary['model']} ({_fmt('parameters', summary['parameters'])}), preset {summary.get('preset', 'n/a')}, "
+                f"{summary['steps']} steps in {summary['wall_seconds']:.0f} s"),
+        ("throughput", f"{_fmt('tokens_per_sec', summary.get('tokens_per_sec'))} tokens/s, "
+                       f"{_fmt('step_time_ms', step)} ms per step"),
+        ("loss", f"train {_fmt('loss', summary.get('train_loss_first'))} -> {_fmt('loss', summary.get('train_loss_last'))}, "
+                 f"val {_fmt('loss', summary.get('val_loss'))}"),
+        ("units per tier", units),
+        ("memory", memory),
+        ("cache hit rate", _fmt("mfu", summary.get("offload/cache/hit_rate"))),
+        ("checkpoint", str(summary.get("checkpoint") or "none written")),
+    ]
+    if metrics_path is not None:
+        rows.append(("all figures", str(metrics_path)))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["", "Run summary", *(f"  {name:<{width}}  {value}" for name, value in rows)])
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     width = max(len(k) for k in summary)
     lines = ["", "Run summary", "-" * (width + 24)]

@@ -32,14 +32,19 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ThroughputMonitor
+from hydra.types import RunMode
+from hydra.utils import get_original_cwd, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.summary import MetricsRecorder, build_summary, format_summary, write_json_atomic
-from offload_strategy import HardwareSpec, OffloadMonitor, TieredDDPStrategy, TieredStrategy
+from experiments.summary import MetricsRecorder, build_summary, format_short_summary, write_json_atomic
+from offload_strategy import HardwareSpec, MemoryBudgetError, OffloadMonitor, TieredDDPStrategy, TieredStrategy
 from offload_strategy.config import compute_dtype
+from offload_strategy.planning.placement import PlacementError
+
+# where a job keeps its checkpoints, under its output directory: ``last.ckpt`` is the run's last step
+CHECKPOINTS = "checkpoints"
 
 
 def build_strategy(cfg: DictConfig, hardware: HardwareSpec) -> Union[TieredStrategy, TieredDDPStrategy, str]:
@@ -80,7 +85,43 @@ def hyperparameters(cfg: DictConfig, hardware: HardwareSpec) -> dict[str, Any]:
     config: dict[str, Any] = _without_targets(values)
     config["hardware"] = hardware.to_dict()
     config["overrides"] = list(HydraConfig.get().overrides.task)
+    config["preset"] = preset_name()
     return config
+
+
+def preset_name() -> str:
+    """The policy preset's name (``conf/policy/<name>.yaml``), a key of its own to filter and group runs by."""
+    return str(HydraConfig.get().runtime.choices.get("policy", "custom"))
+
+
+def resolve_resume(resume: Optional[str]) -> Optional[str]:
+    """``resume=last``: the ``last.ckpt`` of the latest job under ``outputs/`` and ``multirun/`` of the
+    directory the job was started from; any other value is a checkpoint's path, as Lightning takes it."""
+    if resume != "last":
+        return resume
+    root = Path(get_original_cwd())
+    found = [p for top in ("outputs", "multirun") for p in (root / top).glob(f"**/{CHECKPOINTS}/last.ckpt")]
+    if not found:
+        raise FileNotFoundError(f"resume=last: no {CHECKPOINTS}/last.ckpt under {root / 'outputs'} or {root / 'multirun'}; "
+                                f"run a job first, or give resume=<path to a .ckpt>.")
+    return str(max(found, key=lambda p: p.stat().st_mtime))
+
+
+def trainer_options(cfg: DictConfig) -> dict[str, Any]:
+    """A run shorter than ``val_check_interval`` validates at its last step, so ``val_loss`` (the
+    sweep's default objective) is known for every run."""
+    max_steps, interval = cfg.trainer.get("max_steps", -1), cfg.trainer.get("val_check_interval")
+    if isinstance(interval, int) and max_steps is not None and 0 < max_steps < interval:
+        return {"val_check_interval": max_steps}
+    return {}
+
+
+def record_refusal(output_dir: Path, error: ValueError) -> float:
+    """A sweep's job refused for its budgets: its ``metrics.json`` says why, and the sweep goes on."""
+    write_json_atomic(output_dir / "metrics.json", {"preset": preset_name(), "refused": str(error), "error": type(error).__name__,
+                                                    "overrides": list(HydraConfig.get().overrides.task)})
+    print(f"refused: {error}\nrecorded in {output_dir / 'metrics.json'}; the sweep goes on", file=sys.stderr)
+    return float("nan")
 
 
 def _without_targets(value: Any) -> Any:
@@ -121,11 +162,13 @@ def run(cfg: DictConfig) -> float:
     logger = build_logger(cfg)
     recorder = MetricsRecorder(mirror=logger)
     loggers: list[Logger] = ([logger] if logger is not None else []) + [recorder]
+    checkpoints = ModelCheckpoint(dirpath=output_dir / CHECKPOINTS, save_last=True)
     callbacks = [
         ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0], length_fn=lambda batch: batch.numel(), window_size=cfg.throughput_window),
         OffloadMonitor(),
+        checkpoints,
     ]
-    trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=loggers, callbacks=callbacks)
+    trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=loggers, callbacks=callbacks, **trainer_options(cfg))
     if logger is not None:
         logger.log_hyperparams(hyperparameters(cfg, hardware))
 
@@ -134,7 +177,7 @@ def run(cfg: DictConfig) -> float:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         start = time.perf_counter()
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_resume(cfg.resume))
         wall = time.perf_counter() - start
         precision = str(trainer.precision)
         summary = build_summary(
@@ -148,6 +191,8 @@ def run(cfg: DictConfig) -> float:
             peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             offload=trainer.strategy.metrics(reset=False) if isinstance(trainer.strategy, (TieredStrategy, TieredDDPStrategy)) else None,
         )
+        summary["preset"] = preset_name()
+        summary["checkpoint"] = checkpoints.last_model_path or checkpoints.best_model_path or None
         if logger is not None:
             report_summary(logger, summary, trainer.global_step)
     finally:
@@ -155,7 +200,6 @@ def run(cfg: DictConfig) -> float:
     if not trainer.is_global_zero:  # under data parallelism rank 0 reports for the run
         objective = summary.get(cfg.objective)
         return float("nan") if objective is None else float(objective)
-    print(format_summary(summary))
     payload = {
         **summary,
         "precision": precision,
@@ -164,7 +208,7 @@ def run(cfg: DictConfig) -> float:
         "loss_curve": recorder.history.get("train/loss", []),
     }
     write_json_atomic(output_dir / "metrics.json", payload)
-    print(f"metrics written to {output_dir / 'metrics.json'}")
+    print(format_short_summary(summary, output_dir / "metrics.json"))
     objective = summary.get(cfg.objective)
     if cfg.objective not in summary:
         raise ValueError(f"objective={cfg.objective!r} is not in the summary; choose one of {', '.join(summary)}.")
@@ -173,7 +217,12 @@ def run(cfg: DictConfig) -> float:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    return run(cfg)
+    try:
+        return run(cfg)
+    except (PlacementError, MemoryBudgetError) as error:  # budgets refused, when the strategy is built or set up
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise
+        return record_refusal(Path(HydraConfig.get().runtime.output_dir), error)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from .runtime.offloaded import OffloadedParameterError
 from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
 from .strategy_ddp import TieredDDPStrategy
 from .strategy_fabric import TieredFabricStrategy
+from .strategy_names import UnknownStrategyNameError, install as _install_name_suggestions
 from .weights import WeightsMismatchError, load_weights
 
 __version__ = "0.1.0"
@@ -45,6 +46,8 @@ def _register_strategies() -> None:
             TieredDDPStrategy,
             description="The tiered strategy on every rank of a data-parallel run, with optimizer states sharded across ranks.",
         )
+    for registry in (StrategyRegistry, FABRIC_STRATEGIES):  # "tierd" -> "did you mean 'tiered'?"
+        _install_name_suggestions(registry)
 
 
 _register_strategies()
@@ -66,6 +69,7 @@ __all__ = [
     "TieredDDPStrategy",
     "TieredFabricStrategy",
     "TieredStrategy",
+    "UnknownStrategyNameError",
     "WeightsMismatchError",
     "format_bytes",
     "known_hardware",

@@ -234,8 +234,8 @@ class ActivationControl:
         priced = "searched with the placement above" if plan is self.searched else f"predicted {plan.seconds * 1e3:.1f} ms per step"
         rank_zero_info(
             f"tiered: activation layout {' '.join(BlockPolicy(p).letter for p in plan.layout)} "
-            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced}, "
-            f"peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._beside_note()}."
+            f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced};\n"  # a second line keeps both short
+            f"  peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._beside_note()}."
         )
 
     def _beside_note(self) -> str:
@@ -519,7 +519,7 @@ class ActivationControl:
         activations = self.policies_in_use
         if activations is not None and activations.blocks:
             for policy in BlockPolicy:
-                out[f"activations/blocks_{policy}"] = float(sum(p == policy for p in activations.policies))
+                out[f"activations/blocks_{policy}"] = sum(p == policy for p in activations.policies)
             out["activations/recomputed_flops"] = float(activations.recomputed_flops)
             if self.context.engine is None:
                 out["activations/saved_bytes"] = float(self.saved_bytes)
@@ -531,8 +531,8 @@ class ActivationControl:
             stats = swap.stats
             out["activations/swapped_host_bytes"] = float(stats.host_bytes)
             out["activations/swapped_nvme_bytes"] = float(stats.nvme_bytes)
-            out["activations/swap_prefetched"] = float(stats.prefetched)
-            out["activations/swap_waits"] = float(stats.waited)
+            out["activations/swap_prefetched"] = int(stats.prefetched)
+            out["activations/swap_waits"] = int(stats.waited)
             out["activations/swap_wait_ms"] = 1e3 * stats.wait_seconds
             out["activations/swap_host_full_bytes"] = float(stats.host_full_bytes)
         return out

@@ -29,6 +29,7 @@ from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
 from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
@@ -531,36 +532,50 @@ class TieredCore:
         return engine
 
     def _describe_placement(self, engine: TieredEngine) -> str:
-        """One line: units and bytes per tier, where gradients and optimizer states live, the blocks' activations."""
+        """A few short lines: a table of units and bytes per tier, where gradients and optimizer
+        states live, the blocks and (unless the activation layout's own line will say it) their layout."""
         tiers: dict[str, list[int]] = {}
         for state in engine.states:
             count = tiers.setdefault(str(state.home), [0, 0])
             count[0] += 1
             count[1] += state.unit.nbytes
-        units = ", ".join(f"{tier} {n} ({format_bytes(nbytes)})" for tier, (n, nbytes) in tiers.items())
+        title = "tiered: placement (a unit: parameters that move between tiers as one; optimizer states with their unit's parameters)"
+        planner = self.planner
+        if planner is not None and planner.profiling_placement:
+            title = (f"tiered: placement while the first {WARM_UP_STEPS + TIMED_STEPS} steps measure the activations (fewest buffers: "
+                     f"{format_bytes(engine.placement.gpu_bytes)} of gpu_memory={format_bytes(planner.budgets.gpu)})")
+        lines = [title, *placement_table(tiers)]
+        lines.append(f"tiered: gradients {self._where_gradients_live(engine, tiers)}")
+        lines.append(f"tiered: blocks: {self.activations.described_blocks}{self._layout_note()}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _where_gradients_live(engine: TieredEngine, tiers: dict[str, list[int]]) -> str:
         placement = engine.placement
         if placement.gradients_sent:
             own = "only until updated, through the same buffers" if placement.host_gradients_in_flight else "at home"
-            gradients = (f"of the {len(placement.gradients_sent)} offloaded units other ranks own only until sent to them, through "
-                         f"{sum(placement.gradient_slots.values())} host buffers; the others' {own}")
-        elif placement.host_gradients_in_flight:
-            gradients = f"only in flight, through {sum(placement.gradient_slots.values())} host buffers (no room for a home each)"
-        elif placement.gradient_slots:
+            return (f"of the {len(placement.gradients_sent)} offloaded units other ranks own only until sent to them, through "
+                    f"{sum(placement.gradient_slots.values())} host buffers; the others' {own}")
+        if placement.host_gradients_in_flight:
+            return f"only in flight, through {sum(placement.gradient_slots.values())} host buffers (no room for a home each)"
+        if placement.gradient_slots:
             gradients = f"NVMe units' through {sum(placement.gradient_slots.values())} host buffers" + (
                 ", waiting on NVMe for the step when they must" if placement.gradients_spilled else "")
-            gradients += ", the others' at home" if any(t != NVME for t in tiers if t != GPU) else ""
-        else:
-            gradients = "at each offloaded unit's home in host memory" if placement.offloaded else "in the GPU tier"
-        policies = self.activations.policies if self.activations.blocks else []
-        layout = " ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks"
-        if self.activations.measuring:
-            layout += f" (the profiling layout; the blocks' own is chosen from what the first {WARM_UP_STEPS + TIMED_STEPS} training steps measure)"
-        planner = self.planner
-        if planner is not None and planner.profiling_placement:
-            units += (f", through the fewest streaming buffers ({format_bytes(engine.placement.gpu_bytes)} of gpu_memory="
-                      f"{format_bytes(planner.budgets.gpu)}) while those steps measure the activations")
-        return (f"tiered: units (parameters) per tier: {units}; gradients {gradients}; optimizer states with their unit's parameters; "
-                f"blocks: {self.activations.described_blocks}; activations per block: {layout}")
+            return gradients + (", the others' at home" if any(t != NVME for t in tiers if t != GPU) else "")
+        return "at each offloaded unit's home in host memory" if placement.offloaded else "in the GPU tier"
+
+    def _layout_note(self) -> str:
+        """The blocks' activation policies where no later line says them: under ``activations="auto"``
+        the layout is chosen after the measured steps and its own line ("activation layout") gives it."""
+        activations = self.activations
+        if activations.searched is not None:  # placed again for the searched layout, which its own line gives
+            return ""
+        if activations.measuring:
+            return f"; their activations are laid out after the first {WARM_UP_STEPS + TIMED_STEPS} steps (a line says how)"
+        if activations.auto:
+            return ""
+        policies = activations.policies if activations.blocks else []
+        return "; activations per block: " + (" ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks")
 
     def _say_when_updates_wait(self, recipe: Rules, engine: TieredEngine) -> None:
         """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""
@@ -641,10 +656,7 @@ class TieredCore:
         count = self.ranks.same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
         layout = self.ranks.same_on_every_rank(plan.activations)
         activations.searched = layout
-        rank_zero_info(
-            f"tiered: placement search keeps the first {count} units resident with {plan.parameters.buffers} streaming buffers, "
-            f"predicted {plan.seconds * 1e3:.1f} ms per step"
-        )
+        rank_zero_info(searched_placement_line(count, len(engine.states), plan.parameters.buffers, plan.seconds))
         self.prediction.planned(plan.seconds, "placement search")
         # rank 0's layout: each rank's own search may have chosen another, with another peak
         resident = planner.keep_resident(replace(plan, activations=layout), order, count, {s.unit.index for s in engine.states if s.home == GPU})
@@ -1001,8 +1013,8 @@ class TieredCore:
     def _stepped(self) -> None:
         self._optimizer_stepped = True  # no gradient is pending until the next forward
         report = self.prediction.step_ends()
-        if report is not None:
-            rank_zero_info(report)
+        if report is not None:  # a check of the step model, not a decision: for those who ask for it
+            rank_zero_debug(report)
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, plain: Callable[[], Any], **kwargs: Any) -> Any:
         """``optimizer``'s step over every unit where it lives, for a loop that ran forward and
@@ -1260,6 +1272,25 @@ class TieredCore:
         out.update(self.prediction.metrics())
         out.update(self.ranks.link_metrics())
         return out
+
+
+def placement_table(tiers: dict[str, list[int]]) -> list[str]:
+    """``tier | units | bytes`` rows, one per tier that holds a unit (``tiers``: tier -> [units, bytes])."""
+    order = sorted(tiers, key=lambda tier: (GPU, HOST, NVME).index(tier) if tier in (GPU, HOST, NVME) else 3)
+    rows = [("tier", "units", "bytes")] + [(tier, str(tiers[tier][0]), format_bytes(tiers[tier][1])) for tier in order]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return [f"  {a:<{widths[0]}} | {b:>{widths[1]}} | {c:>{widths[2]}}" for a, b, c in rows]
+
+
+def searched_placement_line(resident: int, units: int, buffers: int, seconds: float) -> str:
+    """The search's choice in plain terms: the predicted step is what it chose by, so it is said."""
+    if resident == units:
+        kept = f"all {units} units stay in the GPU tier"
+    elif resident == 0:
+        kept = f"all {units} units copied in when used, through {buffers} GPU buffers"
+    else:
+        kept = f"{resident} of {units} units kept in the GPU tier, {units - resident} copied in through {buffers} buffers"
+    return f"tiered: placement search (fastest predicted step {seconds * 1e3:.1f} ms): {kept}"
 
 
 def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:

@@ -176,7 +176,7 @@ def test_the_run_says_once_why_updates_wait_for_the_end_of_backward(tmp_path, ca
 
 
 @pytest.mark.parametrize("placement", ["host", "nvme", "fill"])
-def test_each_placement_is_described_in_one_line(tmp_path, caplog, placement):
+def test_each_placement_is_described_as_a_table(tmp_path, caplog, placement):
     """Units and bytes per tier, where gradients and optimizer states live, the blocks' activations."""
     import logging
 
@@ -190,15 +190,17 @@ def test_each_placement_is_described_in_one_line(tmp_path, caplog, placement):
         strategy = tiered(placement, tmp_path)
     with caplog.at_level(logging.INFO):
         fit(strategy, tmp_path / "run", Net)
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered: units (parameters) per tier:")]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered: placement")]
+    rows = line.splitlines()
+    assert rows[1].split() == ["tier", "|", "units", "|", "bytes"] and all(len(row) <= 120 for row in rows), rows
     if placement == "fill":
-        assert "gpu " in line and "host " in line and "at each offloaded unit's home in host memory" in line
+        assert [row.split()[0] for row in rows[2:4]] == ["gpu", "host"] and "at each offloaded unit's home in host memory" in line
     else:
         from offload_strategy import format_bytes
 
-        assert f"{placement} 7 ({format_bytes(total)})" in line
+        assert rows[2].split() == [placement, "|", "7", "|", *format_bytes(total).split()]
         assert ("through 4 host buffers" in line) == (placement == "nvme")
-    assert "optimizer states with their unit's parameters" in line and "activations per block:" in line
+    assert "optimizer states with their unit's parameters" in rows[0] and "activations per block: K" in rows[-1]
 
 
 class Deep(Net):

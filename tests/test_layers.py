@@ -41,6 +41,7 @@ LAYERS = {
     "strategy_step": 6,
     "strategy_ddp": 6,
     "strategy_fabric": 6,
+    "strategy_names": 6,
     "strategy_prediction": 6,
     "callbacks": 6,
     "checkpoint_io": 6,

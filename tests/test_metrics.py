@@ -18,7 +18,7 @@ def test_rates_thresholds_and_quantiles():
     assert report["wait_p50_ms"] == 0.0 and report["wait_p99_ms"] == pytest.approx(1.0)
     assert report["wait_total_ms"] == pytest.approx(2.07)
     stats.reset()
-    assert stats.report() == {"requests": 0.0, "out_of_order": 0.0, "nvme_reads_avoided": 0.0}
+    assert stats.report() == {"requests": 0, "out_of_order": 0, "nvme_reads_avoided": 0}
 
 
 def test_memory_stays_bounded_when_nobody_reads_the_metrics():

@@ -46,16 +46,22 @@ def test_accumulated_micro_batches_are_one_step_and_a_new_plan_starts_afresh(mon
 
 def test_a_run_reports_its_prediction_and_the_measured_step(tmp_path, caplog):
     strategy = TieredStrategy(gpu_memory="675KiB")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG, logger="lightning.pytorch"):  # Lightning's verbose level
         train(strategy, tmp_path, epochs=3, config=GPT2_4L)  # planned from the second step, reported ten steps after
-    said = [r.getMessage() for r in caplog.records if "ms per step; the median of" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("tiered: the placement search predicted"), said
+    said = [r for r in caplog.records if "ms per step; the median of" in r.getMessage()]
+    assert len(said) == 1 and said[0].getMessage().startswith("tiered: the placement search predicted"), said
+    assert said[0].levelno == logging.DEBUG  # a check of the step model, said at the verbose level only
     # the layout was searched with the placement: one prediction for both, no second, other figure
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered:")]
-    search = next(line for line in lines if line.startswith("tiered: placement search keeps"))
+    search = next(line for line in lines if line.startswith("tiered: placement search ("))
     layout = next(line for line in lines if line.startswith("tiered: activation layout"))
     assert "searched with the placement above" in layout and "ms per step" not in layout, layout
-    assert f"predicted {strategy.metrics()['plan/predicted_step_ms']:.1f} ms per step" in search
+    assert f"fastest predicted step {strategy.metrics()['plan/predicted_step_ms']:.1f} ms" in search
+    assert ("copied in" in search or "stay in the GPU tier" in search) and "streaming buffers" not in search
+    # the layout is said once, by its own line: no placement line repeats "the profiling layout"
+    assert not any("activations per block" in line or "profiling layout" in line for line in lines), lines
+    assert sum(line.startswith("tiered: activation layout") for line in lines) == 1
+    assert all(len(row) <= 150 for line in lines if line.startswith(("tiered: placement", "tiered: activation layout")) for row in line.splitlines())
     metrics = strategy.metrics()
     assert metrics["plan/measured_step_ms"] > 0 and metrics["plan/predicted_step_ms"] > 0
     assert metrics["plan/prediction_error"] == pytest.approx(metrics["plan/measured_step_ms"] / metrics["plan/predicted_step_ms"] - 1)

@@ -21,10 +21,29 @@ from typing import Any, Optional
 from offload_strategy.config import format_bytes
 
 DEFAULT_COLUMNS = (
-    "model", "strategy", "steps", "tokens_per_sec", "step_time_ms", "mfu", "val_loss", "peak_gpu_bytes", "peak_host_bytes",
-    # what the tiered runtime did: where the units lived, how often they were in place, what the updates cost the step
-    "offload/units/gpu", "offload/units/host", "offload/units/nvme", "offload/cache/hit_rate", "offload/optimizer/exposed_ms",
+    "preset", "steps", "tokens_per_sec", "step_time_ms", "val_loss",
+    # what explains a ranking: where the units lived and how often they were in place, how long the step waited
+    # for them and for the updates, the blocks it recomputed or swapped, what it read from NVMe, the memory it took
+    "offload/units/gpu", "offload/units/host", "offload/units/nvme", "offload/cache/hit_rate", "offload/cache/wait_total_ms",
+    "offload/optimizer/exposed_ms", "offload/activations/blocks_checkpoint", "offload/activations/swapped_host_bytes",
+    "offload/link/nvme_read_bytes_total", "peak_gpu_bytes", "peak_host_bytes",
+    "refused",  # a job of the sweep whose budgets were refused: why
 )
+# metrics of which less is better; the table ranks the jobs by --metric, best first
+LOWER_IS_BETTER = ("_ms", "_loss", "loss", "_bytes", "wall_seconds")
+
+
+def ranked(jobs: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """The jobs best first by ``metric``; those without a number for it (refused jobs) last."""
+    lower = metric.endswith(LOWER_IS_BETTER)
+
+    def key(job: dict[str, Any]) -> tuple[int, float]:
+        value = job.get(metric)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            return (1, 0.0)
+        return (0, value if lower else -value)
+
+    return sorted(jobs, key=key)
 
 
 def load_jobs(root: Path) -> list[dict[str, Any]]:
@@ -137,7 +156,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     columns = args.columns or [c for c in DEFAULT_COLUMNS if c in known]
     if args.metric not in columns:
         columns.append(args.metric)
-    print(format_table(jobs, columns))
+    print(f"ranked by {args.metric}, best first")
+    print(format_table(ranked(jobs, args.metric), columns))
 
     csv_path = args.csv or args.multirun_dir / "comparison.csv"
     write_csv(jobs, csv_path)

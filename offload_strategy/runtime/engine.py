@@ -1067,7 +1067,7 @@ class TieredEngine:
 
     # -- metrics ------------------------------------------------------------------------------------
 
-    def metrics(self, reset: bool = True) -> dict[str, float]:
+    def metrics(self, reset: bool = True) -> dict[str, float]:  # counts are ints (float's subtype for mypy)
         """The figures of the metric table (docs/reference.md, "Metrics"): ``cache/*`` and ``optimizer/*_ms`` over the steps
         since the last call with ``reset`` (a logging interval), ``link/*_total`` since the start,
         the rest as they are now."""
@@ -1076,8 +1076,8 @@ class TieredEngine:
         out["activations/saved_bytes"] = float(self.activation_bytes)
         speculation = self.speculation.counts
         if speculation["steps"]:
-            out["optimizer/speculated_units"] = float(speculation["speculated_units"])
-            out["optimizer/speculation_redone_steps"] = float(speculation["redone_steps"])
+            out["optimizer/speculated_units"] = int(speculation["speculated_units"])
+            out["optimizer/speculation_redone_steps"] = int(speculation["redone_steps"])
             out["memory/speculation_bytes"] = float(self.speculation.held_bytes)
         steps = self.step_stats["steps"]
         if steps:
@@ -1113,11 +1113,11 @@ class TieredEngine:
         out["tier/host_peak_bytes"] = float(fixed + memory.staging_pool.peak_used_bytes)
         out["tier/nvme_bytes"] = float(store.used_bytes if store else 0)
         for home in (GPU, HOST, NVME):
-            out[f"units/{home}"] = float(sum(1 for s in states if s.home == home))
-        out["units/direct_gradients"] = float(len(self.gradients.direct))
+            out[f"units/{home}"] = sum(1 for s in states if s.home == home)
+        out["units/direct_gradients"] = len(self.gradients.direct)
         buffers = self.gradients.buffers
-        out["gradients/buffers_most_held"] = float(buffers.most_held)
-        out["gradients/buffers_beyond_plan_total"] = float(buffers.extra)
+        out["gradients/buffers_most_held"] = int(buffers.most_held)
+        out["gradients/buffers_beyond_plan_total"] = int(buffers.extra)
         out["optimizer/gpu_state_bytes"] = state_bytes[GPU]
         out["optimizer/host_state_bytes"] = state_bytes[HOST]
         out["optimizer/host_master_bytes"] = masters

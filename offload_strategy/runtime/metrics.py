@@ -36,7 +36,7 @@ class RequestStats:
 
     def report(self) -> dict[str, float]:
         total = sum(self.counts.values())
-        out: dict[str, float] = {"requests": float(total), "out_of_order": float(self.out_of_order), "nvme_reads_avoided": float(self.nvme_reads_avoided)}
+        out: dict[str, float] = {"requests": total, "out_of_order": int(self.out_of_order), "nvme_reads_avoided": int(self.nvme_reads_avoided)}
         if total == 0:
             return out
         out["hit_rate"] = self.counts[HIT] / total
