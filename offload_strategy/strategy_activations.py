@@ -243,8 +243,8 @@ class ActivationControl:
         return f"{note})" if note else ""
 
     def refuse_from_first_block(self) -> None:
-        """In the profiled step, as soon as the first block has run forward (every block's memory
-        is known from it): when no layout fits even beside the parameters' smallest share of the
+        """In the profiled step, as soon as the first block that runs has run forward (every
+        block's memory is known from it): when no layout fits even beside the parameters' smallest share of the
         GPU tier, stop there, with the minimum, rather than after the whole step."""
         activations = self.policies_in_use
         if activations is not None and activations.profile is not None:
@@ -307,7 +307,8 @@ class ActivationControl:
         profile = activations.profile if activations is not None else None
         if profile is None:
             return
-        profile.reading_blocks = False  # the forward ended: a later one's calls of the last block are not this one's
+        assert activations is not None
+        activations.end_forward()  # a later forward's calls of the blocks are not this one's
         if profile.blocks_saved_bytes is None:
             return
         saved = self._counter()

@@ -141,22 +141,27 @@ class BlockProfile:
 
     forward_seconds: list[float] = field(default_factory=list)
     input_bytes: list[int] = field(default_factory=list)
-    activation_bytes: int = 0  # saved for backward by the first block, kept (the blocks are alike)
-    # what the forward's saved-tensor counter rose by from the first block's start to the last
-    # block's end; None until a forward ran them all, and again once the strategy took it
+    activation_bytes: int = 0  # saved for backward by the measured block, kept (the blocks are alike)
+    # the block that ran first in the profiled forward, kept and counted: a step may skip any
+    # block (LayerDrop), the first among them
+    measured: Optional[int] = None
+    # what the forward's saved-tensor counter rose by from the start of the first block that ran
+    # to the end of the last; None until a forward ran one, and again once the strategy took it
     blocks_saved_bytes: Optional[int] = None
     saved_before_blocks: int = 0  # ... and what it had counted when the first block started
     largest_through_blocks: int = 0  # the largest tensor it had saved when the last block ended
-    reading_blocks: bool = False  # the profiled forward has started the blocks and has yet to end (``stop_reading``)
+    reading_blocks: bool = False  # the profiled forward has started the blocks and has yet to end (``end_forward``)
+    complete: bool = False  # a profiled forward that ran a block has ended: the blocks it skipped are taken as alike
 
 
 class ActivationPolicies:
     """Applies block policies to a model, changes them, and takes them off again.
 
-    With ``policy="auto"`` the first training step profiles: the first block keeps its
+    With ``policy="auto"`` the first training step profiles: the first block that runs keeps its
     activations and counts them, the others are checkpointed (little memory whatever the batch),
-    and every block's forward time and input size are recorded; :meth:`block_costs` then feeds the
-    planner, whose layout :meth:`apply` puts in place for the following steps.
+    and every block's forward time and input size are recorded (a block the step skipped takes the
+    others'); :meth:`block_costs` then feeds the planner, whose layout :meth:`apply` puts in place
+    for the following steps.
     """
 
     def __init__(self, model: nn.Module, policy: Union[str, Sequence[str]], block_class: Optional[str] = None) -> None:
@@ -183,7 +188,7 @@ class ActivationPolicies:
         self.block_flops: Optional[int] = None  # one forward of the first block, counted at the first training step
         self._wrapped: list[nn.Module] = []
         self._profile_hooks: list[Any] = []
-        # called once the profiled first block has run forward: every block's costs are known then
+        # called once the profiled forward's first block has run: every block's costs are known then
         self.after_first_block: Optional[Callable[[], None]] = None
         # called with the first block's arguments as it is called, before it runs; it may put
         # other policies in place, which that call follows (``apply`` after setting it)
@@ -232,14 +237,14 @@ class ActivationPolicies:
                 self._wrapped.append(first)
 
     def _run_as(self, index: int, choice: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._measures(index):
+            return self._counted(forward, *args, **kwargs)
         if choice == CHECKPOINT:
             return _checkpointed(self, forward, *args, **kwargs)
         if choice == CHECKPOINT_HOST:
             return self._checkpointed_from_host(index, forward, *args, **kwargs)
         if choice in (SWAP_HOST, SWAP_NVME):
             return self._swapped(index, choice, forward, *args, **kwargs)
-        if self.profile is not None and index == 0:
-            return self._counted(forward, *args, **kwargs)
         return forward(*args, **kwargs)
 
     def _first_block(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -330,7 +335,7 @@ class ActivationPolicies:
                 seconds[index] = min(seconds[index], kept[index])
             first = index not in done
             done.add(index)
-            if index == 0 and first and self.after_first_block is not None:
+            if index == self.profile.measured and first and self.after_first_block is not None:
                 self.after_first_block()
 
         for index, block in enumerate(self.blocks):
@@ -340,36 +345,53 @@ class ActivationPolicies:
         self._count_saved_in_blocks()
 
     def _count_saved_in_blocks(self) -> None:
-        """What the forward's saved-tensor counter rises by from the first block's start to the
-        last block's end, in the profiled forward (not a recomputation, not a later forward)."""
+        """What the forward's saved-tensor counter rises by from the start of the first block that
+        runs to the end of the last one that runs, in the profiled forward (not a recomputation,
+        not a later forward): every block is watched, as a step may skip any."""
         assert self.profile is not None
         profile = self.profile
 
-        def first_forward() -> bool:
-            return torch.is_grad_enabled() and torch._C._current_autograd_node() is None and len(self._done) < len(self.blocks)
-
         def start(module: nn.Module, args: Any) -> None:
-            if first_forward() and 0 not in self._done:
+            training = torch.is_grad_enabled() and torch._C._current_autograd_node() is None
+            if training and not profile.reading_blocks and not profile.complete:
                 profile.saved_before_blocks = self.saved_so_far().bytes
                 profile.reading_blocks = True
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
-            # every call of the last block in the profiled forward (a block called several times
-            # ends the blocks at its last call); prepended: the timing hook has yet to mark it done
+            # every call of a block in the profiled forward (the last block that runs, at its last
+            # call, ends the blocks); prepended: the timing hook has yet to mark it done
             if profile.reading_blocks and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
                 saved = self.saved_so_far()
                 profile.blocks_saved_bytes = saved.bytes - profile.saved_before_blocks
                 profile.largest_through_blocks = saved.largest
 
-        self._profile_hooks.append(self.blocks[0].register_forward_pre_hook(start))
-        self._profile_hooks.append(self.blocks[-1].register_forward_hook(end, prepend=True))
+        for block in self.blocks:
+            self._profile_hooks.append(block.register_forward_pre_hook(start))
+            self._profile_hooks.append(block.register_forward_hook(end, prepend=True))
+
+    def end_forward(self) -> None:
+        """The profiled forward ended: a later one's calls of the blocks are not this one's, and
+        where it ran a block the profile is complete (the blocks it skipped are taken as alike)."""
+        if self.profile is not None:
+            self.profile.reading_blocks = False
+            self.profile.complete = self.profile.measured is not None
 
     @property
     def profiled(self) -> bool:
-        return self.profile is not None and len(self._done) == len(self.blocks)
+        return self.profile is not None and self.profile.complete
+
+    def _measures(self, index: int) -> bool:
+        """In the profiled forward the first block that runs keeps its activations and counts
+        them, whatever its policy in the profiling layout (a step may skip the first block)."""
+        profile = self.profile
+        if profile is None or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            return False
+        if profile.measured is None:
+            profile.measured = index
+        return profile.measured == index and index not in self._done
 
     def _counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or self.profile is None or 0 in self._done or self._under_users_hooks():
+        if self._under_users_hooks():
             return forward(*args, **kwargs)  # (under the user's hooks the block keeps nothing of its own to count)
         outer, counted = self.outer, SavedBytes()
 
@@ -387,25 +409,30 @@ class ActivationPolicies:
         return out
 
     def first_block_costs(self) -> list[BlockCost]:
-        """Every block's memory as the first one measured it, before the others have run
-        (repeated blocks take inputs of one size and save what the first one did)."""
-        assert self.profile is not None and 0 in self._done
-        first = self.profile.input_bytes[0]
+        """Every block's memory as the measured one (the first that ran) saw it, before the
+        others have run (repeated blocks take inputs of one size and save what it did)."""
+        assert self.profile is not None and self.profile.measured in self._done
+        first = self.profile.input_bytes[self.profile.measured]
         one = BlockCost(activation_bytes=max(self.profile.activation_bytes, first), input_bytes=first, forward_seconds=0.0)
         return [_times(one, n) for n in self.calls]
 
     def block_costs(self) -> list[BlockCost]:
-        """The profiled blocks as the planner sees them (every block saves what the first one did)."""
-        assert self.profiled
+        """The profiled blocks as the planner sees them (every block saves what the measured one
+        did; a block the profiled steps skipped takes its input and the median time of those that ran)."""
+        assert self.profiled and self.profile is not None and self.profile.measured is not None
+        measured, ran = self.profile.measured, sorted(self._done)
         seconds = list(self.profile.forward_seconds)
-        if len(seconds) > 1:  # the first block ran once, cold; its recomputed likes ran warm
-            others = sorted(seconds[1:])
-            seconds[0] = min(seconds[0], others[len(others) // 2])
+        others = sorted(seconds[i] for i in ran if i != measured)
+        if others:  # the measured block ran once, cold; its recomputed likes ran warm
+            seconds[measured] = min(seconds[measured], others[len(others) // 2])
+        median = sorted(seconds[i] for i in ran)[len(ran) // 2]
+        seconds = [s if i in self._done else median for i, s in enumerate(seconds)]
+        inputs = [b if i in self._done else self.profile.input_bytes[measured] for i, b in enumerate(self.profile.input_bytes)]
         held = hold_spikes(dict(enumerate(seconds)), dict.fromkeys(range(len(seconds)), "block"))  # a stall of one block is not its work
         seconds = [held[i] for i in range(len(seconds))]
         return [
             _times(BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f), n)
-            for i, f, n in zip(self.profile.input_bytes, seconds, self.calls)
+            for i, f, n in zip(inputs, seconds, self.calls)
         ]
 
     def per_call_input_bytes(self, costs: Sequence[BlockCost]) -> list[int]:
