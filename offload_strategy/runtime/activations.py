@@ -37,6 +37,7 @@ from ..profiling import hold_spikes
 from .activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .buffer_replay import BufferReplay
 from .kv_cache import CacheReplay, caches_in
+from .forwards import UnitHook
 from .recompute import RecomputeHolds
 from .saved_bytes import SavedBytes
 
@@ -184,7 +185,8 @@ class ActivationPolicies:
         # forward made of each block, counted from ``begin_forward``:
         self.calls = [1] * len(self.blocks)
         self._calls_now = [0] * len(self.blocks)
-        self._call_hooks = [b.register_forward_pre_hook(functools.partial(self._count_call, i)) for i, b in enumerate(self.blocks)]
+        # (a hook whose copy does nothing: an EMA's deepcopy of the model copies no policies, nor the engine)
+        self._call_hooks = [b.register_forward_pre_hook(UnitHook(functools.partial(self._count_call, i))) for i, b in enumerate(self.blocks)]
         self.block_flops: Optional[int] = None  # one forward of the first block, counted at the first training step
         self._wrapped: list[nn.Module] = []
         self._profile_hooks: list[Any] = []
