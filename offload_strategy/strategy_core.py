@@ -1133,7 +1133,7 @@ class TieredCore:
         try:
             left = self._close_engine()
             if left is not None:
-                self._settle_after_training(left)
+                self._settle_after_training(left, failing=sys.exc_info()[0] is not None)
         finally:
             _remove_if_empty(self._created_directories)
         release_freed_host_memory()  # what training freed leaves the process with it
@@ -1163,11 +1163,19 @@ class TieredCore:
             self._share_optimizer_attributes()
         return left
 
-    def _settle_after_training(self, left: _LeftOnNvme) -> None:
+    def _settle_after_training(self, left: _LeftOnNvme, failing: bool = False) -> None:
         """Once the tiers' memory is gone, the units left on NVMe that fit come back (``_bring_back``);
-        the others stay there, their store open while anything reads from it, and a line says so."""
+        the others stay there, their store open while anything reads from it, and a line says so.
+        ``failing``: training's own failure propagates; where a unit cannot be read back then (a
+        write the failure cut short), that failure is the one to see and the files go."""
         gc.collect()  # the engine's cycles, and the tiers' memory with them, before anything is read back
-        stay = self._bring_back(left.units, left.room)
+        try:
+            stay = self._bring_back(left.units, left.room)
+        except Exception:
+            left.store.close()
+            if failing:
+                return
+            raise
         if not stay:
             left.store.close()
             return

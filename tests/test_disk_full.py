@@ -66,7 +66,7 @@ def test_nvme_writes_on_a_full_disk_fail_clearly_and_leave_nothing(tmp_path, mon
         with pytest.raises(OSError, match=r"NVMe write of key '.*' \(.*\) in .* failed: No space left on device\. The disk is full: free space or lower the NVMe budget\."):
             train(strategy, tmp_path / "run", epochs=1, make_model=gpt2_4l, extra_callbacks=(FillDisk(disk, real, monkeypatch),))
         assert strategy.engine is None
-        assert not nvme.exists() or not any(nvme.iterdir()), "the failed run left NVMe files behind"
+        assert not nvme.exists() or not any(nvme.iterdir()), f"the failed run left NVMe files behind: {sorted(str(p) for p in nvme.rglob('*'))}"
 
 
 class FillAfterFirstEpoch(L.Callback):

@@ -276,3 +276,23 @@ def test_a_read_only_shared_memory_says_why(monkeypatch):
 def test_a_missing_shared_memory_says_why(tmp_path):
     assert "does not exist" in shared_homes.shared_memory_unavailable(tmp_path / "none")
     assert shared_homes.shared_memory_unavailable(tmp_path) == ""
+
+
+def test_a_read_after_a_failed_write_gives_the_write_s_error(tmp_path, monkeypatch):
+    """What a failed write left in the file is no value: the key's next read fails with the
+    write's error (a full disk, say), not with a checksum mismatch over the bytes it left."""
+    from offload_strategy.memory import nvme
+
+    with NvmeStore(tmp_path, capacity=1 << 20) as store:
+        store.write("k", torch.ones(PAGE, dtype=torch.uint8)).result()
+        with monkeypatch.context() as patched:
+            patched.setattr(nvme.os, "pwritev", _input_output_error)
+            patched.setattr(nvme.os, "pwrite", _input_output_error)
+            assert isinstance(store.write("k", torch.full((PAGE,), 2, dtype=torch.uint8)).exception(timeout=10), OSError)
+        error = store.read("k", torch.empty(PAGE, dtype=torch.uint8)).exception(timeout=10)
+        assert isinstance(error, OSError) and error.errno == errno.EIO
+        assert "NVMe write of key 'k'" in str(error)
+        store.write("k", torch.full((PAGE,), 3, dtype=torch.uint8)).result()  # written again: a value once more
+        out = torch.empty(PAGE, dtype=torch.uint8)
+        store.read("k", out).result()
+        assert bool((out == 3).all())

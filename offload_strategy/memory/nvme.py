@@ -90,6 +90,7 @@ class _Entry:
     file: Path  # its full path, for messages
     length: int  # true byte length; the file may be padded to whole pages
     seal: Optional[_Seal] = None  # the last write's digests, when checksums are on
+    failed: Optional[OSError] = None  # the last write's error: a read gives it, not the bytes it left
 
 
 def _round_up(n: int) -> int:
@@ -345,6 +346,7 @@ class NvmeStore:
                 self._next_file += 1
             entry.length, self._used = n, used + n
             entry.seal = _Seal({}) if self.checksums else None  # a new write: the old digests no longer hold
+            entry.failed = None
         flags = os.O_CREAT | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
         return self._transfer(_Request(_Op.WRITE, key, entry, flags, data, _round_up(n) if self.direct else n))
 
@@ -362,6 +364,10 @@ class NvmeStore:
             raise ValueError(
                 f"NVMe key {key!r} holds {entry.length} bytes but dst has {data.nbytes} bytes; read into a tensor of the stored size."
             )
+        if entry.failed is not None:  # what a failed write left is no value: its error is the reason
+            failed: Future = Future()
+            failed.set_exception(entry.failed)
+            return failed
         return self._transfer(_Request(_Op.READ, key, entry, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None))
 
     def delete(self, key: str) -> None:
@@ -407,7 +413,7 @@ class NvmeStore:
             if request.file_length is not None:
                 os.ftruncate(fd, request.file_length)
         except OSError as err:
-            done.set_exception(request.failure(err, self.path))
+            done.set_exception(self._failed(request, err))
             return done
         n = request.data.nbytes
         aligned = self.direct and request.data.ctypes.data % PAGE == 0
@@ -426,7 +432,7 @@ class NvmeStore:
                 if err is None:
                     done.set_result(None)
                 else:
-                    done.set_exception(request.failure(err, self.path))
+                    done.set_exception(self._failed(request, err))
 
         if not spans:
             finish()
@@ -435,6 +441,13 @@ class NvmeStore:
         for off, length in spans:
             self._pool.submit(chunk, fd, request.data, off, length, aligned, seal).add_done_callback(finish)
         return done
+
+    def _failed(self, request: "_Request", err: BaseException) -> BaseException:
+        """The error a request fails with; a failed write's is kept for the key's next read."""
+        failure = request.failure(err, self.path)
+        if request.op is _Op.WRITE and isinstance(failure, OSError):
+            request.entry.failed = failure
+        return failure
 
     def _bounce(self) -> memoryview:
         bounce = getattr(self._local, "bounce", None)
