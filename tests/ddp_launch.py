@@ -46,11 +46,7 @@ def _start(out: Path, args: tuple[str, ...], envs: list[dict[str, str]], timeout
         index = failed[0] if failed else 0
         raise AssertionError(f"process {index} ({envs[index]}) {e}, exit {started[index].poll()}:\n{logs[index].read_text()[-6000:]}") from None
     finally:
-        for process, handle in zip(started, handles):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            handle.close()
+        _stop(started, handles)
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
@@ -102,14 +98,19 @@ def launch_until_one_fails(out: Path, wait: float, *args: str) -> tuple[int, flo
             time.sleep(0.05)
         ended = time.time()
     finally:
-        for process, handle in zip(started, handles):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            handle.close()
+        _stop(started, handles)
     hung = out / "hung.txt"
     assert hung.exists(), f"no rank stopped responding:\n{logs[failed[0]].read_text()[-3000:]}"
     return failed[0], ended - float(hung.read_text()), logs[failed[0]].read_text()
+
+
+def _stop(started: list, handles: list) -> None:
+    """Every process still running killed, every log closed."""
+    for process, handle in zip(started, handles):
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        handle.close()
 
 
 def load(path: Path) -> dict:
