@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from experiments.models import CausalLM  # noqa: E402
+from offload_strategy.demos import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, load_weights  # noqa: E402
 from tests.helpers import LossRecorder, StopAfterEpochs, tiny_data  # noqa: E402
 from tools.largest import peak_rss, proc_status, reset_peak  # noqa: E402

@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from experiments.train import build_logger, build_strategy, check_shapes, hyperparameters, report_summary
 from offload_strategy import HardwareSpec, PolicyConfig, TieredStrategy, known_hardware
 

@@ -130,8 +130,7 @@ def run_row(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from experiments.data import SyntheticTokens
-    from experiments.models import CausalLM
+    from offload_strategy.demos import CausalLM, SyntheticTokens
     from offload_strategy.hardware import process_peak_rss
     from tools.common import StepTimer
 

@@ -161,7 +161,7 @@ def compute_alone(args: argparse.Namespace, repeats: int = 3) -> tuple[float, fl
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from tools.common import gpt2_config
+    from offload_strategy.demos import gpt2_config
 
     block = GPT2Block(GPT2Config(**gpt2_config(1, args.width, positions=args.seq_len)))
     optimizer = torch.optim.AdamW(block.parameters(), lr=1e-4)
@@ -188,10 +188,8 @@ def policy(placement: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
 
-    from experiments.data import SyntheticTokens
-    from experiments.models import CausalLM
     from offload_strategy import TieredStrategy, load_weights
-    from tools.common import gpt2_config
+    from offload_strategy.demos import CausalLM, SyntheticTokens, gpt2_config
 
     config = gpt2_config(args.layers, args.width, positions=args.seq_len)
 

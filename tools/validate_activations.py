@@ -37,7 +37,7 @@ import contextlib  # noqa: E402
 
 import torch  # noqa: E402
 
-from experiments.models import build_causal_lm  # noqa: E402
+from offload_strategy.demos import build_causal_lm  # noqa: E402
 from offload_strategy.hardware import known_hardware  # noqa: E402
 from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast, analytic_compute  # noqa: E402
 from offload_strategy.runtime.live_bytes import LiveBytes  # noqa: E402

@@ -43,7 +43,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.profiling import mean_timing  # noqa: E402
 from offload_strategy.planning.cost_model import GPU, StepPrediction  # noqa: E402
-from tools.common import PARAMETERS_ONLY, StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
+from offload_strategy.demos import PARAMETERS_ONLY, gpt2_config  # noqa: E402
+from tools.common import StepTimer, fit, parameter_bytes  # noqa: E402
 
 # (layers, width, sequence, batch, link GB/s): the tiny GPT of conf/model/gpt2_tiny.yaml, and
 # GPT-2 small's 12 x 768 (with the byte vocabulary the tools train on)
