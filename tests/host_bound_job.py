@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from offload_strategy import TieredStrategy  # noqa: E402
 from offload_strategy.demos import CausalLM, SyntheticTokens, gpt2_config  # noqa: E402
-from tools.largest import Phases, proc_status  # noqa: E402
+from offload_strategy.hardware.resident import Phases, proc_status  # noqa: E402
 
 
 def main() -> None:
