@@ -140,6 +140,7 @@ def report_summary(logger: Logger, summary: dict[str, Any], step: int) -> None:
         logger.experiment.summary.update(numbers)
     else:
         logger.log_metrics(numbers, step=step)
+        logger.save()  # fit has ended, and with it the logger's own writes: a CSV file would never get the row
 
 
 def finish_wandb() -> None:

@@ -18,10 +18,10 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from experiments.models import CausalLM  # noqa: E402
+from offload_strategy.demos import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, load_weights  # noqa: E402
 from tests.helpers import LossRecorder, StopAfterEpochs, tiny_data  # noqa: E402
-from tools.largest import peak_rss, proc_status, reset_peak  # noqa: E402
+from offload_strategy.hardware.resident import peak_rss, proc_status, reset_peak  # noqa: E402
 
 CONFIG = {"n_layer": 16, "n_embd": 256, "n_head": 4, "n_positions": 64, "vocab_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 GPU_MEMORY = 4 * 2**20

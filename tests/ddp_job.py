@@ -25,7 +25,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 import offload_strategy  # noqa: E402,F401  (registers "tiered_ddp")
-from experiments.models import CausalLM  # noqa: E402
+from offload_strategy.demos import CausalLM  # noqa: E402
 from offload_strategy import TieredDDPStrategy, TieredStrategy  # noqa: E402
 from offload_strategy.planning.placement import HOST, HOST_SLOT_ALIGNMENT, align  # noqa: E402
 from tests.helpers import PARAMETERS_ONLY, LossRecorder, tiny_data  # noqa: E402

@@ -9,9 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from experiments.data import SyntheticTokens
-from experiments.models import CausalLM
-from tools.common import PARAMETERS_ONLY  # noqa: F401 (the tests of parameter offloading use it from here)
+from offload_strategy.demos import PARAMETERS_ONLY, CausalLM, SyntheticTokens  # noqa: F401 (the tests of parameter offloading take PARAMETERS_ONLY from here)
 
 TINY_GPT2 = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 BATCHES_PER_EPOCH = 6

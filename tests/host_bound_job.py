@@ -20,11 +20,9 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.data import SyntheticTokens  # noqa: E402
-from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy  # noqa: E402
-from tools.common import gpt2_config  # noqa: E402
-from tools.largest import Phases, proc_status  # noqa: E402
+from offload_strategy.demos import CausalLM, SyntheticTokens, gpt2_config  # noqa: E402
+from offload_strategy.hardware.resident import Phases, proc_status  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.placement import PlacementError
 from offload_strategy.runtime.activations import ActivationPolicies, find_blocks

@@ -376,16 +376,6 @@ def test_simulate_reproduces_protrain_table4_directions(tmp_path):
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
 
 
-def test_the_activation_estimate_is_within_ten_percent_of_a_real_forward():
-    """What the meta-device estimate says a block saves, against a real forward on the CPU, each
-    storage counted once both ways (before: Llama +30%, OPT +50%, shared storages counted again),
-    for causal LMs, BERT's masked LM and T5's encoder."""
-    from tools.validate_activations import compare
-
-    rows = compare(["gpt2", "llama", "opt", "bert", "t5"], batch=2, seq=64)
-    assert all(abs(r["error"]) < 0.10 for r in rows), rows
-
-
 def test_the_reproduction_table_prices_lohans_activations_and_calibrates_its_gpu_rate():
     """tools/reproduce.py on two of its points: LoHan's 13B at batch 32 saves 213 GB of activations
     with fused GELU (34 bytes per token and hidden unit per block); the estimate, each storage once

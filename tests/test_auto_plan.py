@@ -90,7 +90,7 @@ def test_every_plan_stays_within_its_budgets():
 
 
 def test_a_48_block_model_is_planned_within_a_second():
-    from experiments.models import CausalLM
+    from offload_strategy.demos import CausalLM
     from offload_strategy.hardware import known_hardware
     from offload_strategy.profiling.analytic import analytic_units
     from offload_strategy.runtime.units import build_units

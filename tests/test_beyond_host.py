@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from experiments.models import build_causal_lm
+from offload_strategy.demos import build_causal_lm
 from offload_strategy import RUNTIME_HOST_ALLOWANCE
 from tests.beyond_host_job import CONFIG, GPU_MEMORY, HOST_MEMORY, Pretrained
 from tests.helpers import assert_same_weights, train

@@ -278,7 +278,7 @@ def _fit_padded(strategy, root: Path) -> tuple[list[float], dict, list[str]]:
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
-    from experiments.models import CausalLM
+    from offload_strategy.demos import CausalLM
     from tests.helpers import LossRecorder
 
     class Layouts(Callback):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from experiments.data import EpochShuffle, PythonStdlibText, SyntheticTokens, TextFiles, TokenWindows
+from offload_strategy.demos import EpochShuffle, PythonStdlibText, SyntheticTokens, TextFiles, TokenWindows
 
 
 def test_token_windows_cover_the_stream_without_overlap():

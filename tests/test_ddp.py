@@ -134,7 +134,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_in_plain_training(runs, tmp
     tiered_dir, _ = runs["tiered_ddp"]
     ckpt = tiered_dir / "last.ckpt"
     from tests.ddp_job import model_bytes
-    from experiments.models import CausalLM
+    from offload_strategy.demos import CausalLM
     from offload_strategy import TieredStrategy
 
     def gpt2_4l():

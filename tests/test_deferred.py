@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.models import build_causal_lm
+from offload_strategy.demos import build_causal_lm
 from offload_strategy import TieredStrategy
 from offload_strategy.deferred import DeferredParameters
 from tests.ddp_launch import assert_same_optimizer_states

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from offload_strategy import PRESETS, TieredStrategy, estimate
+from offload_strategy.demos import HELD_OUT, SmallCNN, example_batch
 from offload_strategy.estimate import Estimate, PresetEstimate
-from tools.estimate_check import HELD_OUT, SmallCNN, example_batch
 
 STEPS = 5  # the profiled step, the warm ones, the plan's, and one under it
 

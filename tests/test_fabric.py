@@ -19,7 +19,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy
 
 import offload_strategy
-from experiments.models import build_causal_lm
+from offload_strategy.demos import build_causal_lm
 from offload_strategy import TieredFabricStrategy
 from tests.helpers import TINY_GPT2
 from tests.test_offload import GPT2_4L

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import PRESETS, PolicyConfig, TieredStrategy
 from tests.helpers import PARAMETERS_ONLY, train
 from tests.test_offload import GPT2_4L, gpt2_4l, param_bytes

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from offload_strategy.runtime.kv_cache import CacheReplay, caches_in
 

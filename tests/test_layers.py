@@ -5,8 +5,8 @@ functions over sizes and times: no torch, no Lightning); ``hardware`` and ``memo
 (the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units),
 ``deferred`` and ``weights`` (models built without memory, weights read into homes), ``losses``
 (a causal LM's loss a chunk at a time);
-and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, the package's
-``__init__``), the only modules that may import Lightning. A module may import its own layer and
+and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, ``demos``, the
+package's ``__init__``), the only modules that may import Lightning. A module may import its own layer and
 those below it. See docs/architecture.md.
 """
 
@@ -50,6 +50,7 @@ LAYERS = {
     "estimate": 6,
     "cli": 6,
     "__main__": 6,
+    "demos": 6,  # the model, data and logger the tests, tools and experiments train with: a LightningModule
 }
 GLUE = 6
 NO_TORCH = {"config", "profiling.profile", "profiling", "planning"}

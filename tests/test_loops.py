@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from tests.helpers import PARAMETERS_ONLY, tiny_data, train
 from tests.test_offload import GPT2_4L, param_bytes

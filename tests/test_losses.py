@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from offload_strategy.losses import chunked_causal_lm_loss, default_chunk_tokens
 from tests.helpers import TINY_GPT2, assert_same_weights, train

@@ -3,8 +3,8 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from experiments.summary import MetricsRecorder
 from offload_strategy import OffloadMonitor, TieredStrategy
+from offload_strategy.demos import MetricsRecorder
 
 
 class CountingStrategy(TieredStrategy):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import OffloadMonitor, TieredStrategy
 from offload_strategy.planning.placement import PlacementError
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_offload import GPT2_4L, gpt2_4l, nvme_strategy, param_bytes

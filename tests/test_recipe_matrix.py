@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from tests.helpers import assert_same_weights, tiny_data
 from tests.test_model_zoo import ConvNet
 from tests.test_recompute_buffers import BatchNorm2dNet, BatchNormNet, RunningNet, SpectralNet

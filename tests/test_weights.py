@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from experiments.models import CausalLM
+from offload_strategy.demos import CausalLM
 from offload_strategy import WeightsMismatchError, load_weights
 from offload_strategy.deferred import DeferredParameters
 from tests.helpers import TINY_GPT2

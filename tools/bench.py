@@ -37,7 +37,8 @@ import lightning as L  # noqa: E402
 
 from offload_strategy import TieredDDPStrategy, TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.hardware import process_peak_rss  # noqa: E402
-from tools.common import PARAMETERS_ONLY, StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
+from offload_strategy.demos import PARAMETERS_ONLY, gpt2_config  # noqa: E402
+from tools.common import StepTimer, add_run_arguments, fit, parameter_bytes  # noqa: E402
 
 
 @dataclass

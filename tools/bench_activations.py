@@ -31,7 +31,8 @@ from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.config import BlockPolicy  # noqa: E402
 from offload_strategy.planning.activations import peak_bytes, step_seconds  # noqa: E402
 from offload_strategy.planning.placement import minimum_gpu_bytes  # noqa: E402
-from tools.common import StepTimer, add_run_arguments, fit, gpt2_config, parameter_bytes  # noqa: E402
+from offload_strategy.demos import gpt2_config  # noqa: E402
+from tools.common import StepTimer, add_run_arguments, fit, parameter_bytes  # noqa: E402
 
 
 def run(args: argparse.Namespace, config: dict[str, Any], root: Path, steps: int, **strategy_kwargs: Any) -> tuple[TieredStrategy, StepTimer]:

@@ -34,12 +34,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.data import SyntheticTokens  # noqa: E402
-from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.runtime.optimizer import UnitOptimizers, grads_on  # noqa: E402
 from offload_strategy.runtime.units import build_units, merge_into_chunks  # noqa: E402
-from tools.common import PARAMETERS_ONLY  # noqa: E402
+from offload_strategy.demos import PARAMETERS_ONLY, CausalLM, SyntheticTokens  # noqa: E402
 
 
 def gpt2(layers: int, width: int) -> dict[str, Any]:

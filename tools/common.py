@@ -10,21 +10,7 @@ from typing import Any, Union
 
 import lightning as L
 
-from experiments.data import SyntheticTokens
-from experiments.models import CausalLM
-
-# The parameters' runtime alone (the `fill` preset): first-use placement, every block's activations
-# kept. The tools that measure parameter offloading size the emulated GPU tier for parameters,
-# which the default policy would (rightly) refuse once it counts the activations too.
-PARAMETERS_ONLY = {"name": "auto", "placement": "fill", "activations": "keep"}
-
-
-def gpt2_config(layers: int, width: int, positions: int = 256) -> dict[str, Any]:
-    """A GPT-2 of ``layers`` x ``width`` over 256 byte tokens, without dropout."""
-    return {
-        "vocab_size": 256, "n_positions": positions, "n_embd": width, "n_layer": layers, "n_head": max(1, width // 64),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None,
-    }
+from offload_strategy.demos import CausalLM, SyntheticTokens
 
 
 def parameter_bytes(config: dict[str, Any]) -> int:

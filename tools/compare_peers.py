@@ -70,13 +70,6 @@ def model_spec(name: str) -> dict[str, Any]:
     return {"family": spec["family"], "config": config}
 
 
-def flops_per_token(parameters: int, config: dict[str, Any], seq_len: int) -> float:
-    """Model FLOPs of one token's forward and backward (PaLM's MFU count)."""
-    layers = config.get("n_layer", config.get("num_hidden_layers", 0))
-    width = config.get("n_embd", config.get("hidden_size", 0))
-    return 6.0 * parameters + 12.0 * layers * width * seq_len
-
-
 # -- one row, in its own process ---------------------------------------------------------------------
 
 
@@ -130,8 +123,7 @@ def run_row(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from experiments.data import SyntheticTokens
-    from experiments.models import CausalLM
+    from offload_strategy.demos import CausalLM, SyntheticTokens
     from offload_strategy.hardware import process_peak_rss
     from tools.common import StepTimer
 
@@ -171,7 +163,7 @@ def run_row(args: argparse.Namespace) -> dict[str, Any]:
     steps = timer.times[args.warmup :] or timer.times
     last = timer.metrics[-1] if timer.metrics else {}
     return {
-        "step": statistics.median(steps), "parameters": parameters, "flops_per_token": flops_per_token(parameters, spec["config"], args.seq_len),
+        "step": statistics.median(steps), "parameters": parameters, "flops_per_token": model.flops_per_token(args.seq_len),  # PaLM's MFU count
         "gpu_peak": torch.cuda.max_memory_allocated() if args.accelerator == "gpu" else 0, "host_peak": process_peak_rss(),
         "predicted_ms": last.get("plan/predicted_step_ms"), "hit_rate": last.get("cache/hit_rate"),
     }

@@ -33,10 +33,8 @@ def run(work: Path, nvme: Path, epochs: int, steps_per_epoch: int, kill_at: int,
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from experiments.data import SyntheticTokens
-    from experiments.models import CausalLM
     from offload_strategy import TieredStrategy
-    from tools.common import PARAMETERS_ONLY
+    from offload_strategy.demos import PARAMETERS_ONLY, CausalLM, SyntheticTokens
 
     class Kill(L.Callback):
         def on_train_batch_end(self, trainer, *args):

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,59 +28,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
+
+from offload_strategy.demos import HELD_OUT, example_batch  # noqa: E402
 
 STEPS = 5  # the profiled step, two warm ones, the step the plan is made before, and one under it
-
-
-class HuggingFaceLM(L.LightningModule):
-    """A causal language model of transformers, built from its config with random weights."""
-
-    def __init__(self, kind: str = "llama") -> None:
-        super().__init__()
-        import transformers
-
-        if kind == "llama":
-            config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-            self.model = transformers.LlamaForCausalLM(config)
-        else:
-            config = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)
-            self.model = transformers.GPT2LMHeadModel(config)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class SmallCNN(L.LightningModule):
-    """A small convolutional classifier (no repeated blocks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        inputs, target = batch
-        return nn.functional.cross_entropy(self.net(inputs), target)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-HELD_OUT: dict[str, Callable[[], L.LightningModule]] = {"llama": lambda: HuggingFaceLM("llama"), "gpt2": lambda: HuggingFaceLM("gpt2"),
-                                                        "cnn": SmallCNN}
-
-
-def example_batch(name: str, seed: int = 0) -> Any:
-    """One batch of the held-out model ``name``."""
-    generator = torch.Generator().manual_seed(seed)
-    if name == "cnn":
-        return torch.randn(8, 3, 16, 16, generator=generator), torch.randint(0, 10, (8,), generator=generator)
-    return torch.randint(0, 512, (4, 32), generator=generator)
 
 
 def run(name: str, policy: str, gpu_memory: int, steps: int = STEPS) -> Optional[str]:

@@ -22,7 +22,6 @@ import gc
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -32,72 +31,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from offload_strategy.hardware.resident import Phases, proc_status, reset_peak  # noqa: E402
+
 GiB = 1024**3
-
-
-def proc_status(field: str) -> int:
-    """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; 0 where there is none."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def peak_rss() -> int:
-    return proc_status("VmHWM")
-
-
-def reset_peak() -> None:
-    """The high-water mark starts again from the current resident set (Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-class Phases:
-    """Peak resident set of each phase of a run: the kernel's high-water mark (``VmHWM``, reset
-    between phases), and the anonymous resident set (``RssAnon``: the heap, tensors, pinned and
-    mapped anonymous memory; not the libraries' file pages) sampled by a thread every
-    ``interval`` seconds, whose peak per phase is held against the budget."""
-
-    def __init__(self, interval: float = 0.005) -> None:
-        self.peaks: dict[str, int] = {}
-        self.anonymous: dict[str, int] = {}
-        self.start = time.perf_counter()
-        self.phase = "before fit"
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._sample, args=(interval,), name="rss-sampler", daemon=True)
-        self._thread.start()
-
-    def _sample(self, interval: float) -> None:
-        while not self._stop.is_set():
-            self.note()
-            self._stop.wait(interval)
-
-    def note(self) -> None:
-        rss = proc_status("RssAnon")
-        with self._lock:
-            self.anonymous[self.phase] = max(self.anonymous.get(self.phase, 0), rss)
-
-    def begin(self, name: str) -> None:
-        """The phase ``name`` starts now (the anonymous peak of the one before is closed)."""
-        self.note()
-        with self._lock:
-            self.phase = name
-        self.note()
-
-    def end(self, name: str) -> None:
-        self.peaks[name] = peak_rss()
-        reset_peak()
-
-    def stop(self) -> None:
-        self.note()
-        self._stop.set()
-        self._thread.join()
 
 
 def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float, float]], checkpoint: Optional[Path], saves: list[float]) -> Any:
@@ -161,7 +97,7 @@ def compute_alone(args: argparse.Namespace, repeats: int = 3) -> tuple[float, fl
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from tools.common import gpt2_config
+    from offload_strategy.demos import gpt2_config
 
     block = GPT2Block(GPT2Config(**gpt2_config(1, args.width, positions=args.seq_len)))
     optimizer = torch.optim.AdamW(block.parameters(), lr=1e-4)
@@ -188,10 +124,8 @@ def policy(placement: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
 
-    from experiments.data import SyntheticTokens
-    from experiments.models import CausalLM
     from offload_strategy import TieredStrategy, load_weights
-    from tools.common import gpt2_config
+    from offload_strategy.demos import CausalLM, SyntheticTokens, gpt2_config
 
     config = gpt2_config(args.layers, args.width, positions=args.seq_len)
 

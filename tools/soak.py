@@ -25,10 +25,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 import psutil  # noqa: E402
 
-from experiments.data import SyntheticTokens  # noqa: E402
-from experiments.models import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
-from tools.common import PARAMETERS_ONLY  # noqa: E402
+from offload_strategy.demos import PARAMETERS_ONLY, CausalLM, SyntheticTokens  # noqa: E402
 
 
 def directory_bytes(path: Path) -> int:

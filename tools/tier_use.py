@@ -35,7 +35,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from experiments.models import CausalLM  # noqa: E402
+from offload_strategy.demos import CausalLM  # noqa: E402
 from offload_strategy import TieredStrategy  # noqa: E402
 from offload_strategy.config import parse_size  # noqa: E402
 

@@ -37,12 +37,11 @@ import contextlib  # noqa: E402
 
 import torch  # noqa: E402
 
-from experiments.models import build_causal_lm  # noqa: E402
+from offload_strategy.demos import build_causal_lm  # noqa: E402
 from offload_strategy.hardware import known_hardware  # noqa: E402
 from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast, analytic_compute  # noqa: E402
-from offload_strategy.runtime.live_bytes import LiveBytes  # noqa: E402
+from offload_strategy.runtime.live_bytes import backward_beyond_forward  # noqa: E402
 from offload_strategy.runtime.activations import find_blocks  # noqa: E402
-from offload_strategy.runtime.saved_bytes import SavedBytes  # noqa: E402
 
 WIDTH, HEADS, LAYERS = 256, 4, 2
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -88,29 +87,6 @@ def estimate(family: str, batch: int, seq: int, mixed: bool = False) -> Any:
     autocast = Autocast(torch.bfloat16, AUTOCAST_CPU) if mixed else None
     return analytic_compute(model, find_blocks(model), lambda: model(input_ids=ids, labels=ids).loss, known_hardware("rtx4090"),
                             autocast=autocast)
-
-
-def backward_beyond_forward(model: torch.nn.Module, forward: Any) -> tuple[int, int]:
-    """(the most the backward of ``forward()``'s loss held beyond what the forward left, the
-    largest tensor the forward saved), each parameter's gradient taken away as it is made, as the
-    runtime moves it to its home."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    saved = SavedBytes()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in parameters:
-            saved.add(t)
-        return t
-
-    with LiveBytes() as live:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = forward()
-        left = live.bytes
-        live.reset()
-        loss.backward()
-    return live.peak - left, saved.largest
 
 
 def backward_gradients(family: str, batch: int, seq: int, mixed: bool = False) -> dict[str, Any]:

@@ -43,7 +43,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
 from offload_strategy.profiling import mean_timing  # noqa: E402
 from offload_strategy.planning.cost_model import GPU, StepPrediction  # noqa: E402
-from tools.common import PARAMETERS_ONLY, StepTimer, fit, gpt2_config, parameter_bytes  # noqa: E402
+from offload_strategy.strategy_recipe import gradient_hooks  # noqa: E402
+from offload_strategy.demos import PARAMETERS_ONLY, gpt2_config  # noqa: E402
+from tools.common import StepTimer, fit, parameter_bytes  # noqa: E402
 
 # (layers, width, sequence, batch, link GB/s): the tiny GPT of conf/model/gpt2_tiny.yaml, and
 # GPT-2 small's 12 x 768 (with the byte vocabulary the tools train on)
@@ -62,6 +64,11 @@ class Probe(StepTimer):
         self.homes = "-"
         self._marks = [0.0]
         self.timings: list[Any] = []
+
+    def on_fit_start(self, trainer, *args: Any) -> None:
+        if gradient_hooks(trainer):  # the probe's own hooks, or another callback's
+            raise SystemExit("a hook after backward (on_after_backward, on_before_optimizer_step) reads the gradients: every update would wait "
+                             "until backward ends, a recipe the step model does not price; time the steps without it.")
 
     def on_before_backward(self, trainer, *args: Any) -> None:
         self._marks[0] = time.perf_counter()

@@ -12,11 +12,13 @@ parameters. Only operations on the thread that entered it are seen.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .saved_bytes import SavedBytes
 
 
 class LiveBytes(TorchDispatchMode):
@@ -51,3 +53,27 @@ class LiveBytes(TorchDispatchMode):
 
     def _freed(self, address: int) -> None:
         self.bytes -= self._held.pop(address, 0)
+
+
+def backward_beyond_forward(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, int]:
+    """(the most the backward of ``forward()``'s loss held beyond what the forward left, the
+    largest tensor the forward saved), each parameter's gradient taken away as it is made, as the
+    runtime moves it to its home. What the tests and ``tools/validate_activations.py`` hold against
+    the room the plans keep for backward (twice the largest saved tensor, ``BesideBlocks.gradients``)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    saved = SavedBytes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in parameters:
+            saved.add(t)
+        return t
+
+    with LiveBytes() as live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward()
+        left = live.bytes
+        live.reset()
+        loss.backward()
+    return live.peak - left, saved.largest

@@ -1,7 +1,9 @@
-"""Causal language models for the experiments, built from configs with random weights.
+"""Causal language models built from configs with random weights: the model the tests, the tools
+and the Hydra experiments train.
 
 The model families come from ``transformers`` (an extra of the experiments, never a dependency of
-the library). Nothing is downloaded: every model is built from its config alone.
+the library; it is imported only when a model is built). Nothing is downloaded: every model is
+built from its config alone.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from offload_strategy.losses import chunked_causal_lm_loss
-from offload_strategy.profiling.analytic import routed_shares
+from ..losses import chunked_causal_lm_loss
+from ..profiling.analytic import routed_shares
 
 # family name -> transformers config class
 FAMILIES = {
@@ -24,6 +26,19 @@ FAMILIES = {
     "mistral": "MistralConfig",
     "mixtral": "MixtralConfig",
 }
+
+# The parameters' runtime alone (the `fill` preset): first-use placement, every block's activations
+# kept. The tests and tools that measure parameter offloading size the emulated GPU tier for
+# parameters, which the default policy would (rightly) refuse once it counts the activations too.
+PARAMETERS_ONLY = {"name": "auto", "placement": "fill", "activations": "keep"}
+
+
+def gpt2_config(layers: int, width: int, positions: int = 256) -> dict[str, Any]:
+    """A GPT-2 of ``layers`` x ``width`` over 256 byte tokens, without dropout."""
+    return {
+        "vocab_size": 256, "n_positions": positions, "n_embd": width, "n_layer": layers, "n_head": max(1, width // 64),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None,
+    }
 
 
 def build_causal_lm(family: str, config: dict[str, Any]) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Token data for the experiments: real text every machine has, random tokens, or the user's files.
+"""Token data for the demo model: real text every machine has, random tokens, or the user's files.
 
 Text is tokenised byte-level (vocabulary 256): no tokenizer to download, and real structure for
 the loss to learn.
@@ -127,7 +127,8 @@ class PythonStdlibText(TokenDataModule):
         val_every: every n-th file (in sorted order) is held out for validation.
     """
 
-    def __init__(self, seq_len: int = 128, batch_size: int = 16, num_workers: int = 0, shuffle_seed: int = 0, max_bytes: Optional[int] = 8 * 1024**2, val_every: int = 20) -> None:
+    def __init__(self, seq_len: int = 128, batch_size: int = 16, num_workers: int = 0, shuffle_seed: int = 0,
+                 max_bytes: Optional[int] = 8 * 1024**2, val_every: int = 20) -> None:
         super().__init__(seq_len, batch_size, num_workers, shuffle_seed)
         self.max_bytes = max_bytes
         self.val_every = val_every
@@ -149,7 +150,8 @@ class TextFiles(TokenDataModule):
         val_every: every n-th file is held out; a single file holds out its last 5%.
     """
 
-    def __init__(self, path: str, pattern: str = "**/*", seq_len: int = 128, batch_size: int = 16, num_workers: int = 0, shuffle_seed: int = 0, max_bytes: Optional[int] = None, val_every: int = 20) -> None:
+    def __init__(self, path: str, pattern: str = "**/*", seq_len: int = 128, batch_size: int = 16, num_workers: int = 0, shuffle_seed: int = 0,
+                 max_bytes: Optional[int] = None, val_every: int = 20) -> None:
         super().__init__(seq_len, batch_size, num_workers, shuffle_seed)
         self.path = Path(path).expanduser()
         self.pattern = pattern
@@ -166,18 +168,21 @@ class TextFiles(TokenDataModule):
         else:
             files = sorted(p for p in self.path.glob(self.pattern) if p.is_file())
             if len(files) < 2:
-                raise ValueError(f"data.path={str(self.path)!r} with pattern {self.pattern!r} matches {len(files)} file(s); need at least 2 to hold one out for validation.")
+                raise ValueError(f"data.path={str(self.path)!r} with pattern {self.pattern!r} matches {len(files)} file(s); "
+                                 "need at least 2 to hold one out for validation.")
             train, val = _split_files(files, min(self.val_every, len(files)), self.max_bytes)
         for split, tokens in (("training", train), ("validation", val)):
             if tokens.numel() < self.seq_len:
-                raise ValueError(f"data.path={str(self.path)!r} gives {tokens.numel()} {split} tokens, fewer than one window of seq_len={self.seq_len}; give more text or lower seq_len.")
+                raise ValueError(f"data.path={str(self.path)!r} gives {tokens.numel()} {split} tokens, fewer than one window of seq_len={self.seq_len}; "
+                                 "give more text or lower seq_len.")
         return train, val
 
 
 class SyntheticTokens(TokenDataModule):
     """Uniformly random tokens from a seeded generator: for speed runs, not for learning."""
 
-    def __init__(self, seq_len: int = 128, batch_size: int = 16, num_workers: int = 0, shuffle_seed: int = 0, vocab_size: int = 256, num_tokens: int = 2 * 1024**2, seed: int = 0) -> None:
+    def __init__(self, seq_len: int = 128, batch_size: int = 16, num_workers: int = 0, shuffle_seed: int = 0, vocab_size: int = 256,
+                 num_tokens: int = 2 * 1024**2, seed: int = 0) -> None:
         super().__init__(seq_len, batch_size, num_workers, shuffle_seed)
         self.vocab_size = vocab_size
         self.num_tokens = num_tokens
