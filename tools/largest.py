@@ -139,7 +139,7 @@ def raw_disk_gbps(path: Path, size: int) -> tuple[float, float]:
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from tools.probe import raw_io
+    from offload_strategy.memory.bandwidth import raw_io
 
     buf = mmap.mmap(-1, size)
     buf.write(os.urandom(1024) * (size // 1024))

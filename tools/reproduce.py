@@ -594,7 +594,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     chosen = [p for p in every if not args.only or any(p.ident.startswith(o) for o in args.only)]
     if not chosen:
         raise SystemExit(f"--only {' '.join(args.only)}: nothing matches; the ids are {', '.join(p.ident for p in every)}")
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
 
     points = [p for p in chosen if isinstance(p, Point)]
     findings = [f for f in chosen if isinstance(f, Finding)]

@@ -120,7 +120,7 @@ def default_policy_row(name: str, fraction: float, args: argparse.Namespace, roo
 def store_rates(path: Path) -> dict[str, Any]:
     """The NvmeStore's read and write rates on ``path`` (GB/s), as ``tools/probe.py`` measures
     them (256 MiB, four threads, the best of three), as hardware spec fields."""
-    from tools.probe import measure
+    from offload_strategy.memory.bandwidth import measure
 
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path) as work:
