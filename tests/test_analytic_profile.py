@@ -679,7 +679,7 @@ def test_a_figure_that_counts_the_recomputation_adds_the_recomputed_blocks_forwa
 
 
 def test_a_settings_command_carries_the_gpu_rate_its_point_is_priced_at():
-    """A point priced at a calibrated rate prints that rate in its tools/simulate.py command, so the
+    """A point priced at a calibrated rate prints that rate in its offload-strategy simulate command, so the
     command run by hand gives the table's figure; at simulate's default (50%) the flag is left out."""
     from tools.reproduce import POINTS, command
 
