@@ -206,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def pinned_h2d_gbps(nbytes: int = 256 << 20, repeat: int = 3) -> float:
-    """Host -> GPU rate of one pinned copy, as tools/probe.py measures it."""
+    """Host -> GPU rate of one pinned copy, as offload-strategy probe measures it."""
     import torch
 
     from offload_strategy.memory.bandwidth import copy_gbps
