@@ -69,6 +69,21 @@ def test_simulate_prices_a_config_file_without_hydra(tmp_path, capsys, no_hydra)
     assert f"{model.parameters / 1e9:.2f} B parameters in {units} units and 3 blocks" in out
 
 
+def test_simulate_prices_a_preset_in_a_row_of_its_own(tmp_path, capsys, no_hydra):
+    """A preset that fixes every home (lohan: all on host, its own activation planner) gets its row beside fill and
+    auto, priced as the runtime places it; the default preset is the auto row itself."""
+    args = ["simulate", str(config_file(tmp_path)), "--hardware", "rtx4090", "--batch-size", "2", "--seq-len", "32", "--gpu-memory", "64MiB",
+            "--largest-at-most", "2"]
+    assert main([*args, "--policy", "lohan"]) == 0
+    rows = table(capsys.readouterr().out, "| gpu_memory | policy")
+    assert [r[1] for r in rows] == ["fill", "host+lohan", "auto"]
+    assert rows[1][2].startswith("0/") and rows[1][2].endswith("/0")  # every unit at home in host memory, though 64 MiB holds them all
+    assert main([*args, "--policy", "auto"]) == 0
+    assert [r[1] for r in table(capsys.readouterr().out, "| gpu_memory | policy")] == ["fill", "auto"]
+    with pytest.raises(SystemExit, match="--policy: policy='nope' is not a policy name or preset; choose one of auto"):
+        main([*args, "--policy", "nope"])
+
+
 def test_hydra_overrides_without_hydra_say_what_to_give_instead(tmp_path, no_hydra):
     with pytest.raises(SystemExit, match="need Hydra, which is not installed: give a Hugging Face config.json"):
         main(["simulate", "model=llama_7b", "hardware=rtx4090"])

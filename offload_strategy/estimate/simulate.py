@@ -196,7 +196,10 @@ def row_policy(cfg: Any, nvme: int) -> Any:
 
 def preset_row_policy(policy: Any, nvme: int) -> Any:
     """``policy`` (a preset's name or a policy) when it is not the joint search, checked; None otherwise."""
-    policy = PolicyConfig.coerce(policy) if isinstance(policy, str) else policy
+    try:
+        policy = PolicyConfig.coerce(policy) if isinstance(policy, str) else policy
+    except ValueError as error:
+        raise SystemExit(f"--policy: {error}") from None
     if policy.placement == "search":
         return None
     check_policy_row(policy, nvme)
@@ -570,7 +573,7 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
         f"CPU optimizer: Adam at {cpu_update_rate(hardware, copy) / 1e9:.1f} G parameters/s: {CPU_PARAMS_PER_S_PER_CORE / 1e9:.2f} G/s per core on "
         f"{hardware.cpu_cores} cores, bounded by {memory} (+hardware.cpu_cores=, +hardware.host_memory_gbps=)",
         f"bytes per parameter ({args.precision}, --precision): {per_param}",
-        f"batch: {model.batch_size} sequences x {model.tokens // model.batch_size} tokens (data.batch_size=, data.seq_len=)",
+        f"batch: {model.batch_size} sequences x {model.tokens // model.batch_size} tokens (--batch-size, --seq-len)",
         "activations: every tensor autograd saves in one forward of the model on the meta device (eager kernels; fused ones save less)",
     ]
     print("Assumptions:")
