@@ -63,7 +63,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if Path(path).is_dir():
             raise IsADirectoryError(
                 f"{path} is a directory, not a checkpoint file. A sharded checkpoint (a directory holding .metadata and meta.pt) "
-                f"loads with strategy='tiered', or converts to one file with `python tools/consolidate.py {path} OUT.ckpt`."
+                f"loads with strategy='tiered', or converts to one file with `offload-strategy consolidate {path} OUT.ckpt`."
             )
         with naming_failures("read", Path(path)):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)

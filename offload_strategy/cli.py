@@ -1,16 +1,24 @@
 """The ``offload-strategy`` command.
 
     offload-strategy estimate path/to/config.json --batch-size 8 --seq-len 2048 --hardware rtx4090
-    offload-strategy estimate llama_70b --hardware h100_80g --precision bf16-true
+    offload-strategy simulate path/to/config.json --hardware rtx4090 --gpu-memory 8GiB 16GiB --nvme-memory 1TB
+    offload-strategy plan --from-shapes --out plan.json path/to/config.json --hardware rtx4090 --gpu-memory 8GiB
+    offload-strategy plan --show plan.json
+    offload-strategy probe --path /mnt/nvme/offload --size 1GiB
+    offload-strategy consolidate epoch=3-step=400.ckpt model.ckpt
     offload-strategy report --nvme-path /mnt/nvme
 
 ``estimate`` prints the least ``gpu_memory``, ``host_memory`` and ``nvme_memory`` each policy preset
-needs for a model and its predicted step (:func:`offload_strategy.estimate`), nothing allocated for
-the model: a Hugging Face ``config.json`` (a causal language model built from it on the meta
-device) or a model config of the repository's ``conf/model/`` by name. ``report`` checks the
-environment: torch, CUDA, pinned registration, O_DIRECT on the NVMe path, free memory per tier,
-cgroup limits. Also ``python -m offload_strategy``. Plans and what-ifs of Hydra jobs are made by
-the repository's planning and simulation tools (its tools/ folder), which compose its Hydra configs.
+needs for a model and its predicted step (:func:`offload_strategy.estimate`); ``simulate`` the step
+model's what-ifs for a machine that may not be at hand (``estimate/simulate.py``); ``plan`` makes
+a plan file ``TieredStrategy(plan_file=...)`` runs, or prints one (``estimate/plans.py``). Their
+model is a Hugging Face ``config.json`` (built on the meta device, nothing allocated or fetched),
+or, in a checkout of the repository with the ``experiments`` extra, its Hydra job (``model=llama_7b
+hardware=rtx4090 ...``; ``estimate/models.py``). ``probe`` measures this machine's transfer paths
+and the NVMe store against the raw disk (``memory/bandwidth.py``); ``consolidate`` converts a
+sharded checkpoint to the single file plain Lightning writes, and back (``checkpoint/consolidate.py``);
+``report`` checks the environment: torch, CUDA, pinned registration, O_DIRECT on the NVMe path, free
+memory per tier, cgroup limits. Also ``python -m offload_strategy``.
 """
 
 from __future__ import annotations
@@ -28,15 +36,22 @@ from torch import nn
 
 from .config import PRESETS, format_bytes
 from .estimate import PRECISIONS, Estimate, estimate
-
-# the repository's Hydra configs, beside the package in a checkout
-CONF = Path(__file__).resolve().parent.parent / "conf"
+from .checkpoint import consolidate
+from .estimate import plans, simulate
+from .estimate.models import causal_lm, compose, instantiate, model_source
+from .memory import bandwidth
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` by default); returns the exit status."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built from configs: nothing is fetched
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # Hydra overrides after the options (``--findings data.seq_len=1024``) join the model's
+        if not hasattr(args, "model") or not isinstance(args.model, list) or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.model = [*args.model, *extra]
     if args.command is None:
         parser.print_help()
         return 2
@@ -45,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload-strategy", description="Budgets before a run, and a check of this machine.")
+    parser = argparse.ArgumentParser(prog="offload-strategy", description="Budgets, what-ifs and plans before a run; this machine's checks; checkpoints.")
     commands = parser.add_subparsers(dest="command")
     est = commands.add_parser("estimate", help="the least budgets of every policy preset for a model, and its predicted step")
     est.add_argument("model", help="a Hugging Face config.json (or its directory), or a model config of conf/model/ by name (llama_70b)")
@@ -57,6 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--efficiency", type=float, default=0.5, help="share of the GPU's dense peak matrix products reach")
     est.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     est.set_defaults(run=_estimate)
+    simulated = commands.add_parser("simulate", help="the step model's what-ifs: step time, memory per tier, the largest model, for GPU budgets")
+    simulate.add_arguments(simulated)
+    simulated.set_defaults(run=simulate.run)
+    planned = commands.add_parser("plan", help="make a plan file (from a job's first steps, or from shapes), or print one")
+    plans.add_arguments(planned)
+    planned.set_defaults(run=plans.run)
+    probe = commands.add_parser("probe", help="measure this machine's transfer paths, and the NVMe store against the raw disk")
+    bandwidth.add_arguments(probe)
+    probe.set_defaults(run=_probe)
+    converted = commands.add_parser("consolidate", help="a sharded checkpoint directory to the single file plain Lightning writes, and back")
+    consolidate.add_arguments(converted)
+    converted.set_defaults(run=consolidate.run)
     report = commands.add_parser("report", help="check this machine: torch, CUDA, pinned memory, O_DIRECT, free memory, cgroup limits")
     report.add_argument("--nvme-path", default=None, help="the directory the NVMe tier would use")
     report.set_defaults(run=_report)
@@ -80,53 +107,19 @@ def _rows(result: Estimate) -> dict[str, Any]:
 
 def _model_and_batch(name: str, batch_size: Optional[int], seq_len: Optional[int]) -> tuple[nn.Module, Any]:
     """The model on the meta device and one batch of token ids, from a config file or a Hydra name."""
-    path = Path(name)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json":
-        if not path.is_file():
-            raise SystemExit(f"{path}: no such file; give a Hugging Face config.json or a model config name of {CONF / 'model'}.")
-        return _from_config_file(path, batch_size or 1, seq_len or 2048)
-    return _from_hydra(name.removeprefix("model="), batch_size, seq_len)
-
-
-class _CausalLM(nn.Module):
-    """A causal language model whose forward on token ids gives its loss."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = self.model(input_ids=ids, labels=ids).loss
-        return loss
-
-
-def _from_config_file(path: Path, batch_size: int, seq_len: int) -> tuple[nn.Module, Any]:
-    import transformers
-
-    fields = json.loads(path.read_text())
-    kind = fields.pop("model_type", None)
-    if kind is None:
-        raise SystemExit(f"{path} names no model_type: give a Hugging Face model's config.json.")
-    config = transformers.AutoConfig.for_model(kind, **fields)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return _CausalLM(model), torch.zeros(batch_size, seq_len, dtype=torch.long)
-
-
-def _from_hydra(name: str, batch_size: Optional[int], seq_len: Optional[int]) -> tuple[nn.Module, Any]:
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    known = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-    if name not in known:
-        raise SystemExit(f"{name!r} is neither a config.json nor a model config of {CONF / 'model'} ({', '.join(known) or 'none found'}).")
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"model={name}", "data=synthetic", "logger=none"])
+    source = model_source([name])
+    if source.path is not None:
+        return causal_lm(source.path), torch.zeros(batch_size or 1, seq_len or 2048, dtype=torch.long)
+    cfg = compose([*source.overrides, "data=synthetic"])
     module = instantiate(cfg.model)  # its layers are built by configure_model, on the meta device by the estimate
     rows, tokens = batch_size or int(cfg.data.batch_size), seq_len or int(cfg.data.seq_len)
     return module, torch.zeros(rows, tokens, dtype=torch.long)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .profiling.analytic import GPU_MEMORY_SHARE
+
+    return bandwidth.run(args, priced_share=GPU_MEMORY_SHARE)
 
 
 # -- report ----------------------------------------------------------------------------------------------

@@ -168,5 +168,6 @@ def _validate_plan_file(path: Optional[Union[str, Path]]) -> Optional[Path]:
         return None
     resolved = Path(path).expanduser()
     if not resolved.is_file():
-        raise ValueError(f"plan_file={str(path)!r} is not a file; dump a plan with strategy.dump_plan(path) after set-up and pass its path.")
+        raise ValueError(f"plan_file={str(path)!r} is not a file; dump a plan with strategy.dump_plan(path) after set-up "
+                         "(or `offload-strategy plan --out PATH`) and pass its path.")
     return resolved

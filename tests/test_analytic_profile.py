@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -309,9 +310,9 @@ def table(stdout: str, header: str) -> list[list[str]]:
 def test_simulate_predicts_a_model_that_is_never_built(tmp_path):
     figure = tmp_path / "llama.png"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools/simulate.py"), "model=llama_7b", "hardware=rtx4090", "--gpu-memory", "4GiB", "16GiB", "--nvme-memory", "1TB",
+        [sys.executable, "-m", "offload_strategy", "simulate", "model=llama_7b", "hardware=rtx4090", "--gpu-memory", "4GiB", "16GiB", "--nvme-memory", "1TB",
          "--findings", "--png", str(figure), "--largest-at-most", "64"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -358,9 +359,9 @@ def test_simulate_reproduces_protrain_table4_directions(tmp_path):
     fit in the tier (the plan was refused before blocks could recompute from host memory); at 64
     those alone leave nothing of it for any plan."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools/simulate.py"), "model=gpt2_xl", "hardware=rtx3090", "--gpu-memory", "22GiB", "--findings",
+        [sys.executable, "-m", "offload_strategy", "simulate", "model=gpt2_xl", "hardware=rtx3090", "--gpu-memory", "22GiB", "--findings",
          "data.seq_len=1024", "data.batch_size=16", "--largest-at-most", "64"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     study = table(result.stdout, "| batch | tokens")
@@ -397,7 +398,7 @@ def test_the_step_model_computes_for_as_long_as_the_blocks_and_the_rest_take():
     blocks' whole forward (attention's products and the memory-bound work, which no parameter
     accounts for) and the loss outside them. Before, the units held their matrix products alone
     and the step computed for less than its blocks' forward."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, forward_seconds, setting
 
     point = Point("tiny", "", "step_s", 1.0, ("model=gpt2_tiny", "hardware=a100_80g", "data=synthetic", "data.seq_len=128", "data.batch_size=4"),
@@ -415,7 +416,7 @@ def test_the_largest_model_is_the_deepest_the_auto_search_plans():
     the largest model is the depth the auto rows' search plans within the budgets while one block
     more does not (a tiny GPT-2 in a 20 MiB host budget without NVMe)."""
     from offload_strategy import parse_size
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, point_machine, setting
 
     point = Point("tiny", "", "largest_b", 1.0, ("model=gpt2_tiny", "hardware=rtx3090", "data=synthetic", "data.seq_len=64", "data.batch_size=2"),
@@ -448,7 +449,7 @@ def test_protrain_175b_on_four_machines_plans_with_a_copy_of_host_homes_per_mach
     sixteenth of the states (122 GiB), and plans within the budget."""
     import dataclasses
 
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import POINTS, plan_row, setting
 
     point = next(p for p in POINTS if p.ident == "PT-22")
@@ -465,7 +466,7 @@ def test_simulate_prices_a_chunked_loss_without_the_whole_logits():
     vocabulary (4 x 128 tokens x 256 x 4 bytes = 512 KiB), and nothing else changes beside the
     blocks (the backward's room is a block's: twice its 4 x 128 x 1024 16-bit MLP tensor). The
     head's product runs once more in backward, and is priced there."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, setting
 
     overrides = ("model=gpt2_tiny", "hardware=a100_80g", "data=synthetic", "data.seq_len=128", "data.batch_size=4")
@@ -488,7 +489,7 @@ def test_simulate_prices_bf16_mixed_blocks_as_autocast_keeps_them():
     inputs are 16-bit casts), more than under ``bf16-true`` (norms and the residual stream stay
     fp32, and each product saves a 16-bit copy of its weight). Before, the meta forward ran in fp32
     and the mixed-precision rows counted the fp32 bytes."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, setting
 
     overrides = ("model=gpt2_tiny", "hardware=a100_80g", "data=synthetic", "data.seq_len=128", "data.batch_size=4")
@@ -517,7 +518,7 @@ def test_a_setting_a_paper_ran_out_of_memory_in_is_reproduced_only_where_the_pla
     at batch 4 x 64 saves 3.9 MiB per block and its backward needs 1 MiB of room, so in a 4 MiB GPU
     tier no layout of its blocks fits beside the parameters (reproduced, with the refusal's
     reason), and an 8 MiB one plans it, checkpointing three of its four blocks (not reproduced)."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import FINDING_CHECKS, Finding, setting
 
     overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4", "model.loss_chunk_tokens=auto")
@@ -556,7 +557,7 @@ def test_simulate_prices_a_policy_that_fixes_every_home_as_the_runtime_places_it
     the GPU tier; its step is at least the drive's time to write every unit's states back. A
     placement the rows cannot price is refused, saying which they can."""
     from offload_strategy.planning.placement import minimum_gpu_bytes
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, plan_row, setting
 
     overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4", "model.loss_chunk_tokens=auto")
@@ -582,7 +583,7 @@ def test_a_published_step_shorter_than_the_papers_own_drive_traffic_is_not_count
     P parameters needs P * (16 / 16e-6 + 14 / 14e-6) / 1e9 = 2P / 1000 seconds; a published step 1%
     shorter is beyond that drive (not counted, the floor in the reason), 1% longer is not, and a
     TFLOPS figure is turned into its step (3 forwards' FLOPs) before the comparison."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, drive_floor, setting
 
     overrides = ("model=gpt2_tiny", "hardware=rtx4090", "+hardware.nvme_count=1", "data=synthetic", "data.seq_len=64", "data.batch_size=4")
@@ -610,7 +611,7 @@ def test_a_published_figure_faster_than_the_models_compute_alone_says_so():
     """The model's compute alone is its units' forward and backward seconds; a published step 1%
     shorter is flagged with that compute's figure (a tokens/s point: the published rate times
     0.99), 1% longer is not, and the largest-model kinds never are."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, compute_ceiling, setting
 
     overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4")
@@ -634,7 +635,7 @@ def test_lohans_configuration_recomputes_from_host_memory_the_staging_cache_give
     every block recomputed. The staging buffers beyond the minimum, a cache of NVMe units that
     had taken all the host memory the units left, give way to the inputs (LoHan Eq. 3: the
     activations come before it), and the row stays within the host budget."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, plan_row, setting
 
     overrides = ("model=gpt2_tiny", "model.config.n_layer=24", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=16",
@@ -652,7 +653,7 @@ def test_a_figure_that_counts_the_recomputation_adds_the_recomputed_blocks_forwa
     products over 4 heads of 64, 2 x 2 x 4 x 64^2 x 256 = 16,777,216: 419,430,400 a block. A
     figure that counts the recomputation adds that for every recomputed block of the plan (the
     model's FLOPs otherwise), and means a step up to every block's forward longer."""
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
     from tools.reproduce import Point, published_step, recomputed_flops, setting
 
     overrides = ("model=gpt2_tiny", "hardware=rtx4090", "data=synthetic", "data.seq_len=64", "data.batch_size=4")
@@ -668,7 +669,7 @@ def test_a_figure_that_counts_the_recomputation_adds_the_recomputed_blocks_forwa
 
 
 def test_a_settings_command_carries_the_gpu_rate_its_point_is_priced_at():
-    """A point priced at a calibrated rate prints that rate in its tools/simulate.py command, so the
+    """A point priced at a calibrated rate prints that rate in its offload-strategy simulate command, so the
     command run by hand gives the table's figure; at simulate's default (50%) the flag is left out."""
     from tools.reproduce import POINTS, command
 

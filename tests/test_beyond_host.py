@@ -51,7 +51,7 @@ def test_a_state_four_times_the_host_budget_trains_checkpoints_resumes_and_conve
         assert run["peak_growth"] <= HOST_MEMORY + GPU_MEMORY + FIXED_GROWTH, f"grew by {run['peak_growth'] / 2**20:.0f} MiB"
 
     single = tmp_path / "final.ckpt"
-    convert = subprocess.run([sys.executable, str(ROOT / "tools/consolidate.py"), str(tmp_path / "b" / "ckpt" / "epoch=1.ckpt"), str(single)],
+    convert = subprocess.run([sys.executable, "-m", "offload_strategy", "consolidate", str(tmp_path / "b" / "ckpt" / "epoch=1.ckpt"), str(single)],
                              capture_output=True, text=True, cwd=ROOT)
     assert convert.returncode == 0, convert.stderr
     weights = torch.load(single, weights_only=True)["state_dict"]

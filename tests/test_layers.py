@@ -27,6 +27,7 @@ LAYERS = {
     "planning": 1,
     "hardware": 2,
     "memory": 3,
+    "memory.bandwidth": 3,  # measures the NVMe store against the raw disk (offload-strategy probe)
     "runtime": 4,
     "profiling.analytic": 5,
     "profiling.shapes": 5,
@@ -48,6 +49,12 @@ LAYERS = {
     "sharded_checkpoint": 6,
     "__init__": 6,
     "estimate": 6,
+    "estimate.budgets": 6,
+    "estimate.models": 6,  # models built on the meta device from a config (Hydra's only with the experiments extra)
+    "estimate.simulate": 6,
+    "estimate.plans": 6,
+    "checkpoint": 6,
+    "checkpoint.consolidate": 6,
     "cli": 6,
     "__main__": 6,
     "demos": 6,  # the model, data and logger the tests, tools and experiments train with: a LightningModule

@@ -171,24 +171,20 @@ def test_resuming_from_a_sharded_checkpoint_whose_metadata_runs_code_is_refused(
 
 
 def test_consolidate_loads_plain_data_only_unless_trusted(tmp_path):
-    import importlib.util
+    from offload_strategy.cli import main
 
-    spec = importlib.util.spec_from_file_location("consolidate_tool", Path(__file__).resolve().parents[1] / "tools/consolidate.py")
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     marker = tmp_path / "ran"
     single = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "hparams": RunsCode(marker)}, single)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
-        tool.main([str(single), str(tmp_path / "out"), "--sharded"])
+        main(["consolidate", str(single), str(tmp_path / "out"), "--sharded"])
     assert not marker.exists(), "the checkpoint's code ran"
     checkpoint = _hand_made(tmp_path / "c.ckpt")
     (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(UnsafeCheckpointError):
-        tool.main([str(checkpoint), str(tmp_path / "out.ckpt")])
+        main(["consolidate", str(checkpoint), str(tmp_path / "out.ckpt")])
     assert not marker.exists(), "the checkpoint's code ran"
-    assert tool.main([str(_hand_made(tmp_path / "good.ckpt")), str(tmp_path / "good-single.ckpt")]) == 0  # a plain one converts
+    assert main(["consolidate", str(_hand_made(tmp_path / "good.ckpt")), str(tmp_path / "good-single.ckpt")]) == 0  # a plain one converts
 
 
 # -- checkpoint names and I/O errors ---------------------------------------------------------------

@@ -8,11 +8,11 @@ import lightning as L
 import pytest
 
 from offload_strategy import TieredStrategy
+from offload_strategy.estimate.plans import show
 from offload_strategy.planning.placement import PlacementError
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_activations import gpt2
 from tests.test_offload import param_bytes
-from tools.plan import show
 
 
 class Dump(L.Callback):

@@ -81,7 +81,7 @@ def test_consolidated_checkpoints_move_to_plain_lightning_and_back(tmp_path):
     train(sharded(tmp_path / "a"), tmp_path / "part", stop_after_epochs=1, save_every_epoch=True)
     directory = tmp_path / "part" / "ckpt" / "epoch=0.ckpt"
     single = tmp_path / "single.ckpt"
-    run = subprocess.run([sys.executable, str(ROOT / "tools/consolidate.py"), str(directory), str(single)], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-m", "offload_strategy", "consolidate", str(directory), str(single)], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert single.is_file()
     resumed, weights, _ = train("auto", tmp_path / "plain-resumed", resume=single)  # plain Lightning reads it
@@ -89,7 +89,7 @@ def test_consolidated_checkpoints_move_to_plain_lightning_and_back(tmp_path):
     assert_same_weights(plain_weights, weights)
 
     back = tmp_path / "back.ckpt"
-    run = subprocess.run([sys.executable, str(ROOT / "tools/consolidate.py"), str(single), str(back), "--sharded"], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-m", "offload_strategy", "consolidate", str(single), str(back), "--sharded"], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     resumed, weights, _ = train(sharded(tmp_path / "b"), tmp_path / "tiered-resumed", resume=back)
     assert resumed == plain_losses[len(plain_losses) - len(resumed) :]
@@ -173,7 +173,7 @@ def test_bad_state_dict_types_and_paths_are_refused(tmp_path):
     from offload_strategy.checkpoint_io import AtomicCheckpointIO
 
     write_sharded({"state_dict": {"w": torch.ones(1)}}, tmp_path / "d.ckpt")
-    with pytest.raises(IsADirectoryError, match="tools/consolidate.py"):
+    with pytest.raises(IsADirectoryError, match="offload-strategy consolidate"):
         AtomicCheckpointIO().load_checkpoint(tmp_path / "d.ckpt")
 
 

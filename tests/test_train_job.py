@@ -96,7 +96,7 @@ def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
 @pytest.mark.slow
 def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
     plan = tmp_path / "plan.json"
-    result = run([str(ROOT / "tools/plan.py"), "--out", str(plan), "data=synthetic", "data.batch_size=4", "data.seq_len=64",
+    result = run(["-m", "offload_strategy", "plan", "--out", str(plan), "data=synthetic", "data.batch_size=4", "data.seq_len=64",
                   "strategy.gpu_memory=24MiB", "policy.activations=auto"], cwd=tmp_path)
     assert "| unit | name | bytes | home |" in result.stdout and "activations per block:" in result.stdout
     written = json.loads(plan.read_text())
@@ -104,7 +104,7 @@ def test_plan_tool_makes_a_plan_that_the_job_runs_again(tmp_path):
     # the planner's layout, not the profiling steps' (the first block kept, the others recomputed)
     assert written["activations"] != ["keep", "checkpoint", "checkpoint", "checkpoint"], written["activations"]
     assert "tiered: activation layout" in result.stdout + result.stderr
-    shown = run([str(ROOT / "tools/plan.py"), "--show", str(plan)], cwd=tmp_path)
+    shown = run(["-m", "offload_strategy", "plan", "--show", str(plan)], cwd=tmp_path)
     assert shown.stdout.count("| model.transformer.") == len(written["units"])
     result = run([str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path / 'job'}", "logger=none", "data=synthetic", "data.batch_size=4",
                   "data.seq_len=64", "strategy.gpu_memory=24MiB", f"strategy.plan_file={plan}", "trainer.max_steps=4",
@@ -119,7 +119,7 @@ def test_plan_tool_resolves_the_paths_a_job_writes_under_its_output_directory(tm
     Hydra job the plan tool resolves it under the plan's directory."""
     plan = tmp_path / "plans" / "plan.json"
     plan.parent.mkdir()
-    run([str(ROOT / "tools/plan.py"), "--out", str(plan), "--steps", "1", "experiment=offload_cpu", "data=synthetic", "data.batch_size=2",
+    run(["-m", "offload_strategy", "plan", "--out", str(plan), "--steps", "1", "experiment=offload_cpu", "data=synthetic", "data.batch_size=2",
          "data.seq_len=32", "data.num_tokens=20000"], cwd=tmp_path)
     assert {u["home"] for u in json.loads(plan.read_text())["units"]} >= {"nvme"}
 
@@ -143,7 +143,7 @@ def test_a_plan_from_shapes_runs_in_the_job_it_was_made_for(tmp_path):
     plan (every unit's name and bytes, the block count) and trains with it."""
     plan = tmp_path / "plan.json"
     job = ["data=synthetic", "data.batch_size=4", "data.seq_len=64", "strategy.gpu_memory=16MiB"]
-    result = run([str(ROOT / "tools/plan.py"), "--from-shapes", "--out", str(plan), *job, "hardware=rtx4090"], cwd=tmp_path)
+    result = run(["-m", "offload_strategy", "plan", "--from-shapes", "--out", str(plan), *job, "hardware=rtx4090"], cwd=tmp_path)
     assert "built on the meta device" in result.stdout and "| unit | name | bytes | home |" in result.stdout
     written = json.loads(plan.read_text())
     assert {u["home"] for u in written["units"]} >= {"host"} and len(written["activations"]) == 4
@@ -160,10 +160,10 @@ def test_a_7b_plan_from_shapes_takes_seconds_and_no_memory_for_parameters(tmp_pa
     """Llama-2-7B (27 GB of fp32 parameters) on an RTX 4090 spec, planned on this machine: the
     process's peak resident set stays far below one copy of the parameters."""
     plan = tmp_path / "plan.json"
-    wrapper = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-               "except SystemExit as e:\n    assert not e.code, e.code\nprint('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    wrapper = ("import resource, sys\nfrom offload_strategy.cli import main\nassert main(sys.argv[1:]) == 0\n"
+               "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     started = time.perf_counter()
-    result = run(["-c", wrapper, str(ROOT / "tools/plan.py"), "--from-shapes", "--out", str(plan), "model=llama_7b", "hardware=rtx4090",
+    result = run(["-c", wrapper, "plan", "--from-shapes", "--out", str(plan), "model=llama_7b", "hardware=rtx4090",
                   "trainer=gpu"], cwd=tmp_path)
     elapsed = time.perf_counter() - started
     peak = int(result.stdout.split("peak ")[-1])

@@ -207,10 +207,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def pinned_h2d_gbps(nbytes: int = 256 << 20, repeat: int = 3) -> float:
-    """Host -> GPU rate of one pinned copy, as tools/probe.py measures it."""
+    """Host -> GPU rate of one pinned copy, as offload-strategy probe measures it."""
     import torch
 
-    from tools.probe import copy_gbps
+    from offload_strategy.memory.bandwidth import copy_gbps
 
     return copy_gbps(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), repeat)
 

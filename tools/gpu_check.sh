@@ -10,7 +10,7 @@
 #   tests  pytest -m gpu (JUnit XML): every preset against plain Lightning on the GPU, Fabric, devices;
 #          tools/gpu_equivalence.py: the first step that differs from plain, per configuration;
 #          tools/cuda_reserve.py and tools/tier_use.py: cuBLAS's workspaces, the GPU tier against the plan
-#   probe  tools/probe.py: pinned host <-> GPU copies and the disk under OUT
+#   probe  offload-strategy probe: pinned host <-> GPU copies and the disk under OUT
 #   bench  tools/bench.py --accelerator gpu: plain Lightning beside the tiered modes on the GPU
 #   peers  (not in all: a call of its own, at most nine minutes) tools/compare_peers.py: GPT-2 XL at a
 #          16 GiB cap under tiered, FSDP CPU offload, torchao and DeepSpeed ZeRO-Offload (about 70 s a row on an H200)
@@ -72,7 +72,7 @@ case $PART in all|tests)  # every preset against plain Lightning on CUDA, fp32 a
     run tier-use 90 bash -c "\"$PY\" tools/cuda_reserve.py && \"$PY\" tools/tier_use.py --gpu-memory 16MiB" ;;
 esac
 case $PART in all|probe)
-    run probe 60 "$PY" tools/probe.py --path "$OUT/probe-disk" --size 512MiB
+    run probe 60 "$PY" -m offload_strategy probe --path "$OUT/probe-disk" --size 512MiB
     rm -rf "$OUT/probe-disk" ;;
 esac
 case $PART in peers)  # DeepSpeed compiles its CPU Adam on first use (about a minute)

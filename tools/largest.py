@@ -10,7 +10,7 @@ the host budget is what the gradients and staging buffers need. The table gives 
 the training state (fp32 parameters, gradients and AdamW's two states), the peak resident set of
 each phase (the kernel's high-water mark, reset between phases through ``/proc/self/clear_refs``),
 seconds per step, the NVMe bytes read and written per step, and the step time the raw disk
-bandwidth (measured here as ``tools/probe.py`` does) allows for that traffic. With
+bandwidth (measured here as ``offload-strategy probe`` does) allows for that traffic. With
 ``--checkpoint`` a sharded checkpoint of the trained state is written after the last step (its
 own phase, its seconds and bytes), from the tiers, without gathering the model.
 """
@@ -71,11 +71,11 @@ def make_callback(phases: Phases, steps: list[float], traffic: list[tuple[float,
 
 
 def raw_disk_gbps(path: Path, size: int) -> tuple[float, float]:
-    """Raw sequential write and read bandwidth of the disk under ``path`` (GB/s), as tools/probe.py measures."""
+    """Raw sequential write and read bandwidth of the disk under ``path`` (GB/s), as offload-strategy probe measures."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from tools.probe import raw_io
+    from offload_strategy.memory.bandwidth import raw_io
 
     buf = mmap.mmap(-1, size)
     buf.write(os.urandom(1024) * (size // 1024))

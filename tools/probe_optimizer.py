@@ -11,7 +11,7 @@ runtime runs for units in host memory on a GPU machine; torch's default kernel b
 thread, on every core, and in ``--ranks`` processes at once with an equal share of the cores each;
 the memory channels as the traffic of a large copy (its bytes read plus written). Prints one
 table: measured G parameters/s, the model's figure for the same cores and channels, and the ratio.
-The last line gives the overrides that make a what-if (``tools/simulate.py``) use this machine's
+The last line gives the overrides that make a what-if (``offload-strategy simulate``) use this machine's
 figures. Every figure is the best of ``--repeat``.
 """
 

@@ -1,5 +1,5 @@
 """The step model against figures the five papers published: each paper's setting reproduced with
-Hydra overrides and the budgets of ``tools/simulate.py``, the published figure beside the model's.
+Hydra overrides and the budgets of ``offload-strategy simulate``, the published figure beside the model's.
 
     python tools/reproduce.py                 # every point, a markdown table
     python tools/reproduce.py --only LH PT-1  # points whose id starts so
@@ -533,7 +533,7 @@ def findings_table(findings: list[Finding], sim: Any, rates: dict[str, float], e
 
 
 def command(point: Any, efficiency: float = 0.5) -> str:
-    """``point``'s setting as a tools/simulate.py command line, the GPU at ``efficiency`` of its peak
+    """``point``'s setting as an offload-strategy simulate command line, the GPU at ``efficiency`` of its peak
     (the flag left out at simulate's default)."""
     flags = [f"--gpu-memory {point.gpu}"]
     flags += [f"--efficiency {efficiency:.4g}"] if efficiency != 0.5 else []
@@ -549,7 +549,7 @@ def command(point: Any, efficiency: float = 0.5) -> str:
     if getattr(point, "kind", "") == "largest_b":
         batches = f"  # and with --precision {LARGEST_PRECISIONS[1]}: the larger model counts"
     published = [o for size, o in getattr(point, "series", ()) if size == point.published]  # the paper's own model of its list
-    return "python tools/simulate.py " + " ".join([*point.overrides, *(published[0] if published else ()), *flags]) + batches
+    return "offload-strategy simulate " + " ".join([*point.overrides, *(published[0] if published else ()), *flags]) + batches
 
 
 def figures_table(points: list[Point], sim: Any, rates: dict[str, float], efficiency: float) -> None:
@@ -583,8 +583,8 @@ def figures_table(points: list[Point], sim: Any, rates: dict[str, float], effici
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=(), help="point or finding ids, or their prefixes (LH, PT-1)")
-    parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak, as tools/simulate.py")
-    parser.add_argument("--commands", action="store_true", help="print each setting's tools/simulate.py command after the tables")
+    parser.add_argument("--efficiency", type=float, default=0.5, help="model FLOPs utilisation of the GPU's dense peak, as offload-strategy simulate")
+    parser.add_argument("--commands", action="store_true", help="print each setting's offload-strategy simulate command after the tables")
     parser.add_argument("--host-network-gbps", type=float, default=None,
                         help="every data-parallel point's collectives on host memory (gloo) at this rate per rank, apart from the GPU tier's")
     args = parser.parse_args(argv)
@@ -594,7 +594,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     chosen = [p for p in every if not args.only or any(p.ident.startswith(o) for o in args.only)]
     if not chosen:
         raise SystemExit(f"--only {' '.join(args.only)}: nothing matches; the ids are {', '.join(p.ident for p in every)}")
-    from tools import simulate as sim
+    from offload_strategy.estimate import simulate as sim
 
     points = [p for p in chosen if isinstance(p, Point)]
     findings = [f for f in chosen if isinstance(f, Finding)]

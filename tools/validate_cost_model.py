@@ -13,7 +13,7 @@ unit; ``TieredEngine.last_timing``), averaged, and the run's placement go into
 after it, the step and its phases, side by side, and the peak of the GPU tier's parameter memory.
 
 ``--nvme DIR`` keeps every unit on NVMe in ``DIR`` (``placement="nvme"``): the drive's rates the
-step model prices with are the ``NvmeStore``'s on ``DIR``, measured first as ``tools/probe.py``
+step model prices with are the ``NvmeStore``'s on ``DIR``, measured first as ``offload-strategy probe``
 measures them, so the table checks how the model schedules the drive's reads and writes beside
 the link's copies and the updates, not a datasheet.
 
@@ -125,9 +125,9 @@ def default_policy_row(name: str, fraction: float, args: argparse.Namespace, roo
 
 
 def store_rates(path: Path) -> dict[str, Any]:
-    """The NvmeStore's read and write rates on ``path`` (GB/s), as ``tools/probe.py`` measures
+    """The NvmeStore's read and write rates on ``path`` (GB/s), as ``offload-strategy probe`` measures
     them (256 MiB, four threads, the best of three), as hardware spec fields."""
-    from tools.probe import measure
+    from offload_strategy.memory.bandwidth import measure
 
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path) as work:

@@ -25,7 +25,8 @@ from .placement import GPU, HOST, NVME
 
 PLAN_VERSION = 1
 HOMES = (GPU, HOST, NVME)
-_FIX = "dump a plan for this model and these budgets (strategy.dump_plan(path) after set-up), or leave plan_file unset to plan anew"
+_FIX = ("dump a plan for this model and these budgets (strategy.dump_plan(path) after set-up, or `offload-strategy plan --out PATH`), "
+        "or leave plan_file unset to plan anew")
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ CPU_PARAMS_PER_S_PER_CORE = 0.8e9
 ADAM_BYTES_PER_PARAMETER = 28  # fp32: master, gradient, two states read; master and states written
 DHA_TILE_TOKENS = 128  # rows of a GEMM's output tile: each such tile reads the whole weight once
 # the share of the datasheet's memory bandwidth that PyTorch's eager element-wise kernels reach:
-# an assumption, not a measurement here (tools/probe.py prints a GPU-memory copy's share to check
+# an assumption, not a measurement here (`offload-strategy probe` prints a GPU-memory copy's share to check
 # it on a GPU; the reproduction's count of points within 20% is the same at 70% and 90%)
 GPU_MEMORY_SHARE = 0.8
 

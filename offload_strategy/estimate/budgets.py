@@ -25,16 +25,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .config import PRESETS, BlockPolicy, HardwareSpec, PlacementMode, PolicyConfig, compute_dtype, format_bytes
-from .hardware import AVAILABLE_SHARE, resolve_hardware
-from .planning.activations import peak_bytes
-from .planning.auto import plan_auto
-from .planning.cost_model import Machine, machine_from_spec
-from .planning.placement import Placement, PlacementError, minimum_gpu_bytes
-from .planning.planner import ModelUnits, Planner, TierBudgets
-from .profiling.shapes import Pricing, ShapeModel, parameter_links, placed_step, shape_model, streamed_bytes, unit_costs
-from .runtime.activations import resolve_policies
-from .strategy_core import optimizer_state_factor
+from ..config import PRESETS, BlockPolicy, HardwareSpec, PlacementMode, PolicyConfig, compute_dtype, format_bytes
+from ..hardware import AVAILABLE_SHARE, resolve_hardware
+from ..planning.activations import peak_bytes
+from ..planning.auto import plan_auto
+from ..planning.cost_model import Machine, machine_from_spec
+from ..planning.placement import Placement, PlacementError, minimum_gpu_bytes
+from ..planning.planner import ModelUnits, Planner, TierBudgets
+from ..profiling.shapes import Pricing, ShapeModel, parameter_links, placed_step, shape_model, streamed_bytes, unit_costs
+from ..runtime.activations import resolve_policies
+from ..strategy_core import optimizer_state_factor
 
 # the NVMe tier the bisection may use where host memory runs out: more than any drive holds
 _ANY_NVME = 1 << 60

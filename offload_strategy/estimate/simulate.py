@@ -1,13 +1,15 @@
 """Predict training of a model on a machine that may not be at hand: step time, memory per tier and
 the largest model that fits, for several GPU budgets.
 
-    python tools/simulate.py model=llama_7b hardware=rtx4090
-    python tools/simulate.py model=gpt2_xl hardware=a100_80g --gpu-memory 8GiB 16GiB 32GiB --nvme-memory 2TB
-    python tools/simulate.py model=llama_7b hardware=rtx4090 --precision 32-true data.batch_size=8
-    python tools/simulate.py model=llama_7b hardware=rtx4090 --ranks 4 --network-gbps 25   # tiered_ddp, per rank
-    python tools/simulate.py model=llama_7b hardware=a100_80g --findings --png llama7b.png    # the papers' findings
+    offload-strategy simulate path/to/config.json --hardware rtx4090 --batch-size 8 --seq-len 2048
+    offload-strategy simulate model=llama_7b hardware=rtx4090          # a model of the repository's conf/ (Hydra)
+    offload-strategy simulate model=gpt2_xl hardware=a100_80g --gpu-memory 8GiB 16GiB 32GiB --nvme-memory 2TB
+    offload-strategy simulate model=llama_7b hardware=rtx4090 --precision 32-true data.batch_size=8
+    offload-strategy simulate model=llama_7b hardware=rtx4090 --ranks 4 --network-gbps 25   # tiered_ddp, per rank
+    offload-strategy simulate model=llama_7b hardware=a100_80g --findings --png llama7b.png    # the papers' findings
 
-The model is built on the meta device from its config (nothing allocated), its units are costed
+The model is a Hugging Face ``config.json`` (``models.py``), or, in a checkout with the
+``experiments`` extra, a Hydra job's. It is built on the meta device (nothing allocated), its units are costed
 from their shapes and the hardware spec, and its blocks' activations from one forward on the meta
 device (profiling/analytic.py). Per budget two policies are compared:
 
@@ -31,31 +33,30 @@ run: budgets are per rank, gradients are reduced over the network link.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import torch
+from torch import nn
 
-from offload_strategy.planning.activations import RECOMPUTED, BesideBlocks  # noqa: E402,F401  (planning: no torch)
-from offload_strategy.profiling.shapes import (STATE_FACTOR, Pricing, ShapeModel, head_recomputed, parameter_links,  # noqa: E402,F401
-                                               placed_step, shape_model, streamed_bytes, unit_costs)
+from ..config import PolicyConfig, compute_dtype, format_bytes, parse_size
+from ..hardware import AVAILABLE_SHARE, resolve_hardware
+from ..planning.activations import RECOMPUTED, BesideBlocks  # noqa: F401  (the tools' and tests' names)
+from ..profiling.shapes import (STATE_FACTOR, Pricing, ShapeModel, head_recomputed, parameter_links,  # noqa: F401
+                                placed_step, shape_model, streamed_bytes, unit_costs)
+from .models import ModelSource, causal_lm, compose, instantiate, model_source
 
 Model = ShapeModel  # the name the tools and tests use
 
 
 def _available_share() -> float:
     """The host budget where none is given: what the strategy takes by default (hardware.AVAILABLE_SHARE)."""
-    from offload_strategy.hardware import AVAILABLE_SHARE
-
     return AVAILABLE_SHARE
+
+
 TABLE4_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4)  # batch sizes of the ProTrain / LoHan study, relative to data.batch_size
 
 
@@ -77,24 +78,39 @@ class Row:
 
 def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Optional[int] = None, dtype: Optional[str] = None,
           mixed: bool = False) -> Model:
-    """The step model's view of ``cfg.model`` built on the meta device: 16-bit parameters where
-    ``half`` (``*-true``), fp32 ones computed under autocast in ``dtype`` where ``mixed``."""
-    import torch
-    from hydra.utils import instantiate
-
+    """The step model's view of ``cfg.model`` (a Hydra job's) built on the meta device: 16-bit
+    parameters where ``half`` (``*-true``), fp32 ones computed under autocast in ``dtype`` where ``mixed``."""
     module = instantiate(cfg.model)
     with torch.device("meta"):
         module.configure_model()
-    if half:
-        module.to(torch.bfloat16)
-    batch = int(batch_size or cfg.data.batch_size)
-    seq = int(cfg.data.seq_len)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    # 32-true: the CUDA cores' fp32 peak (torch leaves TF32 off)
-    pricing = Pricing(hardware, dtype=dtype or ("bf16" if half else "fp32"), efficiency=efficiency, half=half, mixed=mixed)
     head = module.model.get_output_embeddings() if cfg.model.get("loss_chunk_tokens") is not None else None
-    return shape_model(module, lambda: module._loss(ids), pricing, name=str(cfg.model.get("name", cfg.model.family)), tokens=batch * seq,
-                       batch_size=batch, head=head)
+    shape = Shape(int(batch_size or cfg.data.batch_size), int(cfg.data.seq_len), str(cfg.model.get("name", cfg.model.family)))
+    return priced(module, module._loss, shape, Pricing(hardware, efficiency=efficiency, half=half, mixed=mixed, dtype=dtype or ("bf16" if half else "fp32")), head)
+
+
+def build_from_config(path: Path, shape: "Shape", pricing: Pricing) -> Model:
+    """The step model's view of the causal language model a Hugging Face ``config.json`` describes."""
+    module = causal_lm(path)
+    return priced(module, module, Shape(shape.batch_size, shape.seq_len, module.name), pricing)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One step's batch: sequences, tokens each, and the model's name for the tables."""
+
+    batch_size: int
+    seq_len: int
+    name: str = ""
+
+
+def priced(module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor], shape: Shape, pricing: Pricing, head: Optional[nn.Module] = None) -> Model:
+    """The step model of ``module`` (on the meta device) whose ``loss`` of token ids is one step's,
+    16-bit where ``pricing.half``; 32-true prices the CUDA cores' fp32 peak (torch leaves TF32 off)."""
+    if pricing.half:
+        module.to(torch.bfloat16)
+    ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
+    return shape_model(module, lambda: loss(ids), pricing, name=shape.name, tokens=shape.batch_size * shape.seq_len, batch_size=shape.batch_size,
+                       head=head)
 
 
 def machine_of(hardware: Any, nvme: int, ranks: int = 1, network: Optional[float] = None, shard_states: bool = True,
@@ -175,9 +191,15 @@ def policy_name(policy: Any) -> str:
 def row_policy(cfg: Any, nvme: int) -> Any:
     """The Hydra config's policy when it asks for something other than the joint search (which
     the auto row prices), e.g. ``policy=lohan policy.placement=nvme``; None otherwise."""
-    from hydra.utils import instantiate
+    return preset_row_policy(instantiate(cfg.policy), nvme)
 
-    policy = instantiate(cfg.policy)
+
+def preset_row_policy(policy: Any, nvme: int) -> Any:
+    """``policy`` (a preset's name or a policy) when it is not the joint search, checked; None otherwise."""
+    try:
+        policy = PolicyConfig.coerce(policy) if isinstance(policy, str) else policy
+    except ValueError as error:
+        raise SystemExit(f"--policy: {error}") from None
     if policy.placement == "search":
         return None
     check_policy_row(policy, nvme)
@@ -310,8 +332,6 @@ def homes_of(placement: Any) -> str:
 
 
 def fmt(n: float) -> str:
-    from offload_strategy import format_bytes
-
     return format_bytes(n)
 
 
@@ -425,22 +445,21 @@ def layer_kind(unit: Any) -> str:
     return "linear (GEMM)"
 
 
-def batch_study(cfg: Any, hardware: Any, half: bool, efficiency: float, machine: Any, gpu: int, host: int, nvme: int, dtype: Optional[str] = None,
-                mixed: bool = False) -> list[dict]:
+def batch_study(rebuild: Callable[[int], Model], base: int, machine: Any, gpu: int, host: int, nvme: int) -> list[dict]:
     """ProTrain Table 4 and LoHan's cases across batch sizes at one GPU budget: the auto plan's
-    resident units and layout, and LoHan's curve (parameters streamed from host memory, LoHan's setting)."""
+    resident units and layout, and LoHan's curve (parameters streamed from host memory, LoHan's
+    setting); ``rebuild(batch)``: the model at another batch size, ``base`` the job's."""
     from offload_strategy.planning.activations import CHECKPOINT, step_seconds
     from offload_strategy.planning.auto import plan_auto
     from offload_strategy.planning.lohan import FALLING, RISING, lohan_search
     from offload_strategy.planning.placement import PlacementError
 
-    base = int(cfg.data.batch_size)
-    out = []
+    out: list[dict] = []
     for factor in TABLE4_BATCH_FACTORS:
         batch = max(1, round(base * factor))
         if any(r["batch"] == batch for r in out):
             continue
-        model = build(cfg, hardware, half, efficiency, batch_size=batch, dtype=dtype, mixed=mixed)
+        model = rebuild(batch)
         costs = unit_costs(model, [0] * len(model.units))
         order = [u.index for u in model.units]
         row: dict = {"batch": batch, "tokens": model.tokens}
@@ -554,7 +573,7 @@ def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int]
         f"CPU optimizer: Adam at {cpu_update_rate(hardware, copy) / 1e9:.1f} G parameters/s: {CPU_PARAMS_PER_S_PER_CORE / 1e9:.2f} G/s per core on "
         f"{hardware.cpu_cores} cores, bounded by {memory} (+hardware.cpu_cores=, +hardware.host_memory_gbps=)",
         f"bytes per parameter ({args.precision}, --precision): {per_param}",
-        f"batch: {model.batch_size} sequences x {model.tokens // model.batch_size} tokens (data.batch_size=, data.seq_len=)",
+        f"batch: {model.batch_size} sequences x {model.tokens // model.batch_size} tokens (--batch-size, --seq-len)",
         "activations: every tensor autograd saves in one forward of the model on the meta device (eager kernels; fused ones save less)",
     ]
     print("Assumptions:")
@@ -598,8 +617,14 @@ def _check_ranks(args: argparse.Namespace, machine_spec: Any) -> None:
                          f"({machine_spec.gpus} GPUs), and only one machine's ranks share host memory; give --machines.")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``simulate`` command's arguments (``offload-strategy simulate``)."""
+    parser.add_argument("model", nargs="*", help="a Hugging Face config.json (or its directory); or, in a checkout with the experiments extra, "
+                        "Hydra overrides of its job: model=..., hardware=..., data.batch_size=..., data.seq_len=... (a bare name: model=NAME)")
+    parser.add_argument("--hardware", default=None, help="a known machine (rtx4090, h100_80g, ...) or auto: this one (default: auto, or the Hydra job's)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the Hydra job's, else 1)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the Hydra job's, else 2048)")
+    parser.add_argument("--policy", default=None, help="a policy preset priced in a row of its own beside auto's (default: the Hydra job's policy)")
     parser.add_argument("--gpu-memory", nargs="*", default=None, help="GPU-tier budgets to compare (default: 25%%, 50%% and 90%% of the GPU)")
     parser.add_argument("--host-memory", default=None, help="host budget (default: 95%% of the machine's, what the strategy finds available on an idle machine)")
     parser.add_argument("--nvme-memory", default="0", help="NVMe budget (default: none)")
@@ -617,23 +642,49 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="search the largest model no deeper than this many blocks (the search takes a minute or more on deep models)")
     parser.add_argument("--findings", action="store_true", help="check MemFerry's, LoHan's and ProTrain's findings on this model and machine")
     parser.add_argument("--png", type=Path, default=None, help="write the figure here")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=..., hardware=..., data.batch_size=..., data.seq_len=...")
-    args = parser.parse_intermixed_args(argv)  # Hydra overrides may come after the options
 
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
-    from offload_strategy import parse_size
-    from offload_strategy.config import compute_dtype
+@dataclass(frozen=True)
+class Job:
+    """What is simulated: the machine's spec, the model at a batch size priced on a rank's share of
+    that machine, the job's batch size, and the policy priced beside auto's at an NVMe budget."""
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[*args.overrides, "logger=none"])
-    machine_spec = instantiate(cfg.hardware)
+    spec: Any
+    build: Callable[[Any, int], Model]
+    batch_size: int
+    policy: Callable[[int], Any]
+
+
+def job_of(args: argparse.Namespace) -> Job:
+    """The job the command line names: a ``config.json`` with flags, or a Hydra job."""
+    source = model_source(args.model)
+    half, mixed, dtype = args.precision == "bf16-true", args.precision.endswith("-mixed"), compute_dtype(args.precision)
+    if source.hydra:
+        cfg = compose(hydra_overrides(source, args))
+        return Job(instantiate(cfg.hardware), lambda hardware, batch: build(cfg, hardware, half, args.efficiency, batch_size=batch, dtype=dtype, mixed=mixed),
+                   int(cfg.data.batch_size), lambda nvme: preset_row_policy(args.policy, nvme) if args.policy else row_policy(cfg, nvme))
+    assert source.path is not None
+    path, seq = source.path, args.seq_len or 2048
+
+    def at(hardware: Any, batch: int) -> Model:
+        return build_from_config(path, Shape(batch, seq), Pricing(hardware, dtype=dtype, efficiency=args.efficiency, half=half, mixed=mixed))
+
+    return Job(resolve_hardware(args.hardware or "auto"), at, args.batch_size or 1, lambda nvme: preset_row_policy(args.policy, nvme) if args.policy else None)
+
+
+def hydra_overrides(source: ModelSource, args: argparse.Namespace) -> list[str]:
+    """The Hydra job's overrides, the flags that name its groups and sizes among them."""
+    flags = {"hardware": args.hardware, "data.batch_size": args.batch_size, "data.seq_len": args.seq_len}
+    return [*source.overrides, *(f"{key}={value}" for key, value in flags.items() if value is not None)]
+
+
+def run(args: argparse.Namespace) -> int:
+    """``offload-strategy simulate``: the tables for the job ``args`` names (see the module docstring)."""
+    job = job_of(args)
+    machine_spec = job.spec
     _check_ranks(args, machine_spec)
     hardware = machine_spec.rank_share(args.ranks // args.machines)  # each rank's cores, memory channels and host memory
-    half = args.precision == "bf16-true"
-    mixed = args.precision.endswith("-mixed")
-    model = build(cfg, hardware, half, args.efficiency, dtype=compute_dtype(args.precision), mixed=mixed)
+    model = job.build(hardware, job.batch_size)
     budgets = [parse_size(g) for g in args.gpu_memory] if args.gpu_memory else [int(hardware.gpu_memory * f) for f in (0.25, 0.5, 0.9)]
     host = parse_size(args.host_memory) if args.host_memory else int(_available_share() * hardware.host_memory)
     nvme = parse_size(args.nvme_memory)
@@ -659,7 +710,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"budgets, step and tokens/s are rank 0's "
               f"(the run's tokens/s are {args.ranks}x); each rank has {hardware.cpu_cores} of the machine's {machine_spec.cpu_cores} cores "
               f"and that share of its memory channels and host memory\n")
-    all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners, policy=row_policy(cfg, nvme))
+    all_rows = policy_table(model, machine, budgets, host, nvme, sharding, owners, policy=job.policy(nvme))
     depth, parameters, plan = largest_depth(model, machine, max(budgets), host, nvme, ranks=args.ranks, shared_homes=shared,
                                             replicated=args.replicate_states, at_most=args.largest_at_most)
     if depth and plan is not None:
@@ -688,7 +739,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             faster = "tie (the bytes cross once either way)" if abs(dha - on_gpu) <= 0.01 * on_gpu else "DHA" if dha < on_gpu else "on-GPU"
             print(f"| {kind} | {n} | {on_gpu * 1e3:.2f} | {dha * 1e3:.2f} | {faster} | {in_place} of {n} |")
         gpu = budgets[len(budgets) // 2]
-        study = batch_study(cfg, hardware, half, args.efficiency, machine, gpu, host, nvme, dtype=compute_dtype(args.precision), mixed=mixed)
+        study = batch_study(lambda batch: job.build(hardware, batch), job.batch_size, machine, gpu, host, nvme)
         print(f"\nProTrain Table 4 and LoHan §IV-D across batch sizes, GPU tier {fmt(gpu)} (the auto plan; "
               "LoHan's curve with every parameter streamed from host memory, its setting)\n")
         explain(
@@ -705,15 +756,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("|---|---|---|---|---|---|---|---|---|")
         for row in study:
             total = row["curve"][-1][0] if row["curve"] else 0
-            plan = (f"{row['persistent']} | {row['buffers']} | {row['keep']}/{row['checkpoint']}/{row['swap']} | {row['seconds']:.2f}"
-                    if "error" not in row else f"does not fit: {row['error']} | | |")
-            print(f"| {row['batch']} | {row['tokens']:,} | {plan} | {row['case']} | {row['best_swapped'] / 2**30:.2f} of {total / 2**30:.2f} | "
+            cells = (f"{row['persistent']} | {row['buffers']} | {row['keep']}/{row['checkpoint']}/{row['swap']} | {row['seconds']:.2f}"
+                     if "error" not in row else f"does not fit: {row['error']} | | |")
+            print(f"| {row['batch']} | {row['tokens']:,} | {cells} | {row['case']} | {row['best_swapped'] / 2**30:.2f} of {total / 2**30:.2f} | "
                   f"{row['best_seconds'] / row['all_recomputed']:.2f} |")
     if args.png is not None:
         plot(args.png, title, budgets, all_rows, model.tokens, study, memferry)
         print(f"\nfigure: {args.png}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Measure this machine's transfer paths, and the NVMe store against the raw disk under it.
 
-    python tools/probe.py --path /mnt/nvme/offload --size 1GiB [--workers 4]
+    offload-strategy probe --path /mnt/nvme/offload --size 1GiB [--workers 4]
 
 Prints one Markdown table: host memory copy bandwidth; raw sequential write and read of the disk
 holding ``--path`` (a minimal O_DIRECT pwritev/preadv loop over a thread pool, 8 MiB requests);
@@ -36,8 +36,9 @@ from typing import Optional
 
 import torch
 
-from offload_strategy.config import format_bytes, parse_size
-from offload_strategy.memory.nvme import NvmeStore
+from ..config import format_bytes, parse_size
+from ..hardware.probe import probe_hardware
+from .nvme import NvmeStore
 
 CHUNK = 8 * 1024**2
 TENSOR = 64 * 1024**2
@@ -108,23 +109,20 @@ def copy_gbps(dst: torch.Tensor, src: torch.Tensor, repeat: int) -> float:
     return best_gbps(src.numel() * src.element_size(), run, repeat)
 
 
-def cuda_rows(nbytes: int, repeat: int) -> list[tuple[str, str, str]]:
+def cuda_rows(nbytes: int, repeat: int, priced_share: Optional[float] = None) -> list[tuple[str, str, str]]:
     if not torch.cuda.is_available():
         return [("pinned H2D / D2H", "-", "skipped: torch.cuda.is_available() is False on this machine")]
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     rows = [(name, f"{copy_gbps(dst, src, repeat):.2f}", f"{torch.cuda.get_device_name()}, {format_bytes(nbytes)} (torch pin_memory)")
             for name, dst, src in (("pinned H2D", device, pinned), ("pinned D2H", pinned, device))]
-    rows.append(gpu_memory_row(device, repeat))
+    rows.append(gpu_memory_row(device, repeat, priced_share))
     return rows
 
 
-def gpu_memory_row(device: torch.Tensor, repeat: int) -> tuple[str, str, str]:
+def gpu_memory_row(device: torch.Tensor, repeat: int, priced_share: Optional[float] = None) -> tuple[str, str, str]:
     """A copy within GPU memory, which reads and writes every byte: what the step model's
-    memory-bound work runs at, beside the datasheet figure it prices with."""
-    from offload_strategy.hardware.probe import probe_hardware
-    from offload_strategy.profiling.analytic import GPU_MEMORY_SHARE
-
+    memory-bound work runs at, beside the datasheet figure it prices with (at ``priced_share`` of it)."""
     other = torch.empty_like(device)
 
     def run() -> float:
@@ -138,12 +136,13 @@ def gpu_memory_row(device: torch.Tensor, repeat: int) -> tuple[str, str, str]:
     run()
     rate = best_gbps(2 * device.numel(), run, repeat)
     datasheet = probe_hardware().gpu_memory_gbps
-    against = (f"{rate / datasheet:.0%} of the datasheet's {datasheet:g} GB/s; the step model prices memory-bound work at {GPU_MEMORY_SHARE:.0%}"
+    priced = "" if priced_share is None else f"; the step model prices memory-bound work at {priced_share:.0%}"
+    against = (f"{rate / datasheet:.0%} of the datasheet's {datasheet:g} GB/s{priced}"
                if datasheet else "no datasheet figure known for this GPU (+hardware.gpu_memory_gbps= to price it)")
     return ("GPU memory (copy: read + write)", f"{rate:.1f}", f"{format_bytes(device.numel())} copied within the GPU; {against}")
 
 
-def measure(work: Path, size: int, workers: int, repeat: int) -> list[tuple[str, str, str]]:
+def measure(work: Path, size: int, workers: int, repeat: int, priced_share: Optional[float] = None) -> list[tuple[str, str, str]]:
     src_map, dst_map = mmap.mmap(-1, size), mmap.mmap(-1, size)  # page-aligned, as the pinned slab is
     src = torch.frombuffer(src_map, dtype=torch.uint8)
     dst = torch.frombuffer(dst_map, dtype=torch.uint8)
@@ -157,7 +156,7 @@ def measure(work: Path, size: int, workers: int, repeat: int) -> list[tuple[str,
 
     rows = [("host memory copy", f"{best_gbps(size, host_copy, repeat):.2f}", f"torch copy_ of {format_bytes(size)} uint8, {torch.get_num_threads()} threads")]
     raw_file = work / "raw.bin"
-    times = {k: [] for k in ("raw_w", "store_w", "raw_r", "store_r")}
+    times: dict[str, list[float]] = {k: [] for k in ("raw_w", "store_w", "raw_r", "store_r")}
     with NvmeStore(work, capacity=size, workers=workers) as store, ThreadPoolExecutor(workers) as pool:
         direct = store.direct
         srcs = [src[i : i + TENSOR] for i in range(0, size, TENSOR)]
@@ -191,36 +190,41 @@ def measure(work: Path, size: int, workers: int, repeat: int) -> list[tuple[str,
         ("store / raw, write", f"{gbps['store_w'] / gbps['raw_w']:.0%}", "target >= 80%"),
         ("store / raw, read", f"{gbps['store_r'] / gbps['raw_r']:.0%}", "target >= 80%"),
     ]
-    return rows + cuda_rows(min(size, 1024**3), repeat)
+    return rows + cuda_rows(min(size, 1024**3), repeat, priced_share)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``probe`` command's arguments (``offload-strategy probe``)."""
     parser.add_argument("--path", required=True, help="directory on the disk to measure (the NVMe tier's path)")
     parser.add_argument("--size", default="1GiB", help="bytes per pass, e.g. 1GiB (host memory needs twice this)")
     parser.add_argument("--workers", type=int, default=4, help="I/O threads for raw and store alike")
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best counts")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, priced_share: Optional[float] = None) -> int:
+    """``offload-strategy probe``: the table, every file it wrote removed (also on Ctrl-C or SIGTERM)."""
     size = -(-parse_size(args.size, "--size") // TENSOR) * TENSOR
     root = Path(args.path).expanduser().absolute()
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    previous = signal.signal(signal.SIGTERM, on_term)
     created = [d for d in (root, *root.parents) if not d.exists()]  # removed again at the end if empty
     root.mkdir(parents=True, exist_ok=True)
     work: Optional[Path] = None
     try:
         free = shutil.disk_usage(root).free
         if free < 2 * size + TENSOR:
-            raise SystemExit(f"--path {root} has {format_bytes(free)} free; the probe needs {format_bytes(2 * size + TENSOR)} (twice --size): lower --size or pick another disk.")
+            raise SystemExit(f"--path {root} has {format_bytes(free)} free; the probe needs {format_bytes(2 * size + TENSOR)} (twice --size): "
+                             "lower --size or pick another disk.")
         work = Path(tempfile.mkdtemp(prefix=f"probe-{os.getpid()}-", dir=root))
-        rows = measure(work, size, args.workers, args.repeat)
+        rows = measure(work, size, args.workers, args.repeat, priced_share)
     except KeyboardInterrupt:
         print("interrupted; removing the probe's files", file=sys.stderr)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
         for directory in created:
@@ -232,6 +236,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("| " + " | ".join(row) + " |")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
