@@ -23,8 +23,9 @@ from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig
-from .strategy_context import TieredOptions, one_device
-from .strategy_core import OneProcess, TieredCore, exposes_core
+from .lightning.hooks import OneDevice, TieredAttributes
+from .strategy_context import TieredOptions
+from .strategy_core import OneProcess, TieredCore
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
@@ -146,8 +147,7 @@ def _user_module(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, _TieredModule) else module
 
 
-@exposes_core
-class TieredFabricStrategy(SingleDeviceStrategy):
+class TieredFabricStrategy(TieredAttributes, OneDevice, SingleDeviceStrategy):
     """The tiered strategy for Lightning Fabric on one device: ``L.Fabric(strategy="tiered")`` or
     ``L.Fabric(strategy=TieredFabricStrategy(policy="zero_offload", gpu_memory="16GiB"))``.
 
@@ -159,6 +159,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
     """
 
     strategy_name = "tiered"
+    runner = "Fabric"
 
     def __init__(
         self,
@@ -181,25 +182,12 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         self.tiered = TieredCore(options, self._state, OneProcess())
         self._rules = FabricRules(training=False)
         self._placed: Optional[nn.Module] = None
-        self._parallel_devices: Optional[list[torch.device]] = None
+        self._parallel_devices = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision=precision)
         if parallel_devices is not None:
             self.parallel_devices = parallel_devices
 
-    # -- devices and precision: Fabric's connector sets these after construction -----------------
-
-    @property
-    def parallel_devices(self) -> Optional[list[torch.device]]:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
-        self._parallel_devices = one_device(devices, "Fabric")
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+    # -- precision: Fabric's connector sets it after construction ----------------------------------
 
     @property
     @override
