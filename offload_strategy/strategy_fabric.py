@@ -125,24 +125,6 @@ class _TieredModule(nn.Module):
         return self._tiered_forward(lambda: self.module(*args, **kwargs), (args, kwargs))  # the inputs: the batch max_batch bounds
 
 
-def _route_zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    """Fabric's optimizer wrapper finds ``zero_grad`` on the optimizer's class, past the one the
-    engine puts on the instance (which also drops gradients waiting at their homes, off the GPU
-    tier): a subclass of the same name sends the wrapper's call to the instance's."""
-    original = type(optimizer)
-    if getattr(original, "_tiered_routes_zero_grad", False):
-        return
-
-    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        inner = self.__dict__.get("_optimizer")  # set on Fabric's wrapper only
-        if inner is None:  # the optimizer itself, with no zero_grad of the engine's on it: the class's own
-            return original.zero_grad(self, *args, **kwargs)
-        return inner.zero_grad(*args, **kwargs)  # the engine's while it runs, the class's after
-
-    namespace = {"zero_grad": zero_grad, "_tiered_routes_zero_grad": True, "__module__": original.__module__}
-    optimizer.__class__ = type(original.__name__, (original,), namespace)
-
-
 def _user_module(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, _TieredModule) else module
 
@@ -244,8 +226,6 @@ class TieredFabricStrategy(TieredAttributes, OneDevice, SingleDeviceStrategy):
         self.tiered.resolve()
         self.tiered.deferred.adopt(module)
         self.tiered.place_module(self._rules)
-        for optimizer in optimizers:
-            _route_zero_grad(optimizer)
         return _TieredModule(module, self._forward)
 
     def _forward(self, run: Callable[[], Any], inputs: Any = None) -> Any:

@@ -164,15 +164,18 @@ class TieredHooks(TieredAttributes, Strategy):
     @override
     def precision_plugin(self) -> TieredPrecision:
         plugin = self._precision_plugin
+        if plugin is None:  # none handed in yet: Lightning's default, as Strategy's getter gives it
+            return TieredPrecision(Precision(), self.tiered)
         assert isinstance(plugin, TieredPrecision)  # the setter wraps every plugin
         return plugin
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        users = user_precision(plugin) if plugin is not None else Precision()
-        check_precision(users)
-        self._precision_plugin = TieredPrecision(users, self.tiered)
+        # None stays None: Lightning's connector takes a plugin set on the strategy for the user's choice
+        if plugin is not None:
+            plugin = TieredPrecision(check_precision(user_precision(plugin)) or Precision(), self.tiered)
+        self._precision_plugin = plugin
 
     @contextlib.contextmanager
     @override
