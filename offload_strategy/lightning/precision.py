@@ -12,7 +12,7 @@ parameter at once, where they do not all live.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -76,31 +76,8 @@ class TieredPrecision(Precision):
 
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:
+        # Lightning's train/val/test/predict step contexts are this one (none of the plugins wrapped overrides them)
         return self.plugin.forward_context()
-
-    @override
-    @contextlib.contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        with self.plugin.train_step_context():
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def val_step_context(self) -> Generator[None, None, None]:
-        with self.plugin.val_step_context():
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def test_step_context(self) -> Generator[None, None, None]:
-        with self.plugin.test_step_context():
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def predict_step_context(self) -> Generator[None, None, None]:
-        with self.plugin.predict_step_context():
-            yield
 
     @override
     def convert_input(self, data: Any) -> Any:
