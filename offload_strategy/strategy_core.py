@@ -13,7 +13,6 @@ device, which trains exactly as Lightning's single-device strategy does.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import sys
 import tempfile
@@ -56,8 +55,8 @@ from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharde
 from .strategy_activations import ActivationControl
 from .strategy_context import LightningState, TieredContext, TieredOptions
 from .strategy_prediction import PredictionCheck
+from .lightning.precision import user_precision
 from .strategy_recipe import Recipe, Rules
-from .strategy_step import tiered_optimizer_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -252,7 +251,7 @@ class TieredCore:
     def recipe(self, trainer: "pl.Trainer") -> Recipe:
         """What the trainer's recipe allows (``Rules``; Fabric's strategy has rules of its own)."""
         lightning = self.lightning
-        return Recipe(trainer, lightning.precision_plugin, self.policy, lightning.world_size, len(lightning.optimizers))
+        return Recipe(trainer, user_precision(lightning.precision_plugin), self.policy, lightning.world_size, len(lightning.optimizers))
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -264,7 +263,7 @@ class TieredCore:
         return self.policy.name != "none" or self.keeps_fp32_masters()
 
     def keeps_fp32_masters(self) -> bool:
-        return isinstance(self.lightning.precision_plugin, (HalfPrecision, FabricHalfPrecision))
+        return isinstance(user_precision(self.lightning.precision_plugin), (HalfPrecision, FabricHalfPrecision))
 
     def places_parameters_itself(self) -> bool:
         """On a GPU, parameters are created in host memory and placed by the engine, so that a model
@@ -304,12 +303,10 @@ class TieredCore:
         plain(trainer)
         self.place_module(self.recipe(trainer))
         _refuse_weight_averaging_on_nvme(trainer, self.engine)
-        plugin = trainer.precision_plugin
-        plugin.clip_gradients = functools.partial(self.clip_gradients, type(plugin).clip_gradients.__get__(plugin))  # type: ignore[method-assign]
 
     def clip_gradients(self, plain: Callable[..., None], optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
-        """Lightning's ``clip_gradients`` (the precision plugin's) called by the training step's own
-        code under manual optimization: it clips the engine's gradients where they are held, fp32
+        """Lightning's ``clip_gradients`` (``plain``, the user's precision plugin's, called through
+        ``TieredPrecision``) called by the training step's own code under manual optimization: it clips the engine's gradients where they are held, fp32
         sums of 16-bit parameters included (as the automatic step clips them, with no 16-bit
         copies), through a gradient view; the automatic step gives it that view already."""
         engine = self.engine
@@ -876,12 +873,12 @@ class TieredCore:
         self.prediction.step_begins()
         self.activations.begin_block_forward()
         try:
-            with self._out_of_memory_explained():
+            with self.explaining_out_of_memory():
                 return self._run_training_step(run, rules, manual=recipe is None and not self.context.module.automatic_optimization)
         finally:
             self.activations.end_training_step()
 
-    def _out_of_memory_explained(self) -> contextlib.AbstractContextManager:
+    def explaining_out_of_memory(self) -> contextlib.AbstractContextManager:
         return out_of_memory_explained(self._planned_use, self.lightning.root_device)
 
     def _planned_use(self) -> Optional[PlannedUse]:
@@ -902,7 +899,7 @@ class TieredCore:
             engine.speculation.room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes()
         engine.begin_step(
             profile=not self._profiled, update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
-            reduce=self.ranks.gradient_reduction(rules.accumulating(), not rules.reductions_may_go_to_owners()), norms_wanted=self._clips_norm_first(rules),
+            reduce=self.ranks.gradient_reduction(rules.accumulating(), not rules.reductions_may_go_to_owners()), norms_wanted=self.clips_norm_first(rules),
             speculate=speculate,
         )
         self._profiled = True
@@ -915,7 +912,7 @@ class TieredCore:
             engine.end_manual_training_step()
         return result
 
-    def _clips_norm_first(self, recipe: Rules) -> bool:
+    def clips_norm_first(self, recipe: Rules) -> bool:
         """This step's clipping by norm is the engine's (gradients may wait on NVMe, or units were
         updated before it, speculatively)."""
         engine = self.engine
@@ -937,38 +934,19 @@ class TieredCore:
             if engine is not None:
                 engine.end_eval_step()
 
-    def pre_backward(self, hooks_after: bool = False) -> None:
-        """``hooks_after``: code runs right after this backward (``on_after_backward``, from the
-        precision plugin's ``post_backward``) and sees the gradients there."""
+    def pre_backward(self) -> None:
         self.activations.note_forward_saved()
         self.activations.refuse_unfitting()
         self.take_back_exposed()  # autograd adds to what the user left there
         if self.engine is not None:
             self.engine.attach_direct_gradients()
             self.engine.begin_backward()
-            if hooks_after:
-                self._expose_gradients_to_hooks_after(self.engine, self.lightning.precision_plugin)
-
-    @staticmethod
-    def _expose_gradients_to_hooks_after(engine: TieredEngine, plugin: Any) -> None:
-        """Lightning's ``Strategy.backward`` runs the hooks in the plugin's ``post_backward``, after
-        autograd and before the strategy's own: for that one call, offloaded gradients sit on their
-        parameters' ``.grad`` (``TieredEngine.gradients_exposed``)."""
-        original = type(plugin).post_backward.__get__(plugin)
-
-        def post_backward(tensor: torch.Tensor, module: Any) -> Any:
-            plugin.__dict__.pop("post_backward", None)
-            with engine.gradients_exposed():
-                return original(tensor, module)
-
-        plugin.post_backward = post_backward
 
     def post_backward(self, expose: bool = False) -> None:
         """``expose``: the user's own code runs between this backward and the step (manual
         optimization, a Fabric loop) and may read, clip or replace gradients there, as after
         plain backward: until the next backward, step or training step, offloaded gradients are
         on their parameters' ``.grad`` (``TieredEngine.expose_gradients``)."""
-        self.lightning.precision_plugin.__dict__.pop("post_backward", None)  # a backward that failed left it
         engine = self.engine
         if engine is not None:
             engine.end_backward()
@@ -991,22 +969,13 @@ class TieredCore:
             self.engine.adopt_gradients_set_by_hand()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
-        module = model or self.context.module
+        """``plain``: Lightning's step, through the precision plugin (``TieredPrecision``, which
+        steps every unit where it lives)."""
         if self.context.module.automatic_optimization:
             # The closure is the training step: a plan made inside it would leave this step to
             # the optimizer chosen before it (a first engine's units stepped by the plain one).
             self._plan_between_steps(self.recipe(self.context.module.trainer))
-        if self.engine is None:
-            with self._out_of_memory_explained():
-                result = plain(optimizer, closure, model, **kwargs)
-        else:
-            with self._out_of_memory_explained():
-                closure_result = closure()  # forward and backward
-            if not self.context.module.automatic_optimization:
-                self.before_users_step()
-            engine, recipe = self.engine, self.recipe(module.trainer)
-            assert engine is not None
-            result = tiered_optimizer_step(engine, recipe, self._clips_norm_first(recipe), optimizer, closure_result, module, **kwargs)
+        result = plain(optimizer, closure, model, **kwargs)
         self._stepped()
         return result
 
@@ -1128,7 +1097,6 @@ class TieredCore:
         left on NVMe out of sight (it moves every optimizer state to the CPU, which would read
         them all back)."""
         self.take_back_exposed()  # never left on ``.grad`` over memory the engine frees
-        self.lightning.precision_plugin.__dict__.pop("clip_gradients", None)
         self.activations.close()
         try:
             left = self._close_engine()
@@ -1447,51 +1415,6 @@ def _remove_if_empty(directories: list[Path]) -> None:
             directory.rmdir()
         except OSError:
             return
-
-
-class Delegated:
-    """An attribute of a tiered strategy that lives on its core: ``strategy.engine`` is
-    ``strategy.tiered.engine``, ``strategy.activation_plan`` is ``strategy.tiered.activations.plan``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path.split(".")
-        owner: Any = TieredCore
-        for part in self.path:  # the core's documentation, where it has one
-            owner = getattr(owner, part, None)
-        self.__doc__ = getattr(owner, "__doc__", None) if callable(owner) or isinstance(owner, property) else None
-
-    def _holder(self, strategy: Any) -> Any:
-        holder = strategy.tiered
-        for part in self.path[:-1]:
-            holder = getattr(holder, part)
-        return holder
-
-    def __get__(self, strategy: Any, owner: Optional[type] = None) -> Any:
-        if strategy is None:
-            return self
-        return getattr(self._holder(strategy), self.path[-1])
-
-    def __set__(self, strategy: Any, value: Any) -> None:
-        setattr(self._holder(strategy), self.path[-1], value)
-
-
-# What a tiered strategy exposes of its core: its name on the strategy, its path on the core.
-PUBLIC = {
-    "policy": "policy", "hardware": "hardware", "budgets": "budgets", "planner": "planner", "engine": "engine",
-    "deferred": "deferred", "state_dict_type": "state_dict_type", "removed_stale_nvme": "removed_stale_nvme",
-    "gpu_memory": "options.gpu_memory", "host_memory": "options.host_memory", "nvme_memory": "options.nvme_memory",
-    "nvme_path": "options.nvme_path", "plan_file": "options.plan_file", "placement_search": "placement_search",
-    "activation_plan": "activations.plan", "activation_costs": "activations.costs", "activation_links": "activations.plan_links",
-    "metrics": "metrics", "dump_plan": "dump_plan", "predicted_step": "predicted_step", "gathered_parameters": "gathered_parameters",
-    "resolve_budgets": "resolve_budgets",
-}
-
-
-def exposes_core(cls: type) -> type:
-    """Class decorator: the strategy's public tiered attributes, each read from ``self.tiered``."""
-    for name, path in PUBLIC.items():
-        setattr(cls, name, Delegated(path))
-    return cls
 
 
 @contextlib.contextmanager

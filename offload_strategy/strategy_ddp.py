@@ -11,8 +11,6 @@ Lightning checkpoint a single-device run writes, and either loads into the other
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +29,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
+from .lightning.hooks import TieredHooks
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig, StateDictType, format_bytes
 from .planning.cost_model import Machine
 from .planning.placement import UnitSize
@@ -39,8 +38,7 @@ from .planning.sharding import Sharding, assign_owners
 from .runtime.data_parallel import DataParallel, Reduction, collective_latency, collective_rate
 from .runtime.shared_homes import SHARED_MEMORY_DIR, shared_memory_unavailable
 from .strategy_context import TieredOptions
-from .strategy_core import TieredCore, check_precision, exposes_core
-from .strategy_recipe import reads_gradients_after_backward
+from .strategy_core import TieredCore
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -69,8 +67,7 @@ def machines_and_peers(where: list[tuple[int, int]]) -> tuple[list[tuple[int, ..
     return machines, peers
 
 
-@exposes_core
-class TieredDDPStrategy(DDPStrategy):
+class TieredDDPStrategy(TieredHooks, DDPStrategy):
     """:class:`~offload_strategy.TieredStrategy` on every rank of a data-parallel run.
 
     Takes TieredStrategy's arguments; the budgets are per rank (``None`` shares what is free on
@@ -143,91 +140,10 @@ class TieredDDPStrategy(DDPStrategy):
         assert self.model is not None
         _sync_module_states(self.model, self._ranks.process_groups()[0])  # every rank starts from rank 0's parameters, as DDP does
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = check_precision(plugin)
-
-    # -- Lightning's hooks, delegated to the core (as TieredStrategy's) --------------------------------
-
-    @contextlib.contextmanager
-    @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
-        with self.tiered.tensor_init_context(lambda: super(TieredDDPStrategy, self).tensor_init_context(empty_init), empty_init):
-            yield
-
-    @override
-    def model_to_device(self) -> None:
-        self.tiered.model_to_device(super().model_to_device)
-
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.tiered.setup(trainer, super().setup)
+        super().setup(trainer)
         rank_zero_info(self.describe())
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch = args[0] if args else kwargs.get("batch")
-        return self.tiered.training_step(lambda: super(TieredDDPStrategy, self).training_step(*args, **kwargs), batch=batch)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tiered.eval_step(lambda: super(TieredDDPStrategy, self).validation_step(*args, **kwargs))
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tiered.eval_step(lambda: super(TieredDDPStrategy, self).test_step(*args, **kwargs))
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tiered.eval_step(lambda: super(TieredDDPStrategy, self).predict_step(*args, **kwargs))
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        super().pre_backward(closure_loss)
-        module = self.lightning_module
-        assert module is not None
-        self.tiered.pre_backward(hooks_after=reads_gradients_after_backward(module.trainer))
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        module = self.lightning_module
-        assert module is not None
-        self.tiered.post_backward(expose=not module.automatic_optimization)  # the training step's own code reads them next
-        super().post_backward(closure_loss)
-
-    @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return self.tiered.optimizer_step(optimizer, closure, model, super().optimizer_step, **kwargs)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.tiered.lightning_module_state_dict(super().lightning_module_state_dict)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self.tiered.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.tiered.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint, self.checkpoint_io.load_checkpoint)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        self.tiered.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self.tiered.load_optimizer_state_dict(checkpoint, super().load_optimizer_state_dict)
-
-    @override
-    def teardown(self) -> None:
-        self.tiered.teardown(super().teardown)
 
     # -- checkpoints: one consolidated, standard checkpoint ------------------------------------------
 

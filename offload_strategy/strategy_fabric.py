@@ -23,8 +23,9 @@ from typing_extensions import override
 
 from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig
-from .strategy_context import TieredOptions, one_device
-from .strategy_core import OneProcess, TieredCore, exposes_core
+from .lightning.hooks import OneDevice, TieredAttributes
+from .strategy_context import TieredOptions
+from .strategy_core import OneProcess, TieredCore
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
@@ -124,30 +125,11 @@ class _TieredModule(nn.Module):
         return self._tiered_forward(lambda: self.module(*args, **kwargs), (args, kwargs))  # the inputs: the batch max_batch bounds
 
 
-def _route_zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    """Fabric's optimizer wrapper finds ``zero_grad`` on the optimizer's class, past the one the
-    engine puts on the instance (which also drops gradients waiting at their homes, off the GPU
-    tier): a subclass of the same name sends the wrapper's call to the instance's."""
-    original = type(optimizer)
-    if getattr(original, "_tiered_routes_zero_grad", False):
-        return
-
-    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        inner = self.__dict__.get("_optimizer")  # set on Fabric's wrapper only
-        if inner is None:  # the optimizer itself, with no zero_grad of the engine's on it: the class's own
-            return original.zero_grad(self, *args, **kwargs)
-        return inner.zero_grad(*args, **kwargs)  # the engine's while it runs, the class's after
-
-    namespace = {"zero_grad": zero_grad, "_tiered_routes_zero_grad": True, "__module__": original.__module__}
-    optimizer.__class__ = type(original.__name__, (original,), namespace)
-
-
 def _user_module(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, _TieredModule) else module
 
 
-@exposes_core
-class TieredFabricStrategy(SingleDeviceStrategy):
+class TieredFabricStrategy(TieredAttributes, OneDevice, SingleDeviceStrategy):
     """The tiered strategy for Lightning Fabric on one device: ``L.Fabric(strategy="tiered")`` or
     ``L.Fabric(strategy=TieredFabricStrategy(policy="zero_offload", gpu_memory="16GiB"))``.
 
@@ -159,6 +141,7 @@ class TieredFabricStrategy(SingleDeviceStrategy):
     """
 
     strategy_name = "tiered"
+    runner = "Fabric"
 
     def __init__(
         self,
@@ -181,25 +164,12 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         self.tiered = TieredCore(options, self._state, OneProcess())
         self._rules = FabricRules(training=False)
         self._placed: Optional[nn.Module] = None
-        self._parallel_devices: Optional[list[torch.device]] = None
+        self._parallel_devices = None
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision=precision)
         if parallel_devices is not None:
             self.parallel_devices = parallel_devices
 
-    # -- devices and precision: Fabric's connector sets these after construction -----------------
-
-    @property
-    def parallel_devices(self) -> Optional[list[torch.device]]:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
-        self._parallel_devices = one_device(devices, "Fabric")
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+    # -- precision: Fabric's connector sets it after construction ----------------------------------
 
     @property
     @override
@@ -256,8 +226,6 @@ class TieredFabricStrategy(SingleDeviceStrategy):
         self.tiered.resolve()
         self.tiered.deferred.adopt(module)
         self.tiered.place_module(self._rules)
-        for optimizer in optimizers:
-            _route_zero_grad(optimizer)
         return _TieredModule(module, self._forward)
 
     def _forward(self, run: Callable[[], Any], inputs: Any = None) -> Any:

@@ -295,8 +295,9 @@ def test_a_model_built_under_fabric_init_module_is_computed_in_its_homes_to_the_
 
 
 def test_zero_grad_between_backward_and_step_discards_gradients_at_home_too():
-    """Fabric's optimizer wrapper calls the class's zero_grad: it reaches the engine's, which drops
-    the gradients waiting in host memory (before, they were added to the next batch's)."""
+    """Fabric's optimizer wrapper calls the class's zero_grad: it sets the gradients exposed on
+    ``.grad`` to None, and the next backward drops them at home too (before, they were added to
+    the next batch's)."""
     assert_same_run(_linear_stack("auto", _skipping_odd_batches, 5), _linear_stack(_tiered(), _skipping_odd_batches, 5))
 
 

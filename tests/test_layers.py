@@ -39,7 +39,7 @@ LAYERS = {
     "strategy_context": 6,
     "strategy_core": 6,
     "strategy_recipe": 6,
-    "strategy_step": 6,
+    "lightning": 6,
     "strategy_ddp": 6,
     "strategy_fabric": 6,
     "strategy_names": 6,
