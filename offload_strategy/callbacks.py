@@ -41,7 +41,7 @@ class OffloadMonitor(Callback):
         self.last: dict[str, float] = {}
         self._peeks = False  # the strategy's metrics() takes reset (set up in setup)
 
-    def _source(self, trainer: "pl.Trainer") -> Optional[Callable[[], dict[str, Any]]]:
+    def _source(self, trainer: "pl.Trainer") -> Optional[Callable[..., dict[str, Any]]]:  # metrics(), with reset where it peeks
         source = getattr(trainer.strategy, "metrics", None)
         return source if callable(source) else None
 
@@ -79,7 +79,7 @@ class OffloadMonitor(Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.prog_bar:  # every rank its own figures; the bar shows rank 0's
             self._show_in_progress_bar(trainer, pl_module)
-        interval = self.every_n_steps or trainer.log_every_n_steps
+        interval = self.every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector, undeclared
         if trainer.is_global_zero and interval and trainer.global_step % interval == 0:
             metrics = self._collect(trainer)
             if metrics:

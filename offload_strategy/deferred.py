@@ -193,7 +193,9 @@ class DeferredParameters:
         self.recipes: dict[int, Recipe] = {}
         self.params: dict[int, nn.Parameter] = {}
         self.twins: dict[int, torch.Tensor] = {}  # id(param) -> a meta tensor standing for its values
-        self.parameter_class = type("DeferredParameter", (DeferredParameter,), {"lend": staticmethod(self._lend), "names": {}, "registry": self})
+        self.parameter_class: type[DeferredParameter] = type(
+            "DeferredParameter", (DeferredParameter,), {"lend": staticmethod(self._lend), "names": {}, "registry": self},
+        )
         self._recording = False
 
     def __len__(self) -> int:
@@ -221,12 +223,12 @@ class DeferredParameters:
                 recorder.defer(param, name)
 
         self._recording = True
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign, assignment]  # on the class while recording
         try:
             with recorder:
                 yield
         finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
+            nn.Module.register_parameter = original  # type: ignore[method-assign]  # put back
             self._recording = False
 
     def adopt(self, model: nn.Module) -> None:
@@ -425,6 +427,7 @@ class _Recorder(TorchFunctionMode):
         return self.scratch[:nbytes].view(dtype).view(shape)
 
     def _set_data(self, func: Any, args: tuple) -> Any:
+        param: torch.Tensor
         param, value = args
         root = self._root(param)
         if root is param and self._root(value) is param and not self._chain(value):
@@ -439,9 +442,10 @@ class _Recorder(TorchFunctionMode):
     def _view(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         """A view (or the values themselves) of one deferred parameter: a meta tensor that stands
         for it, writes through which are recorded on the parameter."""
-        if not args or self._root(args[0]) is None or len([a for a in tree_flatten((args[1:], kwargs))[0] if self._root(a) is not None]):
+        root = self._root(args[0]) if args else None
+        if root is None or len([a for a in tree_flatten((args[1:], kwargs))[0] if self._root(a) is not None]):
             return None
-        root, source = self._root(args[0]), args[0]
+        source = args[0]
         chain = self._chain(source)
         if name in ("data.__get__", *_ALIASES):
             return self._track(self.registry.twin(root) if not chain else source, root, chain)

@@ -202,9 +202,10 @@ class _CachedReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             metadata = read_dcp_metadata(self._directory)
-            if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage_meta: Optional[StorageMeta] = getattr(metadata, "storage_meta", None)
+            if storage_meta is None:  # as DCP's own reader does
+                storage_meta = metadata.storage_meta = StorageMeta()
+            storage_meta.load_id = self.load_id
             self._metadata = metadata
         return self._metadata
 
@@ -352,7 +353,7 @@ class ShardedCheckpoint:
         return lambda: self.read([path])[path]
 
 
-def _check_names(state: Mapping[str, Any], stored: Mapping[str, tuple[str, ...]], entries: Mapping[tuple[str, ...], Any], strict: bool, where: Path) -> None:
+def _check_names(state: Mapping[str, Any], stored: Mapping[str, Path_], entries: Mapping[Path_, Any], strict: bool, where: Path) -> None:
     missing = [name for name in state if name not in stored]
     unexpected = [name for name in stored if name not in state]
     wrong = [

@@ -145,7 +145,12 @@ def _file(path: Path) -> dict[str, _Stored]:
         state = state["state_dict"]  # a Lightning checkpoint
     if not isinstance(state, dict):
         raise ValueError(f"{str(path)!r} holds a {type(state).__name__}, not a state dict of tensors.")
-    return {k: _Stored(tuple(v.shape), lambda v=v: v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {k: _Stored(tuple(v.shape), _holding(v)) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _holding(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A reader of a tensor at hand (one ``torch.load`` mapped)."""
+    return lambda: t
 
 
 def _safetensors(path: Path) -> Iterator[tuple[str, _Stored]]:

@@ -142,3 +142,21 @@ def test_checkpointed_blocks_leave_no_keys_and_values_in_the_cache_use_cache_mak
         trainer.fit(build(), DataLoader(torch.randint(0, 512, (16, 33)), batch_size=8))
         held[use_cache] = seen.held
     assert held[True] == held[False]
+
+
+def test_an_attribute_a_forward_turns_from_a_dict_into_a_list_differs():
+    """A cache object's attribute that was a dict before the block's forward and is a list of as
+    many items after it has changed: the recomputation sees the dict, and the list is back after it
+    (comparing them read the list as a dict, and failed)."""
+
+    class Part:
+        pass
+
+    part, key = Part(), torch.ones(2)
+    part.seen = {"layer0": key}
+    replay = CacheReplay([part])
+    with replay.forward():
+        part.seen = [key]
+    with replay.recomputing():
+        assert part.seen == {"layer0": key}
+    assert part.seen == [key]

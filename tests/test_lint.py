@@ -1,6 +1,6 @@
 """The code habits CI holds the repository to: ruff's pyflakes and pycodestyle rules, a line
 length and a complexity limit on every function (``[tool.ruff]`` in pyproject.toml), and mypy on
-the modules ``[tool.mypy]`` lists."""
+the package (``[tool.mypy]``)."""
 
 from __future__ import annotations
 

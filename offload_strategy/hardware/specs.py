@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from ..config import HardwareSpec
+from ..config import HardwareSpec, parse_size
 
 PCIE3_X16 = 15.8
 PCIE4_X16 = 31.5
@@ -45,12 +45,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="h100_80g",
             gpu="NVIDIA H100 80GB HBM3 (SXM5)",
-            gpu_memory="80GiB",
+            gpu_memory=parse_size("80GiB"),
             gpu_bf16_tflops=989.4,  # H100 datasheet: 1,979 with sparsity
             gpu_fp16_tflops=989.4,
             h2d_gbps=PCIE5_X16 * H2D_SHARE,
             d2h_gbps=PCIE5_X16 * D2H_SHARE,
-            host_memory="256GiB",  # one GPU's share of a DGX H100 (2 TB, 112 cores, 8 data NVMe)
+            host_memory=parse_size("256GiB"),  # one GPU's share of a DGX H100 (2 TB, 112 cores, 8 data NVMe)
             cpu_cores=14,
             nvme_count=1,
             nvme_read_gbps=7.0,  # Samsung PM1733 3.84 TB U.2 datasheet
@@ -63,12 +63,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="h200",
             gpu="NVIDIA H200 141GB HBM3e (SXM5)",
-            gpu_memory="141GB",
+            gpu_memory=parse_size("141GB"),
             gpu_bf16_tflops=989.4,  # H200 datasheet: 1,979 with sparsity
             gpu_fp16_tflops=989.4,
             h2d_gbps=PCIE5_X16 * H2D_SHARE,
             d2h_gbps=PCIE5_X16 * D2H_SHARE,
-            host_memory="256GiB",  # one GPU's share of a DGX H200 (2 TB, 112 cores)
+            host_memory=parse_size("256GiB"),  # one GPU's share of a DGX H200 (2 TB, 112 cores)
             cpu_cores=14,
             nvme_count=1,
             nvme_read_gbps=7.0,
@@ -81,12 +81,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="a100_40g",
             gpu="NVIDIA A100 40GB",
-            gpu_memory="40GiB",
+            gpu_memory=parse_size("40GiB"),
             gpu_bf16_tflops=312.0,  # A100 datasheet: 624 with sparsity
             gpu_fp16_tflops=312.0,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="256GiB",  # 10Cache Table 3: AMD EPYC 7763 (64 cores), 256 GB, 3 TB Samsung NVMe
+            host_memory=parse_size("256GiB"),  # 10Cache Table 3: AMD EPYC 7763 (64 cores), 256 GB, 3 TB Samsung NVMe
             cpu_cores=64,
             nvme_count=1,
             nvme_read_gbps=2.36,  # 10Cache Table 1 (measured, NVMe on PCIe 4.0 x4)
@@ -99,12 +99,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="a100_80g",
             gpu="NVIDIA A100 80GB",
-            gpu_memory="80GiB",
+            gpu_memory=parse_size("80GiB"),
             gpu_bf16_tflops=312.0,
             gpu_fp16_tflops=312.0,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,  # ProTrain §5 testbed: PCIe 4 (31.5 GB/s on paper)
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="1TiB",  # ProTrain §5: Xeon Platinum 8480+ (112 cores), 1 TB DRAM
+            host_memory=parse_size("1TiB"),  # ProTrain §5: Xeon Platinum 8480+ (112 cores), 1 TB DRAM
             cpu_cores=112,
             nvme_count=0,
             host_memory_gbps=614.4,  # 2x Xeon Platinum 8480+: 8 channels of DDR5-4800 each
@@ -116,12 +116,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="rtx4090",
             gpu="NVIDIA GeForce RTX 4090",
-            gpu_memory="24GiB",
+            gpu_memory=parse_size("24GiB"),
             gpu_bf16_tflops=165.2,  # Ada whitepaper, fp32 accumulate (330.3 with fp16 accumulate)
             gpu_fp16_tflops=165.2,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="768GiB",  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
+            host_memory=parse_size("768GiB"),  # LoHan Table III: 2x Xeon Gold 5320 (52 cores), 768 GB DDR4
             cpu_cores=52,
             nvme_count=12,  # LoHan Table III: 12x Intel P5510 3.84 TB
             nvme_read_gbps=12 * P5510_READ_GBPS * ARRAY_READ_SHARE,
@@ -136,12 +136,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="rtx3090",
             gpu="NVIDIA GeForce RTX 3090",
-            gpu_memory="24GiB",
+            gpu_memory=parse_size("24GiB"),
             gpu_bf16_tflops=71.0,  # GA102 whitepaper, fp32 accumulate (142 with fp16 accumulate)
             gpu_fp16_tflops=71.0,
             h2d_gbps=PCIE3_X16 * H2D_SHARE,  # ProTrain §5 testbed: PCIe 3 (15.8 GB/s on paper)
             d2h_gbps=PCIE3_X16 * D2H_SHARE,
-            host_memory="384GiB",  # ProTrain §5: Xeon Silver 4214R (24 cores), 384 GB
+            host_memory=parse_size("384GiB"),  # ProTrain §5: Xeon Silver 4214R (24 cores), 384 GB
             cpu_cores=24,
             nvme_count=0,
             host_memory_gbps=230.4,  # 2x Xeon Silver 4214R: 6 channels of DDR4-2400 each
@@ -153,12 +153,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="l40s",
             gpu="NVIDIA L40S 48GB",
-            gpu_memory="48GB",
+            gpu_memory=parse_size("48GB"),
             gpu_bf16_tflops=362.05,  # L40S datasheet: 733 with sparsity
             gpu_fp16_tflops=362.05,
             h2d_gbps=PCIE4_X16 * H2D_SHARE,
             d2h_gbps=PCIE4_X16 * D2H_SHARE,
-            host_memory="256GiB",  # 10Cache Table 3: 2x Xeon Silver 4314 (32 cores), 256 GB, 2 TB NVMe
+            host_memory=parse_size("256GiB"),  # 10Cache Table 3: 2x Xeon Silver 4314 (32 cores), 256 GB, 2 TB NVMe
             cpu_cores=32,
             nvme_count=1,
             nvme_read_gbps=2.36,  # 10Cache Table 1 (measured)
@@ -171,12 +171,12 @@ KNOWN_MACHINES: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="v100_16g",
             gpu="NVIDIA Tesla V100 16GB (SXM2)",
-            gpu_memory="16GiB",
+            gpu_memory=parse_size("16GiB"),
             gpu_bf16_tflops=None,  # Volta has no bf16 tensor cores
             gpu_fp16_tflops=125.0,  # V100 datasheet (SXM2)
             h2d_gbps=PCIE3_X16 * H2D_SHARE,
             d2h_gbps=PCIE3_X16 * D2H_SHARE,
-            host_memory="61GiB",  # AWS p3.2xlarge: 1x V100, 8 vCPU, 61 GiB
+            host_memory=parse_size("61GiB"),  # AWS p3.2xlarge: 1x V100, 8 vCPU, 61 GiB
             cpu_cores=8,
             nvme_count=0,
             host_memory_gbps=17.1,  # Xeon E5-2686 v4, 4 channels of DDR4-2400 (76.8 GB/s), the instance's 4 of 18 cores

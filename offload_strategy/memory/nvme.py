@@ -262,7 +262,7 @@ def remove_stale_run_directories(root: Path) -> list[Path]:
     """Remove this user's run directories under ``root`` whose owner died without cleaning up (a
     killed process): their owner lock can be taken. Live runs hold theirs and are left alone, as
     is every directory of another user or that cannot be read."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = sorted(root.glob(f"{RUN_PREFIX}*")) + sorted(root.glob(f"{CREATING_PREFIX}*"))
     except OSError:
@@ -458,7 +458,7 @@ class NvmeStore:
         return memoryview(bounce)
 
     def _write_chunk(self, fd: int, data: np.ndarray, off: int, n: int, aligned: bool, seal: Optional[_Seal]) -> None:
-        view = memoryview(data)[off : off + n]
+        view = data.data[off : off + n]
         if seal is not None:
             seal.digests[off] = seal.digest(view)
         if self.direct:
@@ -475,7 +475,7 @@ class NvmeStore:
             self.bytes_written += n
 
     def _read_chunk(self, fd: int, data: np.ndarray, off: int, n: int, aligned: bool, seal: Optional[_Seal]) -> None:
-        view = memoryview(data)[off : off + n]
+        view = data.data[off : off + n]
         if self.direct:
             body = n - n % PAGE if aligned else 0
             _all(lambda b, o: os.preadv(fd, [b], o), view[:body], off)

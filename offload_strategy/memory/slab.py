@@ -110,12 +110,12 @@ class HostSlab:
             self.tensor[::PAGE_BYTES].fill_(0)
         if pin and torch.cuda.is_available():
             ptr = self.tensor.data_ptr()
-            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS))
-            if err != 0:
+            status = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS))
+            if status != 0:
                 self.close()
                 raise RuntimeError(
                     f"cudaHostRegister of {format_bytes(nbytes)} ({nbytes} bytes) at {ptr:#x} failed with "
-                    f"cudaError {err}. The pinned-memory limit (ulimit -l) or host memory may be too small: "
+                    f"cudaError {status}. The pinned-memory limit (ulimit -l) or host memory may be too small: "
                     f"lower the host budget, or pass pin=False to use pageable memory."
                 )
             mapping.registered_ptr = ptr

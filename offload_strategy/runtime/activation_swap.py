@@ -60,8 +60,9 @@ class _Copy:
     to_device: Optional[Event] = None
     source: Optional[torch.Tensor] = None  # a view of the storage, held until its block's forward ends
     views: int = 0  # saved tensors that lie in it
-    unpacked: int = 0  # of them, unpacked by this backward
+    unpacked: int = 0  # of them, unpacked in this round (once each, however often a node reads them)
     consumed: bool = False  # every view unpacked: its GPU-tier bytes are autograd's alone
+    round: int = 0  # rounds of unpacks before this one (a later backward through a kept graph starts one)
 
 
 @dataclass(eq=False)
@@ -73,7 +74,7 @@ class _Swapped:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int  # in elements of ``dtype`` from the copy's start
-    used: bool = False  # unpacked by backward (a second backward through a kept graph fetches it again)
+    round: int = -1  # the copy's round that last unpacked it
 
     @property
     def block(self) -> int:
@@ -84,6 +85,12 @@ class _Swapped:
         return self.copy.back.view(self.dtype).as_strided(self.shape, self.stride, self.offset)
 
 
+def _coming_back(copy: _Copy) -> Event:
+    """The copy of ``copy``'s bytes into the GPU tier, started with their buffer there (``_bring_back``)."""
+    assert copy.to_device is not None, "a copy brought back has its copy into the GPU tier under way"
+    return copy.to_device
+
+
 def _covers_its_memory(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one span of memory without gaps or overlaps (any order)."""
     return t.is_contiguous() or torch.empty_like(t, device="meta").stride() == t.stride()
@@ -91,7 +98,7 @@ def _covers_its_memory(t: torch.Tensor) -> bool:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The first element of ``t``'s storage it reaches, and one past the last (elements of its dtype)."""
-    start = t.storage_offset()
+    start = int(t.storage_offset())  # an int in eager mode, where saved-tensor hooks run
     return start, start + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
 
 
@@ -184,7 +191,7 @@ class ActivationSwap:
             self.stats.kept_bytes += nbytes
             return self._keep(t)
         copy.views += 1
-        return _Swapped(copy, t.dtype, tuple(t.shape), t.stride(), t.storage_offset() - offset)
+        return _Swapped(copy, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) - offset)
 
     def _keep(self, t: torch.Tensor) -> Any:
         return ("outer", self.outer[0](t)) if self.outer else t
@@ -199,9 +206,10 @@ class ActivationSwap:
                 self.stats.host_full_bytes += nbytes
                 return None
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
-        copy = _Copy(block, nbytes, host, self.device.copy_to_host(host, memory))
+        to_host = self.device.copy_to_host(host, memory)
+        copy = _Copy(block, nbytes, host, to_host)
         if destination == SWAP_NVME and self.store is not None:
-            copy.to_host.wait()
+            to_host.wait()
             copy.to_host = None
             key = f"activation{next(self._keys)}"
             try:
@@ -222,29 +230,29 @@ class ActivationSwap:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple) and len(packed) == 2 and packed[0] == "outer":
+            assert self.outer is not None, "packed by the outer hooks, which stay once set (``_keep``)"
             return self.outer[1](packed[1])
         if not isinstance(packed, _Swapped):
             return packed
         copy = packed.copy
-        if packed.used:  # a second backward through a kept graph: fetch it again
-            packed.used = False
-            if copy.consumed:  # the first of its views this backward unpacks
-                copy.consumed, copy.unpacked = False, 0
+        if copy.consumed:  # every view was unpacked: a later backward through a kept graph (or a node reading again) fetches it again
+            copy.consumed, copy.unpacked, copy.round = False, 0, copy.round + 1
         if copy.back is None:
             start = time.perf_counter()
             self._bring_back(packed.block)
             self.stats.waited += 1
             self._prefetch_below(packed.block)
-            self.device.wait(copy.to_device)
+            self.device.wait(_coming_back(copy))
             self.stats.wait_seconds += time.perf_counter() - start
         else:
             self.stats.prefetched += 1
             if copy.unpacked == 0:  # a block brought back ahead: its first unpack starts the next one's, as a waited one's does
                 self._prefetch_below(packed.block)
-            self.device.wait(copy.to_device)
-        packed.used = True
+            self.device.wait(_coming_back(copy))
         view = packed.view()
-        copy.unpacked += 1
+        if packed.round != copy.round:  # a node reading its saved tensors twice unpacks them twice: counted once
+            packed.round = copy.round
+            copy.unpacked += 1
         if copy.unpacked >= copy.views:
             # autograd holds the views now; letting go of the copy frees the GPU tier when it is done
             copy.back, copy.to_device, copy.consumed = None, None, True
@@ -255,6 +263,7 @@ class ActivationSwap:
             if c.back is not None or c.consumed:
                 continue
             if c.key is not None:  # from NVMe into host memory first
+                assert self.store is not None, "a key is given only where there is a store (``_copy_out``)"
                 c.written.result()
                 c.host = torch.empty(c.nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
                 self.store.read(c.key, c.host).result()
@@ -262,6 +271,7 @@ class ActivationSwap:
                 c.key = None
             elif c.to_host is not None:
                 c.to_host.wait()
+            assert c.host is not None, "a copy loses its host bytes only when forgotten (``begin_forward``), after which no block lists it"
             c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
             c.to_device = self.device.copy_to_device(c.back, c.host)
 

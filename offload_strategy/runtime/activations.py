@@ -199,7 +199,7 @@ class ActivationPolicies:
         # profile reads it at the blocks' ends, so what the forward keeps outside them is known
         self.saved_so_far: Callable[[], SavedBytes] = SavedBytes
         if self.auto:
-            self.policies = [KEEP] + [CHECKPOINT] * (len(self.blocks) - 1)
+            self.policies: list[str] = [KEEP, *[CHECKPOINT] * (len(self.blocks) - 1)]
             self.start_profile()
         else:
             self.policies = [KEEP] * len(self.blocks) if policy in PLANNERS else resolve_policies(self.blocks, policy)
@@ -227,14 +227,14 @@ class ActivationPolicies:
         for index, (block, choice) in enumerate(zip(self.blocks, self.policies)):
             if index == 0 and self.before_first_block is not None:
                 # the policy is looked up as the block runs: the call that changes it follows it
-                block.forward = WrappedForward(self._first_block, block.forward)  # type: ignore[method-assign]
+                block.forward = WrappedForward(self._first_block, block.forward)
                 self._wrapped.append(block)
             elif choice != KEEP or (self.profile is not None and index == 0):
-                block.forward = WrappedForward(functools.partial(self._run_as, index, choice), block.forward)  # type: ignore[method-assign]
+                block.forward = WrappedForward(functools.partial(self._run_as, index, choice), block.forward)
                 self._wrapped.append(block)
         if self.blocks and self.block_flops is None:
             first = self.blocks[0]
-            first.forward = WrappedForward(self._flops_counted, first.forward)  # type: ignore[method-assign]
+            first.forward = WrappedForward(self._flops_counted, first.forward)
             if first not in self._wrapped:
                 self._wrapped.append(first)
 
@@ -309,7 +309,8 @@ class ActivationPolicies:
     def start_profile(self, fastest: Optional[list[float]] = None) -> None:
         """Time the blocks in the next training step (``fastest``: each block's least time so far,
         kept where this step's is longer)."""
-        self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks))
+        # the hooks below live as long as this profile (``end_profile`` removes both)
+        profile = self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks))
         kept = list(fastest) if fastest is not None else None
         started: dict[int, float] = {}
         done: set[int] = set()
@@ -321,7 +322,7 @@ class ActivationPolicies:
             if (index in done) != recompute:
                 return  # the first training forward, then its recomputation in backward
             if not recompute:
-                self.profile.input_bytes[index] = sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a))
+                profile.input_bytes[index] = sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if torch.is_tensor(a))
             _synchronize(args)
             started[index] = time.perf_counter()
 
@@ -331,13 +332,13 @@ class ActivationPolicies:
             _synchronize(args)
             elapsed = time.perf_counter() - started.pop(index)
             # a recomputation runs warm: the lesser time is the block's own
-            seconds = self.profile.forward_seconds
+            seconds = profile.forward_seconds
             seconds[index] = elapsed if index not in done else min(seconds[index], elapsed)
             if kept is not None and kept[index] > 0:
                 seconds[index] = min(seconds[index], kept[index])
             first = index not in done
             done.add(index)
-            if index == self.profile.measured and first and self.after_first_block is not None:
+            if index == profile.measured and first and self.after_first_block is not None:
                 self.after_first_block()
 
         for index, block in enumerate(self.blocks):
@@ -407,6 +408,7 @@ class ActivationPolicies:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = forward(*args, **kwargs)
+        assert self.profile is not None, "a block is counted only while profiled (``_measures``)"
         self.profile.activation_bytes += counted.bytes
         return out
 

@@ -43,6 +43,13 @@ class Protection(enum.Enum):
     NONE = "none"  # nothing: when nothing else can make room
 
 
+def slot_of(s: UnitState) -> Slot:
+    """The unit's GPU-tier buffer, where it has one: a persistent unit's from set-up on, a streamed
+    unit's from the start of its fetch until its eviction."""
+    assert s.device_slot is not None, f"unit {s.unit.name!r} ({s.home}) has no GPU-tier buffer here"
+    return s.device_slot
+
+
 class UnitCache:
     """Which offloaded units are resident in the GPU tier's streaming buffers, and why."""
 
@@ -54,8 +61,8 @@ class UnitCache:
         memory = ctx.memory
         persistent = [s for s in ctx.states if s.home == GPU]
         # Address of every GPU-tier buffer, to find which unit a saved tensor aliases by bisection.
-        self.slot_starts = sorted([s.device_slot.tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in memory.device_pool.slots])
-        self.slot_owner: dict[int, UnitState] = {s.device_slot.tensor.data_ptr(): s for s in persistent}
+        self.slot_starts = sorted([slot_of(s).tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in memory.device_pool.slots])
+        self.slot_owner: dict[int, UnitState] = {slot_of(s).tensor.data_ptr(): s for s in persistent}
         self.on_device_views: set[int] = set()  # host units evicted inside this step, pointing at views of their homes
         self.held: set[int] = set()  # units a torch.func transform's backward reads (see hold)
 
@@ -76,12 +83,12 @@ class UnitCache:
         """The streamed unit whose GPU-tier buffer holds address ``ptr`` (None: persistent or none)."""
         start = self.slot_starts[bisect.bisect_right(self.slot_starts, ptr) - 1]
         s = self.slot_owner.get(start)
-        if s is None or s.home == GPU or ptr >= start + s.device_slot.slot_bytes:
+        if s is None or s.home == GPU or ptr >= start + slot_of(s).slot_bytes:  # a streamed owner: fetched, not yet evicted
             return None
         return s
 
     def owner_offset(self, s: UnitState, ptr: int) -> int:
-        return ptr - s.device_slot.tensor.data_ptr()
+        return ptr - slot_of(s).tensor.data_ptr()
 
     # Views made under inference mode (evaluation loops) would be inference tensors, which training
     # could not update in place later: the cache makes all of its views outside it.
@@ -94,22 +101,23 @@ class UnitCache:
         if active and s.bound_to:
             _refuse_rebinding_inside_a_step(s, ctx.rebound(s))
         if s.home == GPU:
-            return s.device_slot.tensor
+            return slot_of(s).tensor
         if active and not ctx.table.record(index):
             ctx.requests.out_of_order += 1
         kind, waited = self._make_resident(s, active)
+        slot = slot_of(s)  # resident, and pinned while the next units are prefetched below
         ctx.requests.add(kind, waited)
         ctx.step.stalled_seconds += waited
         if not s.bound:
             if ctx.note_writes(s) and s.home == HOST:  # written at home after this copy was fetched
-                s.device_slot.tensor[: s.unit.nbytes].copy_(ctx.home_bytes(s))
-            ctx.bind(s, s.unit.views(s.device_slot.tensor))
+                slot.tensor[: s.unit.nbytes].copy_(ctx.home_bytes(s))
+            ctx.bind(s, s.unit.views(slot.tensor))
             s.bound = True
         if not self.recent or self.recent[-1] != index:
             self.recent.append(index)
         if active:
             self._prefetch_beside(s)
-        return s.device_slot.tensor
+        return slot.tensor
 
     def _make_resident(self, s: UnitState, active: bool) -> tuple[str, float]:
         """The unit's copy in the GPU tier, waited for: how it was found there, and the wait."""
@@ -158,7 +166,7 @@ class UnitCache:
         """Evict a unit of buffer size ``size`` needed later than ``index`` (Belady), never one in use."""
         table = self.ctx.table
         distance = table.next_use(index)
-        victim = table.farthest([i for i in self.evictable(Protection.ALL) if self.ctx.states[i].device_slot.slot_bytes == size])
+        victim = table.farthest([i for i in self.evictable(Protection.ALL) if slot_of(self.ctx.states[i]).slot_bytes == size])
         victim_distance = table.next_use(victim) if victim is not None else None
         if victim is None or (victim_distance is not None and distance is not None and victim_distance <= distance):
             return False
@@ -197,7 +205,9 @@ class UnitCache:
                 pool.release(slot)
                 return False
             fetch.staging = staging
-            fetch.nvme = ctx.store.read(ctx.key(s), staging.tensor[: align(n, HOST_SLOT_ALIGNMENT)])
+            store = ctx.store
+            assert store is not None, "an NVMe unit implies the NVMe store"
+            fetch.nvme = store.read(ctx.key(s), staging.tensor[: align(n, HOST_SLOT_ALIGNMENT)])
         s.device_slot, s.fetch = slot, fetch
         self.slot_owner[slot.tensor.data_ptr()] = s
         return True
@@ -205,11 +215,14 @@ class UnitCache:
     def complete(self, s: UnitState) -> float:
         """Wait for the unit's fetch to finish; returns seconds this thread was blocked."""
         fetch = s.fetch
+        # callers complete a fetch they found, or the one ``_start_fetch(evict=True)`` started
+        assert fetch is not None, f"unit {s.unit.name!r} has no fetch in flight"
         start = time.perf_counter()
         if fetch.nvme is not None:
             fetch.nvme.result()
-            fetch.event = self.ctx.device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
+            fetch.event = self.ctx.device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], _staging_of(fetch).tensor[: s.unit.nbytes])
             fetch.nvme = None
+        assert fetch.event is not None, "a fetch's copy into the GPU tier starts with it, or once its NVMe read landed (above)"
         self._wait_timed(fetch.event)
         if fetch.staging is not None:
             s.host_copy = fetch.staging  # keep it: backward and the optimizer step need the unit again
@@ -243,7 +256,8 @@ class UnitCache:
     def _copy_to_drop(self, nbytes: int, wait: bool, keep: Optional[UnitState]) -> Optional[UnitState]:
         ctx = self.ctx
         kept = [x.unit.index for x in ctx.states if x.host_copy is not None and x.fetch is None and x is not keep and x.host_copy.slot_bytes >= nbytes]
-        victim = ctx.states[ctx.table.farthest(kept)] if kept else None
+        farthest = ctx.table.farthest(kept)  # None only where ``kept`` is empty
+        victim = ctx.states[farthest] if farthest is not None else None
         if victim is not None and not wait and keep is not None:
             # a prefetch may only displace a copy needed later than the unit it brings in
             theirs, ours = ctx.table.next_use(victim.unit.index), ctx.table.next_use(keep.unit.index)
@@ -270,7 +284,7 @@ class UnitCache:
             if fetch is not None and fetch.nvme is not None and fetch.nvme.done():
                 fetch.nvme.result()
                 fetch.nvme = None
-                fetch.event = device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], fetch.staging.tensor[: s.unit.nbytes])
+                fetch.event = device.copy_to_device(fetch.slot.tensor[: s.unit.nbytes], _staging_of(fetch).tensor[: s.unit.nbytes])
 
     def evictable(self, level: "Protection") -> list[int]:
         """Resident offloaded units not in use, less those ``level`` still protects (see
@@ -318,7 +332,7 @@ class UnitCache:
         for size in classes:
             protected = level
             if level is Protection.LANDING:
-                landing = [x for x in ctx.states if x.fetch is not None and x.device_slot.slot_bytes == size]
+                landing = [x for x in ctx.states if x.fetch is not None and slot_of(x).slot_bytes == size]
                 if not landing:
                     continue
                 for x in landing:  # fetches nobody has asked for yet: they land, then may go
@@ -326,9 +340,9 @@ class UnitCache:
                 protected = Protection.ALL
             if pool.free_slots(size):
                 return pool.acquire(size)
-            victims = [i for i in self.evictable(protected) if ctx.states[i].device_slot.slot_bytes == size]
-            if victims:
-                self.evict(ctx.table.farthest(victims))
+            victim = ctx.table.farthest([i for i in self.evictable(protected) if slot_of(ctx.states[i]).slot_bytes == size])
+            if victim is not None:
+                self.evict(victim)
                 return pool.acquire(size)
         return None
 
@@ -344,8 +358,9 @@ class UnitCache:
         self.keep_writes(s)
         self.ctx.bind(s, self._away(s))
         s.bound = False
-        del self.slot_owner[s.device_slot.tensor.data_ptr()]
-        self.ctx.memory.device_pool.release(s.device_slot)
+        slot = slot_of(s)  # evicted: resident (its fetch completed above)
+        del self.slot_owner[slot.tensor.data_ptr()]
+        self.ctx.memory.device_pool.release(slot)
         s.device_slot = None
         # autocast keeps the 16-bit cast of every trainable weight until its region exits: the
         # evicted unit's would stay in the GPU tier (this thread's cache; the others' casts are
@@ -402,6 +417,12 @@ class UnitCache:
 
 def _fetch_done(fetch: Fetch) -> bool:
     return (fetch.nvme is None or fetch.nvme.done()) and fetch.event is not None and fetch.event.done()
+
+
+def _staging_of(fetch: Fetch) -> Slot:
+    """The staging buffer an NVMe read in flight lands in (``_start_fetch`` sets both together)."""
+    assert fetch.staging is not None, "an NVMe read lands in a staging buffer"
+    return fetch.staging
 
 
 def _refuse_rebinding_inside_a_step(s: UnitState, rebound: dict[int, torch.Tensor]) -> None:

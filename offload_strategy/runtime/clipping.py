@@ -13,6 +13,7 @@ order, and the coefficient ``min(max_norm / (total + 1e-6), 1)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
@@ -26,7 +27,9 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float = NORM_TYPE) 
     if not tensors:
         return out
     grouped = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
-    for (device, _), ([group], indices) in grouped.items():
+    for (device, _), ([grouped_tensors], indices) in grouped.items():
+        group = cast(list[torch.Tensor], grouped_tensors)  # torch's grouping keeps Nones; ``tensors`` has none
+        norms: Sequence[torch.Tensor]
         if _has_foreach_support(group, device):
             norms = torch._foreach_norm(group, norm_type)
         else:
@@ -43,7 +46,7 @@ def total_norm(norms: Sequence[torch.Tensor], norm_type: float = NORM_TYPE) -> t
     first_device = norms[0].device
     # a norm has its gradient's device and dtype, so it falls in its gradient's group
     grouped = _group_tensors_by_device_and_dtype([list(norms)])
-    ordered = [norm.to(first_device) for ([group], _) in grouped.values() for norm in group]
+    ordered = [cast(torch.Tensor, norm).to(first_device) for ([group], _) in grouped.values() for norm in group]  # no Nones in ``norms``
     return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
 
 

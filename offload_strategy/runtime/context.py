@@ -115,6 +115,7 @@ class EngineContext:
         if s.host_copy is not None:
             buffer.copy_(s.host_copy.tensor[: buffer.numel()])
         else:
+            assert self.store is not None, "NVMe units have the store"
             self.store.read(self.key(s), buffer).result()
         return buffer
 
@@ -128,6 +129,7 @@ class EngineContext:
 
     def write_home(self, s: UnitState, buffer: torch.Tensor) -> None:
         """An NVMe unit's new bytes go home (and to its kept host copy)."""
+        assert self.store is not None, "NVMe units have the store"
         self.store.write(self.key(s), buffer).result()
         if s.host_copy is not None:
             self.settle_host_copy(s)

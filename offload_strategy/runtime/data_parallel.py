@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
-from .cache import UnitCache
+from .cache import UnitCache, slot_of
 from .clipping import tensor_norms
 from .context import EngineContext
 from .gradients import GradientPath
@@ -198,8 +198,8 @@ class GradientExchange:
             else:
                 work = dist.all_reduce(reduced, group=group, async_op=True)
             # the sum widens back for the fp32 master where it is used (not on a rank that only sent it)
-            needed = narrow is not None and (not to_owner or owner == dp.rank)
-            s.reductions.append(_Widening(work, narrow, g) if needed else work)
+            used_here = not to_owner or owner == dp.rank
+            s.reductions.append(_Widening(work, narrow, g) if narrow is not None and used_here else work)
         if to_owner and owner != dp.rank and s.transient_gradients:
             self.gradients.buffers.sent(s)  # not needed here once sent: its buffer goes back then
 
@@ -299,7 +299,7 @@ class GradientExchange:
         local index write their machine's copy), or none on one machine."""
         dp = self.dp
         if s.home == GPU:
-            data = s.device_slot.tensor[: s.unit.nbytes]
+            data = slot_of(s).tensor[: s.unit.nbytes]
             return dist.broadcast(data, src=src, group=dp.group_for(data), async_op=True)
         if s.home == NVME:
             self._share_nvme_unit(s, src)
@@ -318,7 +318,8 @@ class GradientExchange:
 
     def _share_nvme_unit(self, s: UnitState, src: int) -> None:
         """An NVMe unit goes through a staging buffer: read on the owner, written on the others."""
-        dp, ctx = self.dp, self.ctx
+        dp, ctx, store = self.dp, self.ctx, self.ctx.store
+        assert store is not None, "NVMe units have the store"
         self.cache.drop_host_copy(s)  # stale on the others, and the owner's was dropped at its update
         staging = self.cache.staging(s.unit.nbytes, wait=True)
         if staging is None:
@@ -326,10 +327,10 @@ class GradientExchange:
         try:
             padded = staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]
             if dp.rank == src:
-                ctx.store.read(ctx.key(s), padded).result()
+                store.read(ctx.key(s), padded).result()
             dist.broadcast(padded[: s.unit.nbytes], src=src, group=dp.host_group)
             if dp.rank != src:
-                ctx.store.write(ctx.key(s), padded).result()
+                store.write(ctx.key(s), padded).result()
         finally:
             ctx.memory.staging_pool.release(staging)
 

@@ -29,6 +29,7 @@ unpacks it, so a buffer can be reused between forward and backward without corru
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,11 +43,11 @@ from ..hardware.device import Device
 from ..memory.nvme import NvmeStore
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, Placement, align
 from ..profiling import StepProfile
-from .cache import UnitCache
+from .cache import UnitCache, slot_of
 from .context import EngineContext, Phase
 from .clipping import clip_coefficient, total_norm
 from .data_parallel import DataParallel, GradientExchange, Reduction
-from .forwards import ForwardsBetweenSteps, UnitHook, outside_transforms
+from .forwards import ForwardsBetweenSteps, UnitHook, outside_transforms, saved_tensors_hooks_enabled
 from .gradient_buffers import GradientBuffers
 from .gradients import GradientPath
 from .lending import Lending
@@ -187,11 +188,12 @@ class TieredEngine:
         # or the model's own), gathered until the strategy takes them (``take_recomputed``)
         self.recomputed_units: set[int] = set()
         self.recompute_holds = RecomputeHolds(self.states, self._streamed_unit_of)
-        self.memory: Optional[TierMemory] = None
+        # made by ``_build``; a ``close`` after a failed set-up finds only those it got to
+        self.memory: TierMemory
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
-        self.updater: Optional[UnitUpdater] = None
-        self.lending: Optional[Lending] = None
+        self.updater: UnitUpdater
+        self.lending: Lending
         try:
             self._build(states, nvme_path, checksums, fp32_masters, direct_gradients, prefetch, state_factor)
             self._move_to_homes()
@@ -270,8 +272,8 @@ class TieredEngine:
     def host_bytes_held(self) -> int:
         """Host memory this process's tiers hold: its slab and fp32 masters, and its share of the
         host homes the machine's ranks share."""
-        memory = self.memory
-        shared = memory.shared_slab.nbytes // self.data_parallel.ranks_per_machine if memory.shared_slab is not None else 0
+        memory, dp = self.memory, self.data_parallel  # (homes are shared only under data parallelism)
+        shared = memory.shared_slab.nbytes // dp.ranks_per_machine if memory.shared_slab is not None and dp is not None else 0
         return memory.slab.nbytes + memory.master_region.numel() + shared
 
     @property
@@ -334,7 +336,7 @@ class TieredEngine:
         writes_host = self._writes_host_homes()
         for s in self.states:
             if s.home == GPU:
-                targets = s.unit.views(s.device_slot.tensor)
+                targets = s.unit.views(slot_of(s).tensor)
                 self._write_values(s, targets)
                 ctx.bind(s, targets)
                 s.bound = True
@@ -343,9 +345,10 @@ class TieredEngine:
                     self._write_values(s, s.home_views)
                 ctx.bind(s, s.home_views)
             else:
-                staging = self.memory.staging_pool.acquire(s.unit.nbytes)
+                staging, store = self.memory.staging_pool.acquire(s.unit.nbytes), self.store
+                assert store is not None, "NVMe units have the store (_build)"
                 self._write_values(s, s.unit.views(staging.tensor))
-                self.store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+                store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
                 self.memory.staging_pool.release(staging)
                 s.placeholders = [nan_placeholder(p, self.device.compute) for p in s.unit.params]
                 ctx.bind(s, s.placeholders)
@@ -361,9 +364,9 @@ class TieredEngine:
         for module, used in users.items():
             indices = [u.index for u in used]
             fetched = [i for i in indices if self.states[i].home != GPU and i not in in_place]
-            pre_hook = self._make_pre_hook(indices, fetched)
+            pre_hook, post_hook = self._make_pre_hook(indices, fetched)
             self._hooks.append(module.register_forward_pre_hook(pre_hook))
-            self._hooks.append(module.register_forward_hook(pre_hook.post_hook, always_call=True))
+            self._hooks.append(module.register_forward_hook(post_hook, always_call=True))
         for s in self.states:
             for i, p in enumerate(s.unit.params):
                 if p.requires_grad:
@@ -435,7 +438,7 @@ class TieredEngine:
 
     # -- hooks --------------------------------------------------------------------------------------
 
-    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "UnitHook":
+    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> tuple[UnitHook, UnitHook]:
         step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
 
         def pre_hook(module: nn.Module, args: Any) -> None:
@@ -449,7 +452,7 @@ class TieredEngine:
                 timer.module_starts(indices[0])
             # a torch.func transform differentiates: units whose parameters the module holds now
             # (functional_call may have swapped in others) stay for its backward
-            held = _units_held_by(module, fetched, states) if not torch._C._autograd._saved_tensors_hooks_is_enabled() else ()
+            held = _units_held_by(module, fetched, states) if not saved_tensors_hooks_enabled() else ()
             for i in fetched:
                 cache.request(i)
                 if i in held:
@@ -462,9 +465,7 @@ class TieredEngine:
             for i in fetched:
                 states[i].pins -= 1
 
-        hook = UnitHook(pre_hook)
-        hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
-        return hook
+        return UnitHook(pre_hook), UnitHook(post_hook)
 
     def _streamed_unit_of(self, t: torch.Tensor) -> Optional[int]:
         """The streamed unit whose GPU-tier buffer ``t`` views (None: none)."""
@@ -607,7 +608,7 @@ class TieredEngine:
         p = s.unit.params[i]
         if base.shape != p.shape or base.device != p.device or not p.is_contiguous():
             return None
-        return _SavedCast(s.unit.index, i, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        return _SavedCast(s.unit.index, i, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
     def unpack_saved(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _SavedCast):
@@ -701,7 +702,7 @@ class TieredEngine:
         backward, and before the step)."""
         if self.exchange is not None:
             self.exchange.wait_all()  # reduced, as DDP's backward leaves them
-        given = []
+        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]] = []
         for s in self.states:
             direct = s.unit.index in self.gradients.direct
             for i, p in enumerate(s.unit.params):
@@ -908,7 +909,7 @@ class TieredEngine:
         them apart (at an offloaded unit's home, in fp32 beside a 16-bit parameter), as after
         backward (:meth:`expose_gradients`)."""
         stepped = {id(p) for unit_optimizers in self.updater.optimizers.values() for p in unit_optimizers.order}
-        given = []
+        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]] = []
         for s in self.states:
             direct = s.unit.index in self.gradients.direct
             for i, p in enumerate(s.unit.params):
@@ -989,13 +990,17 @@ class TieredEngine:
         if self._closed:
             return
         self._closed = True
-        if self.lending is not None:
-            self.lending.closed = True
-        errors = self.updater.close() if self.updater is not None else []
+        # absent where set-up stopped before making them
+        memory: Optional[TierMemory] = getattr(self, "memory", None)
+        updater: Optional[UnitUpdater] = getattr(self, "updater", None)
+        lending: Optional[Lending] = getattr(self, "lending", None)
+        if lending is not None:
+            lending.closed = True
+        errors = updater.close() if updater is not None else []
         self._remove_hooks()
         left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
-        if materialize and self.lending is not None:
-            errors += _attempt([self.lending.take_back, *(lambda s=s: self._materialize_for_good(s, leave_on_nvme) for s in self.states)])
+        if materialize and lending is not None and updater is not None:  # the updater is made before lending
+            errors += _attempt([lending.take_back, *(lambda s=s: self._materialize_for_good(s, leave_on_nvme) for s in self.states)])
             nvme_states = self.nvme_states
 
             def in_memory(unit: int) -> contextlib.AbstractContextManager:
@@ -1004,7 +1009,7 @@ class TieredEngine:
             def readers(unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
                 return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
 
-            errors += _attempt([lambda u=u: u.restore_facade(in_memory, readers) for u in self.updater.optimizers.values()])
+            errors += _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in updater.optimizers.values()])
         for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
                 if s.unit.index not in left:
@@ -1012,8 +1017,8 @@ class TieredEngine:
         errors += _attempt([
             self.device.synchronize,  # no copy still reads or writes the slab when it is unregistered
             self.store.close if self.store is not None and not left else None,
-            self.memory.slab.close if self.memory is not None else None,
-            self.memory.shared_slab.close if self.memory is not None and self.memory.shared_slab is not None else None,
+            memory.slab.close if memory is not None else None,
+            memory.shared_slab.close if memory is not None and memory.shared_slab is not None else None,
         ])
         if errors and raise_errors:
             raise errors[0]
@@ -1097,7 +1102,7 @@ class TieredEngine:
             "link/nvme_read_bytes_total": float(store.bytes_read if store else 0),
             "link/nvme_write_bytes_total": float(store.bytes_written if store else 0),
         }
-        persistent = sum(s.device_slot.slot_bytes for s in states if s.home == GPU)
+        persistent = sum(slot_of(s).slot_bytes for s in states if s.home == GPU)
         out["tier/gpu_bytes"] = float(persistent + memory.device_pool.used_bytes)
         out["tier/gpu_peak_bytes"] = float(persistent + memory.device_pool.peak_used_bytes)
         out["tier/gpu_reserved_bytes"] = float(memory.arena.numel())

@@ -35,6 +35,11 @@ def outside_transforms() -> contextlib.AbstractContextManager:
     return temporarily_clear_interpreter_stack()
 
 
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks apply now (a ``torch.func`` transform that differentiates disables them)."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]  # in torch, not in its stubs
+
+
 class UnitHook:
     """A module hook of the engine. A copy of the module (an EMA's ``deepcopy``) gets a hook that
     does nothing: the copy's parameters are its own, not the engine's."""
@@ -98,7 +103,7 @@ class ForwardsBetweenSteps:
         if self._saving is not None:
             self._saving.__exit__(None, None, None)
             self._saving = None
-        if self.running and torch._C._autograd._saved_tensors_hooks_is_enabled():
+        if self.running and saved_tensors_hooks_enabled():
             self._end()
         # else a torch.func transform differentiates once the function it runs returns, with
         # the copies the forward used (held in the GPU tier): the next engine call ends it
@@ -129,4 +134,4 @@ def _builds_a_graph_outside_the_training_step(in_training_step: bool) -> bool:
     through the checkpoint's; a torch.func transform that differentiates takes none)."""
     if in_training_step or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
         return False
-    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+    return saved_tensors_hooks_enabled()

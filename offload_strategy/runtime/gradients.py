@@ -67,6 +67,7 @@ class GradientPath:
             record.event = self.ctx.device.compute_done()  # by a kernel the host must wait for before reading (emulated: done)
         elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
             record.wait()
+            assert record.landing is not None, "a parameter with an fp32 master has a landing area (gradient_buffers.py)"
             record.event = self.ctx.device.copy_to_host(record.landing, grad)
             record.pending = Landing.ADD if record.fresh else Landing.COPY
             record.fresh = True
@@ -95,8 +96,9 @@ class GradientPath:
     def _read_spilled(self, s: UnitState) -> None:
         if not any(r.spilled for r in s.grads):
             return
-        size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
-        self.ctx.store.read(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
+        size, store = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT), self.ctx.store
+        assert store is not None, "gradients wait on NVMe only beside units living there (the store)"
+        store.read(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
         for record in s.grads:
             if record.spilled:
                 record.fresh, record.spilled, record.norm = True, False, None
@@ -111,8 +113,9 @@ class GradientPath:
             norms = iter(tensor_norms(present))
             for record, g in zip(s.grads, fresh):
                 record.norm = next(norms) if g is not None else None
-        size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
-        self.ctx.store.write(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
+        size, store = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT), self.ctx.store
+        assert store is not None, "gradients wait on NVMe only beside units living there (the store)"
+        store.write(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
         for record, g in zip(s.grads, fresh):
             record.spilled = g is not None
         self.buffers.release(s)
@@ -127,6 +130,7 @@ class GradientPath:
         if scale is not None:
             for record in s.grads:
                 if record.fresh:
+                    assert record.home is not None, "a fresh gradient is at its home"
                     record.home.mul_(scale.to(record.home.device))
 
     def norm_inputs(self, unit_optimizers: UnitOptimizers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -204,7 +208,7 @@ class GradientPath:
         in fp32 for its master: an offloaded one's in its landing area, a persistent one's in a
         copy made now."""
         if s.home == GPU:
-            out = []
+            out: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
             for p in s.unit.trainable:
                 widened = self.persistent.get(id(p))
                 if widened is not None:
@@ -212,7 +216,7 @@ class GradientPath:
                 elif p.grad is not None:
                     out.append((p.grad, None))
             return out
-        pairs = []
+        pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
         for record, p in zip(s.grads, s.unit.params):
             if p.requires_grad and record.home is not None and record.fresh:
                 record.wait()  # the copy from the GPU tier has landed (and been widened)
@@ -290,7 +294,9 @@ class GradientPath:
             shown = exposed
             if exposed.device != held.device:  # a view of the landing area: read there once the GPU's writes are done
                 s.grads[i].wait()
-                shown = s.grads[i].landing
+                landing = s.grads[i].landing
+                assert landing is not None, "a 16-bit gradient shown beside an fp32 master's is a view of its landing area"
+                shown = landing
             if not torch.equal(shown, held.to(shown.dtype)):
                 held.copy_(shown)  # changed in place: its 16-bit values, as plain training would step
         return True
@@ -321,9 +327,9 @@ class GradientPath:
                 self.persistent[id(p)] = torch.zeros(p.shape, dtype=s.master_dtypes[i], device=p.device)
             else:
                 p.grad = torch.zeros_like(p)
-        elif s.grads[i].home is not None:
+        elif (home := s.grads[i].home) is not None:
             s.grads[i].wait()
-            s.grads[i].home.zero_()
+            home.zero_()
             s.grads[i].fresh = True
 
     def gradient_kind(self, p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
@@ -390,8 +396,9 @@ class GradientPath:
         if record.home is None:
             record.home = torch.zeros(p.shape, dtype=s.master_dtypes[i])
             if s.home == NVME:  # room for the optimizer states the placement did not plan for a frozen parameter
-                nbytes = record.home.numel() * record.home.element_size()
-                self.ctx.store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)
+                nbytes, store = record.home.numel() * record.home.element_size(), self.ctx.store
+                assert store is not None, "NVMe units have the store"
+                store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)
         if p.grad is not None:
             record.wait()
             if record.fresh:

@@ -32,7 +32,7 @@ import torch
 
 _CACHE_MODULE = "transformers.cache_utils"
 
-State = list[tuple[Any, dict[str, Any]]]
+State = list[tuple[object, dict[str, Any]]]
 
 
 def caches_in(args: tuple, kwargs: dict[str, Any]) -> list[Any]:
@@ -90,9 +90,11 @@ def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return True
     for key, value in a.items():
         other = b[key]
-        if isinstance(value, (list, dict)) and isinstance(other, (list, dict)):
-            pairs = zip(value, other) if isinstance(value, list) else ((value.get(k), other.get(k)) for k in {*value, *other})
-            if len(value) != len(other) or any(x is not y for x, y in pairs):
+        if isinstance(value, list) and isinstance(other, list):
+            if len(value) != len(other) or any(x is not y for x, y in zip(value, other)):
+                return True
+        elif isinstance(value, dict) and isinstance(other, dict):  # a list become a dict (or back) differs below
+            if len(value) != len(other) or any(value.get(k) is not other.get(k) for k in {*value, *other}):
                 return True
         elif value is not other:
             return True

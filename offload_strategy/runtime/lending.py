@@ -70,6 +70,7 @@ class Lending:
     def states_materialized(self) -> Iterator[None]:
         """Every NVMe unit's optimizer states in memory (a checkpoint), after lent ones went home."""
         self.take_back()
+        assert self.nvme_states is not None, "set as the optimizers' ``_materialize`` only beside NVMe states (engine)"
         with self.nvme_states.materialized():
             yield
 
@@ -117,12 +118,14 @@ class Lending:
         self.adopt_rebound()
         lent_states, self.lent_states = self.lent_states, {}
         for index, (buffer, before) in lent_states.items():
-            if not self.nvme_states.known(index):
+            states = self.nvme_states
+            assert states is not None, "only NVMe states are lent (lend_states)"
+            if not states.known(index):
                 continue  # user code removed every state the unit kept there
             if torch.equal(buffer, before):
-                self.nvme_states.drop(index)
+                states.drop(index)
             else:
-                self.nvme_states.save(index, buffer)
+                states.save(index, buffer)
         lent, self.lent = self.lent, {}
         for index, held in lent.items():
             s = self.ctx.states[index]

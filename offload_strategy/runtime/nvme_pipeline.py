@@ -51,7 +51,7 @@ class NvmeUpdatePipeline:
                     if got is not None:
                         self.pool.release(got)
                 return
-            reads = [self.ctx.store.read(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])]
+            reads = [self.nvme_states.store.read(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)])]
             if states is not None:
                 reads.append(self.nvme_states.read(s.unit.index, states.tensor))
             self.reads_ahead[s.unit.index] = (params, states, reads)

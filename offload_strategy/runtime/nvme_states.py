@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from ..memory.nvme import NvmeStore
 from ..planning.placement import HOST_SLOT_ALIGNMENT, align
@@ -35,7 +34,7 @@ from .units import PARAM_ALIGNMENT
 @dataclass(frozen=True)
 class _Entry:
     optimizer: torch.optim.Optimizer
-    param: nn.Parameter
+    param: torch.Tensor  # a master (the parameter itself, or its fp32 copy)
     key: Optional[str]  # None: the master itself
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -76,12 +75,12 @@ class NvmeOptimizerStates:
     def _tensor_states(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
         return [key for key, value in optimizer.state.get(p, {}).items() if torch.is_tensor(value) and value.dim() > 0]
 
-    def matches(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter]) -> bool:
+    def matches(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[torch.Tensor]) -> bool:
         """The learnt layout still holds every state tensor (an optimizer may add some at a later step)."""
         stored = {(id(e.param), e.key) for e in self.layouts[unit] if e.key is not None and e.optimizer is optimizer}
         return stored == {(id(p), key) for p in params for key in self._tensor_states(optimizer, p)}
 
-    def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter], masters: Sequence[bool] = ()) -> int:
+    def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[torch.Tensor], masters: Sequence[bool] = ()) -> int:
         """Record where each non-scalar state tensor of ``params`` goes in the unit's buffer, and
         each param itself where ``masters`` says so (fp32 masters), after the entries of other
         optimizers holding parameters of the unit; return the buffer's size."""
@@ -217,7 +216,7 @@ class NvmeOptimizerStates:
             for unit in units:
                 self._drop(unit)
 
-    def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[nn.Parameter], masters: Sequence[bool] = ()) -> None:
+    def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[torch.Tensor], masters: Sequence[bool] = ()) -> None:
         """States ``optimizer`` holds in memory for an NVMe unit (just loaded from a checkpoint), and
         the masters ``masters`` marks: offload them."""
         if self.learn(optimizer, unit, params, masters):

@@ -85,7 +85,7 @@ def mark_offloaded(p: torch.Tensor, cls: type[OffloadedParameter], name: str) ->
 def mark_present(p: torch.Tensor) -> None:
     """``p`` holds its true value again."""
     if isinstance(p, OffloadedParameter):
-        p.__class__ = nn.Parameter
+        p.__class__ = nn.Parameter  # type: ignore[assignment]  # the class swapped back is what marks it present
 
 
 def _reads_no_values(func: Any) -> bool:
@@ -103,7 +103,7 @@ def _hands_out_memory(func: Any) -> bool:
 
 
 def _offloaded_in(values: tuple) -> list[torch.Tensor]:
-    found = []
+    found: list[torch.Tensor] = []
     for value in values:
         if isinstance(value, OffloadedParameter):
             found.append(value)

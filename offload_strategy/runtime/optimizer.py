@@ -390,7 +390,7 @@ class UnitOptimizers:
         self.states_replaced: Callable[[int, torch.Tensor], None] = lambda unit_index, master: None
         # where a loaded fp32 master goes: into the master's memory (an NVMe unit's master has
         # none between updates, so the engine binds it to the value until it offloads it)
-        self.set_master: Callable[[torch.Tensor, torch.Tensor], None] = lambda master, value: master.copy_(value)
+        self.set_master: Callable[[torch.Tensor, torch.Tensor], object] = lambda master, value: master.copy_(value)  # result unused
         self.facade.state_dict = types.MethodType(state_dict, self.facade)  # type: ignore[method-assign]
         self.facade.load_state_dict = types.MethodType(load_state_dict, self.facade)  # type: ignore[method-assign]
 
@@ -413,7 +413,7 @@ class UnitOptimizers:
                     values = slot.inner.state.get(master)
                     if values:
                         state[p] = _plain_states(slot, position, values, {})
-        self.facade.state = state
+        self.facade.state = state  # type: ignore[assignment]  # a mapping that acts as the defaultdict(dict) torch declares
         self.on_zero_grad = lambda units: None
         for name in ("state_dict", "load_state_dict", "zero_grad"):
             self.facade.__dict__.pop(name, None)

@@ -51,10 +51,12 @@ class GradientRecord:
             self.event.wait()
             self.event = None
         if self.pending is not None:
+            home, landing = self.home, self.landing
+            assert home is not None and landing is not None, "a landing pending for a gradient home (gradients.py)"
             if self.pending is Landing.ADD:
-                self.home.add_(self.landing)
+                home.add_(landing)
             else:
-                self.home.copy_(self.landing)
+                home.copy_(landing)
             self.pending = None
 
     def value(self) -> Optional[torch.Tensor]:
@@ -109,7 +111,7 @@ class UnitState:
             work.wait()
 
 
-def one_element(fill: float, shape: torch.Size, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+def one_element(fill: float, shape: tuple[int, ...], dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
     """One element seen with ``shape``: right shape, dtype and device, no memory. A 0-d element,
     so that it expands to any shape, a 0-d one (a scalar parameter, a step count) included."""
     return torch.full((), fill, dtype=dtype, device=device).expand(shape)

@@ -87,8 +87,9 @@ class UnitUpdater:
         if s.home == HOST:
             if s.master_dtypes[i] == p.dtype:
                 return s.home_views[i].view(p.shape)
-            s.master_views[i].copy_(s.home_views[i])
-            return s.master_views[i]
+            master = s.master_views[i]
+            assert master is not None, "a host unit updated here has an fp32 master per widened parameter (tiers.py)"
+            return master.copy_(s.home_views[i])
         # NVMe: bound to the unit's host copy (or its stored master) for each update, to a placeholder between
         idle = one_element(float("nan"), p.shape, s.master_dtypes[i])
         master = idle.view(idle.shape)
@@ -122,7 +123,7 @@ class UnitUpdater:
         """A unit's states just loaded from a checkpoint: an NVMe unit's go to NVMe, with its masters."""
         if slot.unit_index != LOOSE and self.ctx.states[slot.unit_index].home == NVME:
             widened = [slot.widened(position) for position in range(len(slot.masters))]
-            self.nvme_states.adopt(slot.inner, slot.unit_index, slot.masters, widened)
+            self._nvme()[0].adopt(slot.inner, slot.unit_index, slot.masters, widened)
             for master in slot.masters:
                 master.data = self.idle_masters[id(master)]
 
@@ -136,7 +137,7 @@ class UnitUpdater:
         s.updated = True
         self.gradients.buffers.submitted_for_update(s)
         if s.home == NVME:
-            self.pipeline.start_reads(s)
+            self._nvme()[1].start_reads(s)
 
         def update() -> None:
             start = time.perf_counter()
@@ -175,7 +176,7 @@ class UnitUpdater:
         write i-1 behind)."""
         if not units:
             return
-        self.pipeline.start_reads(units[0])
+        self._nvme()[1].start_reads(units[0])  # the units are NVMe units
         for s, following in zip(units, [*units[1:], None]):
             s.updated = True
 
@@ -199,6 +200,11 @@ class UnitUpdater:
         finally:
             if self.pipeline is not None:
                 self.pipeline.finish()
+
+    def _nvme(self) -> tuple[NvmeOptimizerStates, NvmeUpdatePipeline]:
+        """The optimizer states' files and the update pipeline, made where units live on NVMe (for their updates only)."""
+        assert self.nvme_states is not None and self.pipeline is not None, "NVMe units imply NVMe states and their pipeline"
+        return self.nvme_states, self.pipeline
 
     def close(self) -> list[BaseException]:
         errors: list[BaseException] = []
@@ -245,14 +251,15 @@ class UnitUpdater:
         slot = unit_optimizers.slots[s.unit.index]
         positions = [self.ctx.param_slot[id(p)][1] for p in slot.params]
         if s.home == NVME:
-            staged = self.pipeline.take_reads(s.unit.index) if on_worker else None
+            nvme_states, pipeline = self._nvme()
+            staged = pipeline.take_reads(s.unit.index) if on_worker else None
             if read_next is not None:
-                self.pipeline.start_reads(read_next)
+                pipeline.start_reads(read_next)
         self.gradients.restore(s)
         grads = self.gradients.for_update(s, positions)
         written = self._take_written(s)
         if s.home == NVME:
-            known = self.nvme_states.known(s.unit.index)
+            known = nvme_states.known(s.unit.index)
             params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
@@ -282,16 +289,17 @@ class UnitUpdater:
         """An NVMe unit's parameters (and its states, once stored) in host buffers, its masters
         bound to them: (parameter buffer, state buffer or None, the parameters' views)."""
         states: Optional[Slot] = None
+        nvme_states, pipeline = self._nvme()
         if on_worker:
-            self.pipeline.before_update()
+            pipeline.before_update()
         if staged is not None:
             params, states, reads = staged
             for r in reads:
                 r.result()
-            self.pipeline.counts["reads_ahead"] += 1
+            pipeline.counts["reads_ahead"] += 1
         elif on_worker:
-            params = self.pipeline.buffer(s.unit.nbytes)
-            self.ctx.store.read(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+            params = pipeline.buffer(s.unit.nbytes)
+            nvme_states.store.read(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
         else:
             params = self._host_copy(s)
         views = s.unit.views(params.tensor)
@@ -300,26 +308,27 @@ class UnitUpdater:
             # an fp32 master is read with the states; before it was ever stored, it starts from the copy
             master.data = torch.empty(copy.shape, dtype=master.dtype) if slot.widened(position) else copy
         if known and states is not None:  # read ahead with the parameters
-            self.nvme_states.load(s.unit.index, states.tensor, read=False)
+            nvme_states.load(s.unit.index, states.tensor, read=False)
         elif known:
-            size = self.nvme_states.sizes[s.unit.index]
-            states = self.pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
-            self.nvme_states.load(s.unit.index, states.tensor)
+            size = nvme_states.sizes[s.unit.index]
+            states = pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
+            nvme_states.load(s.unit.index, states.tensor)
         return params, states, copies
 
     def _write_back_nvme(self, s: UnitState, slot: UnitSlot, params: Slot, states: Optional[Slot], known: bool, on_worker: bool) -> None:
         """The updated parameters and states of an NVMe unit go home: behind the next unit's
         update on the worker, at once otherwise; the masters point at their placeholders again."""
-        if not known or not self.nvme_states.matches(slot.inner, s.unit.index, slot.masters):
+        nvme_states, pipeline = self._nvme()
+        if not known or not nvme_states.matches(slot.inner, s.unit.index, slot.masters):
             states = self._relayout_states(s, slot, states, on_worker)
         writes = []
         if states is not None:
-            writes.append(self.nvme_states.save(s.unit.index, states.tensor, wait=not on_worker))
-        writes.append(self.ctx.store.write(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]))
+            writes.append(nvme_states.save(s.unit.index, states.tensor, wait=not on_worker))
+        writes.append(nvme_states.store.write(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]))
         for master in slot.masters:
             master.data = self.idle_masters[id(master)]
         if on_worker:  # written behind: the next unit's update does not wait for it
-            self.pipeline.write_behind(writes, [params] + ([states] if states is not None else []))
+            pipeline.write_behind(writes, [params] + ([states] if states is not None else []))
             return
         for w in writes:
             w.result()
@@ -329,14 +338,15 @@ class UnitUpdater:
     def _relayout_states(self, s: UnitState, slot: UnitSlot, states: Optional[Slot], on_worker: bool) -> Optional[Slot]:
         """The optimizer created (or added) states: their layout is learnt, and a buffer of the new
         size holds them."""
+        nvme_states, pipeline = self._nvme()
         widened = [slot.widened(position) for position in range(len(slot.masters))]
         if states is not None:  # the optimizer added states: own the loaded ones, then a larger buffer
-            self.nvme_states.own(s.unit.index)
-            (self.pipeline.pool if on_worker else self.ctx.memory.staging_pool).release(states)
+            nvme_states.own(s.unit.index)
+            (pipeline.pool if on_worker else self.ctx.memory.staging_pool).release(states)
             states = None
-        if self.nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
-            size = self.nvme_states.sizes[s.unit.index]
-            states = self.pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
+        if nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened):
+            size = nvme_states.sizes[s.unit.index]
+            states = pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
         return states
 
     def _state_buffer(self, s: UnitState, nbytes: int) -> Slot:
@@ -355,7 +365,7 @@ class UnitUpdater:
             staging = self.cache.staging(s.unit.nbytes, wait=True)
             if staging is None:
                 raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
-            self.ctx.store.read(self.ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+            self._nvme()[0].store.read(self.ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
             s.host_copy = staging
         self.ctx.settle_host_copy(s)
         self.ctx.device.check_host_access(s.host_copy.tensor, "updates an NVMe unit in its kept staging copy")
