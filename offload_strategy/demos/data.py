@@ -108,7 +108,7 @@ def _split_files(files: list[Path], every: int, max_bytes: Optional[int]) -> tup
         split = "val" if index % every == every - 1 else "train"
         limit = budget[split]
         if limit is not None and used[split] >= limit:
-            if all(budget[s] is not None and used[s] >= budget[s] for s in budget):
+            if all((cap := budget[s]) is not None and used[s] >= cap for s in budget):
                 break
             continue
         data = path.read_bytes()

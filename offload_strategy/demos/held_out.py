@@ -18,10 +18,11 @@ class HuggingFaceLM(L.LightningModule):
         super().__init__()
         import transformers
 
+        config: Any
         if kind == "llama":
             config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-            self.model = transformers.LlamaForCausalLM(config)
+            self.model: Any = transformers.LlamaForCausalLM(config)
         else:
             config = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)
             self.model = transformers.GPT2LMHeadModel(config)

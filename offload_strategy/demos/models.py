@@ -142,8 +142,9 @@ class CausalLM(L.LightningModule):
         chunk = self.hparams.get("loss_chunk_tokens")
         if chunk is None:
             return self.model(input_ids=batch, labels=batch).loss
-        hidden = self.model.base_model(input_ids=batch).last_hidden_state  # as the model's own forward calls it
-        return chunked_causal_lm_loss(hidden, self.model.get_output_embeddings(), batch, None if chunk == "auto" else int(chunk))
+        model: Any = self.model  # a transformers model: its methods are not typed as callables
+        hidden = model.base_model(input_ids=batch).last_hidden_state  # as the model's own forward calls it
+        return chunked_causal_lm_loss(hidden, model.get_output_embeddings(), batch, None if chunk == "auto" else int(chunk))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self.flops_per_batch = self.flops_per_token(batch.shape[1]) * batch.numel()
@@ -159,18 +160,19 @@ class CausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         # No weight decay on biases and norms (every parameter of fewer than 2 dims), as usual.
+        hparams: Any = self.hparams  # Lightning's AttributeDict
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": decay, "weight_decay": hparams.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=self.hparams.lr,
-            betas=tuple(self.hparams.betas),
+            lr=hparams.lr,
+            betas=tuple(hparams.betas),
         )
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
-        warmup = self.hparams.warmup_steps
+        warmup = hparams.warmup_steps
 
         def schedule(step: int) -> float:
             if step < warmup:
