@@ -461,6 +461,8 @@ class TieredEngine:
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             for i in fetched:
                 states[i].pins -= 1
+            if self.updater is not None:
+                self.updater.freed.check()  # the module's temporaries are freed
 
         hook = UnitHook(pre_hook)
         hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
