@@ -461,12 +461,15 @@ class TieredEngine:
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             for i in fetched:
                 states[i].pins -= 1
-            if self.updater is not None:
-                self.updater.freed.check()  # the module's temporaries are freed
+            self._give_back_freed()  # the module's temporaries are freed
 
         hook = UnitHook(pre_hook)
         hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
         return hook
+
+    def _give_back_freed(self) -> None:
+        if self.updater is not None:
+            self.updater.freed.check()
 
     def _streamed_unit_of(self, t: torch.Tensor) -> Optional[int]:
         """The streamed unit whose GPU-tier buffer ``t`` views (None: none)."""
