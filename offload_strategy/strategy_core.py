@@ -30,9 +30,9 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
-from .config import BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
+from .config import RUNTIME_HOST_ALLOWANCE, BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
 from .deferred import DeferredParameters
-from .hardware import cuda_gpu_margin, disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resolve_hardware
+from .hardware import cuda_gpu_margin, disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
 from .hardware.device import make_device
 from .memory.nvme import make_private_directory
 from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
@@ -198,6 +198,7 @@ class TieredCore:
         self._optimizer_stepped = False
         self._said_updates_wait = False  # the run has been told once that updates wait for backward's end
         self._profiled = False
+        self._resident_before = 0  # the anonymous resident set at set-up (resolve)
         self._final_engine_metrics: Optional[dict[str, float]] = None
         self._created_directories: list[Path] = []
         # parameters of models built under this strategy, recorded instead of held (deferred.py)
@@ -326,6 +327,7 @@ class TieredCore:
         if context.hardware is None:
             context.hardware = resolve_hardware(self.options.hardware)
         context.budgets = self.resolve_budgets()
+        self._resident_before = resident_anonymous()  # what the budgets bound is the growth beyond it
         self.ranks.measure_links()
         root = self.lightning.root_device
         if root.type == "cuda":
@@ -521,12 +523,23 @@ class TieredCore:
             device.close()
             raise
         self._profiled = False
+        if engine.updater is not None:
+            engine.updater.freed.limit = self._freed_memory_limit(engine)
         self._share_optimizer_attributes()
         rank_zero_info(self._describe_placement(engine))
         self._say_when_updates_wait(recipe, engine)
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
+
+    def _freed_memory_limit(self, engine: TieredEngine) -> int:
+        """The resident set above which the steps give freed memory back: what the process held at
+        set-up, the host budget, the emulated GPU tier's and half the runtime's allowance (the other
+        half for what is made between two checks and what construction took before set-up)."""
+        assert self.context.budgets is not None
+        budgets = self.context.budgets
+        emulated = budgets.gpu if engine.device.is_emulated else 0
+        return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 2
 
     def _describe_placement(self, engine: TieredEngine) -> str:
         """A few short lines: a table of units and bytes per tier, where gradients and optimizer

@@ -8,7 +8,7 @@ from typing import Any, Union
 from ..config import HardwareSpec
 from .probe import (
     AVAILABLE_SHARE, cpu_cores, cublas_workspace_bytes, cuda_gpu_margin, disk_free, gpu_free, host_available, probe_hardware, process_peak_rss,
-    release_freed_host_memory,
+    FreedHostMemory, release_freed_host_memory, resident_anonymous,
 )
 from .specs import KNOWN_MACHINES, known_hardware
 
@@ -40,6 +40,8 @@ __all__ = [
     "gpu_free",
     "host_available",
     "release_freed_host_memory",
+    "resident_anonymous",
+    "FreedHostMemory",
     "known_hardware",
     "probe_hardware",
     "process_peak_rss",

@@ -12,6 +12,7 @@ import os
 import resource
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -159,6 +160,54 @@ def release_freed_host_memory() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+def resident_anonymous() -> int:
+    """This process's anonymous resident set in bytes (heap, tensors, anonymous mappings; not the
+    libraries' file pages nor shared memory): ``/proc/self/statm``'s resident less its shared
+    pages, one read; 0 where there is no such file."""
+    try:
+        with open("/proc/self/statm") as statm:
+            fields = statm.read().split()
+    except OSError:
+        return 0
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+
+
+# After giving freed memory back, how much more the resident set may grow before it is given
+# back again: where what is live stands above the limit, a trim at every check would only cost.
+FREED_MEMORY_SLACK = 32 * 2**20
+
+
+class FreedHostMemory:
+    """Keeps the freed memory the C allocator holds from carrying the process past ``limit``
+    (resident anonymous bytes; None: no limit). Tensors made and freed at every step on the CPU
+    (autograd's gradients and activations on the emulated GPU tier, the optimizer's own
+    temporaries) come from glibc's heaps once its mmap threshold has risen, and heaps fragmented
+    by the small objects made between them keep gigabytes of freed blocks resident. ``check``, at
+    points of the step that come often (each unit's gradients complete, each unit updated),
+    reads the resident set and, above the limit, gives freed memory back (``malloc_trim``):
+    nothing is paid while the process stays under it, unlike a fixed mmap threshold, which
+    faults every large tensor's pages in afresh (docs/benchmarks.md, "Freed memory during the
+    steps")."""
+
+    def __init__(self, limit: Optional[int] = None) -> None:
+        self.limit = limit
+        self.trims = 0  # times freed memory was given back
+        self._floor = 0  # after a trim: the resident set it left plus the slack
+        self._busy = threading.Lock()
+
+    def check(self) -> None:
+        if self.limit is None or resident_anonymous() <= max(self.limit, self._floor):
+            return
+        if not self._busy.acquire(blocking=False):
+            return  # the other thread is giving it back now
+        try:
+            release_freed_host_memory()
+            self.trims += 1
+            self._floor = resident_anonymous() + FREED_MEMORY_SLACK
+        finally:
+            self._busy.release()
 
 
 def disk_free(path: Optional[str]) -> int:

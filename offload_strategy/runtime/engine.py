@@ -464,8 +464,13 @@ class TieredEngine:
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             for i in fetched:
                 states[i].pins -= 1
+            self._give_back_freed()  # the module's temporaries are freed
 
         return UnitHook(pre_hook), UnitHook(post_hook)
+
+    def _give_back_freed(self) -> None:
+        if self.updater is not None:
+            self.updater.freed.check()
 
     def _streamed_unit_of(self, t: torch.Tensor) -> Optional[int]:
         """The streamed unit whose GPU-tier buffer ``t`` views (None: none)."""

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..hardware import FreedHostMemory
 from ..memory import Slot
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
 from .cache import UnitCache
@@ -61,6 +62,7 @@ class UnitUpdater:
         self.state_bytes: dict[int, int] = {}  # optimizer state bytes of each unit updated here, once known
         self.idle_masters: dict[int, torch.Tensor] = {}  # id(master) of an NVMe unit -> its placeholder between updates
         self.log: list[tuple[int, float, float]] = []  # (unit, start, end) of this step's updates
+        self.freed = FreedHostMemory()  # its limit set by the strategy from the budgets
 
     # -- masters ----------------------------------------------------------------------------------
 
@@ -132,6 +134,7 @@ class UnitUpdater:
     def submit(self, s: UnitState) -> None:
         """LoHan §IV-C: update the unit on the worker now, while backward goes on with the others."""
         (unit_optimizers,) = self.optimizers.values()
+        self.freed.check()  # backward freed this unit's activations and gradients
         if s.unit.index not in unit_optimizers.slots:
             return
         s.updated = True
@@ -276,6 +279,7 @@ class UnitUpdater:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
         else:
             self._remember_state_bytes(s, slot)
+        self.freed.check()  # the optimizer's temporaries are freed
 
     def _remember_state_bytes(self, s: UnitState, slot: UnitSlot) -> None:
         """A unit whose states stay in memory: their bytes, once its optimizer has created them
@@ -305,15 +309,24 @@ class UnitUpdater:
         views = s.unit.views(params.tensor)
         copies = [views[i] for i in positions]
         for position, (master, copy) in enumerate(zip(slot.masters, copies)):
-            # an fp32 master is read with the states; before it was ever stored, it starts from the copy
-            master.data = torch.empty(copy.shape, dtype=master.dtype) if slot.widened(position) else copy
+            if not slot.widened(position):
+                master.data = copy
         if known and states is not None:  # read ahead with the parameters
             nvme_states.load(s.unit.index, states.tensor, read=False)
         elif known:
             size = nvme_states.sizes[s.unit.index]
             states = pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
             nvme_states.load(s.unit.index, states.tensor)
+        self._own_unstored_masters(slot, copies)
         return params, states, copies
+
+    def _own_unstored_masters(self, slot: UnitSlot, copies: list[torch.Tensor]) -> None:
+        """An fp32 master is read with the states, into their buffer; one never stored yet (still
+        its placeholder) starts from the copy, in memory of its own (made only then: not at every
+        update, which put the unit's size in fp32 through the allocator each time)."""
+        for position, (master, copy) in enumerate(zip(slot.masters, copies)):
+            if slot.widened(position) and master.data_ptr() == self.idle_masters[id(master)].data_ptr():
+                master.data = torch.empty(copy.shape, dtype=master.dtype)
 
     def _write_back_nvme(self, s: UnitState, slot: UnitSlot, params: Slot, states: Optional[Slot], known: bool, on_worker: bool) -> None:
         """The updated parameters and states of an NVMe unit go home: behind the next unit's
