@@ -10,15 +10,6 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 OUTSIDE = ("tools", "experiments")
 
-# The user tools that move into the package next (offload_strategy.cli and estimate/); each entry
-# goes when its tool does.
-MOVING = {"tools.simulate", "tools.plan", "tools.probe", "tools.consolidate"}
-# tests/test_analytic_profile.py drives the simulator through tools/reproduce.py's settings and
-# checks reproduce's own judgement of a paper's figure on settings no paper has (drive and compute
-# floors, recomputed FLOPs, a finding's check): it goes with tools.simulate, once the simulator's
-# settings are built through the package.
-MOVING |= {"tools.reproduce"}
-
 
 def imported(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in ``path``; ``from tools import simulate`` as ``tools.simulate``."""
@@ -33,14 +24,8 @@ def imported(path: Path) -> list[tuple[int, str]]:
 
 
 def outside(path: Path) -> list[str]:
-    """The imports of code outside the package in ``path``, but the tools that are moving in."""
-    hits = []
-    for line, module in imported(path):
-        if module.split(".")[0] not in OUTSIDE or module in OUTSIDE:
-            continue
-        if ".".join(module.split(".")[:2]) not in MOVING:
-            hits.append(f"{path.name}:{line} imports {module}")
-    return hits
+    """The imports of code outside the package in ``path``."""
+    return [f"{path.name}:{line} imports {module}" for line, module in imported(path) if module.split(".")[0] in OUTSIDE and module not in OUTSIDE]
 
 
 def test_no_test_imports_the_tools_or_the_experiments():
@@ -52,4 +37,5 @@ def test_the_scan_sees_every_form_of_import(tmp_path):
     source = tmp_path / "case.py"
     source.write_text("import tools.compare\nfrom experiments.train import run\n\ndef f():\n    from tools import compare_peers, simulate\n"
                       "    import offload_strategy.demos\n    from tools.plan import show\n")
-    assert outside(source) == ["case.py:1 imports tools.compare", "case.py:2 imports experiments.train", "case.py:5 imports tools.compare_peers"]
+    assert outside(source) == ["case.py:1 imports tools.compare", "case.py:2 imports experiments.train", "case.py:5 imports tools.compare_peers",
+                               "case.py:5 imports tools.simulate", "case.py:7 imports tools.plan"]

@@ -562,7 +562,8 @@ def figures_table(points: list[Point], sim: Any, rates: dict[str, float], effici
         ours, plan = run(point, sim, rate)
         ratio = ours / point.published
         calibrating = point.ident in rates
-        unreproducible = point.unreproducible or drive_floor(point, setting(point, sim, rate))
+        at = setting(point, sim, rate)  # built once for both judgements (a large model's meta build takes seconds)
+        unreproducible = point.unreproducible or drive_floor(point, at)
         if not calibrating and not unreproducible:
             tally = within.setdefault(GROUPS.get(point.kind, point.kind), [0, 0])
             tally[0] += abs(ratio - 1) <= 0.2
@@ -572,7 +573,7 @@ def figures_table(points: list[Point], sim: Any, rates: dict[str, float], effici
         note += f"; the GPU at {rate:.1%} of its peak, from {point.rate_from}" if point.rate_from else ""
         note += f"; calibrates the GPU's rate ({rates[point.ident]:.1%} of its dense peak), not counted" if calibrating else ""
         note += f"; not counted: {unreproducible}" if unreproducible else ""
-        ceiling = "" if calibrating else compute_ceiling(point, setting(point, sim, rate))
+        ceiling = "" if calibrating else compute_ceiling(point, at)
         note += f"; {ceiling}" if ceiling else ""
         print(f"| {point.ident} | {point.source} | {point.kind}{note} | {point.published:,.4g} | {ours:,.4g} | {ratio:.2f} | {plan} "
               f"({time.perf_counter() - started:.0f} s) |", flush=True)

@@ -80,12 +80,19 @@ def build(cfg: Any, hardware: Any, half: bool, efficiency: float, batch_size: Op
           mixed: bool = False) -> Model:
     """The step model's view of ``cfg.model`` (a Hydra job's) built on the meta device: 16-bit
     parameters where ``half`` (``*-true``), fp32 ones computed under autocast in ``dtype`` where ``mixed``."""
-    module = instantiate(cfg.model)
+    shape = Shape(int(batch_size or cfg.data.batch_size), int(cfg.data.seq_len), str(cfg.model.get("name", cfg.model.family)))
+    pricing = Pricing(hardware, efficiency=efficiency, half=half, mixed=mixed, dtype=dtype or ("bf16" if half else "fp32"))
+    return build_module(instantiate(cfg.model), shape, pricing)
+
+
+def build_module(module: Any, shape: "Shape", pricing: Pricing) -> Model:
+    """The step model of a ``demos.CausalLM`` not yet configured (its network built here on the
+    meta device), its loss as it trains: under ``loss_chunk_tokens`` a chunk at a time, the head
+    run again in backward."""
     with torch.device("meta"):
         module.configure_model()
-    head = module.model.get_output_embeddings() if cfg.model.get("loss_chunk_tokens") is not None else None
-    shape = Shape(int(batch_size or cfg.data.batch_size), int(cfg.data.seq_len), str(cfg.model.get("name", cfg.model.family)))
-    return priced(module, module._loss, shape, Pricing(hardware, efficiency=efficiency, half=half, mixed=mixed, dtype=dtype or ("bf16" if half else "fp32")), head)
+    head = module.model.get_output_embeddings() if module.hparams.get("loss_chunk_tokens") is not None else None
+    return priced(module, module._loss, shape, pricing, head)
 
 
 def build_from_config(path: Path, shape: "Shape", pricing: Pricing) -> Model:
