@@ -53,9 +53,9 @@ from .runtime.optimizer import StatesReadOnUse, compact, measured_state_factor
 from .runtime.out_of_memory import PlannedUse, out_of_memory_explained
 from .runtime.units import build_units, master_dtype, merge_into_chunks
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
-from .strategy_activations import ActivationControl
+from .session.activations import ActivationControl
 from .strategy_context import LightningState, TieredContext, TieredOptions
-from .strategy_prediction import PredictionCheck
+from .session.prediction import PredictionCheck
 from .strategy_recipe import Recipe, Rules
 from .strategy_step import tiered_optimizer_step
 

@@ -164,7 +164,7 @@ def test_the_layout_chosen_after_placing_again_recomputes_only_blocks_placed_tog
     from types import SimpleNamespace
 
     from offload_strategy.planning.activations import ActivationPlan
-    from offload_strategy.strategy_activations import ActivationControl
+    from offload_strategy.session.activations import ActivationControl
 
     K, C = "keep", "checkpoint"
     placed_for = ActivationPlan((K, C, C), 3.0, 30)

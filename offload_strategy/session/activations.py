@@ -17,16 +17,16 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from .config import BlockPolicy, format_bytes
-from .hardware.device import Device, make_device
-from .memory.nvme import NvmeStore
-from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
-from .planning.cost_model import machine_from_spec
-from .planning.placement import GPU
-from .runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
-from .runtime.activations import ActivationPolicies
-from .runtime.saved_bytes import SavedBytes
-from .strategy_context import TieredContext, batch_elements
+from ..config import BlockPolicy, format_bytes
+from ..hardware.device import Device, make_device
+from ..memory.nvme import NvmeStore
+from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
+from ..planning.cost_model import machine_from_spec
+from ..planning.placement import GPU
+from ..runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
+from ..runtime.activations import ActivationPolicies
+from ..runtime.saved_bytes import SavedBytes
+from ..strategy_context import TieredContext, batch_elements
 
 
 def _unchanged(t: Any) -> Any:
