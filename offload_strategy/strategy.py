@@ -21,7 +21,8 @@ from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig, StateDictType
 from .planning.planner import TierBudgets
 from .strategy_context import TieredOptions, one_device
-from .strategy_core import MemoryBudgetError, OneProcess, TieredCore, check_precision, exposes_core
+from .session.budgets import MemoryBudgetError
+from .strategy_core import OneProcess, TieredCore, check_precision, exposes_core
 from .strategy_recipe import reads_gradients_after_backward
 
 if TYPE_CHECKING:

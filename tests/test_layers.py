@@ -4,8 +4,8 @@ From the bottom: ``config`` and the profile's data (``profiling/profile.py``); `
 functions over sizes and times: no torch, no Lightning); ``hardware`` and ``memory``; ``runtime``
 (the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units),
 ``deferred`` and ``weights`` (models built without memory, weights read into homes), ``losses``
-(a causal LM's loss a chunk at a time);
-and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, the package's
+(a causal LM's loss a chunk at a time); ``session`` (the planning session: profile -> plan -> engine, torch
+but no Lightning); and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, the package's
 ``__init__``), the only modules that may import Lightning. A module may import its own layer and
 those below it. See docs/architecture.md.
 """
@@ -34,23 +34,23 @@ LAYERS = {
     "weights": 5,
     "losses": 5,
     "session": 6,
-    "strategy": 6,
-    "strategy_context": 6,
-    "strategy_core": 6,
-    "strategy_recipe": 6,
-    "strategy_step": 6,
-    "strategy_ddp": 6,
-    "strategy_fabric": 6,
-    "strategy_names": 6,
-    "callbacks": 6,
-    "checkpoint_io": 6,
-    "sharded_checkpoint": 6,
-    "__init__": 6,
-    "estimate": 6,
-    "cli": 6,
-    "__main__": 6,
+    "strategy": 7,
+    "strategy_context": 7,
+    "strategy_core": 7,
+    "strategy_recipe": 7,
+    "strategy_step": 7,
+    "strategy_ddp": 7,
+    "strategy_fabric": 7,
+    "strategy_names": 7,
+    "callbacks": 7,
+    "checkpoint_io": 7,
+    "sharded_checkpoint": 7,
+    "__init__": 7,
+    "estimate": 7,
+    "cli": 7,
+    "__main__": 7,
 }
-GLUE = 6
+GLUE = 7
 NO_TORCH = {"config", "profiling.profile", "profiling", "planning"}
 
 

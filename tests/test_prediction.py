@@ -78,12 +78,12 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
     search, choose = Planner.search, ActivationControl.choose_layout
 
     def searched(planner, timing, *args, **kwargs):
-        seen["search"] = (strategy.tiered._steps_done, timing is strategy.engine.profile)
+        seen["search"] = (strategy.tiered.session.steps_done, timing is strategy.engine.profile)
         return search(planner, timing, *args, **kwargs)
 
-    def chosen(control, costs, beside):
-        seen["layout"] = strategy.tiered._steps_done
-        return choose(control, costs, beside)
+    def chosen(control, costs, beside, **kwargs):
+        seen["layout"] = strategy.tiered.session.steps_done
+        return choose(control, costs, beside, **kwargs)
 
     monkeypatch.setattr(Planner, "search", searched)
     monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
@@ -138,9 +138,9 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
             seen["resident"] = found[0].parameters.persistent
             return found
 
-        def chosen(control, costs, beside):
+        def chosen(control, costs, beside, **kwargs):
             seen["blocks"] = [c.forward_seconds for c in costs]
-            return choose(control, costs, beside)
+            return choose(control, costs, beside, **kwargs)
 
         class Neighbour(L.Callback):
             def __init__(self) -> None:

@@ -177,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the plan")
     parser.add_argument("--show", type=Path, help="a plan file to print")
-    from offload_strategy.strategy_core import TIMED_STEPS, WARM_UP_STEPS
+    from offload_strategy.session.plans import TIMED_STEPS, WARM_UP_STEPS
 
     # the plan is made between the last timed step and the next, and put in place as that one starts
     planned = WARM_UP_STEPS + TIMED_STEPS + 1
