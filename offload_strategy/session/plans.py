@@ -121,10 +121,6 @@ class Plan:
     direct_gradients: frozenset[int]
     profiling: bool = False  # the fewest buffers, while the first steps measure the activations
 
-    @property
-    def homes(self) -> dict[int, str]:
-        return dict(self.placement.home)
-
 
 class PlanSession:
     """See the module docstring."""
