@@ -369,7 +369,7 @@ def _placed_beside_layout(planner: Planner, model: ShapeModel, planning: str, ru
     blocks' layout leaves of the GPU tier (the runtime's ``layout`` phase): more of them home in
     host memory or NVMe than while the blocks were measured."""
     peak = planner.least_activation_peak(model.blocks, planning, model.beside, running)
-    return planner.place(planner.units, max(planner.budgets.gpu - peak, 0), together, activations_auto=True)
+    return planner.place(planner.units, max(planner.gpu_beside(peak), 0), together, activations_auto=True)
 
 
 def _kept_peak(model: ShapeModel, running: Sequence[str]) -> int:

@@ -148,6 +148,12 @@ class Planner:
             raise RuntimeError("the planner knows no model yet: place() it first.")
         return self.model
 
+    def gpu_beside(self, taken: int) -> int:
+        """The GPU tier left beside ``taken`` bytes of it: the parameters' share beside the
+        activations' peak, or the activations' room beside the parameters. The one place the tier
+        is split between the two (the planning session, the activation control and the estimate ask it)."""
+        return self.budgets.gpu - taken
+
     def note_recomputed_by_model(self, groups: tuple[tuple[int, ...], ...]) -> None:
         """The model's own checkpointing recomputes these unit groups: plans to come keep each together."""
         self.model = replace(self.units, recomputed_by_model=groups)
@@ -268,7 +274,7 @@ class Planner:
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(
-            model.sizes, model.together, order, costs, machine, gpu_bytes=max(budgets.gpu - beside.in_blocks, 0), host_bytes=budgets.host,
+            model.sizes, model.together, order, costs, machine, gpu_bytes=max(self.gpu_beside(beside.in_blocks), 0), host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, sharding=model.sharding,
             gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients, head=beside.head,
@@ -408,7 +414,7 @@ class Planner:
         minimum gpu_memory, and how far the batch must shrink instead (activations, and the
         blocks' inputs, grow in proportion to batch size times sequence length)."""
         least = self.least_activation_peak(costs, planner, beside, running)
-        left = self.budgets.gpu - self.smallest_parameter_share(block_policies)
+        left = self.gpu_beside(self.smallest_parameter_share(block_policies))
         if least <= left:
             return
         shrink = (
@@ -447,7 +453,7 @@ class Planner:
             plan = layout_beside_smallest(beside_share)
         except ValueError as refusal:
             raise ValueError(f"{refusal} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
-        return plan, self.budgets.gpu - plan.peak_bytes
+        return plan, self.gpu_beside(plan.peak_bytes)
 
     def layout_beside(
         self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int,
@@ -456,7 +462,7 @@ class Planner:
         """The planner's layout in what ``parameter_bytes`` of parameters and the bytes ``beside``
         the blocks leave of the GPU tier; its peak counts the latter (the activations outside the
         blocks are held from forward into backward, beside the blocks')."""
-        gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.in_blocks, 0)
+        gpu_bytes = max(self.gpu_beside(parameter_bytes + beside.in_blocks), 0)
         plan = layout_for(planner)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes, head=beside.head)
         return replace(plan, peak_bytes=plan.peak_bytes + beside.in_blocks) if beside.in_blocks else plan
 

@@ -236,9 +236,7 @@ class ActivationControl:
         assert activations is not None and planner is not None and activations.planner is not None
         self.costs, self.beside = costs, beside
         activations.end_profile()
-        budgets = self.context.budgets
-        assert budgets is not None
-        if self.searched is not None and self.searched.peak_bytes <= budgets.gpu - self.gpu_parameter_bytes():
+        if self.searched is not None and self.searched.peak_bytes <= planner.gpu_beside(self.gpu_parameter_bytes()):
             # the parameters were placed for this layout's recomputed blocks, not another's
             self.plan = self.searched
             return None
@@ -311,7 +309,7 @@ class ActivationControl:
         if activations is None or planner is None or budgets is None or not activations.auto or self.context.policy.name == "none":
             return
         running = activations.policies
-        left = budgets.gpu - planner.smallest_parameter_share(running) - beside.in_blocks
+        left = planner.gpu_beside(planner.smallest_parameter_share(running) + beside.in_blocks)
         if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
             return
         from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
@@ -442,9 +440,8 @@ class ActivationControl:
             measured = f"scaled from the measured blocks to a batch whose blocks' inputs are {growth:.2f}x theirs"
             planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside)
             # the least peak any layout reaches: this step overruns the GPU tier by as little as it can
-            least, budgets = planner.least_activation_peak(costs, activations.planner, beside), self.context.budgets
-            assert budgets is not None
-            plan = planner.layout_beside(costs, links, activations.planner, max(budgets.gpu - least, 0), host, beside)
+            least = planner.least_activation_peak(costs, activations.planner, beside)
+            plan = planner.layout_beside(costs, links, activations.planner, max(planner.gpu_beside(least), 0), host, beside)
             self.grown_costs = (costs, beside)
             then = (f"; no layout fits beside the parameters' {format_bytes(self.gpu_parameter_bytes())} of the GPU tier, so this "
                     f"step may exceed it, and the parameters are placed again before the next")

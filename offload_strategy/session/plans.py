@@ -181,9 +181,9 @@ class PlanSession:
     def gpu_for_parameters(self, activation_peak: int) -> int:
         """The part of the GPU tier the parameters, their gradients and states may take beside
         ``activation_peak`` bytes of activations (the layout's peak, with what is beside the blocks)."""
-        budgets = self.context.budgets
-        assert budgets is not None
-        return budgets.gpu - activation_peak
+        planner = self.planner
+        assert planner is not None
+        return planner.gpu_beside(activation_peak)
 
     # -- placements ---------------------------------------------------------------------------------
 
