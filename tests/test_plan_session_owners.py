@@ -6,6 +6,7 @@ room only by the runtime. The core asks the planning session; it writes none of 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +50,15 @@ def _sources() -> list[Path]:
     return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "tools").glob("*.py"), *(ROOT / "tests").glob("*.py")])
 
 
+@functools.lru_cache(maxsize=None)
+def _assigned_in(path: Path) -> tuple[ast.Attribute, ...]:
+    return tuple(_assigned(ast.parse(path.read_text())))
+
+
 def _writes(path: Path, holder_says: str, fields: set[str]) -> list[str]:
     return [
         f"{path.relative_to(ROOT)}:{t.lineno} assigns {_holder(t)}.{t.attr}"
-        for t in _assigned(ast.parse(path.read_text()))
+        for t in _assigned_in(path)
         if t.attr in fields and holder_says in _holder(t).lower()
     ]
 
