@@ -19,8 +19,9 @@ from .checkpoint_io import AtomicCheckpointIO
 from .config import BudgetLike, HardwareSpec, PolicyConfig, StateDictType
 from .planning.planner import TierBudgets
 from .lightning.hooks import OneDevice, TieredHooks
+from .session.budgets import MemoryBudgetError
 from .strategy_context import TieredOptions
-from .strategy_core import MemoryBudgetError, OneProcess, TieredCore
+from .strategy_core import OneProcess, TieredCore
 
 if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator

@@ -9,7 +9,6 @@ Calls go one way: strategy → core → activation control, planner, engine; not
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
@@ -18,6 +17,7 @@ import torch
 
 from .config import Budget, BudgetLike, HardwareSpec, PolicyConfig
 from .hardware import known_hardware, resolve_hardware
+from .session.activations import batch_elements
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -92,18 +92,6 @@ class TieredOptions:
         )
 
 
-def batch_elements(batch: Any) -> int:
-    """The elements of every tensor in a batch (tensors, mappings and sequences of them, nested):
-    what a batch's activations grow with when its tensors grow with batch size times sequence length."""
-    if torch.is_tensor(batch):
-        return batch.numel()
-    if isinstance(batch, Mapping):
-        return sum(batch_elements(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_elements(v) for v in batch)
-    return 0
-
-
 def _max_batch_elements(max_batch: Any) -> Optional[int]:
     if max_batch is None:
         return None
@@ -118,7 +106,7 @@ def _max_batch_elements(max_batch: Any) -> Optional[int]:
 
 @dataclass
 class TieredContext:
-    """Shared by the core and its activation control; the core alone assigns its fields."""
+    """Shared by the core and its planning session; the core and the session assign its fields."""
 
     options: TieredOptions
     lightning: LightningState
@@ -134,6 +122,18 @@ class TieredContext:
     @property
     def nvme_path(self) -> Optional[Path]:
         return self.options.nvme_path
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.lightning.root_device
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.lightning.optimizers
+
+    @property
+    def max_batch_elements(self) -> Optional[int]:
+        return self.options.max_batch_elements
 
     @property
     def module(self) -> "pl.LightningModule":

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -30,31 +30,29 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
-from .config import RUNTIME_HOST_ALLOWANCE, BlockPolicy, Budget, HardwareSpec, PolicyConfig, StateDictType, Tier, format_bytes
+from .config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, StateDictType, format_bytes
 from .deferred import DeferredParameters
-from .hardware import cuda_gpu_margin, disk_free, gpu_free, host_available, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
+from .hardware import disk_free, host_available, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
 from .hardware.device import make_device
 from .memory.nvme import make_private_directory
-from .planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from .planning.auto import AutoPlan
-from .planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
-from .planning.memferry import gradient_offload_plan
+from .planning.cost_model import Machine, StepPrediction
 from .planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
-from .planning.plan_file import PlanFile, PlannedUnit, check_plan, load_plan, prediction_record, save_plan
-from .planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
+from .planning.plan_file import load_plan, save_plan
+from .planning.planner import Planner, TierBudgets
 from .planning.sharding import Sharding
-from .profiling import StepProfile, fastest_timing
-from .runtime.activations import find_blocks
+from .profiling import StepProfile
 from .runtime.data_parallel import DataParallel, Reduction
 from .memory.nvme import NvmeStore
 from .runtime.engine import TieredEngine
-from .runtime.optimizer import StatesReadOnUse, compact, measured_state_factor
-from .runtime.out_of_memory import PlannedUse, out_of_memory_explained
-from .runtime.units import build_units, master_dtype, merge_into_chunks
+from .runtime.optimizer import StatesReadOnUse, compact
+from .runtime.out_of_memory import out_of_memory_explained
 from .sharded_checkpoint import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
-from .strategy_activations import ActivationControl
+from .session.activations import ActivationControl
+from .session.budgets import nvme_reserve, refuse_a_full_disk, resolve_budgets
+from .session.plans import Plan, PlanSession
 from .strategy_context import LightningState, TieredContext, TieredOptions
-from .strategy_prediction import PredictionCheck
+from .session.prediction import PredictionCheck
 from .lightning.precision import user_precision
 from .strategy_recipe import Recipe, Rules
 
@@ -66,21 +64,6 @@ if TYPE_CHECKING:
 # or the step in ways the runtime would silently undo.
 _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
-# Steps before the ones the planner prices: the first use of every buffer and kernel makes the
-# first step slower than the rest by an amount that varies from run to run (docs/benchmarks.md).
-WARM_UP_STEPS = 1
-# Warm steps whose least times, unit by unit and block by block, price the plan: a neighbour
-# process busy during one of them does not change it.
-TIMED_STEPS = 2
-
-# Optimizer state bytes per parameter byte, for budgeting before the first step creates them.
-_STATE_FACTORS = {"SGD": 1.0, "Adagrad": 1.0, "RMSprop": 1.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adadelta": 2.0}
-
-
-class MemoryBudgetError(ValueError):
-    """A tier budget asks for more than the tier has free."""
-
-
 def check_precision(plugin: Optional[Precision]) -> Optional[Precision]:
     """The precision plugin, if the tiered runtime reproduces its semantics."""
     if plugin is not None and type(plugin) not in _SUPPORTED_PRECISION:
@@ -89,25 +72,6 @@ def check_precision(plugin: Optional[Precision]) -> Optional[Precision]:
             f"use precision='32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
         )
     return plugin
-
-
-def nvme_reserve(free: int) -> int:
-    """Disk space an NVMe budget of "all that is free" (or a fraction of it) leaves unused."""
-    # a file system spends a few blocks per file beyond its bytes: 1 MiB, or 0.1% of a large disk,
-    # never more than an eighth of a small one
-    return min(free // 8, max(1024**2, free // 1000))
-
-
-def master_dtype_size(p: torch.Tensor, fp32_masters: bool) -> int:
-    """Bytes per element of a parameter's gradient, master and states."""
-    return torch.empty((), dtype=master_dtype(p, fp32_masters)).element_size()
-
-
-def optimizer_state_factor(optimizers: list[torch.optim.Optimizer]) -> float:
-    """Bytes of optimizer state per trainable parameter byte: what one step of each optimizer's
-    class keeps on a stand-in (``measured_state_factor``: AdamW with ``amsgrad`` 3), never less than
-    the class's usual count (2 for Adam; unknown classes 2)."""
-    return max((max(_STATE_FACTORS.get(type(o).__name__, 2.0), measured_state_factor(o) or 0.0) for o in optimizers), default=0.0)
 
 
 class Ranks(Protocol):
@@ -192,12 +156,8 @@ class TieredCore:
         self.options = options
         self.ranks = ranks
         self.context = TieredContext(options, lightning, hardware=options.hardware if isinstance(options.hardware, HardwareSpec) else None)
-        self.activations = ActivationControl(self.context, ranks.largest_on_every_rank)
+        self.session = PlanSession(self.context, ranks, rank_zero_info, self._replace_engine, self._refuse_a_full_disk)
         self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
-        self._plan: Optional[PlanFile] = None
-        self._optimizer_stepped = False
-        self._said_updates_wait = False  # the run has been told once that updates wait for backward's end
-        self._profiled = False
         self._resident_before = 0  # the anonymous resident set at set-up (resolve)
         self._final_engine_metrics: Optional[dict[str, float]] = None
         self._created_directories: list[Path] = []
@@ -205,11 +165,6 @@ class TieredCore:
         self.deferred = DeferredParameters()
         self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
         self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
-        self.prediction = PredictionCheck()
-        self._steps_done = 0  # training steps whose optimizers stepped, counted as the next begins
-        self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
-        self._fitted_trainable: Optional[set[int]] = None  # the parameters that fitted the GPU tier without an engine
-        self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
         self._exposed: list[Any] = []  # gradients on ``.grad`` for the user's code between backward and the step
 
     def __reduce__(self) -> Any:
@@ -243,6 +198,14 @@ class TieredCore:
     @property
     def engine(self) -> Optional[TieredEngine]:
         return self.context.engine
+
+    @property
+    def activations(self) -> ActivationControl:
+        return self.session.activations
+
+    @property
+    def prediction(self) -> PredictionCheck:
+        return self.session.prediction
 
     @property
     def placement_search(self) -> Optional[AutoPlan]:
@@ -337,16 +300,8 @@ class TieredCore:
         """The module's blocks, the planner and, unless the policy is ``none``, the engine with the
         first placement: every loop offloads (fit, and evaluation on its own, forward only)."""
         context, module, root = self.context, self.context.module, self.lightning.root_device
-        assert context.budgets is not None
         plan_file = self.options.plan_file
-        self._plan = load_plan(plan_file) if plan_file is not None else None
-        activations = self.policy.activations
-        if self._plan is not None and self._plan.activations is not None:
-            blocks = len(find_blocks(module, self.policy.block_class))
-            check_plan(self._plan, [u.name for u in self._plan.units], [u.nbytes for u in self._plan.units], blocks)  # blocks only, here
-            activations = self._plan.activations
-        self.activations.start(module, activations if activations is not None else "keep")
-        context.planner = Planner(self.policy, context.budgets, self.options.nvme_path is not None, self._plan, self._refuse_a_full_disk)
+        self.session.start(module, load_plan(plan_file) if plan_file is not None else None, self.keeps_fp32_masters())
         if self.runs_an_engine():
             _refuse_lazy_parameters(module)
             context.engine = self._build_engine(recipe)
@@ -355,13 +310,6 @@ class TieredCore:
             module.to(root)
         self.activations.use_saved_tensor_hooks()
         self.activations.attach_swap_if_needed()
-
-    def _trainable_grew(self) -> bool:
-        """Some parameter is trainable now that the placement in use planned no gradient or state for."""
-        if self.engine is not None:
-            return self.engine.trainable_grew()
-        fitted = self._fitted_trainable
-        return fitted is not None and any(p.requires_grad and id(p) not in fitted for p in self.context.module.parameters())
 
     def _replace_engine(
         self, recipe: Rules, gpu_bytes: int, block_policies: Optional[Sequence[str]] = None, may_fit: bool = False,
@@ -372,7 +320,7 @@ class TieredCore:
         optimizers = self.lightning.optimizers
         # standard, exact: they move through these; with sharded states, each rank's units' too
         states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
-        self._timed = []  # another engine's units
+        self.session.forget_timing()  # another engine's units
         left = self._close_engine(leave=self._left_while_placing_again)
         self._free_closed_engine()
         self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
@@ -405,211 +353,40 @@ class TieredCore:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
-    def _model_units(self, recipe: Rules, units: list[Any], users: Any, fp32_masters: bool) -> ModelUnits:
-        """What the planner knows of the model's units: sizes (no gradients or states without
-        training), the units used together, the blocks' units, and the recipe's gradient rules."""
-        # Under *-true precisions gradients and states are in fp32 beside an fp32 master of each
-        # parameter, and each 16-bit gradient lands in an area of the unit's size before widening.
-        sizes = [
-            UnitSize(
-                u.index, u.nbytes, sum(p.numel() * master_dtype_size(p, fp32_masters) for p in u.trainable) if recipe.training else 0,
-                landing_bytes=u.nbytes if recipe.training and fp32_masters and u.trainable else 0,
-            )
-            for u in units
-        ]
-        inside = [{id(m) for m in block.modules()} for block in self.activations.blocks]
-        block_units = [sorted({u.index for module, used in users.items() if id(module) in ids for u in used}) for ids in inside]
-        wait_on_nvme = recipe.gradients_wait_on_nvme()
-        return ModelUnits(
-            sizes=sizes, names=[u.name for u in units],
-            co_resident=[[u.index for u in used] for used in users.values()], block_units=block_units,
-            recomputed_by_model=self._recomputed_groups(users, block_units),
-            state_factor=optimizer_state_factor(self.lightning.optimizers) + (1.0 if fp32_masters else 0.0),  # the masters
-            sharding=self.ranks.sharding(sizes, recipe.training and recipe.every_backward_reduces_to_owners()),
-            gradients_until_update=recipe.training and (recipe.every_step_updates_in_backward() or wait_on_nvme),
-            spill_gradients=recipe.training and wait_on_nvme, work=[_work(u) for u in units], tensors=[len(u.trainable) for u in units],
-        )
-
     def _build_engine(
         self, recipe: Rules, gpu_bytes: Optional[int] = None, block_policies: Optional[Sequence[str]] = None,
     ) -> Optional[TieredEngine]:
-        """Place every unit within the budgets (``gpu_bytes``: the part of the GPU tier parameters
-        may use, all of it by default; ``block_policies``: the activation layout whose recomputed
-        blocks need their units together, the one in place by default); None when everything fits
-        in the GPU tier."""
-        budgets, planner, model = self.context.budgets, self.context.planner, self.context.module
-        assert budgets is not None and planner is not None
-        units, users = build_units(model)
-        if self.policy.chunk_size:
-            units, users = merge_into_chunks(units, users, int(self.policy.chunk_size))
-        fp32_masters = self.keeps_fp32_masters()
-        planner.model = self._model_units(recipe, units, users, fp32_masters)
-        policies = self.activations.policies if block_policies is None else block_policies
-        together = planner.working_groups(policies) if recipe.training else list(planner.model.co_resident)  # no recompute without gradients
-        gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
-        placement = planner.place(planner.model, gpu_bytes, together, activations_auto=self.activations.auto)
-        # under *-true 16-bit precisions the engine keeps fp32 masters even with nothing offloaded:
-        # without it the same recipe trained with or without masters depending on gpu_memory
-        if not placement.offloaded and not self.ranks.engine_when_all_fits and not fp32_masters:
-            rank_zero_info(self._everything_fits(placement, gpu_bytes, recipe))
-            self._fitted_trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        """The engine for the session's plan of every unit's home (``gpu_bytes``, ``block_policies``:
+        see ``PlanSession.plan_placement``); None when everything fits in the GPU tier."""
+        plan = self.session.plan_placement(recipe, gpu_bytes, block_policies)
+        if plan is None:
             return None
-        placement = self._profiling_placement(placement, recipe, together, gpu_bytes)
-        _refuse_compiled_modules(model)
-        _refuse_sparse_gradients(model, units, placement)
-        return self._start_engine(units, users, placement, planner.model.sizes, fp32_masters, recipe)
+        _refuse_compiled_modules(self.context.module)
+        _refuse_sparse_gradients(self.context.module, plan.units, plan.placement)
+        return self._start_engine(plan, recipe)
 
-    def _profiling_placement(self, placement: Placement, recipe: Rules, together: list[list[int]], gpu_bytes: int) -> Placement:
-        """Until the first steps have measured the blocks' activations, the parameters stream
-        through the fewest buffers their modules need, and the activations have the rest of the
-        GPU tier: ProTrain §3.2 profiles under the most memory-saving configuration. The first-use
-        placement would fill the tier with buffers and resident units, and the profiled steps'
-        activations, measured beside them, would overrun it (on a GPU, out of memory in the first
-        step). The search after those steps places the parameters for what they measured."""
-        planner = self.planner
-        assert planner is not None
-        planner.profiling_placement = False
-        if not (recipe.training and placement.offloaded and planner.searching and planner.phase is PlanPhase.INITIAL
-                and self.activations.measuring and self.activations.blocks):
-            return placement
-        if any(not size.trainable_bytes for size in planner.units.sizes):
-            # a unit with nothing to train that the model's own checkpointing recomputes stays in the
-            # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
-            # a model's own checkpointing may show itself only in its first backward: the fewest
-            # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
-            return placement
-        smallest = planner.least_parameter_share(together)  # what host memory and NVMe can hold the rest of
-        if smallest >= placement.gpu_bytes:
-            return placement
-        try:
-            frugal = planner.place(planner.units, smallest, together, activations_auto=True)
-        except PlacementError:  # host memory may need some units resident: the first-use placement, then
-            planner.place(planner.units, gpu_bytes, together, activations_auto=True)
-            return placement
-        planner.profiling_placement = True
-        planner.gpu_given = gpu_bytes  # what the parameters may take once the activations are known
-        return frugal
-
-    def _everything_fits(self, placement: Placement, gpu_bytes: int, recipe: Rules) -> str:
-        said = (
-            f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
-            f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device"
-        )
-        blocks = f" Blocks: {self.activations.described_blocks}."
-        if recipe.training and self.activations.auto and self.activations.blocks:
-            # the activations are not known yet: a user told "nothing is offloaded" and then shown
-            # every unit in host memory after the first step took the two lines for a contradiction
-            return said + (
-                ", unless the activations the first training step measures do not fit beside them"
-                " (then the units are placed again, and a line says where)." + blocks
-            )
-        return said + "." + blocks
-
-    def _start_engine(
-        self, units: list[Any], users: Any, placement: Placement, sizes: list[UnitSize], fp32_masters: bool, recipe: Rules
-    ) -> TieredEngine:
-        budgets, planner, lightning = self.context.budgets, self.context.planner, self.lightning
-        assert budgets is not None and planner is not None and planner.model is not None
+    def _start_engine(self, plan: Plan, recipe: Rules) -> TieredEngine:
+        budgets, lightning = self.context.budgets, self.lightning
+        assert budgets is not None
         device = make_device(lightning.root_device, capacity=budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
-        nvme_path = self.options.nvme_path
+        nvme_path, sizes = self.options.nvme_path, plan.model.sizes
         try:
             engine = TieredEngine(
-                self.context.module, units, users, placement, device, nvme_path=str(nvme_path) if nvme_path else None,
-                optimizers=lightning.optimizers, direct_gradients=self._direct_gradients(sizes, placement, device.is_emulated),
-                checksums=self.policy.checksums, fp32_masters=fp32_masters, data_parallel=self.ranks.data_parallel(sizes),
-                prefetch=self.policy.prefetch, state_factor=planner.model.state_factor, initial_value=self.deferred.fill,
+                self.context.module, plan.units, plan.users, plan.placement, device, nvme_path=str(nvme_path) if nvme_path else None,
+                optimizers=lightning.optimizers, direct_gradients=plan.direct_gradients,
+                checksums=self.policy.checksums, fp32_masters=self.keeps_fp32_masters(), data_parallel=self.ranks.data_parallel(sizes),
+                prefetch=self.policy.prefetch, state_factor=plan.model.state_factor, initial_value=self.deferred.fill,
             )
         except BaseException:
             device.close()
             raise
-        self._profiled = False
-        if engine.updater is not None:
-            engine.updater.freed.limit = self._freed_memory_limit(engine)
+        engine.updater.freed.limit = self._freed_memory_limit(engine)
         self._share_optimizer_attributes()
-        rank_zero_info(self._describe_placement(engine))
-        self._say_when_updates_wait(recipe, engine)
+        rank_zero_info(self.session.describe(plan))
+        self.session.say_when_updates_wait(recipe, plan)
         if engine.store is not None:
             self.removed_stale_nvme = list(engine.store.removed_stale)
         return engine
-
-    def _freed_memory_limit(self, engine: TieredEngine) -> int:
-        """The resident set above which the steps give freed memory back: what the process held at
-        set-up, the host budget, the emulated GPU tier's and half the runtime's allowance (the other
-        half for what is made between two checks and what construction took before set-up)."""
-        assert self.context.budgets is not None
-        budgets = self.context.budgets
-        emulated = budgets.gpu if engine.device.is_emulated else 0
-        return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 2
-
-    def _describe_placement(self, engine: TieredEngine) -> str:
-        """A few short lines: a table of units and bytes per tier, where gradients and optimizer
-        states live, the blocks and (unless the activation layout's own line will say it) their layout."""
-        tiers: dict[str, list[int]] = {}
-        for state in engine.states:
-            count = tiers.setdefault(str(state.home), [0, 0])
-            count[0] += 1
-            count[1] += state.unit.nbytes
-        title = "tiered: placement (a unit: parameters that move between tiers as one; optimizer states with their unit's parameters)"
-        planner = self.planner
-        if planner is not None and planner.profiling_placement:
-            title = (f"tiered: placement while the first {WARM_UP_STEPS + TIMED_STEPS} steps measure the activations (fewest buffers: "
-                     f"{format_bytes(engine.placement.gpu_bytes)} of gpu_memory={format_bytes(planner.budgets.gpu)})")
-        lines = [title, *placement_table(tiers)]
-        lines.append(f"tiered: gradients {self._where_gradients_live(engine, tiers)}")
-        lines.append(f"tiered: blocks: {self.activations.described_blocks}{self._layout_note()}")
-        return "\n".join(lines)
-
-    @staticmethod
-    def _where_gradients_live(engine: TieredEngine, tiers: dict[str, list[int]]) -> str:
-        placement = engine.placement
-        if placement.gradients_sent:
-            own = "only until updated, through the same buffers" if placement.host_gradients_in_flight else "at home"
-            return (f"of the {len(placement.gradients_sent)} offloaded units other ranks own only until sent to them, through "
-                    f"{sum(placement.gradient_slots.values())} host buffers; the others' {own}")
-        if placement.host_gradients_in_flight:
-            return f"only in flight, through {sum(placement.gradient_slots.values())} host buffers (no room for a home each)"
-        if placement.gradient_slots:
-            gradients = f"NVMe units' through {sum(placement.gradient_slots.values())} host buffers" + (
-                ", waiting on NVMe for the step when they must" if placement.gradients_spilled else "")
-            return gradients + (", the others' at home" if any(t != NVME for t in tiers if t != GPU) else "")
-        return "at each offloaded unit's home in host memory" if placement.offloaded else "in the GPU tier"
-
-    def _layout_note(self) -> str:
-        """The blocks' activation policies where no later line says them: under ``activations="auto"``
-        the layout is chosen after the measured steps and its own line ("activation layout") gives it."""
-        activations = self.activations
-        if activations.searched is not None:  # placed again for the searched layout, which its own line gives
-            return ""
-        if activations.measuring:
-            return f"; their activations are laid out after the first {WARM_UP_STEPS + TIMED_STEPS} steps (a line says how)"
-        if activations.auto:
-            return ""
-        policies = activations.policies if activations.blocks else []
-        return "; activations per block: " + (" ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks")
-
-    def _say_when_updates_wait(self, recipe: Rules, engine: TieredEngine) -> None:
-        """Once per run: what keeps the updates from overlapping backward (LoHan §IV-C) is the recipe's."""
-        if self._said_updates_wait or not recipe.training or not recipe.needs_all_gradients():
-            return
-        self._said_updates_wait = True
-        why = recipe.why_updates_wait()
-        on_nvme = ("NVMe units' gradients waiting on NVMe meanwhile; the units read from disk are updated on the update worker's "
-                   "pipeline while the training thread updates the others")
-        nvme_waits = recipe.gradients_wait_on_nvme() and any(s.home == NVME for s in engine.states)
-        if recipe.updates_may_run_ahead_of_clipping() and any(s.home == HOST for s in engine.states):
-            rest = f"; the other offloaded units after backward, {on_nvme}" if nvme_waits else ""
-            rank_zero_info(
-                f"tiered: {why} before any update: units in host memory are updated during backward all the same, their previous "
-                f"values kept in what the host budget leaves, and updated again after backward on steps whose norm exceeds "
-                f"gradient_clip_val (the optimizer/speculation_* metrics count them; a step after one that clipped updates after "
-                f"backward){rest}."
-            )
-            return
-        on_nvme = f"offloaded units are updated after backward, {on_nvme}"
-        kept = ("the gradients of the units this rank owns kept in host memory (the others' sent on to their owners)"
-                if engine.placement.gradients_sent else "their gradients kept in host memory")
-        where = on_nvme if nvme_waits else f"offloaded units are updated after backward, {kept}"
-        rank_zero_info(f"tiered: {why} before any update, so updates cannot overlap backward: {where}.")
 
     def _share_optimizer_attributes(self) -> None:
         """Lightning's wrappers find the optimizer's methods on its class before the instance:
@@ -622,266 +399,29 @@ class TieredCore:
                 wrapper.__dict__.pop("zero_grad", None)
 
     def _refuse_a_full_disk(self, error: PlacementError) -> None:
-        """NVMe fell short where its budget is what the disk has free: say the disk is full."""
-        nvme_path, nvme_memory = self.options.nvme_path, self.options.nvme_memory
-        if not error.nvme_needed or nvme_path is None or nvme_memory.bytes is not None:
-            return
-        if self.budgets is not None and self.budgets.nvme >= error.nvme_needed:
-            return
-        free = disk_free(str(nvme_path))
-        raise PlacementError(
-            f"{format_bytes(error.nvme_needed)} of parameters and optimizer states must go to NVMe, but the file system "
-            f"under nvme_path={str(nvme_path)!r} has only {format_bytes(free)} free (nvme_memory="
-            f"{'None' if nvme_memory.fraction is None else nvme_memory.fraction} grants what is free, less a reserve "
-            f"of {format_bytes(nvme_reserve(free))}): free space there, point nvme_path at a larger disk, or raise host_memory.",
-            nvme_needed=error.nvme_needed,
-        ) from None
-
-    def _search_placement(self, recipe: Rules) -> None:
-        """``placement="search"``, after the profiled first step: the planner's search (jointly with
-        the activation layout under ``activations="auto"``); the fastest is put in place between
-        two steps (the optimizer states move through their state dicts, exactly)."""
-        engine, planner = self.engine, self.planner
-        assert engine is not None and planner is not None
-        timing = fastest_timing(self._timed) if self._timed else engine.last_timing or engine.profile
-        if not timing.order:  # first use in forward of every unit, resident ones included
-            timing = replace(timing, order=list(engine.profile.order))
-        activations = self.activations
-        joint = activations.joint_search
-        machine = self.ranks.machine(machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None))
-        try:
-            plan, order = planner.search(
-                timing, [bool(s.unit.trainable) for s in engine.states], machine,
-                # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
-                direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
-                blocks=activations.block_costs() if joint else (), links=activations.links() if joint else None,
-                activation_host_bytes=activations.host_left(),
-                beside=self._beside() if joint else BesideBlocks(),
-            )
-        except PlacementError as error:
-            # the search's smallest split is conservative; the first-use placement (and the
-            # activation planner's own fallback) may still fit
-            rank_zero_info(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
-            return
-        count = self.ranks.same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
-        layout = self.ranks.same_on_every_rank(plan.activations)
-        activations.searched = layout
-        rank_zero_info(searched_placement_line(count, len(engine.states), plan.parameters.buffers, plan.seconds))
-        self.prediction.planned(plan.seconds, "placement search")
-        # rank 0's layout: each rank's own search may have chosen another, with another peak
-        resident = planner.keep_resident(replace(plan, activations=layout), order, count, {s.unit.index for s in engine.states if s.home == GPU})
-        if resident is not None:  # beside the layout searched with it, not the profiling step's
-            self._replace_engine(recipe, gpu_bytes=resident.gpu_bytes, block_policies=layout.layout if layout is not None else None,
-                                 may_fit=planner.profiling_placement)
-
-    def _beside(self) -> BesideBlocks:
-        """The most activations a profiled forward kept outside the blocks, and the most backward
-        gradients, on any rank."""
-        # scaled to a max_batch before the ranks agree: each rank scales from its own profiled batches
-        measured, largest = self.activations.measured_beside.scaled(self.activations.growth), self.ranks.largest_on_every_rank
-        return BesideBlocks(*(largest(n) for n in measured.fields()))
-
-    def _plan_activations(self, recipe: Rules, costs: Optional[list[BlockCost]] = None, beside: Optional[BesideBlocks] = None) -> None:
-        """``activations="auto"``, after the profiling step: the planner chooses every block's
-        policy and it is put in place. When no layout fits beside the parameters' share of the GPU
-        tier, the parameters are placed again in the share the planner names (the optimizer states
-        move through their standard state dicts, exactly) and the layout is chosen for what remains.
-        ``costs``, ``beside``: the blocks' costs and the bytes beside them scaled to a larger batch
-        than the profiled ones."""
-        activations, grown = self.activations, costs is not None
-        if costs is None or beside is None:
-            costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
-            beside = self._beside()
-        parameter_bytes = activations.choose_layout(costs, beside)
-        if parameter_bytes is not None:
-            budgets = self.context.budgets
-            assert budgets is not None
-            measured = "of the largest batch so far" if grown else "measured in the first training steps"
-            rank_zero_info(
-                f"tiered: the activations {measured} do not fit beside the parameters' current share of "
-                f"gpu_memory={format_bytes(budgets.gpu)}: the parameters are placed again in {format_bytes(parameter_bytes)} of it, "
-                f"the rest is the activations'."
-            )
-            assert activations.plan is not None
-            self._replace_engine(recipe, gpu_bytes=parameter_bytes, block_policies=activations.plan.layout)  # the layout it was shared with
-            activations.choose_layout_beside(costs)
-        activations.apply_layout()
-        assert activations.plan is not None
-        if self.planner is not None and self.planner.profiling_placement and self.engine is not None:
-            # no search replaced the profiling placement: the parameters take what the layout leaves
-            assert self.context.budgets is not None
-            self._replace_engine(recipe, gpu_bytes=self.context.budgets.gpu - activations.plan.peak_bytes, may_fit=True)
-        if activations.plan is not activations.searched:  # the search priced its layout with the parameters' traffic
-            self.prediction.planned(activations.plan.seconds, "activation layout")
+        refuse_a_full_disk(error, self.options.nvme_path, self.options.nvme_memory, self.budgets)
 
     # -- plans --------------------------------------------------------------------------------------
 
     def dump_plan(self, path: Union[str, Path]) -> Path:
         """Write what this run decided (every unit's home, every block's activation policy) as a
         plan file that ``plan_file=`` runs again without planning. Call it after setup."""
-        module = self.lightning.lightning_module
-        if self.budgets is None or module is None:
+        if self.budgets is None or self.lightning.lightning_module is None:
             raise RuntimeError("dump_plan needs a strategy that has been set up; call it from a callback (on_train_start or later).")
-        model = self.planner.model if self.planner is not None else None
-        if model is None:  # nothing was placed (policy 'none'): every unit in the GPU tier
-            units, _ = build_units(module)
-            names, nbytes, homes = [u.name for u in units], [u.nbytes for u in units], [GPU] * len(units)
-        else:
-            names, nbytes = model.names, [u.nbytes for u in model.sizes]
-            homes = [Tier(self.engine.placement.home[u.index]) if self.engine is not None else GPU for u in model.sizes]
-        prediction = self.predicted_step()
-        plan = PlanFile(
-            units=tuple(PlannedUnit(n, b, h, *self._explain_unit(i, h)) for i, (n, b, h) in enumerate(zip(names, nbytes, homes))),
-            activations=tuple(self.activations.policies) if self.activations.blocks else None,
-            budgets={"gpu": self.budgets.gpu, "host": self.budgets.host, "nvme": self.budgets.nvme},
-            prediction=None if prediction is None else prediction_record(prediction),
-        )
-        return save_plan(plan, path)
-
-    def _explain_unit(self, index: int, home: str) -> tuple[str, Optional[str], Optional[str]]:
-        """A unit's compute mode, where its gradient is produced and where its optimizer states live."""
-        engine = self.engine
-        if engine is not None:
-            trainable = bool(engine.states[index].unit.trainable)
-        else:
-            trainable = any(p.requires_grad for p in self.context.module.parameters())
-        if home == GPU:
-            mode, gradient = "resident", "gpu"
-        else:
-            assert engine is not None
-            mode = "in_place" if index in engine.placement.dha else "streamed"
-            gradient = "direct" if index in engine.direct_gradients else "copied"
-        return mode, gradient if trainable else None, home if trainable else None
+        return save_plan(self.session.plan_as_file(), path)
 
     def predicted_step(self, timing: Optional[StepProfile] = None) -> Optional[StepPrediction]:
-        """The step model's prediction (planning/cost_model.py) for the placement in use, from the
-        compute times of ``timing`` (default: the engine's last timed training step); None before
-        a step has been timed or without an engine (nothing offloaded)."""
-        engine = self.engine
-        timing = timing if timing is not None else engine.last_timing if engine is not None else None
-        if engine is None or timing is None or self.planner is None or self.planner.model is None:
-            return None
-        model = self.planner.model
-        sizes = {u.index: u for u in model.sizes}
-        owns = model.sharding.owns if model.sharding is not None else None
-        costs = costs_from_timing(
-            timing, [bool(s.unit.trainable) for s in engine.states], {i: u.reduced_bytes for i, u in sizes.items()}, owns, model.tensors,
-        )
-        state_factor = self.planner.model.state_factor
-        order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
-        units = [
-            replace(
-                costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients,
-                state_bytes=int(sizes[i].trainable_bytes * state_factor) if engine.states[i].home == NVME and i in sizes else 0,
-            )
-            for i in order
-        ]
-        machine = self.ranks.machine(machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None))
-        return simulate_step([*units, outside_units(timing)], engine.placement.device_slots, machine, engine.placement.host_copies)
-
-    def _direct_gradients(self, sizes: list[UnitSize], placement: Placement, emulated: bool) -> frozenset[int]:
-        """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
-        if not emulated:
-            return frozenset()  # the CUDA path (GradientPath.attach_direct through views of the homes) has not run on a GPU yet
-        reserve = self.policy.gradient_reserve or 0.0
-        offloaded = [u for u in sizes if placement.home[u.index] != GPU and u.trainable_bytes]
-        bandwidth = machine_from_spec(self.hardware, nvme=False).d2h
-        kept = gradient_offload_plan(
-            [u.trainable_bytes for u in offloaded], [u.trainable_bytes / bandwidth for u in offloaded], [0.0] * len(offloaded), reserve
-        )
-        return frozenset(u.index for k, u in enumerate(offloaded) if k not in kept)
+        """The step model's prediction for the placement in use (``PlanSession.predicted_step``)."""
+        return self.session.predicted_step(timing)
 
     # -- the training step --------------------------------------------------------------------------
-
-    def _plan_between_steps(self, recipe: Rules) -> None:
-        """Between two optimizer steps' worth of batches no gradient is waiting at home, so the
-        parameters may be placed again: the placement search, the activation layout, and a new
-        placement when a finetuning callback unfroze parameters."""
-        planner, stepped = self.planner, self._optimizer_stepped
-        assert planner is not None
-        self._optimizer_stepped = False  # a second call before the next step decides nothing
-        self._steps_done += stepped  # batches whose optimizers stepped, however many optimizers
-        if stepped:
-            self._keep_timing()
-        warm = stepped and self._steps_done >= WARM_UP_STEPS + TIMED_STEPS
-        self._note_blocks_the_model_recomputes()
-        if planner.searching and planner.phase is PlanPhase.INITIAL and warm and self.engine is not None:
-            self._search_placement(recipe)
-        if self.activations.profiled and warm:
-            self._plan_activations(recipe)
-        grown = self.activations.take_grown_costs()
-        if grown is not None:  # a batch outgrew every layout beside the parameters as placed
-            self._plan_activations(recipe, *grown)
-        engine = self.engine
-        # without an engine gradients wait in plain tensors until the step: placed only after it
-        if self._trainable_grew() and (stepped or (engine is not None and not self._profiled)):
-            rank_zero_info("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
-            gpu_bytes = planner.gpu_given if engine is not None else self.budgets.gpu if self.budgets is not None else None
-            assert gpu_bytes is not None  # the engine's placement, or the budget the first placement had
-            self._replace_engine(recipe, gpu_bytes=gpu_bytes, may_fit=engine is None)
-        engine = self.engine
-        if stepped and engine is not None and {id(o) for o in self.lightning.optimizers} != set(engine.unit_optimizers):
-            # a callback gave the trainer other optimizers (``trainer.optimizers = [...]``): their
-            # states may take another size, and the old ones' units must not step again
-            rank_zero_info("tiered: the trainer's optimizers were replaced; placing the model again with the new ones' states")
-            assert planner.gpu_given is not None  # the engine's placement
-            self._replace_engine(recipe, gpu_bytes=planner.gpu_given)
-        if warm and self.prediction.predicted_seconds is None:
-            self._predict_fixed_placement()
-
-    def _recomputed_groups(self, users: Any, block_units: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-        """The units of each layer the model recomputes in backward itself (its own activation
-        checkpointing): Hugging Face's layers whose ``gradient_checkpointing`` flag is set (a T5's
-        decoder layers too, which are not the blocks found), and the blocks seen recomputed."""
-        groups = {tuple(block_units[i]) for i in self._recomputed_known}
-        for layer in self.context.module.modules():
-            if getattr(layer, "gradient_checkpointing", False) is True and any(c.__name__ == "GradientCheckpointingLayer" for c in type(layer).__mro__):
-                inside = {id(m) for m in layer.modules()}
-                groups.add(tuple(sorted({u.index for module, used in users.items() if id(module) in inside for u in used})))
-        return tuple(sorted(g for g in groups if g))
-
-    def _note_blocks_the_model_recomputes(self) -> None:
-        """Blocks whose units ran again in the last backward though this runtime kept their
-        activations: the model's own checkpoint recomputed them, and uses each one's units together
-        then, so the plans to come keep room for them (the engine in place held them already,
-        through the step that showed it)."""
-        planner, engine = self.planner, self.engine
-        if planner is None or planner.model is None or engine is None:
-            return
-        recomputed, model = engine.take_recomputed(), planner.model
-        seen = {i for i, (units, policy) in enumerate(zip(model.block_units, self.activations.policies))
-                if policy not in RECOMPUTED and recomputed.intersection(units)}
-        new = sorted(i for i in seen - self._recomputed_known if tuple(model.block_units[i]) not in model.recomputed_by_model)
-        self._recomputed_known |= seen
-        if not new:
-            return
-        groups = tuple(sorted({*model.recomputed_by_model, *(tuple(model.block_units[i]) for i in new)}))
-        planner.model = replace(model, recomputed_by_model=groups)
-        rank_zero_info(f"tiered: the model recomputes {len(groups)} of its layers in backward itself (its own activation checkpointing): "
-                       f"plans keep each one's units together")
-
-    def _keep_timing(self) -> None:
-        """After each step before planning: the blocks are timed again (the warm steps' times,
-        not the first's, the least of them kept), and each warm step's unit times kept."""
-        done, engine = self._steps_done, self.engine
-        if WARM_UP_STEPS <= done < WARM_UP_STEPS + TIMED_STEPS:
-            self.activations.measure_blocks_again(keep_fastest=done > WARM_UP_STEPS)
-        if WARM_UP_STEPS < done <= WARM_UP_STEPS + TIMED_STEPS and engine is not None and engine.last_timing is not None:
-            self._timed.append(engine.last_timing)
-
-    def _predict_fixed_placement(self) -> None:
-        """A placement nothing searched is predicted once, by the step model on the first step's
-        compute times, so that its error is reported as a search's is."""
-        predicted = self.predicted_step() if self.engine is not None else None
-        if predicted is not None:
-            self.prediction.planned(predicted.seconds, "step model")
 
     def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None, batch: Any = None) -> Any:
         """A training step's forward (``run``) of ``batch``, between the planner's decisions and the
         engine's step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self.take_back_exposed()  # before the engine may be replaced
-        self._plan_between_steps(rules)
+        self.session.after_step(rules)
         self.activations.note_batch(batch)  # after the plan: a batch the layout is planned with is a profiled step's
         self.prediction.step_begins()
         self.activations.begin_block_forward()
@@ -892,14 +432,7 @@ class TieredCore:
             self.activations.end_training_step()
 
     def explaining_out_of_memory(self) -> contextlib.AbstractContextManager:
-        return out_of_memory_explained(self._planned_use, self.lightning.root_device)
-
-    def _planned_use(self) -> Optional[PlannedUse]:
-        """The GPU tier as the plan holds it now (None before the budgets are granted)."""
-        if self.budgets is None:
-            return None
-        plan = self.activations.plan
-        return PlannedUse(self.budgets.gpu, self.activations.gpu_parameter_bytes(), plan.peak_bytes if plan is not None else None, self.activations.beside)
+        return out_of_memory_explained(self.session.planned_use, self.lightning.root_device)
 
     def _run_training_step(self, run: Callable[[], Any], rules: Rules, manual: bool) -> Any:
         engine = self.engine
@@ -907,15 +440,13 @@ class TieredCore:
             with _torch_func_explained(), self.activations.counting_saved():
                 return run()
         speculate = rules.updates_may_run_ahead_of_clipping()
-        if speculate:
-            assert self.budgets is not None  # what the plan and the activations' swaps leave of the host budget
-            engine.speculation.room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes()
+        assert self.budgets is not None  # what the plan and the activations' swaps leave of the host budget
+        room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes() if speculate else 0
         engine.begin_step(
-            profile=not self._profiled, update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
+            profile=self.session.takes_order_profile(), update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
             reduce=self.ranks.gradient_reduction(rules.accumulating(), not rules.reductions_may_go_to_owners()), norms_wanted=self.clips_norm_first(rules),
-            speculate=speculate,
+            speculate=speculate, speculation_room=room,
         )
-        self._profiled = True
         try:
             with _torch_func_explained(), engine.saved_tensor_hooks():
                 result = run()
@@ -966,6 +497,15 @@ class TieredCore:
             if expose:
                 self._exposed = engine.expose_gradients()  # reduced first under data parallelism, as DDP's backward leaves them
 
+    def _freed_memory_limit(self, engine: TieredEngine) -> int:
+        """The resident set above which the steps give freed memory back: what the process held at
+        set-up, the host budget, the emulated GPU tier's and half the runtime's allowance (the other
+        half for what is made between two checks and what construction took before set-up)."""
+        assert self.context.budgets is not None
+        budgets = self.context.budgets
+        emulated = budgets.gpu if engine.device.is_emulated else 0
+        return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 2
+
     def take_back_exposed(self) -> None:
         """What the user's code did to exposed gradients reaches the engine's (see :meth:`post_backward`)."""
         engine, exposed = self.engine, self._exposed
@@ -987,13 +527,13 @@ class TieredCore:
         if self.context.module.automatic_optimization:
             # The closure is the training step: a plan made inside it would leave this step to
             # the optimizer chosen before it (a first engine's units stepped by the plain one).
-            self._plan_between_steps(self.recipe(self.context.module.trainer))
+            self.session.after_step(self.recipe(self.context.module.trainer))
         result = plain(optimizer, closure, model, **kwargs)
         self._stepped()
         return result
 
     def _stepped(self) -> None:
-        self._optimizer_stepped = True  # no gradient is pending until the next forward
+        self.session.step_ended()  # no gradient is pending until the next forward
         report = self.prediction.step_ends()
         if report is not None:  # a check of the step model, not a decision: for those who ask for it
             rank_zero_debug(report)
@@ -1200,40 +740,12 @@ class TieredCore:
         return stay
 
     def resolve_budgets(self) -> TierBudgets:
-        """Grant each tier its budget, refusing up front any that asks for more than is free. On a
-        machine without a GPU the emulated GPU tier lives in host memory: the two are checked
-        together against the same memory (``_share_emulated``)."""
-        options, root = self.options, self.lightning.root_device
+        """Each tier's budget against what is free (``session/budgets.py``), the NVMe directory made."""
+        options = self.options
         if options.nvme_path is not None:
             self._created_directories = _check_writable_directory(options.nvme_path) or self._created_directories
-        requested = {"gpu_memory": options.gpu_memory, "host_memory": options.host_memory, "nvme_memory": options.nvme_memory}
-        free = {
-            "gpu_memory": gpu_free(root),
-            "host_memory": host_available(),
-            "nvme_memory": disk_free(str(options.nvme_path)) if options.nvme_path else 0,
-        }
-        where = {
-            "gpu_memory": f"{root} ({cuda_gpu_margin(root).describe()})" if root.type == "cuda" else "the emulated GPU tier (host memory)",
-            "host_memory": "host memory",
-            "nvme_memory": str(options.nvme_path),
-        }
-        granted = {}
-        for name, budget in requested.items():
-            granted[name] = budget.resolve(free[name])
-            if name == "nvme_memory" and budget.bytes is None:
-                # measured once here for every NVMe store of the run; the reserve covers what the
-                # file system spends beyond the bytes written (blocks, metadata, lock files)
-                granted[name] = max(budget.resolve(free[name] - nvme_reserve(free[name])), 0)
-            if budget.bytes is not None and budget.bytes > free[name]:
-                raise MemoryBudgetError(
-                    f"{name}={format_bytes(budget.bytes)} asks for more than is free in {where[name]}: "
-                    f"{format_bytes(free[name])} free. Lower {name}, give a fraction such as 0.9, "
-                    f"or leave it None to use all that is free."
-                )
-        if root.type != "cuda":
-            granted["gpu_memory"], granted["host_memory"] = _share_emulated(options.gpu_memory, options.host_memory, free["host_memory"])
-        budgets = TierBudgets(gpu=granted["gpu_memory"], host=granted["host_memory"], nvme=granted["nvme_memory"])
-        return self.ranks.share_budgets(budgets, (options.gpu_memory, options.host_memory, options.nvme_memory))
+        requested = (options.gpu_memory, options.host_memory, options.nvme_memory)
+        return resolve_budgets(requested, options.nvme_path, self.lightning.root_device, self.ranks.share_budgets)
 
     # -- metrics ------------------------------------------------------------------------------------
 
@@ -1263,62 +775,16 @@ class TieredCore:
         return out
 
 
-def placement_table(tiers: dict[str, list[int]]) -> list[str]:
-    """``tier | units | bytes`` rows, one per tier that holds a unit (``tiers``: tier -> [units, bytes])."""
-    order = sorted(tiers, key=lambda tier: (GPU, HOST, NVME).index(tier) if tier in (GPU, HOST, NVME) else 3)
-    rows = [("tier", "units", "bytes")] + [(tier, str(tiers[tier][0]), format_bytes(tiers[tier][1])) for tier in order]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return [f"  {a:<{widths[0]}} | {b:>{widths[1]}} | {c:>{widths[2]}}" for a, b, c in rows]
-
-
-def searched_placement_line(resident: int, units: int, buffers: int, seconds: float) -> str:
-    """The search's choice in plain terms: the predicted step is what it chose by, so it is said."""
-    if resident == units:
-        kept = f"all {units} units stay in the GPU tier"
-    elif resident == 0:
-        kept = f"all {units} units copied in when used, through {buffers} GPU buffers"
-    else:
-        kept = f"{resident} of {units} units kept in the GPU tier, {units - resident} copied in through {buffers} buffers"
-    return f"tiered: placement search (fastest predicted step {seconds * 1e3:.1f} ms): {kept}"
-
-
 def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:
     core = cls(options, lightning, ranks)
     core.state_dict_type = state_dict_type
     return core
 
 
-def _work(unit: Any) -> tuple:
-    """What makes two units do the same work in a step (``ModelUnits.work``)."""
-    return tuple((tuple(p.shape), str(p.dtype), p.requires_grad) for p in unit.params)
-
-
 def _nvme_state_bytes(engine: TieredEngine) -> int:
     """Parameters and optimizer states at home on NVMe."""
     on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
     return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
-
-
-def _share_emulated(gpu: Budget, host: Budget, available: int) -> tuple[int, int]:
-    """The emulated GPU tier's budget and host memory's, from the same ``available`` host memory:
-    two bounded budgets (bytes or fractions) must fit in it together; one left None takes what
-    the other leaves; both None, each may use all of it (one pool: the planner fills the GPU tier
-    first and host memory holds what does not fit there)."""
-    gpu_bytes, host_bytes = gpu.resolve(available), host.resolve(available)
-    bounded_gpu, bounded_host = gpu.bytes is not None or gpu.fraction is not None, host.bytes is not None or host.fraction is not None
-    if bounded_gpu and bounded_host and gpu_bytes + host_bytes > available:
-        raise MemoryBudgetError(
-            f"gpu_memory={gpu} ({format_bytes(gpu_bytes)}) and host_memory={host} ({format_bytes(host_bytes)}) ask for "
-            f"{format_bytes(gpu_bytes + host_bytes)} together, but there is no GPU: the GPU tier is emulated in the same host memory, "
-            f"of which {format_bytes(available)} is available. Lower them so that together they are at most {format_bytes(available)} "
-            f"(host_memory={format_bytes(max(available - gpu_bytes, 0))} beside this gpu_memory), or leave host_memory None to take "
-            f"what gpu_memory leaves."
-        )
-    if bounded_gpu and not bounded_host:
-        host_bytes = max(available - gpu_bytes, 0)
-    elif bounded_host and not bounded_gpu:
-        gpu_bytes = max(available - host_bytes, 0)
-    return gpu_bytes, host_bytes
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from offload_strategy import TieredStrategy  # noqa: E402
 from offload_strategy.hardware import host_available  # noqa: E402
 from offload_strategy.hardware.cgroup import cgroup_memory  # noqa: E402
-from offload_strategy.strategy_core import MemoryBudgetError  # noqa: E402
+from offload_strategy import MemoryBudgetError  # noqa: E402
 from tests.helpers import train  # noqa: E402
 
 

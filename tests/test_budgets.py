@@ -18,7 +18,7 @@ from offload_strategy.config import BlockPolicy
 from offload_strategy.hardware import cgroup as cgroup_module
 from offload_strategy.hardware import probe
 from offload_strategy.hardware.cgroup import CgroupMemory, cgroup_memory
-from offload_strategy.strategy_core import MemoryBudgetError
+from offload_strategy import MemoryBudgetError
 from tests.helpers import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -99,6 +99,7 @@ def test_a_checkpoint_that_meets_a_full_disk_keeps_the_previous_one(tmp_path):
 def _free_space_of(monkeypatch, path: Path, size: int) -> None:
     """Where no file system can be mounted: ``path`` reports ``size`` less what lies under it."""
     import offload_strategy.memory.nvme as nvme
+    import offload_strategy.session.budgets as budgets
     import offload_strategy.strategy_core as strategy
 
     def free(_: object) -> int:
@@ -107,6 +108,7 @@ def _free_space_of(monkeypatch, path: Path, size: int) -> None:
 
     monkeypatch.setattr(nvme, "disk_free", free)
     monkeypatch.setattr(strategy, "disk_free", free)
+    monkeypatch.setattr(budgets, "disk_free", free)
 
 
 def test_all_that_is_free_is_measured_once_for_every_nvme_store(tmp_path, monkeypatch):

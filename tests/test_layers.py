@@ -4,9 +4,9 @@ From the bottom: ``config`` and the profile's data (``profiling/profile.py``); `
 functions over sizes and times: no torch, no Lightning); ``hardware`` and ``memory``; ``runtime``
 (the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units),
 ``deferred`` and ``weights`` (models built without memory, weights read into homes), ``losses``
-(a causal LM's loss a chunk at a time);
-and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, ``demos``, the
-package's ``__init__``), the only modules that may import Lightning. A module may import its own layer and
+(a causal LM's loss a chunk at a time); ``session`` (the planning session: profile -> plan -> engine, torch
+but no Lightning); and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, ``demos``, the package's
+``__init__``), the only modules that may import Lightning. A module may import its own layer and
 those below it. See docs/architecture.md.
 """
 
@@ -34,32 +34,31 @@ LAYERS = {
     "deferred": 5,
     "weights": 5,
     "losses": 5,
-    "strategy": 6,
-    "strategy_activations": 6,
-    "strategy_context": 6,
-    "strategy_core": 6,
-    "strategy_recipe": 6,
-    "lightning": 6,
-    "strategy_ddp": 6,
-    "strategy_fabric": 6,
-    "strategy_names": 6,
-    "strategy_prediction": 6,
-    "callbacks": 6,
-    "checkpoint_io": 6,
-    "sharded_checkpoint": 6,
-    "__init__": 6,
-    "estimate": 6,
-    "estimate.budgets": 6,
-    "estimate.models": 6,  # models built on the meta device from a config (Hydra's only with the experiments extra)
-    "estimate.simulate": 6,
-    "estimate.plans": 6,
-    "checkpoint": 6,
-    "checkpoint.consolidate": 6,
-    "cli": 6,
-    "__main__": 6,
-    "demos": 6,  # the model, data and logger the tests, tools and experiments train with: a LightningModule
+    "session": 6,
+    "strategy": 7,
+    "strategy_context": 7,
+    "strategy_core": 7,
+    "strategy_recipe": 7,
+    "lightning": 7,
+    "strategy_ddp": 7,
+    "strategy_fabric": 7,
+    "strategy_names": 7,
+    "callbacks": 7,
+    "checkpoint_io": 7,
+    "sharded_checkpoint": 7,
+    "__init__": 7,
+    "estimate": 7,
+    "estimate.budgets": 7,
+    "estimate.models": 7,  # models built on the meta device from a config (Hydra's only with the experiments extra)
+    "estimate.simulate": 7,
+    "estimate.plans": 7,
+    "checkpoint": 7,
+    "checkpoint.consolidate": 7,
+    "cli": 7,
+    "__main__": 7,
+    "demos": 7,  # the model, data and logger the tests, tools and experiments train with: a LightningModule
 }
-GLUE = 6
+GLUE = 7
 NO_TORCH = {"config", "profiling.profile", "profiling", "planning"}
 
 

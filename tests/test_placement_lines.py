@@ -1,6 +1,6 @@
 """The placement said in plain terms: a short table, and the search's choice in words a user reads once."""
 
-from offload_strategy.strategy_core import placement_table, searched_placement_line
+from offload_strategy.session.plans import placement_table, searched_placement_line
 
 
 def test_the_table_lists_tiers_in_order_with_units_and_bytes():

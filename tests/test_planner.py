@@ -6,7 +6,7 @@ from offload_strategy.config import PolicyConfig
 from offload_strategy.planning.activations import BlockCost, Links
 from offload_strategy.planning.placement import PlacementError, UnitSize
 from offload_strategy.planning.cost_model import Machine
-from offload_strategy.planning.planner import ModelUnits, Planner, PlanPhase, TierBudgets
+from offload_strategy.planning.planner import ModelUnits, Planner, TierBudgets
 from offload_strategy.profiling import StepProfile, hold_spikes
 
 
@@ -35,18 +35,10 @@ def test_a_refusal_under_a_fixed_placement_names_the_mode_and_the_way_out():
 
 
 def test_checkpointed_blocks_are_placed_together():
-    planner = Planner(PolicyConfig(placement="fill"), TierBudgets(gpu=10_000, host=100_000, nvme=0), has_nvme=False)
-    planner.model = model(blocks=([0, 1], [2]))
+    planner = Planner(PolicyConfig(placement="fill"), TierBudgets(gpu=10_000, host=100_000, nvme=0), has_nvme=False, model=model(blocks=([0, 1], [2])))
     assert planner.working_groups(["checkpoint", "keep"]) == [[0], [1], [2], [0, 1]]
     assert planner.working_groups(["keep", "keep"]) == [[0], [1], [2]]
     assert planner.working_groups(["keep", "keep"], every_block=True) == [[0], [1], [2], [0, 1], [2]]
-
-
-class _Plan:
-    """An AutoPlan's fields the planner reads."""
-
-    def __init__(self, peak: int) -> None:
-        self.activations = type("A", (), {"peak_bytes": peak})() if peak else None
 
 
 def test_the_search_keeps_its_resident_units_only_when_they_change_something():
@@ -54,26 +46,26 @@ def test_the_search_keeps_its_resident_units_only_when_they_change_something():
     planner.place(model(), 4000, [[0], [1], [2]], False)
     order = [2, 0, 1]
     # the first unit in use order, with 1000 bytes of activations beside: 3000 bytes for the parameters
-    chosen = planner.keep_resident(_Plan(1000), order, 1, current=set())
+    chosen = planner.keep_resident(order, 1, current=set(), gpu_bytes=3000, placed=4000)
     assert chosen is not None and chosen.units == frozenset({2}) and chosen.gpu_bytes == 3000
-    planner.gpu_placed = 2500
-    assert planner.keep_resident(_Plan(1000), order, 1, current={2}) is None  # already so, and within 3000 bytes
-    planner.gpu_placed = 3500
-    assert planner.keep_resident(_Plan(1000), order, 1, current={2}) is not None  # the same units, but over 3000 bytes
-    assert planner.keep_resident(_Plan(0), order, 3, current=set()) is None  # all resident: the first placement could
+    assert planner.keep_resident(order, 1, current={2}, gpu_bytes=3000, placed=2500) is None  # already so, and within 3000 bytes
+    assert planner.keep_resident(order, 1, current={2}, gpu_bytes=3000, placed=3500) is not None  # the same units, but over 3000 bytes
+    assert planner.keep_resident(order, 3, current=set(), gpu_bytes=4000, placed=4000) is None  # all resident: the first placement could
+    # the profiling placement is replaced whatever the search keeps
+    assert planner.keep_resident(order, 1, current={2}, gpu_bytes=3000, placed=2500, profiling=True) is not None
     # the searched units are placed again: unit 2 stays in the GPU tier, the others stream
     placement = planner.place(model(), 3000, [[0], [1], [2]], False)
     assert placement.home == {0: "host", 1: "host", 2: "gpu"}
 
 
-def test_phases_follow_the_work_done():
+def test_a_layout_that_does_not_fit_beside_the_parameters_names_their_smaller_share():
     planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=100_000, host=100_000, nvme=0), has_nvme=False)
-    assert planner.phase is PlanPhase.INITIAL and planner.searching
+    assert planner.searching
     planner.place(model(), 100_000, [[0], [1], [2]], False)
     costs = [BlockCost(activation_bytes=1000, input_bytes=10, forward_seconds=1e-3)] * 2
     links = Links(d2h=1e9, h2d=1e9, nvme_write=0.0, nvme_read=0.0)
     plan, extra = planner.layout(costs, links, "auto", parameter_bytes=1000, host_bytes=0, block_policies=["keep", "keep"])
-    assert planner.phase is PlanPhase.LAID_OUT and extra is None and list(plan.layout) == ["keep", "keep"]
+    assert extra is None and list(plan.layout) == ["keep", "keep"]
     # 500 bytes beside the parameters hold no layout (one block alone is 1000 bytes): the layout
     # is chosen beside the parameters' smallest share (two 512-byte streaming buffers), and the
     # parameters must be placed again in what it leaves
@@ -142,16 +134,16 @@ def test_a_layout_that_recomputes_nothing_is_laid_out_beside_each_modules_units_
     three (3072). In a 4048-byte tier, beside 2048 the two blocks' activations (1000 bytes each)
     are kept (a 2000-byte peak); beside 3072 the 976 left hold no layout (checkpointing both
     peaks at 1010). So the parameters are placed again in 2048 bytes, not refused."""
-    planner = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=4048, host=10**6, nvme=0), has_nvme=False)
-    planner.model = model(sizes=(1000, 1000, 1000, 1000), blocks=([0, 1], [2, 3]))
+    planner = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=4048, host=10**6, nvme=0), has_nvme=False,
+                      model=model(sizes=(1000, 1000, 1000, 1000), blocks=([0, 1], [2, 3])))
     keep = ["keep", "keep"]
     assert (planner.smallest_parameter_share(keep, recomputing=False), planner.smallest_parameter_share(keep)) == (2048, 3072)
     costs = [BlockCost(activation_bytes=1000, input_bytes=10, forward_seconds=1e-3)] * 2
     links = Links(d2h=1e9, h2d=1e9, nvme_write=0.0, nvme_read=0.0)
     plan, parameters = planner.layout(costs, links, "auto", parameter_bytes=4000, host_bytes=0, block_policies=["checkpoint", "checkpoint"])
     assert list(plan.layout) == ["keep", "keep"] and plan.peak_bytes == 2000 and parameters == 2048
-    tighter = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=4000, host=10**6, nvme=0), has_nvme=False)
-    tighter.model = planner.model  # 1952 bytes beside each module's units: only checkpointing fits, which needs a block's units
+    tighter = Planner(PolicyConfig(placement="host"), TierBudgets(gpu=4000, host=10**6, nvme=0), has_nvme=False, model=planner.model)
+    # 1952 bytes beside each module's units: only checkpointing fits, which needs a block's units
     with pytest.raises(ValueError, match="no layout"):
         tighter.layout(costs, links, "auto", parameter_bytes=4000, host_bytes=0, block_policies=["checkpoint", "checkpoint"])
 
@@ -164,7 +156,7 @@ def test_the_layout_chosen_after_placing_again_recomputes_only_blocks_placed_tog
     from types import SimpleNamespace
 
     from offload_strategy.planning.activations import ActivationPlan
-    from offload_strategy.strategy_activations import ActivationControl
+    from offload_strategy.session.activations import ActivationControl
 
     K, C = "keep", "checkpoint"
     placed_for = ActivationPlan((K, C, C), 3.0, 30)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from offload_strategy import TieredStrategy
-from offload_strategy.strategy_prediction import PredictionCheck
+from offload_strategy.session.prediction import PredictionCheck
 from tests.helpers import train
 from tests.test_offload import GPT2_4L
 
@@ -19,7 +19,7 @@ from tests.test_offload import GPT2_4L
 def test_the_error_is_the_median_of_the_steps_under_the_plan_against_its_prediction(monkeypatch):
     durations = [0.5, 0.10, 0.12, 0.08, 0.11, 0.09, 0.10, 0.13, 0.10, 0.10, 0.12]  # the first, after placing, is left out
     clock = iter([t for d in durations for t in (0.0, d)])
-    monkeypatch.setattr("offload_strategy.strategy_prediction.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("offload_strategy.session.prediction.time.perf_counter", lambda: next(clock))
     check = PredictionCheck()
     check.planned(0.08, "placement search")
     reports = []
@@ -35,7 +35,7 @@ def test_the_error_is_the_median_of_the_steps_under_the_plan_against_its_predict
 
 def test_accumulated_micro_batches_are_one_step_and_a_new_plan_starts_afresh(monkeypatch):
     clock = iter([0.0, 9.0, 1.0, 2.5])
-    monkeypatch.setattr("offload_strategy.strategy_prediction.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("offload_strategy.session.prediction.time.perf_counter", lambda: next(clock))
     check = PredictionCheck()
     check.planned(1.0, "step model")
     check.step_begins()
@@ -75,19 +75,19 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
     """The first step's first use of every buffer and kernel makes it slower by an amount that
     varies between runs; the search and the layout price the second and third steps' times."""
     from offload_strategy.planning.planner import Planner
-    from offload_strategy.strategy_activations import ActivationControl
+    from offload_strategy.session.activations import ActivationControl
 
     strategy = TieredStrategy(gpu_memory="675KiB")
     seen = {}
     search, choose = Planner.search, ActivationControl.choose_layout
 
     def searched(planner, timing, *args, **kwargs):
-        seen["search"] = (strategy.tiered._steps_done, timing is strategy.engine.profile)
+        seen["search"] = (strategy.tiered.session.steps_done, timing is strategy.engine.profile)
         return search(planner, timing, *args, **kwargs)
 
-    def chosen(control, costs, beside):
-        seen["layout"] = strategy.tiered._steps_done
-        return choose(control, costs, beside)
+    def chosen(control, costs, beside, **kwargs):
+        seen["layout"] = strategy.tiered.session.steps_done
+        return choose(control, costs, beside, **kwargs)
 
     monkeypatch.setattr(Planner, "search", searched)
     monkeypatch.setattr(ActivationControl, "choose_layout", chosen)
@@ -129,7 +129,7 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
     import lightning as L
 
     from offload_strategy.planning.planner import Planner
-    from offload_strategy.strategy_activations import ActivationControl
+    from offload_strategy.session.activations import ActivationControl
 
     def plan(slow_step: int) -> tuple[dict, list[float], list[int]]:
         strategy = TieredStrategy(gpu_memory="675KiB")
@@ -142,9 +142,9 @@ def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_pat
             seen["resident"] = found[0].parameters.persistent
             return found
 
-        def chosen(control, costs, beside):
+        def chosen(control, costs, beside, **kwargs):
             seen["blocks"] = [c.forward_seconds for c in costs]
-            return choose(control, costs, beside)
+            return choose(control, costs, beside, **kwargs)
 
         class Neighbour(L.Callback):
             def __init__(self) -> None:

@@ -363,7 +363,7 @@ def test_blocks_the_model_recomputes_itself_are_planned_with_their_units_togethe
     assert_same_weights(plain_weights, weights)
     core = strategy.tiered
     model = core.planner.model
-    assert core._recomputed_known == {0, 1, 2, 3}
+    assert core.session._recomputed_known == {0, 1, 2, 3}
     assert sorted(model.recomputed_by_model) == sorted(tuple(units) for units in model.block_units)
     assert all(len(units) == 2 for units in model.block_units)
     assert strategy.metrics().get("units/host", 0) > 0

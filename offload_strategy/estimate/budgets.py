@@ -34,7 +34,7 @@ from ..planning.placement import Placement, PlacementError, minimum_gpu_bytes
 from ..planning.planner import ModelUnits, Planner, TierBudgets
 from ..profiling.shapes import Pricing, ShapeModel, parameter_links, placed_step, shape_model, streamed_bytes, unit_costs
 from ..runtime.activations import resolve_policies
-from ..strategy_core import optimizer_state_factor
+from ..session.plans import optimizer_state_factor
 
 # the NVMe tier the bisection may use where host memory runs out: more than any drive holds
 _ANY_NVME = 1 << 60
@@ -306,10 +306,10 @@ def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets) -> Op
     """What a run of ``model`` under ``policy`` holds in the GPU tier at ``budgets``, or None where
     the strategy refuses it: the placement (the profiling one while the blocks are measured), then
     the activations beside it, as the runtime decides them."""
-    planner = Planner(policy, budgets, has_nvme=budgets.nvme > 0)
+    units = _model_units(model, policy)
+    planner = Planner(policy, budgets, has_nvme=budgets.nvme > 0, model=units)
     planning = _layout_planner(policy, model)
     running = _running_layout(policy, model, planning)
-    units = planner.model = _model_units(model, policy)
     together = planner.working_groups(running)
     try:
         placement = planner.place(units, budgets.gpu, together, activations_auto=planning is not None)
@@ -352,7 +352,7 @@ def _model_units(model: ShapeModel, policy: PolicyConfig) -> ModelUnits:
 
 def _profiling_placement(planner: Planner, placement: Placement, together: list[list[int]], planning: Optional[str]) -> Placement:
     """Under the search, the blocks are measured with the parameters in the fewest streaming
-    buffers (``TieredCore._profiling_placement``)."""
+    buffers (``PlanSession._profiling_placement``)."""
     if planning is None or not planner.searching or not placement.offloaded:
         return placement
     smallest = minimum_gpu_bytes(planner.units.sizes, together, planner.policy.prefetch)
@@ -369,7 +369,7 @@ def _placed_beside_layout(planner: Planner, model: ShapeModel, planning: str, ru
     blocks' layout leaves of the GPU tier (the runtime's ``layout`` phase): more of them home in
     host memory or NVMe than while the blocks were measured."""
     peak = planner.least_activation_peak(model.blocks, planning, model.beside, running)
-    return planner.place(planner.units, max(planner.budgets.gpu - peak, 0), together, activations_auto=True)
+    return planner.place(planner.units, max(planner.gpu_beside(peak), 0), together, activations_auto=True)
 
 
 def _kept_peak(model: ShapeModel, running: Sequence[str]) -> int:

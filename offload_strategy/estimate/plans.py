@@ -228,7 +228,7 @@ def make_from_shapes(out: Path, job: ShapesJob, efficiency: float) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` command's arguments (``offload-strategy plan``)."""
-    from ..strategy_core import TIMED_STEPS, WARM_UP_STEPS
+    from ..session.plans import TIMED_STEPS, WARM_UP_STEPS
 
     parser.add_argument("model", nargs="*", help="a Hugging Face config.json (or its directory), with --from-shapes; or, in a checkout with the "
                         "experiments extra, Hydra overrides of its job, as for experiments/train.py (a bare name: model=NAME)")

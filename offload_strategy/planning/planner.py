@@ -1,14 +1,15 @@
-"""The planner: what the strategy places, from what it knows, phase by phase.
+"""The planner: what the strategy places, from what it knows.
 
-The strategy builds a :class:`Planner` at set-up and asks it for each placement; it hands the
-plans to the engine and tells the planner what the run measured. The planner's phases, in order:
+The planning session (``session/plans.py``) builds a :class:`Planner` at set-up and asks it for
+each placement; it keeps the run's phase and hands the planner what the run measured as arguments.
+The planner's three kinds of decision, in the order a run asks for them:
 
-1. ``INITIAL``: every unit's home from sizes alone (10Cache's first-use allocator,
+1. Placing: every unit's home from sizes alone (10Cache's first-use allocator,
    ``placement.py``), or from the plan file, or as the placement mode fixes them.
-2. ``SEARCHED``: after the profiled first step, under ``placement="search"``, how many leading
+2. The search: after the profiled first step, under ``placement="search"``, how many leading
    units stay resident, priced by the step model from the measured times (ProTrain §3.3,
    ``auto.py``), jointly with the activation layout under ``activations="auto"``.
-3. ``LAID_OUT``: under ``activations="auto"``, every block's activation policy (``activations.py``,
+3. The layout: under ``activations="auto"``, every block's activation policy (``activations.py``,
    ``lohan.py``); when no layout fits beside the parameters' share of the GPU tier, that share
    shrinks to the smallest working set first.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import math
 
-import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -71,12 +71,6 @@ def layout_beside_smallest(lay_out: Callable[[bool], ActivationPlan]) -> Activat
     raise refusal
 
 
-class PlanPhase(enum.Enum):
-    INITIAL = "initial placement"
-    SEARCHED = "searched placement"
-    LAID_OUT = "activation layout"
-
-
 @dataclass(frozen=True)
 class TierBudgets:
     """Bytes the strategy may use in each tier, resolved against what was free at setup."""
@@ -126,22 +120,17 @@ class Resident:
 class Planner:
     def __init__(
         self, policy: PolicyConfig, budgets: TierBudgets, has_nvme: bool, plan: Optional[PlanFile] = None,
-        explain_nvme_shortfall: Callable[[PlacementError], None] = lambda error: None,
+        explain_nvme_shortfall: Callable[[PlacementError], None] = lambda error: None, model: Optional[ModelUnits] = None,
     ) -> None:
         self.policy = policy
         self.budgets = budgets
         self.has_nvme = has_nvme
         self.plan = plan
         self.explain_nvme_shortfall = explain_nvme_shortfall  # raises a clearer error where the disk is full
-        self.phase = PlanPhase.INITIAL
-        self.model: Optional[ModelUnits] = None
+        self.model = model  # what the last placement knew of the model (``place`` sets it)
         self.resident: Optional[Resident] = None  # what the search chose, kept while it fits
-        self.gpu_given: Optional[int] = None  # GPU tier the last placement could use ...
-        self.gpu_placed: Optional[int] = None  # ... and what it used for parameters, gradients and states
+        self.gpu_placed: Optional[int] = None  # what the last placement used for parameters, gradients and states
         self.search_result: Optional[AutoPlan] = None
-        # the placement in use streams every unit through the fewest buffers while the first steps
-        # measure the activations (the strategy's choice): the search's plan replaces it, whatever it keeps
-        self.profiling_placement = False
         # host bytes the activation layout keeps there: the staging buffers beyond the minimum leave them
         self.host_reserve = 0
         # per unit grouping, the least GPU share host memory and NVMe hold the rest of (and the model it is for)
@@ -159,11 +148,26 @@ class Planner:
             raise RuntimeError("the planner knows no model yet: place() it first.")
         return self.model
 
-    def working_groups(self, block_policies: Sequence[str], every_block: bool = False) -> list[list[int]]:
+    def gpu_beside(self, taken: int) -> int:
+        """The GPU tier left beside ``taken`` bytes of it: the parameters' share beside the
+        activations' peak, or the activations' room beside the parameters. The one place the tier
+        is split between the two (the planning session, the activation control and the estimate ask it)."""
+        return self.budgets.gpu - taken
+
+    def note_recomputed_by_model(self, groups: tuple[tuple[int, ...], ...]) -> None:
+        """The model's own checkpointing recomputes these unit groups: plans to come keep each together."""
+        self.model = replace(self.units, recomputed_by_model=groups)
+
+    def keep_host_for_layout(self, nbytes: int) -> None:
+        """Host bytes the activation layout keeps there: the staging buffers beyond the minimum leave them."""
+        self.host_reserve = nbytes
+
+    def working_groups(self, block_policies: Sequence[str], every_block: bool = False, model: Optional[ModelUnits] = None) -> list[list[int]]:
         """The unit sets that must be in the GPU tier together: each module's units and, since a
         checkpointed block's recompute holds views of all its units until their gradients are in,
-        each checkpointed block's (every block's with ``every_block``)."""
-        model = self.units
+        each checkpointed block's (every block's with ``every_block``); of ``model``, the one the
+        last placement knew by default."""
+        model = model if model is not None else self.units
         blocks = [units for units, policy in zip(model.block_units, block_policies) if every_block or policy in RECOMPUTED]
         return [*model.together, *blocks]
 
@@ -172,7 +176,6 @@ class Planner:
     def place(self, model: ModelUnits, gpu_bytes: int, together: list[list[int]], activations_auto: bool) -> Placement:
         """Every unit's home within the budgets, ``gpu_bytes`` of the GPU tier for parameters."""
         self.model = model
-        self.gpu_given = gpu_bytes
         homes, gpu_bytes = self._fixed_homes(together, gpu_bytes)
         placement = self._place(together, gpu_bytes, homes, activations_auto)
         self.gpu_placed = placement.gpu_bytes
@@ -262,7 +265,6 @@ class Planner:
         the activation layout, ``beside`` the bytes outside the blocks' layouts (counted in the
         layout's peak). Returns the plan and the units in first-use
         order. Raises PlacementError when no split of the GPU tier fits."""
-        self.phase = PlanPhase.SEARCHED
         model, budgets = self.units, self.budgets
         used = list(dict.fromkeys(timing.order))
         order = used + [i for i in range(len(model.sizes)) if i not in used]
@@ -272,7 +274,7 @@ class Planner:
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
         plan = plan_auto(
-            model.sizes, model.together, order, costs, machine, gpu_bytes=max(budgets.gpu - beside.in_blocks, 0), host_bytes=budgets.host,
+            model.sizes, model.together, order, costs, machine, gpu_bytes=max(self.gpu_beside(beside.in_blocks), 0), host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
             activation_host_bytes=activation_host_bytes, block_units=model.block_units, sharding=model.sharding,
             gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients, head=beside.head,
@@ -282,12 +284,13 @@ class Planner:
         self.search_result = plan
         return plan, order
 
-    def keep_resident(self, plan: AutoPlan, order: list[int], count: int, current: set[int]) -> Optional[Resident]:
-        """The first ``count`` units of ``order`` resident, with what the activation layout searched
-        with them leaves of the GPU tier; None when the placement in use already is that."""
+    def keep_resident(self, order: list[int], count: int, current: set[int], gpu_bytes: int, placed: int, profiling: bool = False) -> Optional[Resident]:
+        """The first ``count`` units of ``order`` resident, in ``gpu_bytes`` of the GPU tier (what
+        the activation layout searched with them leaves); None when the placement in use, ``current``
+        units resident in ``placed`` bytes, already is that (``profiling``: the placement in use is
+        the profiling one, which the search's replaces)."""
         chosen = frozenset(order[:count])
-        gpu_bytes = self.budgets.gpu - (plan.activations.peak_bytes if plan.activations is not None else 0)
-        if not self.profiling_placement and (count >= len(order) or (chosen == current and (self.gpu_placed or 0) <= gpu_bytes)):
+        if not profiling and (count >= len(order) or (chosen == current and placed <= gpu_bytes)):
             return None  # all resident: the first placement had that choice
         self.resident = Resident(chosen, gpu_bytes)
         return self.resident
@@ -411,7 +414,7 @@ class Planner:
         minimum gpu_memory, and how far the batch must shrink instead (activations, and the
         blocks' inputs, grow in proportion to batch size times sequence length)."""
         least = self.least_activation_peak(costs, planner, beside, running)
-        left = self.budgets.gpu - self.smallest_parameter_share(block_policies)
+        left = self.gpu_beside(self.smallest_parameter_share(block_policies))
         if least <= left:
             return
         shrink = (
@@ -434,7 +437,6 @@ class Planner:
         (then ask again with what that placement uses). The smallest share is first each module's
         units alone, which serves a layout that recomputes no block; one that does needs a whole
         block's units together."""
-        self.phase = PlanPhase.LAID_OUT
         try:
             return self.layout_beside(costs, links, planner, parameter_bytes, host_bytes, beside), None
         except ValueError as error:
@@ -451,7 +453,7 @@ class Planner:
             plan = layout_beside_smallest(beside_share)
         except ValueError as refusal:
             raise ValueError(f"{refusal} {self.activation_minimum_note(costs, planner, block_policies, beside)}") from None
-        return plan, self.budgets.gpu - plan.peak_bytes
+        return plan, self.gpu_beside(plan.peak_bytes)
 
     def layout_beside(
         self, costs: Sequence[BlockCost], links: Links, planner: str, parameter_bytes: int, host_bytes: int,
@@ -460,7 +462,7 @@ class Planner:
         """The planner's layout in what ``parameter_bytes`` of parameters and the bytes ``beside``
         the blocks leave of the GPU tier; its peak counts the latter (the activations outside the
         blocks are held from forward into backward, beside the blocks')."""
-        gpu_bytes = max(self.budgets.gpu - parameter_bytes - beside.in_blocks, 0)
+        gpu_bytes = max(self.gpu_beside(parameter_bytes + beside.in_blocks), 0)
         plan = layout_for(planner)(costs, links, gpu_bytes=gpu_bytes, host_bytes=host_bytes, head=beside.head)
         return replace(plan, peak_bytes=plan.peak_bytes + beside.in_blocks) if beside.in_blocks else plan
 

@@ -644,12 +644,14 @@ class TieredEngine:
     def begin_step(
         self, profile: bool, update_in_backward: bool = False, clip_value: Optional[float] = None,
         reduce: Optional[Reduction] = None, train: bool = True, norms_wanted: bool = False, speculate: bool = False,
+        speculation_room: int = 0,
     ) -> None:
         """A training (or, with ``train=False``, evaluation) step starts. ``update_in_backward``:
         its backward ends an optimizer step (no accumulation left, nothing that needs every
         gradient first), so units are updated as soon as their gradients are complete.
         ``speculate``: clipping by norm is all that keeps them from it, so host units are updated
-        then anyway, taken back if the norm says so (``speculation.py``).
+        then anyway, taken back if the norm says so (``speculation.py``), their previous values
+        kept in ``speculation_room`` host bytes.
         ``reduce``: under data parallelism, how this backward's gradients are reduced; None accumulates."""
         self.forwards.settle()
         self.lending.take_back()
@@ -660,6 +662,8 @@ class TieredEngine:
         self.cache.new_step()
         self.saved.clear()
         step.update_in_backward = update_in_backward and len(self.updater.optimizers) == 1
+        if speculate:
+            self.speculation.room = speculation_room
         self.speculation.begin_step(speculate and train and len(self.updater.optimizers) == 1 and self.exchange is None)
         step.clip_value = clip_value
         step.norms_wanted = norms_wanted

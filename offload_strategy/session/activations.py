@@ -1,32 +1,70 @@
-"""The activation half of the tiered strategy's core: block policies, swapping, and the layout the
+"""The activation half of the planning session: block policies, swapping, and the layout the
 planner chooses after the profiling step.
 
-``ActivationControl`` is held by :class:`~offload_strategy.strategy_core.TieredCore` and reads the
-budgets, engine and policy from the context they share (``strategy_context.TieredContext``); it
-owns the block policies, the swap machinery and the planned layout. Placing the parameters again
-is the core's: when no layout fits beside them, ``choose_layout`` names the bytes they must fit in.
+``ActivationControl`` is held by :class:`~offload_strategy.session.plans.PlanSession` and reads the
+budgets, engine and policy from the context the strategy's core gives them (:class:`SessionContext`);
+it owns the block policies, the swap machinery and the planned layout. Placing the parameters again
+is the session's: when no layout fits beside them, ``choose_layout`` names the bytes they must fit in.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Optional, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
-from .config import BlockPolicy, format_bytes
-from .hardware.device import Device, make_device
-from .memory.nvme import NvmeStore
-from .planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
-from .planning.cost_model import machine_from_spec
-from .planning.placement import GPU
-from .runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
-from .runtime.activations import ActivationPolicies
-from .runtime.saved_bytes import SavedBytes
-from .strategy_context import TieredContext, batch_elements
+from ..config import BlockPolicy, HardwareSpec, PolicyConfig, format_bytes
+from ..hardware.device import Device, make_device
+from ..memory.nvme import NvmeStore
+from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
+from ..planning.cost_model import machine_from_spec
+from ..planning.placement import GPU
+from ..runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
+from ..runtime.activations import ActivationPolicies
+from ..runtime.saved_bytes import SavedBytes
+
+if TYPE_CHECKING:
+    from ..planning.planner import Planner, TierBudgets
+    from ..runtime.engine import TieredEngine
+
+
+class SessionContext(Protocol):
+    """What the session reads of the strategy's state (``strategy_context.TieredContext``): the
+    options, the module, its optimizers and device, and what set-up made."""
+
+    hardware: Optional[HardwareSpec]
+    budgets: Optional["TierBudgets"]
+    planner: Optional["Planner"]
+    engine: Optional["TieredEngine"]
+
+    @property
+    def policy(self) -> PolicyConfig: ...
+    @property
+    def nvme_path(self) -> Optional[Path]: ...
+    @property
+    def module(self) -> torch.nn.Module: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
+    @property
+    def max_batch_elements(self) -> Optional[int]: ...
+
+
+def batch_elements(batch: Any) -> int:
+    """The elements of every tensor in a batch (tensors, mappings and sequences of them, nested):
+    what a batch's activations grow with when its tensors grow with batch size times sequence length."""
+    if torch.is_tensor(batch):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        return sum(batch_elements(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_elements(v) for v in batch)
+    return 0
 
 
 def _unchanged(t: Any) -> Any:
@@ -36,8 +74,11 @@ def _unchanged(t: Any) -> Any:
 class ActivationControl:
     """See the module docstring."""
 
-    def __init__(self, context: TieredContext, largest_on_every_rank: Callable[[int], int] = lambda n: n) -> None:
+    def __init__(
+        self, context: SessionContext, largest_on_every_rank: Callable[[int], int] = lambda n: n, say: Callable[[str], None] = lambda line: None,
+    ) -> None:
         self.context = context
+        self.say = say  # a line for the user
         self._largest_on_every_rank = largest_on_every_rank  # under data parallelism, one batch size decides every rank's layout
         self.policies_in_use: Optional[ActivationPolicies] = None  # made at set-up
         self.swap_store: Optional[NvmeStore] = None
@@ -113,13 +154,13 @@ class ActivationControl:
         tensor elements: activations grow with batch size times sequence length); 1 without one.
         Every layout from the profiled steps' refusals on is planned for it, so the plan holds for
         every batch up to it from the first step and none is laid out again mid-run."""
-        bound, seen = self.context.options.max_batch_elements, self.profiled_elements
+        bound, seen = self.context.max_batch_elements, self.profiled_elements
         return max(bound / seen, 1.0) if bound is not None and seen else 1.0
 
     def note_batch(self, batch: Any) -> None:
         """A training batch, before its forward: under a ``max_batch``, the smallest of the profiled
         steps' is what their measurements are scaled from; a batch larger than the bound is refused."""
-        bound = self.context.options.max_batch_elements
+        bound = self.context.max_batch_elements
         if bound is None or batch is None:
             return
         elements = batch_elements(batch)
@@ -182,28 +223,31 @@ class ActivationControl:
 
     # -- the layout after the profiled step -----------------------------------------------------------
 
-    def choose_layout(self, costs: list[BlockCost], beside: BesideBlocks) -> Optional[int]:
+    def searched_with_placement(self, layout: Optional[ActivationPlan]) -> None:
+        """The layout the joint placement search chose with the parameters (None: it chose none)."""
+        self.searched = layout
+
+    def choose_layout(self, costs: list[BlockCost], beside: BesideBlocks, lend_spare_staging: bool = False) -> Optional[int]:
         """The planner's layout for the measured ``costs``, ``beside`` the bytes outside the
         blocks' layouts; when none fits beside the parameters, the GPU bytes the parameters must
-        be placed again in (then ``choose_layout_beside``)."""
+        be placed again in (then ``choose_layout_beside``). ``lend_spare_staging``: the placement
+        in use is the profiling one, whose spare staging buffers the layout may have."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
         self.costs, self.beside = costs, beside
         activations.end_profile()
-        budgets = self.context.budgets
-        assert budgets is not None
-        if self.searched is not None and self.searched.peak_bytes <= budgets.gpu - self.gpu_parameter_bytes():
+        if self.searched is not None and self.searched.peak_bytes <= planner.gpu_beside(self.gpu_parameter_bytes()):
             # the parameters were placed for this layout's recomputed blocks, not another's
             self.plan = self.searched
             return None
         # where the parameters are placed again for the layout, the staging buffers beyond the
         # minimum (a cache of NVMe units) give way to what the layout keeps in host memory
-        lent = self._spare_staging() if planner.profiling_placement else 0
+        lent = self._spare_staging() if lend_spare_staging else 0
         self.plan, parameter_bytes = planner.layout(
             costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left() + lent, activations.policies, beside,
         )
         if lent:
-            planner.host_reserve = sum(c.host_bytes(p) for c, p in zip(costs, self.plan.layout))
+            planner.keep_host_for_layout(sum(c.host_bytes(p) for c, p in zip(costs, self.plan.layout)))
         return parameter_bytes
 
     def _spare_staging(self) -> int:
@@ -232,7 +276,7 @@ class ActivationControl:
         counts = {p: plan.layout.count(p) for p in sorted(set(plan.layout))}
         # the search's prediction covers the parameters' traffic too: one prediction per plan
         priced = "searched with the placement above" if plan is self.searched else f"predicted {plan.seconds * 1e3:.1f} ms per step"
-        rank_zero_info(
+        self.say(
             f"tiered: activation layout {' '.join(BlockPolicy(p).letter for p in plan.layout)} "
             f"({', '.join(f'{n} {p}' for p, n in counts.items())}), {priced};\n"  # a second line keeps both short
             f"  peak {format_bytes(plan.peak_bytes)} of activations in the GPU tier{self._beside_note()}."
@@ -265,7 +309,7 @@ class ActivationControl:
         if activations is None or planner is None or budgets is None or not activations.auto or self.context.policy.name == "none":
             return
         running = activations.policies
-        left = budgets.gpu - planner.smallest_parameter_share(running) - beside.in_blocks
+        left = planner.gpu_beside(planner.smallest_parameter_share(running) + beside.in_blocks)
         if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
             return
         from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
@@ -396,9 +440,8 @@ class ActivationControl:
             measured = f"scaled from the measured blocks to a batch whose blocks' inputs are {growth:.2f}x theirs"
             planner.refuse_unfitting_activations(costs, activations.planner, activations.policies, measured, beside)
             # the least peak any layout reaches: this step overruns the GPU tier by as little as it can
-            least, budgets = planner.least_activation_peak(costs, activations.planner, beside), self.context.budgets
-            assert budgets is not None
-            plan = planner.layout_beside(costs, links, activations.planner, max(budgets.gpu - least, 0), host, beside)
+            least = planner.least_activation_peak(costs, activations.planner, beside)
+            plan = planner.layout_beside(costs, links, activations.planner, max(planner.gpu_beside(least), 0), host, beside)
             self.grown_costs = (costs, beside)
             then = (f"; no layout fits beside the parameters' {format_bytes(self.gpu_parameter_bytes())} of the GPU tier, so this "
                     f"step may exceed it, and the parameters are placed again before the next")
@@ -408,7 +451,7 @@ class ActivationControl:
             self.attach_swap_if_needed()
             assert activations.swap is not None
             activations.swap.begin_forward()
-        rank_zero_info(
+        self.say(
             f"tiered: a batch whose blocks take {growth:.2f}x the inputs the activation layout was planned for: laid out again as "
             f"{' '.join(BlockPolicy(p).letter for p in plan.layout)}, peak {format_bytes(plan.peak_bytes)} of activations "
             f"in the GPU tier{self._beside_note()}{then}."
@@ -484,7 +527,7 @@ class ActivationControl:
         if engine is not None:
             device = engine.device
         else:
-            device = make_device(context.lightning.root_device, capacity=0, spec=context.hardware, throttle=context.policy.throttle)
+            device = make_device(context.root_device, capacity=0, spec=context.hardware, throttle=context.policy.throttle)
             self._swap_device = device
         store = None
         if context.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory
