@@ -57,7 +57,7 @@ from .optimizer import LOOSE, UnitOptimizers
 from .recompute import RecomputeHolds
 from .saved_bytes import SavedBytes
 from .scheduler import PrefetchTable
-from .state import UnitState, nan_placeholder
+from .state import UnitState
 from .shared_homes import map_shared_homes
 from .tiers import SharedHomes, TierMemory
 from .timing import StepTimer
@@ -328,29 +328,8 @@ class TieredEngine:
             if not self._initial_value(p, target):
                 target.copy_(p.data)
 
-    @torch.no_grad()
     def _move_to_homes(self) -> None:
-        ctx = self.ctx
-        writes_host = self._writes_host_homes()
-        for s in self.states:
-            if s.home == GPU:
-                targets = s.unit.views(s.device_slot.tensor)
-                self._write_values(s, targets)
-                ctx.bind(s, targets)
-                s.bound = True
-            elif s.home == HOST:
-                if writes_host:
-                    self._write_values(s, s.home_views)
-                ctx.bind(s, s.home_views)
-            else:
-                staging = self.memory.staging_pool.acquire(s.unit.nbytes)
-                self._write_values(s, s.unit.views(staging.tensor))
-                self.store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
-                self.memory.staging_pool.release(staging)
-                s.placeholders = [nan_placeholder(p, self.device.compute) for p in s.unit.params]
-                ctx.bind(s, s.placeholders)
-            for i, p in enumerate(s.unit.params):
-                ctx.param_slot[id(p)] = (s, i)
+        self.cache.move_to_homes(self._write_values, self._writes_host_homes())
         if self.exchange is not None:
             self.exchange.homes_written()  # where ranks share host homes, none reads them before they hold their values
 
@@ -442,9 +421,9 @@ class TieredEngine:
             self._refuse_stale_aliases(module)
             recomputing = torch._C._current_autograd_node() is not None
             if step.phase is Phase.BACKWARD and not recomputing:
-                step.phase = Phase.FORWARD  # another forward in the same step (manual optimization)
+                step.enter_forward()  # another forward in the same step (manual optimization)
             for i in fetched:
-                states[i].pins += 1
+                cache.pin(i)
             if timer.timing is not None and step.phase is Phase.FORWARD and not recomputing:
                 timer.module_starts(indices[0])
             # a torch.func transform differentiates: units whose parameters the module holds now
@@ -460,7 +439,7 @@ class TieredEngine:
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             for i in fetched:
-                states[i].pins -= 1
+                cache.unpin(i)
 
         hook = UnitHook(pre_hook)
         hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
@@ -524,7 +503,7 @@ class TieredEngine:
         self._on_read(p)
         if hands_out and self.ctx.step.active:
             s, i = self.ctx.param_slot[id(p)]
-            s.handed_out.add(i)
+            self.cache.handed_out(s, i)
         return type(p) is nn.Parameter
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -562,12 +541,12 @@ class TieredEngine:
     @contextlib.contextmanager
     def saved_tensor_hooks(self) -> Iterator[None]:
         """Active around a training step's forward; see the module docstring."""
-        self.ctx.step.in_training_step = True
+        self.ctx.step.training_step_code(True)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved):
                 yield
         finally:
-            self.ctx.step.in_training_step = False
+            self.ctx.step.training_step_code(False)
 
     @property
     def activation_bytes(self) -> int:
@@ -627,7 +606,7 @@ class TieredEngine:
     def _used_in_backward(self, unit: int) -> None:
         self.forwards.backward_starts()  # of a graph built between steps: nothing more to record
         if not self.forwards.running:
-            self.ctx.step.phase = Phase.BACKWARD
+            self.ctx.step.enter_backward()
             self.backward_log.append(time.perf_counter())
             self.timer.unpacked(unit)
             self.states[unit].used_in_backward = True
@@ -647,23 +626,17 @@ class TieredEngine:
         ``reduce``: under data parallelism, how this backward's gradients are reduced; None accumulates."""
         self.forwards.settle()
         self.lending.take_back()
-        step = self.ctx.step
-        step.phase = Phase.FORWARD
         self.timer.begin(train)
-        step.active = True
+        self.ctx.step.begin(update_in_backward and len(self.updater.optimizers) == 1, clip_value, norms_wanted)
         self.cache.new_step()
         self.saved.clear()
-        step.update_in_backward = update_in_backward and len(self.updater.optimizers) == 1
         self.speculation.begin_step(speculate and train and len(self.updater.optimizers) == 1 and self.exchange is None)
-        step.clip_value = clip_value
-        step.norms_wanted = norms_wanted
         self.updater.log, self.backward_log = [], []
         if self.exchange is not None:
             self.exchange.reset(reduce)
+        self.gradients.new_backward()
         for s in self.states:
-            s.grads_arrived = 0
             s.used_in_backward = False
-            s.recompute_pinned = False
         self.recompute_holds.reset()
         if train:
             self.sync_trainable()
@@ -757,8 +730,7 @@ class TieredEngine:
             table.freeze()
             self.timer.profile.order = list(table.order)
         self.lending.take_back()  # read by a callback since backward (on_before_optimizer_step): written values count
-        self.ctx.step.active = False
-        self.ctx.step.update_in_backward = False
+        self.ctx.step.updates_begin()
         started = time.perf_counter()
         try:
             if self.exchange is not None:
@@ -812,31 +784,28 @@ class TieredEngine:
         step (forwards after that step, micro-batches it accumulates, updates its own hooks made
         in backward) goes home, as after an optimizer step; gradients stay where they wait."""
         if self.ctx.step.active:
-            self.ctx.step.active = False
+            self.ctx.step.deactivate()
             self.cache.evict_all()
 
     def end_eval_step(self) -> None:
         """An evaluation step ended: as after a training step, every parameter points at its home,
         so that what callbacks read and write between steps (an EMA swapping weights in and out
         around validation) is the parameters' true value, not a GPU-tier copy."""
-        self.ctx.step.active = False
+        self.ctx.step.deactivate()
         self.cache.evict_all()
 
     def end_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """After ``optimizer``'s step, taken or skipped (an fp16 overflow): its gradients start
         afresh (every gradient without ``optimizer``); another optimizer's wait for its own step."""
-        self.ctx.step.active = False
-        self.ctx.step.update_in_backward = False
-        self.ctx.step.gradient_scale = None
+        self.ctx.step.optimizer_step_ended()
         try:
             self.updater.drain()
         finally:
             if self.exchange is not None:
                 self.exchange.finish()
+        self.updater.step_ended()
         for s in self.states:
             s.used_in_backward = False
-            s.updated = False
-            s.recompute_pinned = False
         self.recompute_holds.reset()
         if optimizer is not None:
             self.gradients.forget(self._ensure_unit_optimizers(optimizer))
@@ -857,11 +826,10 @@ class TieredEngine:
         total = total_norm(norms)
         coefficient = clip_coefficient(max_norm, total)
         # a coefficient of exactly 1 keeps every bit of the updates made ahead of it
-        for index in self.speculation.settle(bool(coefficient < 1.0), unit_optimizers, self._update_copies):
-            self.states[index].updated = False
+        self.updater.redo(self.speculation.settle(bool(coefficient < 1.0), unit_optimizers, self._update_copies))
         for grad in in_memory:
             grad.mul_(coefficient.to(grad.device))
-        self.ctx.step.gradient_scale = coefficient
+        self.ctx.step.scale_gradients(coefficient)
         self.step(optimizer, closure_result, **kwargs)
         return total
 
@@ -1056,14 +1024,14 @@ class TieredEngine:
             if p.grad is not None and self._in_host_tier(p.grad):
                 p.grad = p.grad.clone()  # a gradient at home: the slab is freed
         if s.home == NVME and self.store is not None and s.placeholders and leave_on_nvme is not None:
-            s.host_copy = None  # the slab is freed: reads come from the file
-            self.ctx.bind(s, s.placeholders)
+            self.cache.forget_host_copy(s)  # the slab is freed: reads come from the file
+            self.cache.bind(s, s.placeholders)
             read, unit = _file_reader(self.store, self.ctx.key(s), s.unit.nbytes), s.unit
             for i, p in enumerate(s.unit.params):
                 mark_present(p)
                 leave_on_nvme(p, s.unit.param_names[i], lambda i=i: unit.views(read())[i].clone())
         elif s.home == NVME and self.store is not None and s.placeholders:
-            self.ctx.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
+            self.cache.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
 
     # -- metrics ------------------------------------------------------------------------------------
 

@@ -84,7 +84,7 @@ class ForwardsBetweenSteps:
         step = self.ctx.step
         if not step.active:
             self.lending.take_back()  # what user code wrote meanwhile goes home first
-            step.active = True
+            step.activate()
             self.running = self.depth == 0 and not step.in_training_step
         if self.depth == 0 and _builds_a_graph_outside_the_training_step(step.in_training_step):
             self._saving = torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks)
@@ -113,13 +113,13 @@ class ForwardsBetweenSteps:
         if self.ctx.step.active:
             return
         self.lending.take_back()
-        self.ctx.step.active = True
+        self.ctx.step.activate()
         self.running = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end)  # runs as this backward ends
 
     def _end(self) -> None:
         self.running = False
-        self.ctx.step.active = False
+        self.ctx.step.deactivate()
         self.cache.evict_all()
 
 

@@ -50,7 +50,7 @@ class Lending:
             self.lent[index] = None
             return
         buffer = self.ctx.read_home(s)
-        self.ctx.bind(s, s.unit.views(buffer))
+        self.cache.bind(s, s.unit.views(buffer))
         self.lent[index] = (buffer, buffer.clone())
 
     @torch.no_grad()
@@ -92,7 +92,7 @@ class Lending:
         for i, value in rebound.items():
             _check_rebound(s, i, value)
         if rebound:
-            self.ctx.bind(s, s.bound_to)
+            self.cache.bind(s, s.bound_to)
         return rebound
 
     def _write_rebound(self, s: UnitState, rebound: dict[int, torch.Tensor]) -> None:
@@ -132,8 +132,8 @@ class Lending:
                 buffer, before = held
                 written = [not torch.equal(a, b) for a, b in zip(s.unit.views(buffer), s.unit.views(before))]
                 if any(written):
-                    self.ctx.write_home(s, buffer)
-                self.ctx.bind(s, s.placeholders)
+                    self.cache.write_home(s, buffer)
+                self.cache.bind(s, s.placeholders)
             self.updater.mark_masters_stale({id(p) for p, w in zip(s.unit.params, written) if w})
 
     @torch.no_grad()
@@ -171,7 +171,7 @@ class Lending:
             if s.home != NVME:
                 continue
             buffer = self.ctx.read_home(s)
-            self.ctx.bind(s, s.unit.views(buffer))
+            self.cache.bind(s, s.unit.views(buffer))
             loaded.append((s, buffer))
         try:
             yield
@@ -180,8 +180,8 @@ class Lending:
                 self.updater.mark_masters_stale()
             for s, buffer in loaded:
                 if writeback:
-                    self.ctx.write_home(s, buffer)
-                self.ctx.bind(s, s.placeholders)
+                    self.cache.write_home(s, buffer)
+                self.cache.bind(s, s.placeholders)
 
 
 def storage_address(t: torch.Tensor) -> int:

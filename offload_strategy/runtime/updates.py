@@ -97,9 +97,7 @@ class UnitUpdater:
 
     def _take_written(self, s: UnitState) -> frozenset[int]:
         """Ids of the unit's parameters user code wrote in place since its last update."""
-        self.ctx.note_writes(s)
-        positions, s.written = s.written, set()
-        return frozenset(id(s.unit.params[i]) for i in positions)
+        return frozenset(id(s.unit.params[i]) for i in self.cache.take_written(s))
 
     def mark_masters_stale(self, written: Optional[set[int]] = None) -> None:
         """Parameters (``written``: those ids; None: all) were written from outside the step: fp32
@@ -125,6 +123,18 @@ class UnitUpdater:
             self.nvme_states.adopt(slot.inner, slot.unit_index, slot.masters, widened)
             for master in slot.masters:
                 master.data = self.idle_masters[id(master)]
+
+    # -- update state: ``UnitState.updated`` is the updater's alone --------------------------------
+
+    def step_ended(self) -> None:
+        """The optimizer step is over: no unit counts as updated in the next."""
+        for s in self.ctx.states:
+            s.updated = False
+
+    def redo(self, indices: list[int]) -> None:
+        """Updates made ahead were taken back (``speculation.py``): those units update again."""
+        for index in indices:
+            self.ctx.states[index].updated = False
 
     # -- during backward, on the worker -----------------------------------------------------------
 
@@ -262,9 +272,7 @@ class UnitUpdater:
             self._remember_state_bytes(s, slot)
             return
         _step_masters(unit_optimizers, slot, grads, copies, written=written)
-        for i in positions:
-            s.grads[i].fresh = False
-        self.gradients.done_with(s)
+        self.gradients.consumed(s, positions)
         if s.home == NVME:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
         else:
@@ -293,7 +301,7 @@ class UnitUpdater:
             params = self.pipeline.buffer(s.unit.nbytes)
             self.ctx.store.read(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
         else:
-            params = self._host_copy(s)
+            params = self.cache.host_copy_for_update(s)
         views = s.unit.views(params.tensor)
         copies = [views[i] for i in positions]
         for position, (master, copy) in enumerate(zip(slot.masters, copies)):
@@ -348,18 +356,6 @@ class UnitUpdater:
                 f"Raise host_memory so that fewer units live on NVMe."
             )
         return slot
-
-    def _host_copy(self, s: UnitState) -> Slot:
-        """The NVMe unit's kept host copy, read from NVMe first if there is none."""
-        if s.host_copy is None:
-            staging = self.cache.staging(s.unit.nbytes, wait=True)
-            if staging is None:
-                raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
-            self.ctx.store.read(self.ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
-            s.host_copy = staging
-        self.ctx.settle_host_copy(s)
-        self.ctx.device.check_host_access(s.host_copy.tensor, "updates an NVMe unit in its kept staging copy")
-        return s.host_copy
 
 
 def _step_masters(
