@@ -210,7 +210,6 @@ class TieredCore:
         self._timed: list[StepProfile] = []  # the warm steps' unit times, before planning
         self._fitted_trainable: Optional[set[int]] = None  # the parameters that fitted the GPU tier without an engine
         self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
-        self._exposed: list[Any] = []  # gradients on ``.grad`` for the user's code between backward and the step
 
     def __reduce__(self) -> Any:
         # A pickle of the strategy (``torch.save(trainer)``, as Lightning's own tests do) holds its
@@ -315,12 +314,12 @@ class TieredCore:
         engine = self.engine
         if engine is None or self.context.module.automatic_optimization or not clip_val or clip_val <= 0:
             return plain(optimizer, clip_val, gradient_clip_algorithm)  # the automatic step clips through its own view
-        exposed = bool(self._exposed)
+        exposed = engine.exposure.exposed
         self.before_users_step()
         with engine.gradient_view(getattr(optimizer, "optimizer", optimizer)) as gradients:
             plain(gradients, clip_val, gradient_clip_algorithm)
         if exposed:
-            self._exposed = engine.expose_gradients()  # the step's code may read the clipped gradients
+            engine.exposure.expose()  # the step's code may read the clipped gradients
         return None
 
     def resolve(self) -> None:
@@ -633,9 +632,9 @@ class TieredCore:
         two steps (the optimizer states move through their state dicts, exactly)."""
         engine, planner = self.engine, self.planner
         assert engine is not None and planner is not None
-        timing = fastest_timing(self._timed) if self._timed else engine.last_timing or engine.profile
+        timing = fastest_timing(self._timed) if self._timed else engine.timer.last_timing or engine.timer.profile
         if not timing.order:  # first use in forward of every unit, resident ones included
-            timing = replace(timing, order=list(engine.profile.order))
+            timing = replace(timing, order=list(engine.timer.profile.order))
         activations = self.activations
         joint = activations.joint_search
         machine = self.ranks.machine(machine_from_spec(self.hardware, nvme=self.options.nvme_path is not None))
@@ -740,7 +739,7 @@ class TieredCore:
         else:
             assert engine is not None
             mode = "in_place" if index in engine.placement.dha else "streamed"
-            gradient = "direct" if index in engine.direct_gradients else "copied"
+            gradient = "direct" if index in engine.gradients.direct else "copied"
         return mode, gradient if trainable else None, home if trainable else None
 
     def predicted_step(self, timing: Optional[StepProfile] = None) -> Optional[StepPrediction]:
@@ -748,7 +747,7 @@ class TieredCore:
         compute times of ``timing`` (default: the engine's last timed training step); None before
         a step has been timed or without an engine (nothing offloaded)."""
         engine = self.engine
-        timing = timing if timing is not None else engine.last_timing if engine is not None else None
+        timing = timing if timing is not None else engine.timer.last_timing if engine is not None else None
         if engine is None or timing is None or self.planner is None or self.planner.model is None:
             return None
         model = self.planner.model
@@ -761,7 +760,7 @@ class TieredCore:
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [
             replace(
-                costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients,
+                costs[i], home=engine.states[i].home, direct_gradient=i in engine.gradients.direct,
                 state_bytes=int(sizes[i].trainable_bytes * state_factor) if engine.states[i].home == NVME and i in sizes else 0,
             )
             for i in order
@@ -810,7 +809,7 @@ class TieredCore:
             assert gpu_bytes is not None  # the engine's placement, or the budget the first placement had
             self._replace_engine(recipe, gpu_bytes=gpu_bytes, may_fit=engine is None)
         engine = self.engine
-        if stepped and engine is not None and {id(o) for o in self.lightning.optimizers} != set(engine.unit_optimizers):
+        if stepped and engine is not None and {id(o) for o in self.lightning.optimizers} != set(engine.updater.optimizers):
             # a callback gave the trainer other optimizers (``trainer.optimizers = [...]``): their
             # states may take another size, and the old ones' units must not step again
             rank_zero_info("tiered: the trainer's optimizers were replaced; placing the model again with the new ones' states")
@@ -856,8 +855,8 @@ class TieredCore:
         done, engine = self._steps_done, self.engine
         if WARM_UP_STEPS <= done < WARM_UP_STEPS + TIMED_STEPS:
             self.activations.measure_blocks_again(keep_fastest=done > WARM_UP_STEPS)
-        if WARM_UP_STEPS < done <= WARM_UP_STEPS + TIMED_STEPS and engine is not None and engine.last_timing is not None:
-            self._timed.append(engine.last_timing)
+        if WARM_UP_STEPS < done <= WARM_UP_STEPS + TIMED_STEPS and engine is not None and engine.timer.last_timing is not None:
+            self._timed.append(engine.timer.last_timing)
 
     def _predict_fixed_placement(self) -> None:
         """A placement nothing searched is predicted once, by the step model on the first step's
@@ -953,12 +952,12 @@ class TieredCore:
     def _expose_gradients_to_hooks_after(engine: TieredEngine, plugin: Any) -> None:
         """Lightning's ``Strategy.backward`` runs the hooks in the plugin's ``post_backward``, after
         autograd and before the strategy's own: for that one call, offloaded gradients sit on their
-        parameters' ``.grad`` (``TieredEngine.gradients_exposed``)."""
+        parameters' ``.grad`` (``GradientExposure.during``)."""
         original = type(plugin).post_backward.__get__(plugin)
 
         def post_backward(tensor: torch.Tensor, module: Any) -> Any:
             plugin.__dict__.pop("post_backward", None)
-            with engine.gradients_exposed():
+            with engine.exposure.during():
                 return original(tensor, module)
 
         plugin.post_backward = post_backward
@@ -967,20 +966,18 @@ class TieredCore:
         """``expose``: the user's own code runs between this backward and the step (manual
         optimization, a Fabric loop) and may read, clip or replace gradients there, as after
         plain backward: until the next backward, step or training step, offloaded gradients are
-        on their parameters' ``.grad`` (``TieredEngine.expose_gradients``)."""
+        on their parameters' ``.grad`` (``GradientExposure.expose``)."""
         self.lightning.precision_plugin.__dict__.pop("post_backward", None)  # a backward that failed left it
         engine = self.engine
         if engine is not None:
             engine.end_backward()
             if expose:
-                self._exposed = engine.expose_gradients()  # reduced first under data parallelism, as DDP's backward leaves them
+                engine.exposure.expose()  # reduced first under data parallelism, as DDP's backward leaves them
 
     def take_back_exposed(self) -> None:
         """What the user's code did to exposed gradients reaches the engine's (see :meth:`post_backward`)."""
-        engine, exposed = self.engine, self._exposed
-        self._exposed = []
-        if engine is not None and exposed:
-            engine.take_back_gradients(exposed)
+        if self.engine is not None:
+            self.engine.exposure.take_back()
 
     def before_users_step(self) -> None:
         """Right before an optimizer step or clipping the user's code asked for (manual
@@ -988,7 +985,7 @@ class TieredCore:
         ``.grad`` without a backward taken in."""
         self.take_back_exposed()
         if self.engine is not None:
-            self.engine.adopt_gradients_set_by_hand()
+            self.engine.gradient_hooks.adopt_set_by_hand()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
         module = model or self.context.module
@@ -1055,8 +1052,8 @@ class TieredCore:
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, plain: Callable[[torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.unit_optimizers:
-            return self.engine.unit_optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
+        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.updater.optimizers:
+            return self.engine.updater.optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
         return plain(optimizer)
 
     def _writes_sharded(self) -> bool:

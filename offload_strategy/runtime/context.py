@@ -102,8 +102,8 @@ class EngineContext:
     placement: Placement
     states: list[UnitState]
     memory: TierMemory
-    offloaded_class: type  # the class of parameters at placeholders (runtime/offloaded.py)
     store: Optional[NvmeStore] = None
+    offloaded_class: type = object  # the class of parameters at placeholders (runtime/offloaded.py), set once the hooks exist
     table: PrefetchTable = field(default_factory=PrefetchTable)
     requests: RequestStats = field(default_factory=RequestStats)
     step: StepState = field(default_factory=StepState)

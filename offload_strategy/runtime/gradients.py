@@ -303,43 +303,7 @@ class GradientPath:
                 pairs.append((record.home, record.landing))
         return pairs
 
-    def expose(self, s: UnitState, i: int, p: torch.Tensor, copy: bool = True) -> Optional[torch.Tensor]:
-        """A parameter's gradient so far, on ``p.grad`` for user code between backward and the
-        step (None where it cannot be: none yet, on NVMe). A gradient accumulated in place at home
-        is there already; one at home in pinned host memory while the parameter is on the GPU is
-        shown as a view of it from the GPU (writes cross the link). A 16-bit parameter's gradient
-        accumulated in fp32 for its master is shown (``copy``) as a copy in the parameter's dtype,
-        as plain training has it (:meth:`_narrowed`); what user code writes to the copy is taken
-        back (:meth:`take_back_exposed`)."""
-        held = self._held(s, i, p)
-        if held is None or not p.requires_grad:
-            return None
-        if p.grad is not None:
-            return held if p.grad.data_ptr() == held.data_ptr() else None
-        if held.dtype != p.dtype:
-            held = self._narrowed(s, i, p, held) if copy else None
-            if held is None:
-                return None
-        if held.device != p.device:
-            if not can_view(held, p.device):
-                return None
-            held = device_view(held, p.device)
-        p.grad = held
-        return p.grad
-
-    def _narrowed(self, s: UnitState, i: int, p: torch.Tensor, held: torch.Tensor) -> Optional[torch.Tensor]:
-        """An fp32 gradient in its 16-bit parameter's dtype: beside it where the fp32 one is on its
-        device, else in the unit's 16-bit landing area at home, idle once the gradient has landed
-        (a GPU copy would take memory the plan does not hold; None where there is no such area)."""
-        if held.device == p.device:
-            return held.to(p.dtype)
-        landing = s.grads[i].landing if s.home != GPU else None
-        if landing is None:
-            return None
-        landing.copy_(held)
-        return landing
-
-    def _held(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
+    def held(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the parameter's gradient so far is held apart from ``p.grad``: at an offloaded
         unit's home, or in fp32 beside a persistent 16-bit parameter (None: nowhere apart)."""
         if s.home == GPU:
@@ -350,34 +314,9 @@ class GradientPath:
         record.wait()
         return record.home
 
-    def take_back_exposed(self, s: UnitState, i: int, p: torch.Tensor, exposed: torch.Tensor) -> bool:
-        """User code had ``p.grad`` (``exposed``, by :meth:`expose`): a tensor it put there instead
-        is what the gradient is now, a 16-bit copy it changed in place is written back, and
-        ``None`` drops the gradient, as in plain training. Returns whether the parameter still has
-        a gradient."""
-        held = self._held(s, i, p)
-        current = p.grad
-        if current is None or held is None:
-            self.drop(s, i, p)
-            return False
-        if exposed.device != held.device and s.home != GPU:
-            s.grads[i].event = self.ctx.device.compute_done()  # GPU kernels wrote home through the view: the update waits for them
-        if current.data_ptr() != exposed.data_ptr():
-            if current.shape != held.shape:
-                raise ValueError(
-                    f"the gradient of {s.unit.param_names[i]!r} was replaced by a tensor of shape {tuple(current.shape)}, "
-                    f"where the parameter has shape {tuple(held.shape)}."
-                )
-            held.copy_(current)
-            p.grad = exposed if exposed.data_ptr() == held.data_ptr() else None
-        elif exposed.dtype != held.dtype:
-            shown = exposed
-            if exposed.device != held.device:  # a view of the landing area: read there once the GPU's writes are done
-                s.grads[i].wait()
-                shown = s.grads[i].landing
-            if not torch.equal(shown, held.to(shown.dtype)):
-                held.copy_(shown)  # changed in place: its 16-bit values, as plain training would step
-        return True
+    def written_on_device(self, s: UnitState, i: int) -> None:
+        """GPU kernels wrote an offloaded gradient at home through a view of it: its update waits for them."""
+        s.grads[i].event = self.ctx.device.compute_done()
 
     def drop(self, s: UnitState, i: int, p: torch.Tensor) -> None:
         """The parameter's gradient is gone (set to None by user code): neither clipped nor stepped."""

@@ -153,3 +153,14 @@ def _master_region(states: list[UnitState]) -> torch.Tensor:
         s.master_views = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
         offset += size
     return region
+
+
+def refuse_dha_on_a_gpu(placement: Placement, device: Device) -> None:
+    """Units computed in place at home are bound to their host homes, CPU tensors: a GPU's
+    kernels cannot take them (binding device views of the pinned home has not run on a GPU)."""
+    if placement.dha and not device.is_emulated:
+        raise ValueError(
+            f"placement.dha puts {len(placement.dha)} unit(s) (indices {sorted(placement.dha)[:8]}) in place at home, "
+            f"which runs only on the emulated GPU tier: on {device.compute} their parameters would be host tensors "
+            f"in GPU kernels. Give those units a home of gpu, host or nvme instead (placement.dha=frozenset())."
+        )

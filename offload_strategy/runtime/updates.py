@@ -49,12 +49,12 @@ class GradientView:
 class UnitUpdater:
     def __init__(
         self, ctx: EngineContext, cache: UnitCache, gradients: GradientPath, nvme_states: Optional[NvmeOptimizerStates],
-        owns: Callable[[int], bool],
+        owned: frozenset[int],
     ) -> None:
         self.ctx, self.cache, self.gradients = ctx, cache, gradients
         self.nvme_states = nvme_states
         self.pipeline = NvmeUpdatePipeline(ctx, nvme_states) if nvme_states is not None else None
-        self.owns = owns  # whether this process updates a unit (under sharded states another rank may)
+        self.owned = owned  # the units this process updates (under sharded states another rank may)
         self.worker = UpdateWorker()
         gradients.buffers.worker_failed = lambda: self.worker.failed
         self.optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
@@ -69,7 +69,7 @@ class UnitUpdater:
         units = []
         for s in self.ctx.states:
             trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
-            if not trainable or not self.owns(s.unit.index):
+            if not trainable or s.unit.index not in self.owned:
                 continue
             units.append((s.unit.index, [p for _, p in trainable], [self.master_for(s, i, p) for i, p in trainable]))
         host = host_implementation(facade, exact=self.ctx.device.is_emulated)
@@ -123,6 +123,10 @@ class UnitUpdater:
             self.nvme_states.adopt(slot.inner, slot.unit_index, slot.masters, widened)
             for master in slot.masters:
                 master.data = self.idle_masters[id(master)]
+
+    def pipeline_counts(self) -> dict[str, int]:
+        """NVMe updates that found their reads done ahead, and that found a write still behind."""
+        return dict(self.pipeline.counts) if self.pipeline is not None else {"reads_ahead": 0, "writes_behind": 0}
 
     # -- update state: ``UnitState.updated`` is the updater's alone --------------------------------
 
@@ -219,6 +223,40 @@ class UnitUpdater:
                 errors.append(error)
         self.worker.close()
         return errors
+
+    def update_the_rest(self, unit_optimizers: UnitOptimizers, pipelined: bool) -> None:
+        """Every unit the worker did not update during backward, in unit order, then loose tensors.
+        NVMe units that must be read from their files go to the worker's pipeline (reads ahead,
+        writes behind) while the training thread updates the others, NVMe units whose parameters
+        a staging buffer still holds updated there in place (``pipelined``: NVMe updates may go
+        through the pipeline; not under data parallelism)."""
+        updater = self
+        pending = [s for s in self.ctx.states if s.unit.index in unit_optimizers.slots and not s.updated]
+        pipelined = updater.pipeline is not None and pipelined
+        piped = [s for s in pending if s.home == NVME and s.host_copy is None] if pipelined else []
+        updater.submit_in_order(unit_optimizers, piped)
+        on_worker = {s.unit.index for s in piped}
+        try:
+            for s in pending:
+                if s.unit.index in on_worker:
+                    continue
+                start = time.perf_counter()
+                if s.home == GPU:
+                    updater.update_persistent(unit_optimizers, s)
+                else:
+                    updater.update_offloaded(unit_optimizers, s)
+                updater.log.append((s.unit.index, start, time.perf_counter()))
+        finally:
+            updater.drain()
+        for s in piped:
+            self.cache.drop_host_copy(s)  # updated from its file: a copy kept in a staging buffer is stale
+        updater.update_loose(unit_optimizers)
+
+    def update_copies(self, unit_index: int) -> list[torch.Tensor]:
+        """The host unit's tensors its update writes beside the masters, as ``update_offloaded`` gives them."""
+        s = self.ctx.states[unit_index]
+        (unit_optimizers,) = self.optimizers.values()
+        return [s.home_views[self.ctx.param_slot[id(p)][1]] for p in unit_optimizers.slots[unit_index].params]
 
     # -- one unit's update ------------------------------------------------------------------------
 
