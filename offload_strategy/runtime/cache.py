@@ -395,7 +395,7 @@ class UnitCache:
 
     @torch.no_grad()
     def keep_writes(self, s: UnitState) -> None:
-        """User code wrote the unit's GPU-tier copy in place (``EngineContext.note_writes``): its
+        """User code wrote the unit's GPU-tier copy in place (:meth:`note_writes`): its
         values go home now, before its eviction or an update at home would lose them. So does a
         copy whose ``.data`` user code took (writes through it leave no trace)."""
         written = self.note_writes(s) or bool(s.handed_out)

@@ -8,22 +8,22 @@ while its ``.data`` is rebound by the engine — MemFerry's shadow model:
   a GPU-tier buffer while resident; a unit at home on NVMe points at a placeholder of the right
   shape that holds no memory (``runtime/offloaded.py``).
 
-The engine is the one object the strategy talks to. It installs the hooks and runs the step's
-protocol; the work is done by collaborators that share one :class:`EngineContext` (the unit states,
-the tiers' memory, the NVMe store, the step in progress), each built with what it needs, calls
-going one way (docs/architecture.md):
+The engine is the one object the strategy talks to. It builds the collaborators, runs the step's
+protocol and the lifecycle; the work is done by collaborators that share one
+:class:`EngineContext` (the unit states, the tiers' memory, the NVMe store, the step in progress),
+each built with what it needs, calls going one way (docs/architecture.md, where a table says which
+collaborator owns which field of a unit's state):
 
-- :class:`UnitCache` (``cache.py``): fetch, prefetch, evict, staging buffers;
+- :class:`UnitCache` (``cache.py``): fetch, prefetch, evict, bindings, staging buffers;
 - :class:`GradientPath` (``gradients.py``): gradients reaching their homes;
 - :class:`UnitUpdater` (``updates.py``): per-unit updates, on the update worker during backward,
   NVMe units through :class:`NvmeUpdatePipeline`;
 - :class:`GradientExchange` (``data_parallel.py``): reductions across ranks;
 - :class:`Lending` (``lending.py``): true values between steps;
-- :class:`StepTimer` (``timing.py``): the compute times the planner prices placements with.
-
-Forward pre-hooks fetch the units a module uses; saved-tensor hooks replace any saved tensor that
-aliases a GPU-tier buffer by a reference (unit, offset, shape, strides), re-fetched when backward
-unpacks it, so a buffer can be reused between forward and backward without corrupting anything.
+- :class:`StepTimer` (``timing.py``): the compute times the planner prices placements with;
+- :class:`ModuleHooks` (``unit_hooks.py``), :class:`GradientHooks` (``gradient_hooks.py``) and
+  :class:`SavedTensors` (``saved_tensors.py``): the hooks through which the model reaches the engine;
+- :class:`GradientExposure` (``gradient_exposure.py``): gradients shown to user code on ``.grad``.
 """
 
 from __future__ import annotations

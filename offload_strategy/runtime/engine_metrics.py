@@ -12,20 +12,21 @@ if TYPE_CHECKING:
 
 
 def tier_metrics(engine: TieredEngine) -> dict[str, float]:
-    memory, store, states = engine.ctx.memory, engine.store, engine.states
+    memory, store, states, updater = engine.ctx.memory, engine.store, engine.states, engine.updater
+    assert updater is not None  # metrics are read from an engine that was built
     out = {
         "link/h2d_bytes_total": float(engine.device.bytes_to_device),
         "link/d2h_bytes_total": float(engine.device.bytes_to_host),
         "link/nvme_read_bytes_total": float(store.bytes_read if store else 0),
         "link/nvme_write_bytes_total": float(store.bytes_written if store else 0),
     }
-    persistent = sum(s.device_slot.slot_bytes for s in states if s.home == GPU)
+    persistent = sum(s.device_slot.slot_bytes for s in states if s.home == GPU and s.device_slot is not None)
     out["tier/gpu_bytes"] = float(persistent + memory.device_pool.used_bytes)
     out["tier/gpu_peak_bytes"] = float(persistent + memory.device_pool.peak_used_bytes)
     out["tier/gpu_reserved_bytes"] = float(memory.arena.numel())
     # optimizer states (and fp32 masters kept with them) by tier: under sharded data
     # parallelism, this rank's share
-    state_bytes = {home: float(sum(b for i, b in engine.updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}
+    state_bytes = {home: float(sum(b for i, b in updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}
     masters = float(memory.master_region.numel())  # fp32 masters of the host units updated here
     # homes and gradients in the slab (or this rank's share of the homes the machine's ranks
     # share), staging buffers in use, optimizer states and masters

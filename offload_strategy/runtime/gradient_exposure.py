@@ -226,8 +226,10 @@ class GradientExposure:
         elif exposed.dtype != held.dtype:
             shown = exposed
             if exposed.device != held.device:  # a view of the landing area: read there once the GPU's writes are done
-                s.grads[i].wait()
-                shown = s.grads[i].landing
+                record = s.grads[i]
+                record.wait()
+                assert record.landing is not None  # what was shown is a view of it
+                shown = record.landing
             if not torch.equal(shown, held.to(shown.dtype)):
                 held.copy_(shown)  # changed in place: its 16-bit values, as plain training would step
         return True

@@ -125,7 +125,7 @@ class SavedTensors:
         p = s.unit.params[i]
         if base.shape != p.shape or base.device != p.device or not p.is_contiguous():
             return None
-        return _SavedCast(s.unit.index, i, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        return _SavedCast(s.unit.index, i, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
     @staticmethod
     def unit_of(packed: Any) -> Optional[int]:

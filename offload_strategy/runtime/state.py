@@ -56,7 +56,7 @@ class UnitState:
     bound: bool = False  # parameters currently point into device_slot
     bound_to: list[torch.Tensor] = field(default_factory=list)  # per param: what the engine last pointed it at
     bound_versions: list[int] = field(default_factory=list)  # per param: its version counter when last pointed
-    written: set[int] = field(default_factory=set)  # positions written in place since their last update (EngineContext.note_writes)
+    written: set[int] = field(default_factory=set)  # positions written in place since their last update (UnitCache.note_writes)
     handed_out: set[int] = field(default_factory=set)  # positions whose ``.data`` user code took inside this step
     reduce_ready: bool = False  # data parallel: complete for this step, its reduction due in the canonical order
     reductions: list[Any] = field(default_factory=list)  # data parallel: its collectives in flight

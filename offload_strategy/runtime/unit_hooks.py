@@ -82,9 +82,9 @@ class ModuleHooks:
         for module, used in users.items():
             indices = [u.index for u in used]
             fetched = [i for i in indices if states[i].home != GPU and i not in in_place]
-            pre_hook = self._make_pre_hook(indices, fetched)
+            pre_hook, post_hook = self._make_hooks(indices, fetched)
             self._handles.append(module.register_forward_pre_hook(pre_hook))
-            self._handles.append(module.register_forward_hook(pre_hook.post_hook, always_call=True))
+            self._handles.append(module.register_forward_hook(post_hook, always_call=True))
         # the parameters an attribute read fetches: those of streamed units
         self._streamed = {id(p): s for s in states if s.home != GPU and s.unit.index not in in_place for p in s.unit.params}
         for module in users:
@@ -109,7 +109,7 @@ class ModuleHooks:
         self.recomputed_units.clear()
         return taken
 
-    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> "UnitHook":
+    def _make_hooks(self, indices: list[int], fetched: list[int]) -> tuple[UnitHook, UnitHook]:
         step, states, cache, timer, recomputed = self.ctx.step, self.ctx.states, self.cache, self.timer, self.recomputed_units
 
         def pre_hook(module: nn.Module, args: Any) -> None:
@@ -123,7 +123,7 @@ class ModuleHooks:
                 timer.module_starts(indices[0])
             # a torch.func transform differentiates: units whose parameters the module holds now
             # (functional_call may have swapped in others) stay for its backward
-            held = _units_held_by(module, fetched, states) if not torch._C._autograd._saved_tensors_hooks_is_enabled() else ()
+            held = _units_held_by(module, fetched, states) if not torch._C._autograd._saved_tensors_hooks_is_enabled() else ()  # type: ignore[attr-defined]
             for i in fetched:
                 cache.request(i)
                 if i in held:
@@ -136,9 +136,7 @@ class ModuleHooks:
             for i in fetched:
                 cache.unpin(i)
 
-        hook = UnitHook(pre_hook)
-        hook.post_hook = UnitHook(post_hook)  # type: ignore[attr-defined]
-        return hook
+        return UnitHook(pre_hook), UnitHook(post_hook)
 
     def _refuse_stale_aliases(self, module: nn.Module) -> None:
         """``torch.func.functional_call`` swapped tensors into ``module`` that are views of a
