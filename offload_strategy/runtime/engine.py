@@ -29,6 +29,7 @@ collaborator owns which field of a unit's state):
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
@@ -68,6 +69,13 @@ from .updates import GradientView, UnitUpdater
 class TieredEngine:
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
 
+    # built by ``_build``; a set-up that failed before closes with those it made (``_built``)
+    memory: TierMemory
+    updater: UnitUpdater
+    lending: Lending
+    hooks: ModuleHooks
+    gradient_hooks: GradientHooks
+
     def __init__(
         self,
         model: nn.Module,
@@ -102,13 +110,8 @@ class TieredEngine:
         self._closed = False
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
-        self.hooks: Optional[ModuleHooks] = None
-        self.gradient_hooks: Optional[GradientHooks] = None
-        self.memory: Optional[TierMemory] = None
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
-        self.updater: Optional[UnitUpdater] = None
-        self.lending: Optional[Lending] = None
         try:
             self._build(states, nvme_path, checksums, fp32_masters, direct_gradients, prefetch, state_factor)
             self._move_to_homes()
@@ -180,7 +183,8 @@ class TieredEngine:
         """Host memory this process's tiers hold: its slab and fp32 masters, and its share of the
         host homes the machine's ranks share."""
         memory = self.memory
-        shared = memory.shared_slab.nbytes // self.data_parallel.ranks_per_machine if memory.shared_slab is not None else 0
+        dp = self.data_parallel
+        shared = memory.shared_slab.nbytes // dp.ranks_per_machine if memory.shared_slab is not None and dp is not None else 0
         return memory.slab.nbytes + memory.master_region.numel() + shared
 
     def trainable_grew(self) -> bool:
@@ -438,23 +442,25 @@ class TieredEngine:
         if self._closed:
             return
         self._closed = True
-        for closing in (self.hooks, self.lending):
+        hooks, lending, updater = self._built("hooks"), self._built("lending"), self._built("updater")
+        for closing in (hooks, lending):
             if closing is not None:
                 closing.closed = True  # nothing is fetched or lent any more
-        errors = self.updater.close() if self.updater is not None else []
+        errors = updater.close() if updater is not None else []
         self._remove_hooks()
         left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
-        if materialize and self.lending is not None:
+        if materialize and lending is not None:
             errors += self._materialize_all(leave_on_nvme, left)
         for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
                 if s.unit.index not in left:
                     mark_present(p)
+        memory = self._built("memory")
         errors += _attempt([
             self.device.synchronize,  # no copy still reads or writes the slab when it is unregistered
             self.store.close if self.store is not None and not left else None,
-            self.memory.slab.close if self.memory is not None else None,
-            self.memory.shared_slab.close if self.memory is not None and self.memory.shared_slab is not None else None,
+            memory.slab.close if memory is not None else None,
+            memory.shared_slab.close if memory is not None and memory.shared_slab is not None else None,
         ])
         if errors and raise_errors:
             raise errors[0]
@@ -471,13 +477,16 @@ class TieredEngine:
         def readers(unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
             return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
 
-        return errors + _attempt([lambda u=u: u.restore_facade(in_memory, readers) for u in self.updater.optimizers.values()])
+        return errors + _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in self.updater.optimizers.values()])
 
     def _remove_hooks(self) -> None:
-        if self.gradient_hooks is not None:
-            self.gradient_hooks.remove()
-        if self.hooks is not None:
-            self.hooks.remove()
+        for hooks in (self._built("gradient_hooks"), self._built("hooks")):
+            if hooks is not None:
+                hooks.remove()
+
+    def _built(self, name: str) -> Any:
+        """The collaborator ``name``, or None where set-up failed before making it."""
+        return getattr(self, name, None)
 
     # -- metrics ------------------------------------------------------------------------------------
 
