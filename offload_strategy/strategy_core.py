@@ -165,7 +165,6 @@ class TieredCore:
         self.deferred = DeferredParameters()
         self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
         self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
-        self._exposed: list[Any] = []  # gradients on ``.grad`` for the user's code between backward and the step
 
     def __reduce__(self) -> Any:
         # A pickle of the strategy (``torch.save(trainer)``, as Lightning's own tests do) holds its
@@ -276,12 +275,12 @@ class TieredCore:
         engine = self.engine
         if engine is None or self.context.module.automatic_optimization or not clip_val or clip_val <= 0:
             return plain(optimizer, clip_val, gradient_clip_algorithm)  # the automatic step clips through its own view
-        exposed = bool(self._exposed)
+        exposed = engine.exposure.exposed
         self.before_users_step()
         with engine.gradient_view(getattr(optimizer, "optimizer", optimizer)) as gradients:
             plain(gradients, clip_val, gradient_clip_algorithm)
         if exposed:
-            self._exposed = engine.expose_gradients()  # the step's code may read the clipped gradients
+            engine.exposure.expose()  # the step's code may read the clipped gradients
         return None
 
     def resolve(self) -> None:
@@ -495,7 +494,7 @@ class TieredCore:
         if engine is not None:
             engine.end_backward()
             if expose:
-                self._exposed = engine.expose_gradients()  # reduced first under data parallelism, as DDP's backward leaves them
+                engine.exposure.expose()  # reduced first under data parallelism, as DDP's backward leaves them
 
     def _freed_memory_limit(self, engine: TieredEngine) -> int:
         """The resident set above which the steps give freed memory back: what the process held at
@@ -508,10 +507,8 @@ class TieredCore:
 
     def take_back_exposed(self) -> None:
         """What the user's code did to exposed gradients reaches the engine's (see :meth:`post_backward`)."""
-        engine, exposed = self.engine, self._exposed
-        self._exposed = []
-        if engine is not None and exposed:
-            engine.take_back_gradients(exposed)
+        if self.engine is not None:
+            self.engine.exposure.take_back()
 
     def before_users_step(self) -> None:
         """Right before an optimizer step or clipping the user's code asked for (manual
@@ -519,7 +516,7 @@ class TieredCore:
         ``.grad`` without a backward taken in."""
         self.take_back_exposed()
         if self.engine is not None:
-            self.engine.adopt_gradients_set_by_hand()
+            self.engine.gradient_hooks.adopt_set_by_hand()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
         """``plain``: Lightning's step, through the precision plugin (``TieredPrecision``, which
@@ -577,8 +574,8 @@ class TieredCore:
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, plain: Callable[[torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.unit_optimizers:
-            return self.engine.unit_optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
+        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.updater.optimizers:
+            return self.engine.updater.optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
         return plain(optimizer)
 
     def _writes_sharded(self) -> bool:

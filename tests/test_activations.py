@@ -195,11 +195,11 @@ class PlanSeen(L.Callback):
 
     def on_train_start(self, trainer, *args):
         engine = trainer.strategy.engine
-        self.arenas.append(engine.arena.numel() if engine is not None else 0)
+        self.arenas.append(engine.memory.arena.numel() if engine is not None else 0)
 
     def on_train_batch_end(self, trainer, *args):
         engine = trainer.strategy.engine
-        self.arenas.append(engine.arena.numel() if engine is not None else 0)
+        self.arenas.append(engine.memory.arena.numel() if engine is not None else 0)
         self.metrics.append(trainer.strategy.metrics())
 
 

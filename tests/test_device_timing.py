@@ -82,11 +82,11 @@ def test_a_module_is_charged_its_compute_not_the_host_wait_that_follows_it():
         engine.close(materialize=True)
         device.close()
     launching, syncing = (next(u.index for u in units if u.name.startswith(name)) for name in ("1", "2"))
-    forward = engine.profile.forward_seconds
+    forward = engine.timer.profile.forward_seconds
     # on the host's clock the launch is instant and the wait falls in the next layer: 0 s and 0.3 s
     assert forward[launching] >= QUEUED_SECONDS * 0.95, forward
     assert forward[syncing] < QUEUED_SECONDS / 3, forward
-    assert engine.last_timing is not None and engine.last_timing.forward_seconds[launching] == forward[launching]
+    assert engine.timer.last_timing is not None and engine.timer.last_timing.forward_seconds[launching] == forward[launching]
 
 
 @pytest.mark.gpu

@@ -35,8 +35,8 @@ def test_pytorch_drops_the_accumulator_when_data_changes_type():
 def _cache(compute: str, active: bool, states: list) -> UnitCache:
     cache = UnitCache.__new__(UnitCache)
     bound: dict[int, list] = {}
-    cache.ctx = SimpleNamespace(device=SimpleNamespace(compute=torch.device(compute)), step=SimpleNamespace(active=active), states=states,
-                                bind=lambda s, tensors: bound.__setitem__(s.unit.index, tensors))
+    cache.ctx = SimpleNamespace(device=SimpleNamespace(compute=torch.device(compute)), step=SimpleNamespace(active=active), states=states)
+    cache.bind = lambda s, tensors: bound.__setitem__(s.unit.index, tensors)  # type: ignore[method-assign]
     cache.on_device_views = set()
     cache.held = set()
     cache.bound = bound  # what each unit was bound to, for the test

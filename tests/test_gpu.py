@@ -82,8 +82,8 @@ class Where(__import__("lightning").Callback):
         if engine is None:
             self.arena = "none"
             return
-        self.arena, self.homes = engine.arena.device.type, {s.home for s in engine.states}
-        updated = [index for index, _, _ in engine.update_log]
+        self.arena, self.homes = engine.memory.arena.device.type, {s.home for s in engine.states}
+        updated = [index for index, _, _ in engine.updater.log]
         self.updated_twice |= {i for i in updated if updated.count(i) > 1}
 
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from offload_strategy.planning.placement import GRADIENT_BUFFERS, NVME, PlacementError, UnitSize, place_units
 from offload_strategy.runtime.gradient_buffers import GradientBuffers, gradient_bytes
-from offload_strategy.runtime.state import GradientRecord, UnitState
+from offload_strategy.runtime.gradients import GradientRecord
+from offload_strategy.runtime.state import UnitState
 from offload_strategy.runtime.units import TransferUnit
 from tests.test_recipes import Net, assert_like_plain
 
@@ -46,9 +47,8 @@ def unit_state(index: int) -> UnitState:
 def test_backward_waits_for_the_worker_when_every_buffer_is_taken_and_never_when_none_will_come_back():
     states = [unit_state(i) for i in range(4)]
     buffers = GradientBuffers([torch.empty(gradient_bytes(states[0]), dtype=torch.uint8) for _ in range(2)])
-    buffers.acquire(states[0])
-    buffers.acquire(states[1])
-    assert states[0].grads[0].home is not None and states[0].grads[0].home.data_ptr() != states[1].grads[0].home.data_ptr()
+    first, second = buffers.acquire(states[0]), buffers.acquire(states[1])
+    assert first.data_ptr() != second.data_ptr()
     # nothing submitted holds a buffer: a buffer of its own, rather than waiting forever
     buffers.acquire(states[2])
     assert buffers.extra == 1
@@ -67,7 +67,7 @@ def test_backward_waits_for_the_worker_when_every_buffer_is_taken_and_never_when
     acquired = time.perf_counter()
     thread.join()
     assert released and acquired >= released[0] and buffers.extra == 1
-    assert states[0].grads[0].home is None and states[3].grads[0].home is not None
+    assert not buffers.holds(states[0]) and buffers.holds(states[3])
 
 
 class Watch:
@@ -163,7 +163,7 @@ def test_a_failed_worker_never_leaves_backward_waiting_for_a_buffer():
     buffers.submitted_for_update(states[0])  # its update will be skipped: the worker failed
     buffers.worker_failed = lambda: True
     buffers.acquire(states[1])  # returns, with a buffer of its own (the step then reports the failure)
-    assert buffers.extra == 1 and states[1].grads[0].home is not None
+    assert buffers.extra == 1 and buffers.holds(states[1])
 
 
 def test_the_run_says_once_why_updates_wait_for_the_end_of_backward(tmp_path, caplog):

@@ -32,7 +32,7 @@ class SawEngine(L.Callback):
     def _count(self, trainer) -> None:
         engine = trainer.strategy.engine
         assert engine is not None, "nothing was offloaded"
-        self.requests += engine.requests.report()["requests"]
+        self.requests += engine.ctx.requests.report()["requests"]
 
     def on_validation_batch_end(self, trainer, *args):
         self._count(trainer)

@@ -54,7 +54,7 @@ class StatesOnNvme(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         engine = trainer.strategy.engine
-        slots = engine.unit_optimizers[id(trainer.optimizers[0])].slots
+        slots = engine.updater.optimizers[id(trainer.optimizers[0])].slots
         for s in engine.states:
             if s.home == "nvme":
                 slot = slots[s.unit.index]
@@ -260,7 +260,7 @@ def test_engine_with_units_computed_in_place_at_home():
             assert torch.equal(loss_plain, loss_tiered), step
             for i in norms:  # never copied in: bound to the home all along
                 assert all(p.data.data_ptr() == h.data_ptr() for p, h in zip(units[i].params, engine.states[i].home_views))
-        assert not any(i in norms for i in engine.table.order)
+        assert not any(i in norms for i in engine.ctx.table.order)
     finally:
         engine.close(materialize=True)
         engine.device.close()
@@ -274,7 +274,7 @@ def test_profile_records_order_sizes_and_times(tmp_path):
 
     class Keep(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            profiles.append(trainer.strategy.engine.profile)
+            profiles.append(trainer.strategy.engine.timer.profile)
 
     train(TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB"), tmp_path, epochs=1, make_model=gpt2_4l, extra_callbacks=(Keep(),))
     profile = profiles[-1]
@@ -441,7 +441,7 @@ def test_nvme_updates_read_ahead_and_write_behind(tmp_path):
     class Pipeline(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             engine = trainer.strategy.engine
-            seen.update(engine.pipeline, buffers=engine.update_buffers)
+            seen.update(engine.updater.pipeline_counts(), buffers=engine.memory.update_buffers)
 
     # 4x the parameters: ten units on NVMe (at 4.6x every unit fits in host memory once gradients are only in flight)
     strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(4.0 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")
@@ -472,7 +472,7 @@ def test_nvme_read_ahead_never_starves_the_worker_of_update_buffers(tmp_path, mo
 
     class Pipeline(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            seen.update(trainer.strategy.engine.pipeline, buffers=trainer.strategy.engine.update_buffers)
+            seen.update(trainer.strategy.engine.updater.pipeline_counts(), buffers=trainer.strategy.engine.memory.update_buffers)
 
     # host memory for 4 gradient buffers and the 4 staging buffers, no more: the update gets its minimum
     strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory=int(1.8 * total), nvme_path=tmp_path / "nvme", nvme_memory="64MiB")

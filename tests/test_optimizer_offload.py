@@ -120,7 +120,7 @@ def test_updates_run_while_backward_continues(tmp_path):
     class Timeline(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             engine = trainer.strategy.engine
-            seen.append((list(engine.update_log), list(engine.backward_log), len(engine.unit_optimizers[id(trainer.optimizers[0])].slots)))
+            seen.append((list(engine.updater.log), list(engine.saved_tensors.backward_log), len(engine.updater.optimizers[id(trainer.optimizers[0])].slots)))
 
     train(offloading(), tmp_path, epochs=1, make_model=Net, extra_callbacks=(Timeline(),))
     overlapped = 0
@@ -228,7 +228,7 @@ def test_optimizer_state_dict_holds_no_second_copy_of_host_states(tmp_path):
     class Check(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             engine = trainer.strategy.engine
-            unit_optimizers = engine.unit_optimizers[id(trainer.optimizers[0])]
+            unit_optimizers = engine.updater.optimizers[id(trainer.optimizers[0])]
             state = trainer.optimizers[0].state_dict()["state"]
             live = {t.data_ptr() for slot in unit_optimizers.slots.values() for m in slot.masters for t in slot.inner.state[m].values() if torch.is_tensor(t) and t.dim()}
             saved = [t for values in state.values() for t in values.values() if torch.is_tensor(t) and t.dim()]

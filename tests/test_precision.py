@@ -39,7 +39,7 @@ class Homes(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         engine = trainer.strategy.engine
         self.homes |= {s.home for s in engine.states}
-        for slot in next(iter(engine.unit_optimizers.values())).slots.values():
+        for slot in next(iter(engine.updater.optimizers.values())).slots.values():
             self.master_dtypes |= {m.dtype for m in slot.masters}
         self.param_dtypes |= {p.dtype for p in pl_module.parameters()}
 

@@ -82,7 +82,7 @@ def test_the_plan_is_priced_from_warm_steps_not_the_cold_first(tmp_path, monkeyp
     search, choose = Planner.search, ActivationControl.choose_layout
 
     def searched(planner, timing, *args, **kwargs):
-        seen["search"] = (strategy.tiered.session.steps_done, timing is strategy.engine.profile)
+        seen["search"] = (strategy.tiered.session.steps_done, timing is strategy.engine.timer.profile)
         return search(planner, timing, *args, **kwargs)
 
     def chosen(control, costs, beside, **kwargs):

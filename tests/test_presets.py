@@ -43,7 +43,7 @@ class Seen(L.Callback):
             submit = engine.updater.submit
 
             def handing_over(s, engine=engine, submit=submit) -> None:
-                (optimizers,) = engine.unit_optimizers.values()
+                (optimizers,) = engine.updater.optimizers.values()
                 self.handed_over.append(sum(o is not s and not o.updated and o.home != "gpu" and o.unit.index in optimizers.slots for o in engine.states))
                 submit(s)
 
@@ -58,9 +58,9 @@ class Seen(L.Callback):
         if self.engine is not None:
             self.persistent = {s.unit.index for s in self.engine.states if s.home == "gpu"}
             # how many of this step's updates started before its backward's last use of a unit
-            backward_end = max(self.engine.backward_log, default=0.0)
-            self.updates_in_backward = sum(start < backward_end for _, start, _ in self.engine.update_log)
-            self.updates = len(self.engine.update_log)
+            backward_end = max(self.engine.saved_tensors.backward_log, default=0.0)
+            self.updates_in_backward = sum(start < backward_end for _, start, _ in self.engine.updater.log)
+            self.updates = len(self.engine.updater.log)
             # updates handed to the worker while backward had other units' gradients to make (an order, not a duration)
             self.updates_before_backward_ended = sum(waiting > 0 for waiting in self.handed_over)
 
@@ -135,7 +135,7 @@ def _check_placement(name, m, seen, strategy, units):
         assert slots == minimum_gpu_bytes(strategy.planner.model.sizes, strategy.planner.model.co_resident, prefetch=False)
         assert sum(seen.engine.placement.device_slots.values()) == 1
     if name == "l2l":
-        assert seen.engine.prefetch_ahead is False
+        assert seen.engine.cache.prefetch_ahead is False
     if name in ("go_memferry", "memferry"):
         assert m["units/direct_gradients"] == m["units/host"] + m["units/nvme"], m  # every offloaded gradient written at home
     if name in ("tencache", "zero_offload", "zero3_offload", "zero_infinity"):
@@ -158,7 +158,7 @@ def _check_activation_plan(name, seen, strategy):
     if name == "protrain":
         plan = strategy.placement_search
         assert plan is not None and plan.activations is not None  # searched together with the activation layout
-        order = list(dict.fromkeys(seen.engine.last_timing.order))  # every unit's first use in forward
+        order = list(dict.fromkeys(seen.engine.timer.last_timing.order))  # every unit's first use in forward
         assert seen.persistent == set(order[: plan.parameters.persistent])
         assert plan.parameters.placement.gpu_bytes + plan.activations.peak_bytes <= strategy.budgets.gpu
 

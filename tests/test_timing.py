@@ -57,7 +57,7 @@ class _Timings(Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         self.steps.append(time.perf_counter() - self._start)
         engine = trainer.strategy.engine
-        self.timings.append(engine.last_timing)
+        self.timings.append(engine.timer.last_timing)
         self.homes = [s.home for s in engine.states]
         self.trainable = [bool(s.unit.trainable) for s in engine.states]
 

@@ -75,7 +75,7 @@ class _Seen(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:  # type: ignore[no-untyped-def]
         engine, m = trainer.strategy.engine, trainer.strategy.metrics()
-        updates = [i for i, _, _ in engine.update_log] if engine is not None else []
+        updates = [i for i, _, _ in engine.updater.log] if engine is not None else []
         self.rows.append(f"gpu/host {m.get('units/gpu', 0):.0f}/{m.get('units/host', 0):.0f} miss {m.get('cache/miss_rate', 0):.2f} "
                          f"direct {m.get('units/direct_gradients', 0):.0f} worker updates {updates}")
 

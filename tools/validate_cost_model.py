@@ -82,10 +82,10 @@ class Probe(StepTimer):
         after = (self.metrics[-1].get("optimizer/exposed_ms", 0.0) if self.metrics else 0.0) / 1e3
         self.phases.append((self._marks[0] - self._start, end - self._marks[0] - after, after))
         engine = trainer.strategy.engine
-        if engine is None or engine.last_timing is None:
+        if engine is None or engine.timer.last_timing is None:
             return
         if len(self.times) > 1:  # the first step is cold: lazy initialisation, first allocations
-            self.timings.append(engine.last_timing)
+            self.timings.append(engine.timer.last_timing)
         if len(self.times) != self.warmup:
             return
         self.prediction = trainer.strategy.predicted_step(mean_timing(self.timings))

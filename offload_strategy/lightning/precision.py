@@ -144,11 +144,11 @@ class TieredPrecision(Precision):
     @override
     def post_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
         """The plugin's, which runs ``on_after_backward``: the hooks see offloaded gradients on
-        their parameters' ``.grad`` for this one call (``TieredEngine.gradients_exposed``)."""
+        their parameters' ``.grad`` for this one call (``GradientExposure.during``)."""
         engine = self._core.engine
         if engine is None or not reads_gradients_after_backward(module.trainer):
             return self.plugin.post_backward(tensor, module)
-        with engine.gradients_exposed():
+        with engine.exposure.during():
             return self.plugin.post_backward(tensor, module)
 
     @override

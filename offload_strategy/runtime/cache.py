@@ -12,6 +12,7 @@ import bisect
 import enum
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -22,7 +23,8 @@ from ..memory.dha import can_view, device_view
 from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, align
 from .context import EngineContext, Phase
 from .metrics import HIT, LATE_HIT, MISS
-from .state import Fetch, UnitState
+from .offloaded import mark_offloaded, mark_present
+from .state import Fetch, UnitState, nan_placeholder
 
 # How many table entries ahead the scheduler looks for units to prefetch.
 PREFETCH_LOOKAHEAD = 16
@@ -51,15 +53,24 @@ def slot_of(s: UnitState) -> Slot:
 
 
 class UnitCache:
-    """Which offloaded units are resident in the GPU tier's streaming buffers, and why."""
+    """Which offloaded units are resident in the GPU tier's streaming buffers, and why.
+
+    The cache owns each unit's residency and bindings: its GPU-tier slot and fetch, its kept host
+    copy, its pins, what its parameters point at and what user code wrote through them
+    (``UnitState.device_slot``, ``fetch``, ``host_copy``, ``host_copy_read``, ``pins``, ``bound``,
+    ``bound_to``, ``bound_versions``, ``written``, ``handed_out``, ``placeholders``). The other
+    collaborators change them only through its methods (``bind``, ``pin``, ``evict``, ...)."""
 
     def __init__(self, ctx: EngineContext, prefetch: bool = True) -> None:
         self.ctx = ctx
         self.prefetch_ahead = prefetch  # False: each unit is fetched when a module asks for it
         self.recent: deque[int] = deque(maxlen=RECENT_GUARD)
         self.touched: deque[int] = deque(maxlen=TOUCHED_GUARD)  # units fetched by an attribute read
+        self.stalled_seconds = 0.0  # the training thread's waits for units, over the run
         memory = ctx.memory
         persistent = [s for s in ctx.states if s.home == GPU]
+        for s in persistent:
+            s.device_slot = memory.persistent_slots[s.unit.index]  # resident for good
         # Address of every GPU-tier buffer, to find which unit a saved tensor aliases by bisection.
         self.slot_starts = sorted([slot_of(s).tensor.data_ptr() for s in persistent] + [x.tensor.data_ptr() for x in memory.device_pool.slots])
         self.slot_owner: dict[int, UnitState] = {slot_of(s).tensor.data_ptr(): s for s in persistent}
@@ -73,7 +84,19 @@ class UnitCache:
         through the engine."""
         if index not in self.held:
             self.held.add(index)
-            self.ctx.states[index].pins += 1
+            self.pin(index)
+
+    def pin(self, index: int) -> None:
+        """A module using unit ``index`` runs: the unit is not evicted until :meth:`unpin`."""
+        self.ctx.states[index].pins += 1
+
+    def unpin(self, index: int) -> None:
+        self.ctx.states[index].pins -= 1
+
+    def handed_out(self, s: UnitState, position: int) -> None:
+        """User code took the ``.data`` of the parameter at ``position`` inside a step: what it
+        writes through it counts as written (:meth:`keep_writes`)."""
+        s.handed_out.add(position)
 
     def new_step(self) -> None:
         self.recent.clear()
@@ -105,19 +128,18 @@ class UnitCache:
         if active and not ctx.table.record(index):
             ctx.requests.out_of_order += 1
         kind, waited = self._make_resident(s, active)
-        slot = slot_of(s)  # resident, and pinned while the next units are prefetched below
         ctx.requests.add(kind, waited)
-        ctx.step.stalled_seconds += waited
+        self.stalled_seconds += waited
         if not s.bound:
-            if ctx.note_writes(s) and s.home == HOST:  # written at home after this copy was fetched
-                slot.tensor[: s.unit.nbytes].copy_(ctx.home_bytes(s))
-            ctx.bind(s, s.unit.views(slot.tensor))
+            if self.note_writes(s) and s.home == HOST:  # written at home after this copy was fetched
+                slot_of(s).tensor[: s.unit.nbytes].copy_(ctx.home_bytes(s))
+            self.bind(s, s.unit.views(slot_of(s).tensor))
             s.bound = True
         if not self.recent or self.recent[-1] != index:
             self.recent.append(index)
         if active:
             self._prefetch_beside(s)
-        return slot.tensor
+        return slot_of(s).tensor
 
     def _make_resident(self, s: UnitState, active: bool) -> tuple[str, float]:
         """The unit's copy in the GPU tier, waited for: how it was found there, and the wait."""
@@ -134,11 +156,11 @@ class UnitCache:
         return MISS, time.perf_counter() - start
 
     def _prefetch_beside(self, s: UnitState) -> None:
-        s.pins += 1  # what is prefetched now must not push out what was just asked for
+        self.pin(s.unit.index)  # what is prefetched now must not push out what was just asked for
         try:
             self.prefetch()
         finally:
-            s.pins -= 1
+            self.unpin(s.unit.index)
 
     def touch(self, index: int) -> None:
         """A read outside a hooked forward: fetch now, and keep the unit while a few others come
@@ -267,9 +289,29 @@ class UnitCache:
 
     def drop_host_copy(self, s: UnitState) -> None:
         if s.host_copy is not None:
-            self.ctx.settle_host_copy(s)
+            self.settle_host_copy(s)
             self.ctx.memory.staging_pool.release(s.host_copy)
             s.host_copy = None
+
+    def forget_host_copy(self, s: UnitState) -> None:
+        """The slab the kept copy lives in is freed (the engine closes): reads come from the file."""
+        s.host_copy = None
+
+    def host_copy_for_update(self, s: UnitState) -> Slot:
+        """The NVMe unit's kept host copy, read from NVMe first if there is none, for an update in
+        place there (nothing still copies out of it)."""
+        ctx = self.ctx
+        if s.host_copy is None:
+            staging = self.staging(s.unit.nbytes, wait=True)
+            if staging is None:
+                raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
+            store = ctx.store
+            assert store is not None, "NVMe units have the store"
+            store.read(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+            s.host_copy = staging
+        self.settle_host_copy(s)
+        ctx.device.check_host_access(s.host_copy.tensor, "updates an NVMe unit in its kept staging copy")
+        return s.host_copy
 
     def drain_staging(self) -> None:
         for s in self.ctx.states:
@@ -356,7 +398,7 @@ class UnitCache:
         if s.fetch is not None:
             self.complete(s)
         self.keep_writes(s)
-        self.ctx.bind(s, self._away(s))
+        self.bind(s, self._away(s))
         s.bound = False
         slot = slot_of(s)  # evicted: resident (its fetch completed above)
         del self.slot_owner[slot.tensor.data_ptr()]
@@ -369,10 +411,10 @@ class UnitCache:
 
     @torch.no_grad()
     def keep_writes(self, s: UnitState) -> None:
-        """User code wrote the unit's GPU-tier copy in place (``EngineContext.note_writes``): its
+        """User code wrote the unit's GPU-tier copy in place (:meth:`note_writes`): its
         values go home now, before its eviction or an update at home would lose them. So does a
         copy whose ``.data`` user code took (writes through it leave no trace)."""
-        written = self.ctx.note_writes(s) or bool(s.handed_out)
+        written = self.note_writes(s) or bool(s.handed_out)
         s.written |= s.handed_out
         s.handed_out = set()
         if not (written and s.bound and s.device_slot is not None and s.home != GPU):
@@ -384,11 +426,18 @@ class UnitCache:
             return
         buffer = torch.empty(align(nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
         buffer[:nbytes].copy_(copy)
-        self.ctx.write_home(s, buffer)
+        self.write_home(s, buffer)
+
+    def take_written(self, s: UnitState) -> set[int]:
+        """Positions of the unit's parameters user code wrote in place since its last update (for
+        that update, which starts afresh)."""
+        self.note_writes(s)
+        positions, s.written = s.written, set()
+        return positions
 
     def evict_all(self) -> None:
         for index in self.held:
-            self.ctx.states[index].pins -= 1
+            self.unpin(index)
         self.held.clear()
         for s in self.ctx.states:
             if s.home != GPU and s.device_slot is not None:
@@ -396,8 +445,86 @@ class UnitCache:
         for index in sorted(self.on_device_views):
             s = self.ctx.states[index]
             if s.device_slot is None:
-                self.ctx.bind(s, s.home_views)
+                self.bind(s, s.home_views)
         self.on_device_views.clear()
+
+    def bind(self, s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
+        """Point the unit's parameters at ``tensors`` (its placeholders: marked offloaded)."""
+        self.note_writes(s)
+        away = bool(s.placeholders) and tensors is s.placeholders
+        for p, name, t in zip(s.unit.params, s.unit.param_names, tensors):
+            mark_present(p)
+            p.data = t
+            if away:
+                mark_offloaded(p, self.ctx.offloaded_class, name)
+        s.bound_to = list(tensors)
+        s.bound_versions = [p._version for p in s.unit.params]
+
+    @staticmethod
+    def note_writes(s: UnitState) -> bool:
+        """Whether user code wrote one of the unit's parameters in place since the engine pointed it
+        (``nn.Embedding(max_norm=...)`` renormalises its weight in every forward; a constraint
+        applied under ``torch.no_grad()`` inside the training step). Such writes move the
+        parameter's version counter; they are recorded in ``s.written`` so that fp32 masters kept
+        apart take the written values before the next update. A write through ``p.data`` moves no
+        counter and is not seen."""
+        if len(s.bound_versions) != len(s.unit.params):
+            return False
+        written = {i for i, (p, v) in enumerate(zip(s.unit.params, s.bound_versions)) if p._version != v}
+        if written:
+            s.written |= written
+            s.bound_versions = [p._version for p in s.unit.params]
+        return bool(written)
+
+    def settle_host_copy(self, s: UnitState) -> None:
+        """The host waits for the last copy out of the unit's kept staging copy into the GPU tier:
+        a device-side wait ordered only compute after it, so on CUDA it may still be queued, and
+        releasing, refilling or writing the slot now would change what it copies."""
+        if s.host_copy_read is not None:
+            self.ctx.device.host_wait(s.host_copy_read)
+            s.host_copy_read = None
+
+    def write_home(self, s: UnitState, buffer: torch.Tensor) -> None:
+        """An NVMe unit's new bytes go home (and to its kept host copy)."""
+        store = self.ctx.store
+        assert store is not None, "NVMe units have the store"
+        store.write(self.ctx.key(s), buffer).result()
+        if s.host_copy is not None:
+            self.settle_host_copy(s)
+            self.ctx.device.check_host_access(s.host_copy.tensor, "writes an NVMe unit's kept staging copy")
+            s.host_copy.tensor[: buffer.numel()].copy_(buffer)
+
+    @torch.no_grad()
+    def move_to_homes(self, write_values: Callable[[UnitState, list[torch.Tensor]], None], writes_host: bool) -> None:
+        """Set-up: each unit's values written at its home (``write_values``: into the tensors
+        given; host homes only where ``writes_host``), its parameters pointed there (an NVMe unit's
+        at placeholders of the right shape holding no memory)."""
+        ctx = self.ctx
+        for s in ctx.states:
+            if s.home == GPU:
+                targets = s.unit.views(slot_of(s).tensor)
+                write_values(s, targets)
+                self.bind(s, targets)
+                s.bound = True
+            elif s.home == HOST:
+                if writes_host:
+                    write_values(s, s.home_views)
+                self.bind(s, s.home_views)
+            else:
+                self._write_to_nvme(s, write_values)
+            for i, p in enumerate(s.unit.params):
+                ctx.param_slot[id(p)] = (s, i)
+
+    def _write_to_nvme(self, s: UnitState, write_values: Callable[[UnitState, list[torch.Tensor]], None]) -> None:
+        ctx = self.ctx
+        staging = ctx.memory.staging_pool.acquire(s.unit.nbytes)
+        write_values(s, s.unit.views(staging.tensor))
+        store = ctx.store
+        assert store is not None, "NVMe units have the store"
+        store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
+        ctx.memory.staging_pool.release(staging)
+        s.placeholders = [nan_placeholder(p, ctx.device.compute) for p in s.unit.params]
+        self.bind(s, s.placeholders)
 
     def _away(self, s: UnitState) -> list[torch.Tensor]:
         """What an evicted unit's parameters point at: NVMe units at placeholders, host units at

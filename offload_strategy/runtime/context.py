@@ -6,7 +6,6 @@ read and change the unit states through it; none of them holds another's state.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,7 +15,6 @@ from ..hardware.device import Device, TimeMark
 from ..memory.nvme import NvmeStore
 from ..planning.placement import HOST_SLOT_ALIGNMENT, Placement, align
 from .metrics import RequestStats
-from .offloaded import mark_offloaded, mark_present
 from .scheduler import PrefetchTable
 from .state import UnitState
 from .tiers import TierMemory
@@ -31,7 +29,9 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class StepState:
-    """The step in progress, as the engine sets it at its boundaries."""
+    """The step in progress. Its fields change only through its named transitions, which the
+    engine calls at the step's boundaries (the forwards between steps and the step timer call
+    theirs); everyone else reads them."""
 
     active: bool = False  # inside a training or evaluation step: the prefetch table applies
     in_training_step: bool = False  # the training step's code runs (after an optimizer step too, under manual optimization)
@@ -40,10 +40,58 @@ class StepState:
     clip_value: Optional[float] = None  # gradient clipping by value, applied per unit
     norms_wanted: bool = False  # clipping by norm follows backward: gradients' norms are taken as they leave for NVMe
     gradient_scale: Optional[torch.Tensor] = None  # clipping's coefficient, for gradients multiplied where their update reads them
-    stalled_seconds: float = 0.0  # the training thread's waits for units, cumulative over the run
     # in a timed step, the compute's waits for units as marks either side of each (on CUDA the GPU
     # waits, not the host): the step timer leaves them out of the units' compute
     stall_marks: Optional[list[tuple[TimeMark, TimeMark]]] = None
+
+    def begin(self, update_in_backward: bool, clip_value: Optional[float], norms_wanted: bool) -> None:
+        """A training or evaluation step starts, in its forward."""
+        self.phase = Phase.FORWARD
+        self.active = True
+        self.update_in_backward = update_in_backward
+        self.clip_value = clip_value
+        self.norms_wanted = norms_wanted
+
+    def activate(self) -> None:
+        """Modules run between steps (``forwards.py``): as inside a step, until :meth:`deactivate`."""
+        self.active = True
+
+    def deactivate(self) -> None:
+        """No step runs: parameters point at their homes, reads of them are lent."""
+        self.active = False
+
+    def updates_begin(self) -> None:
+        """The optimizer step's updates start: the step's forwards and backwards are over."""
+        self.active = False
+        self.update_in_backward = False
+
+    def optimizer_step_ended(self) -> None:
+        self.updates_begin()
+        self.gradient_scale = None
+
+    def scale_gradients(self, coefficient: torch.Tensor) -> None:
+        """Clipping by norm: gradients read for their update are multiplied by ``coefficient``."""
+        self.gradient_scale = coefficient
+
+    def enter_forward(self) -> None:
+        """Another forward in the same step (manual optimization), or a step's first."""
+        self.phase = Phase.FORWARD
+
+    def enter_backward(self) -> None:
+        self.phase = Phase.BACKWARD
+
+    def training_step_code(self, running: bool) -> None:
+        """The training step's own code starts (True) or returned (False)."""
+        self.in_training_step = running
+
+    def mark_stalls(self, timed: bool) -> None:
+        """A step starts: its waits for units are marked where it is timed."""
+        self.stall_marks = [] if timed else None
+
+    def take_stalls(self) -> Optional[list[tuple[TimeMark, TimeMark]]]:
+        """The step's marked waits, which stop being marked."""
+        stalls, self.stall_marks = self.stall_marks, None
+        return stalls
 
 
 @dataclass(eq=False)
@@ -54,8 +102,8 @@ class EngineContext:
     placement: Placement
     states: list[UnitState]
     memory: TierMemory
-    offloaded_class: type  # the class of parameters at placeholders (runtime/offloaded.py)
     store: Optional[NvmeStore] = None
+    offloaded_class: type = object  # the class of parameters at placeholders (runtime/offloaded.py), set once the hooks exist
     table: PrefetchTable = field(default_factory=PrefetchTable)
     requests: RequestStats = field(default_factory=RequestStats)
     step: StepState = field(default_factory=StepState)
@@ -71,34 +119,6 @@ class EngineContext:
     def gradient_key(s: UnitState) -> str:
         """The NVMe file where a unit's gradients wait for its update."""
         return f"unit{s.unit.index}.grad"
-
-    def bind(self, s: UnitState, tensors: Sequence[torch.Tensor]) -> None:
-        """Point the unit's parameters at ``tensors`` (its placeholders: marked offloaded)."""
-        self.note_writes(s)
-        away = bool(s.placeholders) and tensors is s.placeholders
-        for p, name, t in zip(s.unit.params, s.unit.param_names, tensors):
-            mark_present(p)
-            p.data = t
-            if away:
-                mark_offloaded(p, self.offloaded_class, name)
-        s.bound_to = list(tensors)
-        s.bound_versions = [p._version for p in s.unit.params]
-
-    @staticmethod
-    def note_writes(s: UnitState) -> bool:
-        """Whether user code wrote one of the unit's parameters in place since the engine pointed it
-        (``nn.Embedding(max_norm=...)`` renormalises its weight in every forward; a constraint
-        applied under ``torch.no_grad()`` inside the training step). Such writes move the
-        parameter's version counter; they are recorded in ``s.written`` so that fp32 masters kept
-        apart take the written values before the next update. A write through ``p.data`` moves no
-        counter and is not seen."""
-        if len(s.bound_versions) != len(s.unit.params):
-            return False
-        written = {i for i, (p, v) in enumerate(zip(s.unit.params, s.bound_versions)) if p._version != v}
-        if written:
-            s.written |= written
-            s.bound_versions = [p._version for p in s.unit.params]
-        return bool(written)
 
     @staticmethod
     def rebound(s: UnitState) -> dict[int, torch.Tensor]:
@@ -118,23 +138,6 @@ class EngineContext:
             assert self.store is not None, "NVMe units have the store"
             self.store.read(self.key(s), buffer).result()
         return buffer
-
-    def settle_host_copy(self, s: UnitState) -> None:
-        """The host waits for the last copy out of the unit's kept staging copy into the GPU tier:
-        a device-side wait ordered only compute after it, so on CUDA it may still be queued, and
-        releasing, refilling or writing the slot now would change what it copies."""
-        if s.host_copy_read is not None:
-            self.device.host_wait(s.host_copy_read)
-            s.host_copy_read = None
-
-    def write_home(self, s: UnitState, buffer: torch.Tensor) -> None:
-        """An NVMe unit's new bytes go home (and to its kept host copy)."""
-        assert self.store is not None, "NVMe units have the store"
-        self.store.write(self.key(s), buffer).result()
-        if s.host_copy is not None:
-            self.settle_host_copy(s)
-            self.device.check_host_access(s.host_copy.tensor, "writes an NVMe unit's kept staging copy")
-            s.host_copy.tensor[: buffer.numel()].copy_(buffer)
 
     def home_bytes(self, s: UnitState) -> torch.Tensor:
         """A host unit's home as one byte range (its views are consecutive in one slab slot)."""

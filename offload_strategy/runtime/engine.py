@@ -8,22 +8,22 @@ while its ``.data`` is rebound by the engine — MemFerry's shadow model:
   a GPU-tier buffer while resident; a unit at home on NVMe points at a placeholder of the right
   shape that holds no memory (``runtime/offloaded.py``).
 
-The engine is the one object the strategy talks to. It installs the hooks and runs the step's
-protocol; the work is done by collaborators that share one :class:`EngineContext` (the unit states,
-the tiers' memory, the NVMe store, the step in progress), each built with what it needs, calls
-going one way (docs/architecture.md):
+The engine is the one object the strategy talks to. It builds the collaborators, runs the step's
+protocol and the lifecycle; the work is done by collaborators that share one
+:class:`EngineContext` (the unit states, the tiers' memory, the NVMe store, the step in progress),
+each built with what it needs, calls going one way (docs/architecture.md, where a table says which
+collaborator owns which field of a unit's state):
 
-- :class:`UnitCache` (``cache.py``): fetch, prefetch, evict, staging buffers;
+- :class:`UnitCache` (``cache.py``): fetch, prefetch, evict, bindings, staging buffers;
 - :class:`GradientPath` (``gradients.py``): gradients reaching their homes;
 - :class:`UnitUpdater` (``updates.py``): per-unit updates, on the update worker during backward,
   NVMe units through :class:`NvmeUpdatePipeline`;
 - :class:`GradientExchange` (``data_parallel.py``): reductions across ranks;
 - :class:`Lending` (``lending.py``): true values between steps;
-- :class:`StepTimer` (``timing.py``): the compute times the planner prices placements with.
-
-Forward pre-hooks fetch the units a module uses; saved-tensor hooks replace any saved tensor that
-aliases a GPU-tier buffer by a reference (unit, offset, shape, strides), re-fetched when backward
-unpacks it, so a buffer can be reused between forward and backward without corrupting anything.
+- :class:`StepTimer` (``timing.py``): the compute times the planner prices placements with;
+- :class:`ModuleHooks` (``unit_hooks.py``), :class:`GradientHooks` (``gradient_hooks.py``) and
+  :class:`SavedTensors` (``saved_tensors.py``): the hooks through which the model reaches the engine;
+- :class:`GradientExposure` (``gradient_exposure.py``): gradients shown to user code on ``.grad``.
 """
 
 from __future__ import annotations
@@ -32,117 +32,49 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..hardware.device import Device
 from ..memory.nvme import NvmeStore
-from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, Placement, align
-from ..profiling import StepProfile
-from .cache import UnitCache, slot_of
-from .context import EngineContext, Phase
+from ..planning.placement import HOST, NVME, Placement
+from .cache import UnitCache
+from .context import EngineContext
 from .clipping import clip_coefficient, total_norm
 from .data_parallel import DataParallel, GradientExchange, Reduction
-from .forwards import ForwardsBetweenSteps, UnitHook, outside_transforms, saved_tensors_hooks_enabled
+from .forwards import ForwardsBetweenSteps
 from .gradient_buffers import GradientBuffers
+from .gradient_exposure import GradientExposure
+from .saved_tensors import SavedTensors
+from .unit_hooks import ModuleHooks
+from .gradient_hooks import GradientHooks
 from .gradients import GradientPath
+from .engine_metrics import tier_metrics
 from .lending import Lending
-from .metrics import RequestStats
 from .nvme_states import NvmeOptimizerStates
 from .offloaded import mark_present, offloaded_class
-from .optimizer import LOOSE, UnitOptimizers
+from .optimizer import UnitOptimizers
 from .recompute import RecomputeHolds
-from .saved_bytes import SavedBytes
-from .scheduler import PrefetchTable
-from .state import UnitState, nan_placeholder
+from .state import UnitState
 from .shared_homes import map_shared_homes
-from .tiers import SharedHomes, TierMemory
+from .tiers import SharedHomes, TierMemory, refuse_dha_on_a_gpu
 from .timing import StepTimer
 from .units import TransferUnit, master_dtype
 from .speculation import SpeculativeUpdates
 from .updates import GradientView, UnitUpdater
 
 
-class _WatchedParameters(dict):
-    """A module's ``_parameters``: reading a parameter as an attribute (``module.weight``) tells the
-    engine, so a parameter used outside its module's forward — through the functional API, or by
-    another module — is fetched like any other use (docs/architecture.md, invariants). Iteration
-    (``parameters()``, ``state_dict()``) reads nothing and fetches nothing."""
-
-    def __init__(self, original: dict, on_read: Any) -> None:
-        super().__init__(original)
-        self.on_read = on_read
-
-    def __getitem__(self, name: str) -> Any:
-        value = dict.__getitem__(self, name)
-        if value is not None:
-            self.on_read(value)
-        return value
-
-    def __reduce__(self) -> Any:
-        # copies and pickles of the module (EMA, checkpoints) get a plain dict, not the engine
-        return (dict, (dict(self),))
-
-
-def _storage_address(t: torch.Tensor) -> Optional[int]:
-    """Where ``t``'s storage starts (None: a tensor without one, as a torch.func transform's wrapper)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _units_held_by(module: nn.Module, indices: list[int], states: list[UnitState]) -> set[int]:
-    """Those of ``indices`` one of whose parameters ``module`` holds right now."""
-    held = {id(p) for p in dict.values(module._parameters)}
-    return {i for i in indices if any(id(p) in held for p in states[i].unit.params)}
-
-
-@dataclass(frozen=True)
-class _SavedRef:
-    """A saved tensor that aliases a unit's GPU-tier buffer, re-materialised on unpack."""
-
-    unit: int
-    byte_offset: int  # from the start of the unit's buffer
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _SavedCast:
-    """A saved 16-bit cast of a streamed parameter (autocast's, under ``*-mixed``): cast again from
-    the unit when backward unpacks it, so that no copy of the weight outlives the unit's eviction
-    (a cast gives the same bits every time)."""
-
-    unit: int
-    position: int  # of the parameter in its unit
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int  # in the cast's elements
-    dtype: torch.dtype
-
-
-SIXTEEN_BITS = (torch.bfloat16, torch.float16)
-
-
-def _refuse_dha_on_a_gpu(placement: Placement, device: Device) -> None:
-    """Units computed in place at home are bound to their host homes, CPU tensors: a GPU's
-    kernels cannot take them (binding device views of the pinned home has not run on a GPU)."""
-    if placement.dha and not device.is_emulated:
-        raise ValueError(
-            f"placement.dha puts {len(placement.dha)} unit(s) (indices {sorted(placement.dha)[:8]}) in place at home, "
-            f"which runs only on the emulated GPU tier: on {device.compute} their parameters would be host tensors "
-            f"in GPU kernels. Give those units a home of gpu, host or nvme instead (placement.dha=frozenset())."
-        )
-
-
 class TieredEngine:
     """Runs a :class:`~offload_strategy.planning.placement.Placement` during training."""
+
+    # built by ``_build``; a set-up that failed before closes with those it made (``_built``)
+    memory: TierMemory
+    updater: UnitUpdater
+    lending: Lending
+    hooks: ModuleHooks
+    gradient_hooks: GradientHooks
 
     def __init__(
         self,
@@ -164,7 +96,7 @@ class TieredEngine:
         self.model = model
         # writes a parameter built without memory into its home (deferred.py); False for the others
         self._initial_value = initial_value or (lambda p, target: False)
-        _refuse_dha_on_a_gpu(placement, device)
+        refuse_dha_on_a_gpu(placement, device)
         self.device = device
         self.placement = placement
         self.data_parallel = data_parallel
@@ -175,25 +107,11 @@ class TieredEngine:
         self.states = states
         # the parameters whose gradients and optimizer states the placement planned room for
         self._planned_trainable = {id(p) for u in units for p in u.trainable}
-        # id(param) -> the engine's hook receiving its gradients (None: a persistent parameter's go nowhere apart)
-        self._grad_hooks: dict[int, Optional[RemovableHandle]] = {}
-        self._hooks: list[Any] = []
-        self._watched: list[tuple[nn.Module, dict]] = []
         self._closed = False
-        self.backward_log: list[float] = []  # times of this step's backward uses of units
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
-        self.saved = SavedBytes()  # kept for backward by the last forward (parameters excluded)
-        # units whose modules ran again in a backward (a checkpoint's recomputation, this runtime's
-        # or the model's own), gathered until the strategy takes them (``take_recomputed``)
-        self.recomputed_units: set[int] = set()
-        self.recompute_holds = RecomputeHolds(self.states, self._streamed_unit_of)
-        # made by ``_build``; a ``close`` after a failed set-up finds only those it got to
-        self.memory: TierMemory
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
         self.nvme_states: Optional[NvmeOptimizerStates] = None
-        self.updater: UnitUpdater
-        self.lending: Lending
         try:
             self._build(states, nvme_path, checksums, fp32_masters, direct_gradients, prefetch, state_factor)
             self._move_to_homes()
@@ -209,11 +127,12 @@ class TieredEngine:
         direct_gradients: frozenset[int], prefetch: bool, state_factor: float,
     ) -> None:
         """The tiers' memory, the NVMe store, and the collaborators over one context."""
-        self.memory = TierMemory.allocate(states, self.placement, self.device, self._owns, self._shared_homes())
+        # the units this process updates (under sharded states another rank may own one, except a
+        # persistent unit every rank updates)
+        owned = frozenset(s.unit.index for s in states if self._owns(s.unit.index))
+        self.memory = TierMemory.allocate(states, self.placement, self.device, owned.__contains__, self._shared_homes())
         # a staging slot goes back (to be refilled from NVMe) only once no copy out of it is queued
         self.memory.staging_pool.before_release = lambda slot, check=self.device.check_host_access: check(slot.tensor, "releases an NVMe staging slot")
-        # what a saved tensor aliasing the GPU tier shares with it
-        self._arena_device, self._arena_storage = self.memory.arena.device, self.memory.arena.untyped_storage().data_ptr()
         nvme_states = None
         if any(s.home == NVME for s in states):
             assert nvme_path is not None, "placement put units on NVMe without an NVMe path"
@@ -222,17 +141,25 @@ class TieredEngine:
         self.nvme_states = nvme_states
         ctx = EngineContext(
             device=self.device, placement=self.placement, states=states, memory=self.memory,
-            offloaded_class=offloaded_class(self._lend_parameter), store=self.store, fp32_masters=fp32_masters,
+            store=self.store, fp32_masters=fp32_masters,
         )
         self.ctx = ctx
         self.cache = UnitCache(ctx, prefetch)
         self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots))
-        self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, self._owns)
+        self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, owned)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
-        self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending, (self.pack_saved, self.unpack_saved))
-        self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
         self.timer = StepTimer(ctx.step, self.device, [s.unit.name for s in states], [s.unit.nbytes for s in states])
+        self.saved_tensors = SavedTensors(ctx, self.cache, self.timer)
+        self.recompute_holds = RecomputeHolds(states, self.saved_tensors.streamed_unit_of)
+        self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending, self.saved_tensors)
+        self.hooks = ModuleHooks(ctx, self.cache, self.lending, self.timer, self.recompute_holds, self.saved_tensors, self.forwards,
+                                 self.updater.freed)
+        # a parameter at an NVMe placeholder read as a value is read as an attribute is (offloaded.py)
+        ctx.offloaded_class = offloaded_class(self.hooks.lend_parameter)
+        self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
+        self.exposure = GradientExposure(ctx, self.gradients, self.updater, self.exchange)
         self.speculation = SpeculativeUpdates()
+        self.gradient_hooks = GradientHooks(ctx, self.cache, self.gradients, self.updater, self.recompute_holds, self.exchange, self.speculation)
 
     def _shared_homes(self) -> Optional[SharedHomes]:
         """What maps the host homes the machine's ranks share, where the placement shares them."""
@@ -251,72 +178,15 @@ class TieredEngine:
         except a persistent unit every rank updates)."""
         return self.data_parallel is None or self.data_parallel.owns(unit_index) or self.placement.replicated(unit_index)
 
-    # -- what the strategy, the tools and the tests read --------------------------------------------
-
-    @property
-    def arena(self) -> torch.Tensor:
-        return self.memory.arena
-
-    @property
-    def slab(self) -> Any:
-        return self.memory.slab
-
-    @property
-    def master_region(self) -> torch.Tensor:
-        return self.memory.master_region
-
-    @property
-    def home_region(self) -> torch.Tensor:
-        return self.memory.home_region
+    # -- what the strategy reads (the tools and the tests read the collaborators: cache, memory, timer, updater...)
 
     def host_bytes_held(self) -> int:
         """Host memory this process's tiers hold: its slab and fp32 masters, and its share of the
         host homes the machine's ranks share."""
-        memory, dp = self.memory, self.data_parallel  # (homes are shared only under data parallelism)
+        memory = self.memory
+        dp = self.data_parallel
         shared = memory.shared_slab.nbytes // dp.ranks_per_machine if memory.shared_slab is not None and dp is not None else 0
         return memory.slab.nbytes + memory.master_region.numel() + shared
-
-    @property
-    def update_buffers(self) -> int:
-        return self.memory.update_buffers
-
-    @property
-    def pipeline(self) -> dict[str, int]:
-        """NVMe updates that found their reads done ahead, and that found a write still behind."""
-        pipeline = self.updater.pipeline
-        return dict(pipeline.counts) if pipeline is not None else {"reads_ahead": 0, "writes_behind": 0}
-
-    @property
-    def profile(self) -> StepProfile:
-        return self.timer.profile
-
-    @property
-    def last_timing(self) -> Optional[StepProfile]:
-        return self.timer.last_timing
-
-    @property
-    def table(self) -> PrefetchTable:
-        return self.ctx.table
-
-    @property
-    def requests(self) -> RequestStats:
-        return self.ctx.requests
-
-    @property
-    def prefetch_ahead(self) -> bool:
-        return self.cache.prefetch_ahead
-
-    @property
-    def direct_gradients(self) -> frozenset[int]:
-        return self.gradients.direct
-
-    @property
-    def unit_optimizers(self) -> dict[int, UnitOptimizers]:
-        return self.updater.optimizers
-
-    @property
-    def update_log(self) -> list[tuple[int, float, float]]:
-        return self.updater.log
 
     def trainable_grew(self) -> bool:
         """Some parameter is trainable now that the placement planned no gradient or state for."""
@@ -330,67 +200,15 @@ class TieredEngine:
             if not self._initial_value(p, target):
                 target.copy_(p.data)
 
-    @torch.no_grad()
     def _move_to_homes(self) -> None:
-        ctx = self.ctx
-        writes_host = self._writes_host_homes()
-        for s in self.states:
-            if s.home == GPU:
-                targets = s.unit.views(slot_of(s).tensor)
-                self._write_values(s, targets)
-                ctx.bind(s, targets)
-                s.bound = True
-            elif s.home == HOST:
-                if writes_host:
-                    self._write_values(s, s.home_views)
-                ctx.bind(s, s.home_views)
-            else:
-                staging, store = self.memory.staging_pool.acquire(s.unit.nbytes), self.store
-                assert store is not None, "NVMe units have the store (_build)"
-                self._write_values(s, s.unit.views(staging.tensor))
-                store.write(ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
-                self.memory.staging_pool.release(staging)
-                s.placeholders = [nan_placeholder(p, self.device.compute) for p in s.unit.params]
-                ctx.bind(s, s.placeholders)
-            for i, p in enumerate(s.unit.params):
-                ctx.param_slot[id(p)] = (s, i)
+        self.cache.move_to_homes(self._write_values, self._writes_host_homes())
         if self.exchange is not None:
             self.exchange.homes_written()  # where ranks share host homes, none reads them before they hold their values
 
     def _install_hooks(self, users: dict[nn.Module, list[TransferUnit]]) -> None:
-        # Every user module is hooked, persistent ones too, so the profiled step times them all.
-        # Units computed on in place at home (MemFerry's DHA, ``placement.dha``) are never fetched.
-        in_place = self.placement.dha
-        for module, used in users.items():
-            indices = [u.index for u in used]
-            fetched = [i for i in indices if self.states[i].home != GPU and i not in in_place]
-            pre_hook, post_hook = self._make_pre_hook(indices, fetched)
-            self._hooks.append(module.register_forward_pre_hook(pre_hook))
-            self._hooks.append(module.register_forward_hook(post_hook, always_call=True))
-        for s in self.states:
-            for i, p in enumerate(s.unit.params):
-                if p.requires_grad:
-                    self._hook_gradient(s, i, p)
-        # the parameters an attribute read fetches: those of streamed units
-        self._streamed = {id(p): s for s in self.states if s.home != GPU and s.unit.index not in in_place for p in s.unit.params}
-        for module in users:
-            self._watched.append((module, module._parameters))
-            module._parameters = _WatchedParameters(module._parameters, self._on_read)
+        self.gradient_hooks.install()
         placed = set(self.ctx.param_slot)
-        self._hooks.extend(self.forwards.install(m for m in self.model.modules() if any(id(p) in placed for p in m.parameters())))
-
-    def _hook_gradient(self, s: UnitState, i: int, p: torch.Tensor) -> None:
-        on_grad = self._on_grad if s.home != GPU else self._on_persistent_grad if self.gradients.needs_persistent_hook(s, i) else None
-        self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(on_grad) if on_grad is not None else None
-
-    def _keep_gradient_hook_last(self, s: UnitState, i: int, p: torch.Tensor) -> None:
-        """User code's own post-accumulate hooks on a parameter (an optimizer step fused into
-        backward, GaLore's layer-wise updates, gradient statistics) see ``p.grad`` as plain training
-        has it: the engine's hook, which moves the gradient home, runs after them."""
-        handle, hooks = self._grad_hooks.get(id(p)), p._post_accumulate_grad_hooks
-        if handle is not None and hooks and next(reversed(hooks)) != handle.id:
-            handle.remove()
-            self._hook_gradient(s, i, p)
+        self.hooks.install(users, (m for m in self.model.modules() if any(id(p) in placed for p in m.parameters())))
 
     def _register_optimizer(self, facade: torch.optim.Optimizer) -> UnitOptimizers:
         unit_optimizers = self.updater.build(facade)
@@ -420,223 +238,27 @@ class TieredEngine:
         """A trainable set that changed during training (unfreezing, ``add_param_group``):
         parameters unfrozen since set-up get a gradient home and a gradient hook, and every
         optimizer's newly added or unfrozen parameters join their unit's inner optimizer."""
-        for s in self.states:
-            for i, p in enumerate(s.unit.params):
-                if p.requires_grad and id(p) not in self._grad_hooks:
-                    self.gradients.start(s, i, p)
-                    self._hook_gradient(s, i, p)
-                elif p.requires_grad:
-                    self._keep_gradient_hook_last(s, i, p)
+        self.gradient_hooks.sync()
         updater = self.updater
         for unit_optimizers in updater.optimizers.values():
             for p in unit_optimizers.missing():
                 s, i = self.ctx.param_slot[id(p)]
-                if self._owns(s.unit.index):
+                if s.unit.index in updater.owned:
                     unit_optimizers.add(s.unit.index, p, updater.master_for(s, i, p))
                     updater.state_bytes.pop(s.unit.index, None)
             unit_optimizers.adopt_loose()
-
-    # -- hooks --------------------------------------------------------------------------------------
-
-    def _make_pre_hook(self, indices: list[int], fetched: list[int]) -> tuple[UnitHook, UnitHook]:
-        step, states, cache, timer, recomputed = self.ctx.step, self.states, self.cache, self.timer, self.recomputed_units
-
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            self._refuse_stale_aliases(module)
-            recomputing = torch._C._current_autograd_node() is not None
-            if step.phase is Phase.BACKWARD and not recomputing:
-                step.phase = Phase.FORWARD  # another forward in the same step (manual optimization)
-            for i in fetched:
-                states[i].pins += 1
-            if timer.timing is not None and step.phase is Phase.FORWARD and not recomputing:
-                timer.module_starts(indices[0])
-            # a torch.func transform differentiates: units whose parameters the module holds now
-            # (functional_call may have swapped in others) stay for its backward
-            held = _units_held_by(module, fetched, states) if not saved_tensors_hooks_enabled() else ()
-            for i in fetched:
-                cache.request(i)
-                if i in held:
-                    cache.hold(i)
-                if recomputing and torch.is_grad_enabled():  # a forward that backward recomputes
-                    self.recompute_holds.fetched(states[i])
-                    recomputed.add(i)
-
-        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-            for i in fetched:
-                states[i].pins -= 1
-            self._give_back_freed()  # the module's temporaries are freed
-
-        return UnitHook(pre_hook), UnitHook(post_hook)
-
-    def _give_back_freed(self) -> None:
-        if self.updater is not None:
-            self.updater.freed.check()
-
-    def _streamed_unit_of(self, t: torch.Tensor) -> Optional[int]:
-        """The streamed unit whose GPU-tier buffer ``t`` views (None: none)."""
-        if t.device != self._arena_device or _storage_address(t) != self._arena_storage:
-            return None
-        s = self.cache.owner(t.data_ptr())
-        return s.unit.index if s is not None else None
-
-    def _refuse_stale_aliases(self, module: nn.Module) -> None:
-        """``torch.func.functional_call`` swapped tensors into ``module`` that are views of a
-        streamed unit's GPU-tier copy (``p.detach()`` of parameters while their unit was there):
-        other units' weights land in that buffer as the forward goes on, so computing with them
-        would be wrong, silently."""
-        for name, t in dict.items(module._parameters):
-            if t is None or id(t) in self.ctx.param_slot or not isinstance(t, torch.Tensor) or t.device != self._arena_device:
-                continue
-            if _storage_address(t) == self._arena_storage and self.cache.owner(t.data_ptr()) is not None:
-                raise RuntimeError(
-                    f"{type(module).__name__}.{name} was given a view of a GPU-tier buffer (``p.detach()`` of a parameter strategy='tiered' "
-                    f"streams, taken while its unit was in the GPU tier); other units' weights land in that buffer as the forward goes on. "
-                    f"Give torch.func.functional_call the parameters themselves (``dict(model.named_parameters())``; gradients through "
-                    f"torch.autograd.grad) or copies (``p.detach().clone()``)."
-                )
-
-    def _on_read(self, p: torch.Tensor) -> None:
-        s = self._streamed.get(id(p))
-        if s is None:
-            return
-        if torch._C._functorch.peek_interpreter_stack() is None:  # every attribute read of a streamed parameter: kept cheap
-            self._read(s)
-            return
-        with outside_transforms():
-            self._read(s)
-
-    def _read(self, s: UnitState) -> None:
-        if not self.ctx.step.active:
-            self.lending.lend(s)
-            return
-        if s.resident and s.bound:
-            return
-        if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
-            # a checkpointed module's own forward recomputed in backward (its hooks ran in the
-            # first forward only): held like every unit of a recomputed block
-            self.cache.request(s.unit.index)
-            self.recompute_holds.fetched(s)
-            self.recomputed_units.add(s.unit.index)
-            return
-        self.cache.touch(s.unit.index)
-
-    def _lend_parameter(self, p: torch.Tensor, hands_out: bool) -> bool:
-        """A parameter at a placeholder is read as a value: as if read as an attribute (between steps
-        its unit is lent at home, inside a step fetched); False where that cannot be done.
-        ``hands_out`` (``p.data``) inside a step: what the caller may write through it counts as
-        written (a lent unit's writes are found by comparison when it is taken back)."""
-        if self._closed or id(p) not in self.ctx.param_slot:
-            return False
-        self._on_read(p)
-        if hands_out and self.ctx.step.active:
-            s, i = self.ctx.param_slot[id(p)]
-            s.handed_out.add(i)
-        return type(p) is nn.Parameter
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        s = self.gradients.receive(p)
-        if s is not None:
-            self._gradients_complete(s)
-
-    def _on_persistent_grad(self, p: torch.Tensor) -> None:
-        s = self.gradients.receive_persistent(p)
-        if s is not None:
-            self._gradients_complete(s)
-
-    def _gradients_complete(self, s: UnitState) -> None:
-        """Every gradient of ``s`` for this backward has arrived: reduced across ranks first, where
-        there are ranks; updated now, where the step allows (LoHan §IV-C)."""
-        self.cache.keep_writes(s)  # written in forward (a max-norm embedding): home before an update there
-        self.recompute_holds.gradients_complete(s)
-        exchange = self.exchange
-        ready = exchange.complete(s) if exchange is not None and exchange.mode is not None else [s]
-        if self.ctx.step.update_in_backward:
-            for unit in ready:
-                if unit.home != GPU:
-                    self.updater.submit(unit)
-            return
-        if self.speculation.active:
-            for unit in ready:
-                self.updater.speculate(unit, self.speculation)
-        if self.placement.gradients_spilled:
-            for unit in ready:
-                if unit.transient_gradients and self.gradients.buffers.holds(unit):
-                    self.updater.spill(unit)
 
     # -- saved tensors ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self) -> Iterator[None]:
         """Active around a training step's forward; see the module docstring."""
-        self.ctx.step.in_training_step = True
+        self.ctx.step.training_step_code(True)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved):
+            with torch.autograd.graph.saved_tensors_hooks(*self.forwards.saved_hooks()):
                 yield
         finally:
-            self.ctx.step.in_training_step = False
-
-    @property
-    def activation_bytes(self) -> int:
-        """Kept for backward by the last training forward, outside the units' buffers."""
-        return self.saved.bytes
-
-    def pack_saved(self, t: torch.Tensor) -> Any:
-        if t.device != self._arena_device or t.untyped_storage().data_ptr() != self._arena_storage:
-            cast = self._streamed_cast(t)
-            if cast is not None:
-                return cast
-            step = self.ctx.step
-            if step.active and step.phase is Phase.FORWARD:
-                self.saved.add(t)  # kept for backward (checkpointed blocks save only inputs)
-            return t
-        ptr = t.data_ptr()
-        s = self.cache.owner(ptr)
-        if s is None:
-            return t  # persistent buffers never move
-        return _SavedRef(s.unit.index, self.cache.owner_offset(s, ptr), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def _streamed_cast(self, t: torch.Tensor) -> Optional[_SavedCast]:
-        """``t`` (or the tensor it views) as a reference to the streamed parameter it is the 16-bit
-        cast of, or None. Autocast casts a weight for each operation that computes in 16 bits (and
-        caches the cast of a trainable one until its region exits); a saved cast would keep the
-        weight's bytes in the GPU tier until backward, outside the plan."""
-        if t.dtype not in SIXTEEN_BITS or not t.requires_grad:
-            return None
-        base = t if t._base is None else t._base
-        node = base.grad_fn
-        if node is None or node.name() != "ToCopyBackward0" or base.storage_offset() != 0 or not base.is_contiguous():
-            return None
-        where = self.ctx.param_slot.get(id(getattr(node.next_functions[0][0], "variable", None)))
-        if where is None or where[0].home == GPU:
-            return None
-        s, i = where
-        p = s.unit.params[i]
-        if base.shape != p.shape or base.device != p.device or not p.is_contiguous():
-            return None
-        return _SavedCast(s.unit.index, i, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
-
-    def unpack_saved(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _SavedCast):
-            self._used_in_backward(packed.unit)
-            self.cache.request(packed.unit)
-            cast = self.states[packed.unit].unit.params[packed.position].detach().to(packed.dtype)
-            return cast.as_strided(packed.shape, packed.stride, packed.storage_offset)
-        if not isinstance(packed, _SavedRef):
-            return packed
-        self._used_in_backward(packed.unit)
-        buffer = self.cache.request(packed.unit)
-        typed = buffer.view(packed.dtype)
-        element = typed.element_size()
-        # as_strided's offset counts from the start of the storage, not of the view
-        return typed.as_strided(packed.shape, packed.stride, typed.storage_offset() + packed.byte_offset // element)
-
-    def _used_in_backward(self, unit: int) -> None:
-        self.forwards.backward_starts()  # of a graph built between steps: nothing more to record
-        if not self.forwards.running:
-            self.ctx.step.phase = Phase.BACKWARD
-            self.backward_log.append(time.perf_counter())
-            self.timer.unpacked(unit)
-            self.states[unit].used_in_backward = True
+            self.ctx.step.training_step_code(False)
 
     # -- training-step boundaries -------------------------------------------------------------------
 
@@ -655,25 +277,17 @@ class TieredEngine:
         ``reduce``: under data parallelism, how this backward's gradients are reduced; None accumulates."""
         self.forwards.settle()
         self.lending.take_back()
-        step = self.ctx.step
-        step.phase = Phase.FORWARD
         self.timer.begin(train)
-        step.active = True
+        self.ctx.step.begin(update_in_backward and len(self.updater.optimizers) == 1, clip_value, norms_wanted)
         self.cache.new_step()
-        self.saved.clear()
-        step.update_in_backward = update_in_backward and len(self.updater.optimizers) == 1
+        self.saved_tensors.new_step()
         if speculate:
             self.speculation.room = speculation_room
         self.speculation.begin_step(speculate and train and len(self.updater.optimizers) == 1 and self.exchange is None)
-        step.clip_value = clip_value
-        step.norms_wanted = norms_wanted
-        self.updater.log, self.backward_log = [], []
+        self.updater.log = []
         if self.exchange is not None:
             self.exchange.reset(reduce)
-        for s in self.states:
-            s.grads_arrived = 0
-            s.used_in_backward = False
-            s.recompute_pinned = False
+        self.gradients.new_backward()
         self.recompute_holds.reset()
         if train:
             self.sync_trainable()
@@ -695,61 +309,9 @@ class TieredEngine:
         """The strategy's backward returned: the last unit's backward interval ends."""
         self.timer.end_backward()
 
-    @contextlib.contextmanager
-    def gradients_exposed(self) -> Iterator[None]:
-        """Offloaded parameters' gradients on their ``.grad`` for user code run right after
-        backward (``on_after_backward``), as plain training leaves them: in place changes reach
-        the gradients at home, a tensor put in ``.grad`` replaces its gradient, ``None`` drops it."""
-        given = self.expose_gradients()
-        try:
-            yield
-        finally:
-            self.take_back_gradients(given)
-
-    def expose_gradients(self) -> list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]]:
-        """Offloaded gradients on ``.grad`` until :meth:`take_back_gradients` (before the next
-        backward, and before the step)."""
-        if self.exchange is not None:
-            self.exchange.wait_all()  # reduced, as DDP's backward leaves them
-        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]] = []
-        for s in self.states:
-            direct = s.unit.index in self.gradients.direct
-            for i, p in enumerate(s.unit.params):
-                home = self.gradients.expose(s, i, p)
-                if home is not None:
-                    given.append((s, i, p, home, direct))
-        return given
-
-    def take_back_gradients(self, given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]]) -> None:
-        for s, i, p, home, direct in given:
-            if not self.gradients.take_back_exposed(s, i, p, home) or not direct:
-                p.grad = None  # a unit accumulating at home keeps its home as ``.grad`` for the next backward
-
-    def adopt_gradients_set_by_hand(self) -> None:
-        """Gradients the user's code put on ``.grad`` without a backward (``p.grad = g``: per-sample
-        gradients from ``torch.func``, ``torch.autograd.grad``'s results, an estimate of its own)
-        are taken in as if autograd had accumulated them, where the engine holds gradients apart
-        from ``.grad`` (offloaded units, fp32 sums of 16-bit ones). Call with no gradient exposed.
-        Under data parallelism they are left alone: DDP reduces no gradient set by hand either."""
-        if self.exchange is not None:
-            return
-        for s in self.states:
-            for i, p in enumerate(s.unit.params):
-                if p.grad is None or not p.requires_grad:
-                    continue
-                if s.home == GPU:
-                    if s.master_dtypes[i] != p.dtype:
-                        self._on_persistent_grad(p)
-                    continue
-                home = s.grads[i].home
-                if home is None or p.grad.data_ptr() != home.data_ptr():  # at home already: accumulated there in place
-                    self._on_grad(p)
-
     def take_recomputed(self) -> set[int]:
         """The units recomputed in backward since the last call."""
-        taken = set(self.recomputed_units)
-        self.recomputed_units.clear()
-        return taken
+        return self.hooks.take_recomputed()
 
     def attach_direct_gradients(self) -> None:
         self.gradients.attach_direct()
@@ -767,8 +329,7 @@ class TieredEngine:
             table.freeze()
             self.timer.profile.order = list(table.order)
         self.lending.take_back()  # read by a callback since backward (on_before_optimizer_step): written values count
-        self.ctx.step.active = False
-        self.ctx.step.update_in_backward = False
+        self.ctx.step.updates_begin()
         started = time.perf_counter()
         try:
             if self.exchange is not None:
@@ -781,7 +342,7 @@ class TieredEngine:
                 self.cache.drop_host_copy(s)
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
         unit_optimizers.step_kwargs = kwargs
-        self._update_the_rest(unit_optimizers)
+        self.updater.update_the_rest(unit_optimizers, pipelined=self.exchange is None)
         if self.exchange is not None:
             self.exchange.share_updated_parameters()
         unit_optimizers.count_step(closure_result)
@@ -790,63 +351,32 @@ class TieredEngine:
         self.step_stats["update_seconds"] += sum(end - start for _, start, end in self.updater.log)
         self.step_stats["steps"] += 1
 
-    def _update_the_rest(self, unit_optimizers: UnitOptimizers) -> None:
-        """Every unit the worker did not update during backward, in unit order, then loose tensors.
-        NVMe units that must be read from their files go to the worker's pipeline (reads ahead,
-        writes behind) while the training thread updates the others, NVMe units whose parameters
-        a staging buffer still holds updated there in place."""
-        updater = self.updater
-        pending = [s for s in self.states if s.unit.index in unit_optimizers.slots and not s.updated]
-        pipelined = updater.pipeline is not None and self.exchange is None
-        piped = [s for s in pending if s.home == NVME and s.host_copy is None] if pipelined else []
-        updater.submit_in_order(unit_optimizers, piped)
-        on_worker = {s.unit.index for s in piped}
-        try:
-            for s in pending:
-                if s.unit.index in on_worker:
-                    continue
-                start = time.perf_counter()
-                if s.home == GPU:
-                    updater.update_persistent(unit_optimizers, s)
-                else:
-                    updater.update_offloaded(unit_optimizers, s)
-                updater.log.append((s.unit.index, start, time.perf_counter()))
-        finally:
-            updater.drain()
-        for s in piped:
-            self.cache.drop_host_copy(s)  # updated from its file: a copy kept in a staging buffer is stale
-        updater.update_loose(unit_optimizers)
-
     def end_manual_training_step(self) -> None:
         """Manual optimization's training step returned. What it fetched since its last optimizer
         step (forwards after that step, micro-batches it accumulates, updates its own hooks made
         in backward) goes home, as after an optimizer step; gradients stay where they wait."""
         if self.ctx.step.active:
-            self.ctx.step.active = False
+            self.ctx.step.deactivate()
             self.cache.evict_all()
 
     def end_eval_step(self) -> None:
         """An evaluation step ended: as after a training step, every parameter points at its home,
         so that what callbacks read and write between steps (an EMA swapping weights in and out
         around validation) is the parameters' true value, not a GPU-tier copy."""
-        self.ctx.step.active = False
+        self.ctx.step.deactivate()
         self.cache.evict_all()
 
     def end_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """After ``optimizer``'s step, taken or skipped (an fp16 overflow): its gradients start
         afresh (every gradient without ``optimizer``); another optimizer's wait for its own step."""
-        self.ctx.step.active = False
-        self.ctx.step.update_in_backward = False
-        self.ctx.step.gradient_scale = None
+        self.ctx.step.optimizer_step_ended()
         try:
             self.updater.drain()
         finally:
             if self.exchange is not None:
                 self.exchange.finish()
-        for s in self.states:
-            s.used_in_backward = False
-            s.updated = False
-            s.recompute_pinned = False
+        self.updater.step_ended()
+        self.saved_tensors.step_ended()
         self.recompute_holds.reset()
         if optimizer is not None:
             self.gradients.forget(self._ensure_unit_optimizers(optimizer))
@@ -867,19 +397,12 @@ class TieredEngine:
         total = total_norm(norms)
         coefficient = clip_coefficient(max_norm, total)
         # a coefficient of exactly 1 keeps every bit of the updates made ahead of it
-        for index in self.speculation.settle(bool(coefficient < 1.0), unit_optimizers, self._update_copies):
-            self.states[index].updated = False
+        self.updater.redo(self.speculation.settle(bool(coefficient < 1.0), unit_optimizers, self.updater.update_copies))
         for grad in in_memory:
             grad.mul_(coefficient.to(grad.device))
-        self.ctx.step.gradient_scale = coefficient
+        self.ctx.step.scale_gradients(coefficient)
         self.step(optimizer, closure_result, **kwargs)
         return total
-
-    def _update_copies(self, unit_index: int) -> list[torch.Tensor]:
-        """The host unit's tensors its update writes beside the masters, as ``update_offloaded`` gives them."""
-        s = self.states[unit_index]
-        (unit_optimizers,) = self.updater.optimizers.values()
-        return [s.home_views[self.ctx.param_slot[id(p)][1]] for p in unit_optimizers.slots[unit_index].params]
 
     @contextlib.contextmanager
     def gradient_view(
@@ -888,85 +411,10 @@ class TieredEngine:
         """Every gradient of ``optimizer``'s parameters, attached to tensors in the facade's order,
         for what needs them all at once: loss-scale unscaling and overflow checks, clipping by norm.
         Its ``step()`` runs the engine's update (so a GradScaler can skip it). ``copies_for_hooks``:
-        user hooks read ``p.grad``, so gradients held in fp32 for 16-bit parameters are shown there
-        as 16-bit copies (``GradientPath.expose``)."""
+        user hooks read ``p.grad`` (``GradientExposure.view``)."""
         unit_optimizers = self._ensure_unit_optimizers(optimizer)
-        if self.exchange is not None:
-            self.exchange.reduce_late_units()
-        holders: list[torch.Tensor] = []
-        attached: list[torch.Tensor] = []
-        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (unit, position, parameter, master, on p.grad)
-        for p in unit_optimizers.order:
-            self._hold_gradient(unit_optimizers, p, holders, attached, given, copies_for_hooks)
-        unstepped = self._expose_unstepped() if copies_for_hooks and self.exchange is None else []
-
-        def take_back_replaced() -> None:
-            for s, i, p, master, exposed in given:
-                if not self.gradients.take_back_exposed(s, i, p, exposed):
-                    master.grad = None  # dropped by the hook: neither clipped nor stepped
-
-        try:
+        with self.exposure.view(unit_optimizers, copies_for_hooks) as (holders, take_back_replaced):
             yield GradientView(holders, lambda: self.step(optimizer, closure_result, **kwargs), take_back_replaced)
-        finally:
-            for tensor in attached:
-                tensor.grad = None
-            self.take_back_gradients(unstepped)
-
-    def _expose_unstepped(self) -> list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]]:
-        """Parameters no optimizer steps, their gradients (adding up since the first backward, as
-        plain training leaves them) on ``.grad`` for hooks before the step where the engine holds
-        them apart (at an offloaded unit's home, in fp32 beside a 16-bit parameter), as after
-        backward (:meth:`expose_gradients`)."""
-        stepped = {id(p) for unit_optimizers in self.updater.optimizers.values() for p in unit_optimizers.order}
-        given: list[tuple[UnitState, int, torch.Tensor, torch.Tensor, bool]] = []
-        for s in self.states:
-            direct = s.unit.index in self.gradients.direct
-            for i, p in enumerate(s.unit.params):
-                if id(p) not in stepped:
-                    home = self.gradients.expose(s, i, p)
-                    if home is not None:
-                        given.append((s, i, p, home, direct))
-        return given
-
-    def _hold_gradient(
-        self, unit_optimizers: UnitOptimizers, p: torch.Tensor, holders: list, attached: list, given: list, copies: bool,
-    ) -> None:
-        """The tensor carrying ``p``'s gradient in a gradient view (and those given a ``.grad``)."""
-        found = unit_optimizers.slot_of.get(id(p))
-        if found is None:
-            if self.exchange is not None and id(p) in self.ctx.param_slot:
-                stand_in = self.gradients.stand_in(p)  # another rank's unit: its reduced gradient still counts
-                if stand_in is not None:
-                    holders.append(stand_in)
-            return
-        slot, position = found
-        if slot.unit_index == LOOSE:
-            holders.append(p)
-            return
-        s = self.states[slot.unit_index]
-        s.wait_reductions()
-        master = slot.masters[position]
-        i = self.ctx.param_slot[id(p)][1]
-        if s.home != GPU and s.grads[i].spilled:
-            raise RuntimeError(
-                f"the gradient of {s.unit.param_names[i]!r} waits on NVMe, but this step needs every "
-                f"gradient in memory at once (loss scaling, or a hook before the optimizer step); set-up planned otherwise."
-            )
-        if s.home == GPU:
-            if id(p) not in self.gradients.persistent:
-                holders.append(p)
-                return
-            master.grad = self.gradients.persistent[id(p)]  # a 16-bit parameter's fp32 gradient, on its master
-        else:
-            master.grad = s.grads[i].value()
-        had_none = p.grad is None
-        exposed = self.gradients.expose(s, i, p, copies) if master.grad is not None else None
-        if exposed is not None:  # hooks before the step read ``p.grad``
-            given.append((s, i, p, master, exposed))
-            if had_none:
-                attached.append(p)
-        holders.append(master)
-        attached.append(master)
 
     # -- whole-model views --------------------------------------------------------------------------
 
@@ -999,30 +447,20 @@ class TieredEngine:
         if self._closed:
             return
         self._closed = True
-        # absent where set-up stopped before making them
-        memory: Optional[TierMemory] = getattr(self, "memory", None)
-        updater: Optional[UnitUpdater] = getattr(self, "updater", None)
-        lending: Optional[Lending] = getattr(self, "lending", None)
-        if lending is not None:
-            lending.closed = True
+        hooks, lending, updater = self._built("hooks"), self._built("lending"), self._built("updater")
+        for closing in (hooks, lending):
+            if closing is not None:
+                closing.closed = True  # nothing is fetched or lent any more
         errors = updater.close() if updater is not None else []
         self._remove_hooks()
         left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
-        if materialize and lending is not None and updater is not None:  # the updater is made before lending
-            errors += _attempt([lending.take_back, *(lambda s=s: self._materialize_for_good(s, leave_on_nvme) for s in self.states)])
-            nvme_states = self.nvme_states
-
-            def in_memory(unit: int) -> contextlib.AbstractContextManager:
-                return nvme_states.unit_in_memory(unit) if nvme_states is not None else contextlib.nullcontext()
-
-            def readers(unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
-                return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
-
-            errors += _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in updater.optimizers.values()])
+        if materialize and lending is not None:
+            errors += self._materialize_all(leave_on_nvme, left)
         for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
                 if s.unit.index not in left:
                     mark_present(p)
+        memory = self._built("memory")
         errors += _attempt([
             self.device.synchronize,  # no copy still reads or writes the slab when it is unregistered
             self.store.close if self.store is not None and not left else None,
@@ -1032,52 +470,28 @@ class TieredEngine:
         if errors and raise_errors:
             raise errors[0]
 
+    def _materialize_all(self, leave_on_nvme: Optional[Callable], left: frozenset[int]) -> list[BaseException]:
+        """Every parameter its true value for good (those ``left`` on NVMe handed to ``leave_on_nvme``),
+        and the user's optimizers their states back; the failures."""
+        errors = _attempt([self.lending.take_back, *(lambda s=s: self.lending.materialize_for_good(s, leave_on_nvme) for s in self.states)])
+        nvme_states = self.nvme_states
+
+        def in_memory(unit: int) -> contextlib.AbstractContextManager:
+            return nvme_states.unit_in_memory(unit) if nvme_states is not None else contextlib.nullcontext()
+
+        def readers(unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
+            return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
+
+        return errors + _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in self.updater.optimizers.values()])
+
     def _remove_hooks(self) -> None:
-        for grad_hook in self._grad_hooks.values():
-            if grad_hook is not None:
-                grad_hook.remove()
-        self._grad_hooks.clear()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for module, original in self._watched:
-            current = module._parameters
-            original.clear()
-            original.update(current)  # keeps parameters registered or replaced meanwhile
-            module._parameters = original
-        self._watched = []
+        for hooks in (self._built("gradient_hooks"), self._built("hooks")):
+            if hooks is not None:
+                hooks.remove()
 
-    @torch.no_grad()
-    def _in_host_tier(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` views the engine's pinned slab (or the machine's shared one)."""
-        slabs = [self.memory.slab, self.memory.shared_slab] if self.memory is not None else []
-        return any(
-            slab is not None and not slab.closed and slab.tensor.numel() > 0
-            and slab.tensor.data_ptr() <= t.data_ptr() < slab.tensor.data_ptr() + slab.tensor.numel()
-            for slab in slabs
-        )
-
-    def _materialize_for_good(self, s: UnitState, leave_on_nvme: Optional[Callable] = None) -> None:
-        """The unit's parameters become plain tensors holding their true values (an NVMe unit's
-        handed to ``leave_on_nvme`` with a reader instead, where given)."""
-        if s.fetch is not None:
-            self.cache.complete(s)
-        for i, p in enumerate(s.unit.params):
-            if s.home == GPU and s.device_slot is not None:
-                p.data = p.data.clone()
-            elif s.home == HOST and s.home_views:
-                p.data = s.home_views[i].clone()
-            if p.grad is not None and self._in_host_tier(p.grad):
-                p.grad = p.grad.clone()  # a gradient at home: the slab is freed
-        if s.home == NVME and self.store is not None and s.placeholders and leave_on_nvme is not None:
-            s.host_copy = None  # the slab is freed: reads come from the file
-            self.ctx.bind(s, s.placeholders)
-            read, unit = _file_reader(self.store, self.ctx.key(s), s.unit.nbytes), s.unit
-            for i, p in enumerate(s.unit.params):
-                mark_present(p)
-                leave_on_nvme(p, s.unit.param_names[i], lambda i=i: unit.views(read())[i].clone())
-        elif s.home == NVME and self.store is not None and s.placeholders:
-            self.ctx.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
+    def _built(self, name: str) -> Any:
+        """The collaborator ``name``, or None where set-up failed before making it."""
+        return getattr(self, name, None)
 
     # -- metrics ------------------------------------------------------------------------------------
 
@@ -1086,8 +500,8 @@ class TieredEngine:
         since the last call with ``reset`` (a logging interval), ``link/*_total`` since the start,
         the rest as they are now."""
         out = {f"cache/{k}": v for k, v in self.ctx.requests.report().items()}
-        out.update(self._tier_metrics())
-        out["activations/saved_bytes"] = float(self.activation_bytes)
+        out.update(tier_metrics(self))
+        out["activations/saved_bytes"] = float(self.saved_tensors.bytes.bytes)
         speculation = self.speculation.counts
         if speculation["steps"]:
             out["optimizer/speculated_units"] = int(speculation["speculated_units"])
@@ -1103,52 +517,6 @@ class TieredEngine:
             self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         return out
 
-    def _tier_metrics(self) -> dict[str, float]:
-        memory, store, states = self.memory, self.store, self.states
-        out = {
-            "link/h2d_bytes_total": float(self.device.bytes_to_device),
-            "link/d2h_bytes_total": float(self.device.bytes_to_host),
-            "link/nvme_read_bytes_total": float(store.bytes_read if store else 0),
-            "link/nvme_write_bytes_total": float(store.bytes_written if store else 0),
-        }
-        persistent = sum(slot_of(s).slot_bytes for s in states if s.home == GPU)
-        out["tier/gpu_bytes"] = float(persistent + memory.device_pool.used_bytes)
-        out["tier/gpu_peak_bytes"] = float(persistent + memory.device_pool.peak_used_bytes)
-        out["tier/gpu_reserved_bytes"] = float(memory.arena.numel())
-        # optimizer states (and fp32 masters kept with them) by tier: under sharded data
-        # parallelism, this rank's share
-        state_bytes = {home: float(sum(b for i, b in self.updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}
-        masters = float(memory.master_region.numel())  # fp32 masters of the host units updated here
-        # homes and gradients in the slab (or this rank's share of the homes the machine's ranks
-        # share), staging buffers in use, optimizer states and masters
-        out["tier/host_shared_bytes"] = float(memory.shared_slab.nbytes if memory.shared_slab is not None else 0)
-        fixed = self.host_bytes_held() - memory.staging_pool.capacity_bytes + state_bytes[HOST]
-        out["tier/host_bytes"] = float(fixed + memory.staging_pool.used_bytes)
-        out["tier/host_peak_bytes"] = float(fixed + memory.staging_pool.peak_used_bytes)
-        out["tier/nvme_bytes"] = float(store.used_bytes if store else 0)
-        for home in (GPU, HOST, NVME):
-            out[f"units/{home}"] = sum(1 for s in states if s.home == home)
-        out["units/direct_gradients"] = len(self.gradients.direct)
-        buffers = self.gradients.buffers
-        out["gradients/buffers_most_held"] = int(buffers.most_held)
-        out["gradients/buffers_beyond_plan_total"] = int(buffers.extra)
-        out["optimizer/gpu_state_bytes"] = state_bytes[GPU]
-        out["optimizer/host_state_bytes"] = state_bytes[HOST]
-        out["optimizer/host_master_bytes"] = masters
-        out["optimizer/nvme_state_bytes"] = float(sum(self.nvme_states.sizes.values()) if self.nvme_states is not None else 0)
-        return out
-
-
-def _file_reader(store: NvmeStore, key: str, nbytes: int) -> Callable[[], torch.Tensor]:
-    """A function reading an NVMe unit's bytes from its file into a fresh buffer (``EngineContext.read_home``
-    without the engine: it holds the store alone)."""
-
-    def read() -> torch.Tensor:
-        buffer = torch.empty(align(nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
-        store.read(key, buffer).result()
-        return buffer
-
-    return read
 
 
 def _attempt(actions: list[Optional[Callable[[], Any]]]) -> list[BaseException]:

@@ -11,7 +11,7 @@ wrong device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from .cache import UnitCache
 from .context import EngineContext
 from .lending import Lending
+from .saved_tensors import SavedTensors
 
 
 def outside_transforms() -> contextlib.AbstractContextManager:
@@ -66,12 +67,11 @@ class ForwardsBetweenSteps:
 
     Such a forward may build a graph that user code differentiates after it returned (a callback's
     saliency map, input gradients): tensors it saves that alias a unit's GPU-tier copy are saved
-    through the engine's hooks (``saved_hooks``, as in a training step), and that backward fetches
+    through the same hooks as a training step's (:meth:`saved_hooks`), and that backward fetches
     the units again, which go home once it ends."""
 
-    def __init__(self, ctx: EngineContext, cache: UnitCache, lending: Lending, saved_hooks: tuple[Any, Any]) -> None:
-        self.ctx, self.cache, self.lending = ctx, cache, lending
-        self.saved_hooks = saved_hooks
+    def __init__(self, ctx: EngineContext, cache: UnitCache, lending: Lending, saved: SavedTensors) -> None:
+        self.ctx, self.cache, self.lending, self.saved = ctx, cache, lending, saved
         self.depth = 0  # forwards of hooked modules in progress
         self.running = False  # the outermost of them (or a backward of their graph) started between steps
         self._saving: Optional[contextlib.AbstractContextManager] = None
@@ -89,10 +89,10 @@ class ForwardsBetweenSteps:
         step = self.ctx.step
         if not step.active:
             self.lending.take_back()  # what user code wrote meanwhile goes home first
-            step.active = True
+            step.activate()
             self.running = self.depth == 0 and not step.in_training_step
         if self.depth == 0 and _builds_a_graph_outside_the_training_step(step.in_training_step):
-            self._saving = torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks)
+            self._saving = torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks())
             self._saving.__enter__()
         self.depth += 1
 
@@ -108,6 +108,15 @@ class ForwardsBetweenSteps:
         # else a torch.func transform differentiates once the function it runs returns, with
         # the copies the forward used (held in the GPU tier): the next engine call ends it
 
+    def saved_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """The saved-tensor hooks of a training step's forward and of a graph built between steps."""
+        return self.saved.pack, self.unpack
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if self.saved.unit_of(packed) is not None:
+            self.backward_starts()  # of a graph built between steps: nothing more to record
+        return self.saved.unpack(packed, in_step=not self.running)
+
     def settle(self) -> None:
         """Before a step, or a read of every parameter: forwards between steps left nothing in the GPU tier."""
         if self.running and self.depth == 0:
@@ -118,13 +127,13 @@ class ForwardsBetweenSteps:
         if self.ctx.step.active:
             return
         self.lending.take_back()
-        self.ctx.step.active = True
+        self.ctx.step.activate()
         self.running = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end)  # runs as this backward ends
 
     def _end(self) -> None:
         self.running = False
-        self.ctx.step.active = False
+        self.ctx.step.deactivate()
         self.cache.evict_all()
 
 

@@ -32,18 +32,10 @@ def gradient_bytes(s: UnitState) -> int:
     return nbytes + (align(s.unit.nbytes, HOST_SLOT_ALIGNMENT) if s.widened else 0)
 
 
-def bind_gradients(s: UnitState, buffer: torch.Tensor) -> None:
-    """The unit's gradient records point into ``buffer`` (trainable parameters only), empty."""
-    size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
-    homes = s.unit.typed_views(buffer[:size], s.master_dtypes)
-    landings = s.unit.views(buffer[size : size + align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]) if s.widened else [None] * len(homes)
-    for record, home, landing, dtype, p in zip(s.grads, homes, landings, s.master_dtypes, s.unit.params):
-        record.home = home if p.requires_grad else None
-        record.landing = landing if landing is not None and dtype != p.dtype else None
-        record.fresh, record.event, record.pending = False, None, None
-
-
 class GradientBuffers:
+    """The buffers, and which unit holds which; the units' gradient records pointing into them are
+    the gradient path's (``GradientPath.take_buffer``, ``release_buffer``)."""
+
     def __init__(self, slots: list[torch.Tensor]) -> None:
         self.free = list(slots)
         self.pooled = {t.data_ptr() for t in slots}
@@ -56,10 +48,8 @@ class GradientBuffers:
         # set by the updater: its worker failed, and skips the updates that would give buffers back
         self.worker_failed: Callable[[], bool] = lambda: False
 
-    def acquire(self, s: UnitState) -> None:
+    def acquire(self, s: UnitState) -> torch.Tensor:
         """The unit's first gradient arrives: a buffer for all of its gradients."""
-        if not self.free and self.sending:
-            self._reclaim_sent()
         with self.changed:
             while not self.free and self.submitted and not self.worker_failed():
                 self.changed.wait(timeout=0.05)
@@ -70,7 +60,7 @@ class GradientBuffers:
                 self.extra += 1
             self.held[s.unit.index] = buffer
             self.most_held = max(self.most_held, len(self.held))
-        bind_gradients(s, buffer)
+        return buffer
 
     def sent(self, s: UnitState) -> None:
         """The unit's gradients are on their way to the rank that owns it: the buffer goes back once
@@ -78,12 +68,14 @@ class GradientBuffers:
         if s.unit.index in self.held:
             self.sending[s.unit.index] = s
 
-    def _reclaim_sent(self) -> None:
-        """Buffers of units whose gradients have reached their owners go back; when none has yet,
-        the one sent first is waited for (the others are sent after it, in the canonical order)."""
+    def reclaimable(self) -> list[UnitState]:
+        """With no buffer free, the units whose gradients have reached their owners, whose buffers
+        may go back; when none has yet, the one sent first, to be waited for (the others are sent
+        after it, in the canonical order)."""
+        if self.free or not self.sending:
+            return []
         done = [u for u in self.sending.values() if all(work.is_completed() for work in u.reductions)]
-        for u in done or [next(iter(self.sending.values()))]:
-            self.release(u)
+        return done or [next(iter(self.sending.values()))]
 
     def holds(self, s: UnitState) -> bool:
         return s.unit.index in self.held
@@ -111,13 +103,14 @@ class GradientBuffers:
             self.submitted.discard(s.unit.index)
             self.changed.notify_all()
 
-    def release(self, s: UnitState) -> None:
-        """The unit's gradients are consumed (updated, sent, or forgotten): its buffer goes back."""
+    def stop_sending(self, s: UnitState) -> None:
+        """A unit sent to its owner: its reductions have ended (the collective reads the buffer until then)."""
         if self.sending.pop(s.unit.index, None) is not None:
-            s.wait_reductions()  # the collective still reads the buffer until it ends
-        for record in s.grads:
-            record.wait()
-            record.home, record.landing, record.fresh = None, None, False
+            s.wait_reductions()
+
+    def release(self, s: UnitState) -> None:
+        """The unit's buffer goes back (no record points into it any more)."""
+        self.stop_sending(s)
         with self.changed:
             buffer = self.held.pop(s.unit.index, None)
             self.submitted.discard(s.unit.index)

@@ -7,10 +7,12 @@ gradients are complete; what happens then (a reduction, an update) is the engine
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..hardware.device import Event
 from ..memory.dha import can_view, device_view
 from ..planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from .context import EngineContext
@@ -31,7 +33,70 @@ def clip_by_value(grads: Iterable[Optional[torch.Tensor]], clip_value: Optional[
             g.clamp_(min=-clip_value, max=clip_value)
 
 
+@dataclass(eq=False)
+class GradientRecord:
+    """One parameter's gradient at an offloaded unit's home, in its master's dtype."""
+
+    home: Optional[torch.Tensor] = None  # None while the parameter is frozen
+    # fp32 masters: where the 16-bit gradient lands (pinned, the copy is async) before widening
+    landing: Optional[torch.Tensor] = None
+    fresh: bool = False  # ``home`` holds this accumulation's gradient
+    event: Optional[Event] = None  # the copy from the GPU tier in flight
+    pending: Optional[Landing] = None
+    # this accumulation's gradient waits on NVMe for its update (gradients.py, ``spill``), and its
+    # norm, taken on the way for clipping by norm
+    spilled: bool = False
+    norm: Optional[torch.Tensor] = None
+
+    def wait(self) -> None:
+        """The copy in flight has landed and, for an fp32 master, has been widened into ``home``."""
+        if self.event is not None:
+            self.event.wait()
+            self.event = None
+        if self.pending is not None:
+            home, landing = self.home, self.landing
+            assert home is not None and landing is not None, "a landing pending for a gradient home"
+            if self.pending is Landing.ADD:
+                home.add_(landing)
+            else:
+                home.copy_(landing)
+            self.pending = None
+
+    def value(self) -> Optional[torch.Tensor]:
+        """This accumulation's gradient once landed; None if there is none."""
+        self.wait()
+        return self.home if self.fresh else None
+
+    def bind(self, home: Optional[torch.Tensor], landing: Optional[torch.Tensor]) -> None:
+        """The record points at a buffer's place for its gradient (and 16-bit landing), empty."""
+        self.home, self.landing = home, landing
+        self.fresh, self.event, self.pending = False, None, None
+
+    def unbind(self) -> None:
+        """The buffer it pointed into goes back: no gradient, nowhere to hold one."""
+        self.wait()
+        self.home, self.landing, self.fresh = None, None, False
+
+    def forget(self) -> None:
+        """A new accumulation starts: this one's gradient (in memory or on NVMe) is gone."""
+        self.wait()
+        self.fresh, self.spilled, self.norm = False, False, None
+
+
+
+def bind_gradients(s: UnitState, buffer: torch.Tensor) -> None:
+    """The unit's gradient records point into ``buffer`` (trainable parameters only), empty."""
+    size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+    homes = s.unit.typed_views(buffer[:size], s.master_dtypes)
+    landings = s.unit.views(buffer[size : size + align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]) if s.widened else [None] * len(homes)
+    for record, home, landing, dtype, p in zip(s.grads, homes, landings, s.master_dtypes, s.unit.params):
+        record.bind(home if p.requires_grad else None, landing if landing is not None and dtype != p.dtype else None)
+
+
 class GradientPath:
+    """Owns each offloaded unit's gradient records (``UnitState.grads``) and counts their arrivals
+    (``UnitState.grads_arrived``): no other module changes them."""
+
     def __init__(
         self, ctx: EngineContext, direct_gradients: frozenset[int], data_parallel: bool, state_factor: float, buffers: GradientBuffers,
     ) -> None:
@@ -46,6 +111,17 @@ class GradientPath:
         self.counts_persistent = data_parallel  # every persistent gradient is counted for its reduction
         self.state_factor = state_factor  # optimizer-state bytes per master byte, for states the placement did not plan
         self.persistent: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient of a 16-bit persistent parameter
+        for s in ctx.states:
+            if s.home != GPU:
+                s.grads = [GradientRecord() for _ in s.unit.params]
+                home = ctx.memory.gradient_homes.get(s.unit.index)
+                if home is not None:
+                    bind_gradients(s, home)
+
+    def new_backward(self) -> None:
+        """A step starts: no unit's gradients have arrived in its backward yet."""
+        for s in self.ctx.states:
+            s.grads_arrived = 0
 
     def needs_persistent_hook(self, s: UnitState, i: int) -> bool:
         """A persistent parameter whose gradients the path receives: a 16-bit one (accumulated in
@@ -90,8 +166,18 @@ class GradientPath:
         self.buffers.wait_settled(s)  # not while its gradients are being written out
         if self.buffers.holds(s):
             return
-        self.buffers.acquire(s)
+        for sent in self.buffers.reclaimable():
+            self.release_buffer(sent)
+        bind_gradients(s, self.buffers.acquire(s))
         self._read_spilled(s)
+
+    def release_buffer(self, s: UnitState) -> None:
+        """The unit's gradients are consumed (updated, sent, or forgotten): its records let go of
+        its buffer, which goes back."""
+        self.buffers.stop_sending(s)  # the collective still reads the buffer until it ends
+        for record in s.grads:
+            record.unbind()
+        self.buffers.release(s)
 
     def _read_spilled(self, s: UnitState) -> None:
         if not any(r.spilled for r in s.grads):
@@ -118,7 +204,7 @@ class GradientPath:
         store.write(self.ctx.gradient_key(s), self.buffers.buffer_of(s)[:size]).result()
         for record, g in zip(s.grads, fresh):
             record.spilled = g is not None
-        self.buffers.release(s)
+        self.release_buffer(s)
 
     def restore(self, s: UnitState) -> None:
         """Before its update: a unit's gradients waiting on NVMe back in a buffer, multiplied by
@@ -223,43 +309,7 @@ class GradientPath:
                 pairs.append((record.home, record.landing))
         return pairs
 
-    def expose(self, s: UnitState, i: int, p: torch.Tensor, copy: bool = True) -> Optional[torch.Tensor]:
-        """A parameter's gradient so far, on ``p.grad`` for user code between backward and the
-        step (None where it cannot be: none yet, on NVMe). A gradient accumulated in place at home
-        is there already; one at home in pinned host memory while the parameter is on the GPU is
-        shown as a view of it from the GPU (writes cross the link). A 16-bit parameter's gradient
-        accumulated in fp32 for its master is shown (``copy``) as a copy in the parameter's dtype,
-        as plain training has it (:meth:`_narrowed`); what user code writes to the copy is taken
-        back (:meth:`take_back_exposed`)."""
-        held = self._held(s, i, p)
-        if held is None or not p.requires_grad:
-            return None
-        if p.grad is not None:
-            return held if p.grad.data_ptr() == held.data_ptr() else None
-        if held.dtype != p.dtype:
-            held = self._narrowed(s, i, p, held) if copy else None
-            if held is None:
-                return None
-        if held.device != p.device:
-            if not can_view(held, p.device):
-                return None
-            held = device_view(held, p.device)
-        p.grad = held
-        return p.grad
-
-    def _narrowed(self, s: UnitState, i: int, p: torch.Tensor, held: torch.Tensor) -> Optional[torch.Tensor]:
-        """An fp32 gradient in its 16-bit parameter's dtype: beside it where the fp32 one is on its
-        device, else in the unit's 16-bit landing area at home, idle once the gradient has landed
-        (a GPU copy would take memory the plan does not hold; None where there is no such area)."""
-        if held.device == p.device:
-            return held.to(p.dtype)
-        landing = s.grads[i].landing if s.home != GPU else None
-        if landing is None:
-            return None
-        landing.copy_(held)
-        return landing
-
-    def _held(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
+    def held(self, s: UnitState, i: int, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the parameter's gradient so far is held apart from ``p.grad``: at an offloaded
         unit's home, or in fp32 beside a persistent 16-bit parameter (None: nowhere apart)."""
         if s.home == GPU:
@@ -270,36 +320,9 @@ class GradientPath:
         record.wait()
         return record.home
 
-    def take_back_exposed(self, s: UnitState, i: int, p: torch.Tensor, exposed: torch.Tensor) -> bool:
-        """User code had ``p.grad`` (``exposed``, by :meth:`expose`): a tensor it put there instead
-        is what the gradient is now, a 16-bit copy it changed in place is written back, and
-        ``None`` drops the gradient, as in plain training. Returns whether the parameter still has
-        a gradient."""
-        held = self._held(s, i, p)
-        current = p.grad
-        if current is None or held is None:
-            self.drop(s, i, p)
-            return False
-        if exposed.device != held.device and s.home != GPU:
-            s.grads[i].event = self.ctx.device.compute_done()  # GPU kernels wrote home through the view: the update waits for them
-        if current.data_ptr() != exposed.data_ptr():
-            if current.shape != held.shape:
-                raise ValueError(
-                    f"the gradient of {s.unit.param_names[i]!r} was replaced by a tensor of shape {tuple(current.shape)}, "
-                    f"where the parameter has shape {tuple(held.shape)}."
-                )
-            held.copy_(current)
-            p.grad = exposed if exposed.data_ptr() == held.data_ptr() else None
-        elif exposed.dtype != held.dtype:
-            shown = exposed
-            if exposed.device != held.device:  # a view of the landing area: read there once the GPU's writes are done
-                s.grads[i].wait()
-                landing = s.grads[i].landing
-                assert landing is not None, "a 16-bit gradient shown beside an fp32 master's is a view of its landing area"
-                shown = landing
-            if not torch.equal(shown, held.to(shown.dtype)):
-                held.copy_(shown)  # changed in place: its 16-bit values, as plain training would step
-        return True
+    def written_on_device(self, s: UnitState, i: int) -> None:
+        """GPU kernels wrote an offloaded gradient at home through a view of it: its update waits for them."""
+        s.grads[i].event = self.ctx.device.compute_done()
 
     def drop(self, s: UnitState, i: int, p: torch.Tensor) -> None:
         """The parameter's gradient is gone (set to None by user code): neither clipped nor stepped."""
@@ -359,16 +382,14 @@ class GradientPath:
             if found is None or found[0].home == GPU:
                 continue
             s, i = found
-            s.grads[i].wait()
-            s.grads[i].fresh, s.grads[i].spilled, s.grads[i].norm = False, False, None
+            s.grads[i].forget()
             self.done_with(s)
 
     def forget_all(self) -> None:
         self.persistent.clear()
         for s in self.ctx.states:
             for record in s.grads:
-                record.wait()
-                record.fresh, record.spilled, record.norm = False, False, None
+                record.forget()
             self.done_with(s)
 
     def done_with(self, s: UnitState) -> None:
@@ -379,7 +400,14 @@ class GradientPath:
         if any(r.fresh for r in s.grads):
             self.buffers.settled(s)
         else:
-            self.buffers.release(s)
+            self.release_buffer(s)
+
+    def consumed(self, s: UnitState, positions: list[int]) -> None:
+        """An update used the gradients at ``positions``: they start afresh, and a transient buffer
+        goes back once none is fresh."""
+        for i in positions:
+            s.grads[i].fresh = False
+        self.done_with(s)
 
     def start(self, s: UnitState, i: int, p: torch.Tensor) -> None:
         """A parameter became trainable during training: its gradient home (outside the slab, for
@@ -394,16 +422,18 @@ class GradientPath:
             return
         record = s.grads[i]
         if record.home is None:
-            record.home = torch.zeros(p.shape, dtype=s.master_dtypes[i])
+            record.bind(torch.zeros(p.shape, dtype=s.master_dtypes[i]), record.landing)
             if s.home == NVME:  # room for the optimizer states the placement did not plan for a frozen parameter
-                nbytes, store = record.home.numel() * record.home.element_size(), self.ctx.store
+                nbytes, store = p.numel() * s.master_dtypes[i].itemsize, self.ctx.store
                 assert store is not None, "NVMe units have the store"
                 store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)
+        home = record.home
+        assert home is not None  # bound above
         if p.grad is not None:
             record.wait()
             if record.fresh:
-                record.home.add_(p.grad.to(record.home.device))
+                home.add_(p.grad.to(home.device))
             else:
-                record.home.copy_(p.grad)
+                home.copy_(p.grad)
             record.fresh = True
             p.grad = None

@@ -15,10 +15,12 @@ from typing import Callable, Optional
 
 import torch
 
-from ..planning.placement import GPU, HOST, NVME
+from ..memory.nvme import NvmeStore
+from ..planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
 from .cache import UnitCache
 from .context import EngineContext
 from .nvme_states import NvmeOptimizerStates
+from .offloaded import mark_present
 from .optimizer import compact
 from .state import UnitState
 from .updates import UnitUpdater
@@ -50,7 +52,7 @@ class Lending:
             self.lent[index] = None
             return
         buffer = self.ctx.read_home(s)
-        self.ctx.bind(s, s.unit.views(buffer))
+        self.cache.bind(s, s.unit.views(buffer))
         self.lent[index] = (buffer, buffer.clone())
 
     @torch.no_grad()
@@ -93,7 +95,7 @@ class Lending:
         for i, value in rebound.items():
             _check_rebound(s, i, value)
         if rebound:
-            self.ctx.bind(s, s.bound_to)
+            self.cache.bind(s, s.bound_to)
         return rebound
 
     def _write_rebound(self, s: UnitState, rebound: dict[int, torch.Tensor]) -> None:
@@ -135,8 +137,8 @@ class Lending:
                 buffer, before = held
                 written = [not torch.equal(a, b) for a, b in zip(s.unit.views(buffer), s.unit.views(before))]
                 if any(written):
-                    self.ctx.write_home(s, buffer)
-                self.ctx.bind(s, s.placeholders)
+                    self.cache.write_home(s, buffer)
+                self.cache.bind(s, s.placeholders)
             self.updater.mark_masters_stale({id(p) for p, w in zip(s.unit.params, written) if w})
 
     @torch.no_grad()
@@ -174,7 +176,7 @@ class Lending:
             if s.home != NVME:
                 continue
             buffer = self.ctx.read_home(s)
-            self.ctx.bind(s, s.unit.views(buffer))
+            self.cache.bind(s, s.unit.views(buffer))
             loaded.append((s, buffer))
         try:
             yield
@@ -183,8 +185,40 @@ class Lending:
                 self.updater.mark_masters_stale()
             for s, buffer in loaded:
                 if writeback:
-                    self.ctx.write_home(s, buffer)
-                self.ctx.bind(s, s.placeholders)
+                    self.cache.write_home(s, buffer)
+                self.cache.bind(s, s.placeholders)
+
+    @torch.no_grad()
+    def _in_host_tier(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views the engine's pinned slab (or the machine's shared one)."""
+        slabs = [self.ctx.memory.slab, self.ctx.memory.shared_slab] if self.ctx.memory is not None else []
+        return any(
+            slab is not None and not slab.closed and slab.tensor.numel() > 0
+            and slab.tensor.data_ptr() <= t.data_ptr() < slab.tensor.data_ptr() + slab.tensor.numel()
+            for slab in slabs
+        )
+
+    def materialize_for_good(self, s: UnitState, leave_on_nvme: Optional[Callable] = None) -> None:
+        """The unit's parameters become plain tensors holding their true values (an NVMe unit's
+        handed to ``leave_on_nvme`` with a reader instead, where given)."""
+        if s.fetch is not None:
+            self.cache.complete(s)
+        for i, p in enumerate(s.unit.params):
+            if s.home == GPU and s.device_slot is not None:
+                p.data = p.data.clone()
+            elif s.home == HOST and s.home_views:
+                p.data = s.home_views[i].clone()
+            if p.grad is not None and self._in_host_tier(p.grad):
+                p.grad = p.grad.clone()  # a gradient at home: the slab is freed
+        if s.home == NVME and self.ctx.store is not None and s.placeholders and leave_on_nvme is not None:
+            self.cache.forget_host_copy(s)  # the slab is freed: reads come from the file
+            self.cache.bind(s, s.placeholders)
+            read, unit = _file_reader(self.ctx.store, self.ctx.key(s), s.unit.nbytes), s.unit
+            for i, p in enumerate(s.unit.params):
+                mark_present(p)
+                leave_on_nvme(p, s.unit.param_names[i], lambda i=i: unit.views(read())[i].clone())
+        elif s.home == NVME and self.ctx.store is not None and s.placeholders:
+            self.cache.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
 
 
 def storage_address(t: torch.Tensor) -> int:
@@ -232,3 +266,15 @@ def _shares_memory_with_another_tensor(value: torch.Tensor) -> bool:
     False where this torch cannot say."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     return use_count is not None and use_count(value.untyped_storage()._cdata) > 2
+
+
+def _file_reader(store: NvmeStore, key: str, nbytes: int) -> Callable[[], torch.Tensor]:
+    """A function reading an NVMe unit's bytes from its file into a fresh buffer (``EngineContext.read_home``
+    without the engine: it holds the store alone)."""
+
+    def read() -> torch.Tensor:
+        buffer = torch.empty(align(nbytes, HOST_SLOT_ALIGNMENT), dtype=torch.uint8)
+        store.read(key, buffer).result()
+        return buffer
+
+    return read

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..hardware.device import Event
 from ..memory import Slot
 from .units import TransferUnit
+
+if TYPE_CHECKING:  # the gradient path owns its records
+    from .gradients import GradientRecord
 
 
 @dataclass(eq=False)
@@ -28,41 +31,6 @@ class Landing(enum.Enum):
 
     COPY = "copy"  # replaces a gradient of an earlier accumulation
     ADD = "add"  # adds to this accumulation's gradient
-
-
-@dataclass(eq=False)
-class GradientRecord:
-    """One parameter's gradient at an offloaded unit's home, in its master's dtype."""
-
-    home: Optional[torch.Tensor] = None  # None while the parameter is frozen
-    # fp32 masters: where the 16-bit gradient lands (pinned, the copy is async) before widening
-    landing: Optional[torch.Tensor] = None
-    fresh: bool = False  # ``home`` holds this accumulation's gradient
-    event: Optional[Event] = None  # the copy from the GPU tier in flight
-    pending: Optional[Landing] = None
-    # this accumulation's gradient waits on NVMe for its update (gradients.py, ``spill``), and its
-    # norm, taken on the way for clipping by norm
-    spilled: bool = False
-    norm: Optional[torch.Tensor] = None
-
-    def wait(self) -> None:
-        """The copy in flight has landed and, for an fp32 master, has been widened into ``home``."""
-        if self.event is not None:
-            self.event.wait()
-            self.event = None
-        if self.pending is not None:
-            home, landing = self.home, self.landing
-            assert home is not None and landing is not None, "a landing pending for a gradient home (gradients.py)"
-            if self.pending is Landing.ADD:
-                home.add_(landing)
-            else:
-                home.copy_(landing)
-            self.pending = None
-
-    def value(self) -> Optional[torch.Tensor]:
-        """This accumulation's gradient once landed; None if there is none."""
-        self.wait()
-        return self.home if self.fresh else None
 
 
 @dataclass(eq=False)
@@ -88,7 +56,7 @@ class UnitState:
     bound: bool = False  # parameters currently point into device_slot
     bound_to: list[torch.Tensor] = field(default_factory=list)  # per param: what the engine last pointed it at
     bound_versions: list[int] = field(default_factory=list)  # per param: its version counter when last pointed
-    written: set[int] = field(default_factory=set)  # positions written in place since their last update (EngineContext.note_writes)
+    written: set[int] = field(default_factory=set)  # positions written in place since their last update (UnitCache.note_writes)
     handed_out: set[int] = field(default_factory=set)  # positions whose ``.data`` user code took inside this step
     reduce_ready: bool = False  # data parallel: complete for this step, its reduction due in the canonical order
     reductions: list[Any] = field(default_factory=list)  # data parallel: its collectives in flight

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -14,8 +14,8 @@ import torch
 from ..hardware.device import Device
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, Placement, align
-from .gradient_buffers import bind_gradients, gradient_bytes
-from .state import GradientRecord, UnitState
+from .gradient_buffers import gradient_bytes
+from .state import UnitState
 
 
 # maps host memory every rank of the machine sees: (bytes, the homes' (unit index, bytes)) -> the slab
@@ -35,6 +35,10 @@ class TierMemory:
     gradient_slots: list[torch.Tensor]  # buffers the gradients of NVMe units pass through (gradient_buffers.py)
     home_region: torch.Tensor  # host homes: the start of the slab, or the machine's shared copy
     shared_slab: Optional[HostSlab] = None  # the host homes every rank of the machine maps (shared_homes.py)
+    # each persistent unit's fixed region of the GPU tier (the cache makes it the unit's slot)
+    persistent_slots: dict[int, Slot] = field(default_factory=dict)
+    # each offloaded unit's gradient home for the run, where it keeps one (the gradient path binds it)
+    gradient_homes: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def allocate(
@@ -43,11 +47,11 @@ class TierMemory:
         """``owns``: whether this process updates a unit (under sharded states, only its owner
         keeps its fp32 masters); ``shared_homes``: where the placement shares host homes among
         the machine's ranks, what maps them."""
-        arena, device_pool, class_sizes = _device_tier(states, placement, device)
+        arena, device_pool, class_sizes, persistent_slots = _device_tier(states, placement, device)
         host = _host_tier(states, placement, device, shared_homes)
         masters = _master_region([s for s in states if owns(s.unit.index)])
         return cls(arena, device_pool, class_sizes, host.slab, host.staging_pool, host.update_pool, host.update_buffers, masters,
-                   host.gradient_slots, host.home_region, host.shared_slab)
+                   host.gradient_slots, host.home_region, host.shared_slab, persistent_slots, host.gradient_homes)
 
     def own_class(self, nbytes: int) -> int:
         """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
@@ -58,19 +62,20 @@ class TierMemory:
         return self.slab.nbytes - self.staging_pool.capacity_bytes
 
 
-def _device_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[torch.Tensor, SlotPool, list[int]]:
+def _device_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[torch.Tensor, SlotPool, list[int], dict[int, Slot]]:
     persistent = [s for s in states if s.home == GPU]
     persistent_bytes = sum(align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT) for s in persistent)
     classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.device_slots.items(), reverse=True)]
     stream_bytes = SlotPool.required_bytes(classes, DEVICE_SLOT_ALIGNMENT) if classes else 0
     arena = device.allocate(persistent_bytes + stream_bytes)
     offset = 0
+    slots = {}
     for s in persistent:
         size = align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT)
-        s.device_slot = Slot(slot_bytes=size, offset=offset, tensor=arena[offset : offset + size])
+        slots[s.unit.index] = Slot(slot_bytes=size, offset=offset, tensor=arena[offset : offset + size])
         offset += size
     pool = SlotPool(arena[offset:], classes, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
-    return arena, pool, sorted(c.slot_bytes for c in classes)
+    return arena, pool, sorted(c.slot_bytes for c in classes), slots
 
 
 @dataclass
@@ -82,6 +87,7 @@ class _HostTier:
     gradient_slots: list[torch.Tensor]
     home_region: torch.Tensor
     shared_slab: Optional[HostSlab]
+    gradient_homes: dict[int, torch.Tensor]
 
 
 def _host_tier(states: list[UnitState], placement: Placement, device: Device, shared_homes: Optional[SharedHomes]) -> _HostTier:
@@ -106,13 +112,14 @@ def _host_tier(states: list[UnitState], placement: Placement, device: Device, sh
     shared_slab = shared_homes(home_bytes, layout) if shared_homes is not None else None
     home_region = host[:home_bytes] if shared_slab is None else shared_slab.tensor
     _carve_homes(homed, home_region)
-    offset = own_homes + _carve_gradients(offloaded, host[own_homes:])
+    gradient_homes = _carve_gradients(offloaded, host[own_homes:])
+    offset = own_homes + sum(t.numel() for t in gradient_homes.values())
     gradient_slots = [host[offset + k * gradient_slot : offset + (k + 1) * gradient_slot] for k in range(gradient_count)]
     offset += gradient_slot * gradient_count
     update_bytes = SlotPool.required_bytes(update_classes, HOST_SLOT_ALIGNMENT) if update_classes else 0
     update_pool = SlotPool(host[offset : offset + update_bytes], update_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe update")
     staging_pool = SlotPool(host[offset + update_bytes :], staging_classes, alignment=HOST_SLOT_ALIGNMENT, name="NVMe staging")
-    return _HostTier(slab, staging_pool, update_pool, update_buffers, gradient_slots, home_region, shared_slab)
+    return _HostTier(slab, staging_pool, update_pool, update_buffers, gradient_slots, home_region, shared_slab, gradient_homes)
 
 
 def _carve_homes(homed: list[UnitState], region: torch.Tensor) -> None:
@@ -124,16 +131,16 @@ def _carve_homes(homed: list[UnitState], region: torch.Tensor) -> None:
         offset += size
 
 
-def _carve_gradients(offloaded: list[UnitState], host: torch.Tensor) -> int:
-    """Each offloaded unit's gradient home (and 16-bit landing area), from ``host``; the bytes used."""
+def _carve_gradients(offloaded: list[UnitState], host: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each offloaded unit's gradient home (and 16-bit landing area), in order from ``host``."""
     offset = 0
+    homes = {}
     for s in offloaded:
-        s.grads = [GradientRecord() for _ in s.unit.params]
         if s.unit.trainable and not s.transient_gradients:
             size = gradient_bytes(s)
-            bind_gradients(s, host[offset : offset + size])
+            homes[s.unit.index] = host[offset : offset + size]
             offset += size
-    return offset
+    return homes
 
 
 def _master_region(states: list[UnitState]) -> torch.Tensor:
@@ -146,3 +153,14 @@ def _master_region(states: list[UnitState]) -> torch.Tensor:
         s.master_views = [v if d != p.dtype else None for v, d, p in zip(views, s.master_dtypes, s.unit.params)]
         offset += size
     return region
+
+
+def refuse_dha_on_a_gpu(placement: Placement, device: Device) -> None:
+    """Units computed in place at home are bound to their host homes, CPU tensors: a GPU's
+    kernels cannot take them (binding device views of the pinned home has not run on a GPU)."""
+    if placement.dha and not device.is_emulated:
+        raise ValueError(
+            f"placement.dha puts {len(placement.dha)} unit(s) (indices {sorted(placement.dha)[:8]}) in place at home, "
+            f"which runs only on the emulated GPU tier: on {device.compute} their parameters would be host tensors "
+            f"in GPU kernels. Give those units a home of gpu, host or nvme instead (placement.dha=frozenset())."
+        )

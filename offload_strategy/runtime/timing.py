@@ -84,7 +84,7 @@ class StepTimer:
     def begin(self, train: bool) -> None:
         """A step starts (evaluation steps are not timed)."""
         self.timing = StepProfile(unit_names=self.profile.unit_names, unit_bytes=self.profile.unit_bytes) if train else None
-        self.step.stall_marks = [] if train else None
+        self.step.mark_stalls(train)
         self._intervals = []
         self._backward = None
         self._forward = self._mark(None) if train else None
@@ -147,7 +147,7 @@ class StepTimer:
     def finish(self, update_log: list[tuple[int, float, float]], profiled: bool) -> None:
         """Keep this step's compute and update times; the profiled step's are its profile's."""
         timing, self.timing = self.timing, None
-        stalls, self.step.stall_marks = self.step.stall_marks, None
+        stalls = self.step.take_stalls()
         if timing is None:
             return
         for index, start, end in update_log:

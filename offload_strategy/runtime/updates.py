@@ -50,12 +50,12 @@ class GradientView:
 class UnitUpdater:
     def __init__(
         self, ctx: EngineContext, cache: UnitCache, gradients: GradientPath, nvme_states: Optional[NvmeOptimizerStates],
-        owns: Callable[[int], bool],
+        owned: frozenset[int],
     ) -> None:
         self.ctx, self.cache, self.gradients = ctx, cache, gradients
         self.nvme_states = nvme_states
         self.pipeline = NvmeUpdatePipeline(ctx, nvme_states) if nvme_states is not None else None
-        self.owns = owns  # whether this process updates a unit (under sharded states another rank may)
+        self.owned = owned  # the units this process updates (under sharded states another rank may)
         self.worker = UpdateWorker()
         gradients.buffers.worker_failed = lambda: self.worker.failed
         self.optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
@@ -71,7 +71,7 @@ class UnitUpdater:
         units = []
         for s in self.ctx.states:
             trainable = [(i, p) for i, p in enumerate(s.unit.params) if p.requires_grad]
-            if not trainable or not self.owns(s.unit.index):
+            if not trainable or s.unit.index not in self.owned:
                 continue
             units.append((s.unit.index, [p for _, p in trainable], [self.master_for(s, i, p) for i, p in trainable]))
         host = host_implementation(facade, exact=self.ctx.device.is_emulated)
@@ -100,9 +100,7 @@ class UnitUpdater:
 
     def _take_written(self, s: UnitState) -> frozenset[int]:
         """Ids of the unit's parameters user code wrote in place since its last update."""
-        self.ctx.note_writes(s)
-        positions, s.written = s.written, set()
-        return frozenset(id(s.unit.params[i]) for i in positions)
+        return frozenset(id(s.unit.params[i]) for i in self.cache.take_written(s))
 
     def mark_masters_stale(self, written: Optional[set[int]] = None) -> None:
         """Parameters (``written``: those ids; None: all) were written from outside the step: fp32
@@ -128,6 +126,22 @@ class UnitUpdater:
             self._nvme()[0].adopt(slot.inner, slot.unit_index, slot.masters, widened)
             for master in slot.masters:
                 master.data = self.idle_masters[id(master)]
+
+    def pipeline_counts(self) -> dict[str, int]:
+        """NVMe updates that found their reads done ahead, and that found a write still behind."""
+        return dict(self.pipeline.counts) if self.pipeline is not None else {"reads_ahead": 0, "writes_behind": 0}
+
+    # -- update state: ``UnitState.updated`` is the updater's alone --------------------------------
+
+    def step_ended(self) -> None:
+        """The optimizer step is over: no unit counts as updated in the next."""
+        for s in self.ctx.states:
+            s.updated = False
+
+    def redo(self, indices: list[int]) -> None:
+        """Updates made ahead were taken back (``speculation.py``): those units update again."""
+        for index in indices:
+            self.ctx.states[index].updated = False
 
     # -- during backward, on the worker -----------------------------------------------------------
 
@@ -219,6 +233,40 @@ class UnitUpdater:
         self.worker.close()
         return errors
 
+    def update_the_rest(self, unit_optimizers: UnitOptimizers, pipelined: bool) -> None:
+        """Every unit the worker did not update during backward, in unit order, then loose tensors.
+        NVMe units that must be read from their files go to the worker's pipeline (reads ahead,
+        writes behind) while the training thread updates the others, NVMe units whose parameters
+        a staging buffer still holds updated there in place (``pipelined``: NVMe updates may go
+        through the pipeline; not under data parallelism)."""
+        updater = self
+        pending = [s for s in self.ctx.states if s.unit.index in unit_optimizers.slots and not s.updated]
+        pipelined = updater.pipeline is not None and pipelined
+        piped = [s for s in pending if s.home == NVME and s.host_copy is None] if pipelined else []
+        updater.submit_in_order(unit_optimizers, piped)
+        on_worker = {s.unit.index for s in piped}
+        try:
+            for s in pending:
+                if s.unit.index in on_worker:
+                    continue
+                start = time.perf_counter()
+                if s.home == GPU:
+                    updater.update_persistent(unit_optimizers, s)
+                else:
+                    updater.update_offloaded(unit_optimizers, s)
+                updater.log.append((s.unit.index, start, time.perf_counter()))
+        finally:
+            updater.drain()
+        for s in piped:
+            self.cache.drop_host_copy(s)  # updated from its file: a copy kept in a staging buffer is stale
+        updater.update_loose(unit_optimizers)
+
+    def update_copies(self, unit_index: int) -> list[torch.Tensor]:
+        """The host unit's tensors its update writes beside the masters, as ``update_offloaded`` gives them."""
+        s = self.ctx.states[unit_index]
+        (unit_optimizers,) = self.optimizers.values()
+        return [s.home_views[self.ctx.param_slot[id(p)][1]] for p in unit_optimizers.slots[unit_index].params]
+
     # -- one unit's update ------------------------------------------------------------------------
 
     def update_loose(self, unit_optimizers: UnitOptimizers) -> None:
@@ -272,9 +320,7 @@ class UnitUpdater:
             self._remember_state_bytes(s, slot)
             return
         _step_masters(unit_optimizers, slot, grads, copies, written=written)
-        for i in positions:
-            s.grads[i].fresh = False
-        self.gradients.done_with(s)
+        self.gradients.consumed(s, positions)
         if s.home == NVME:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
         else:
@@ -305,7 +351,7 @@ class UnitUpdater:
             params = pipeline.buffer(s.unit.nbytes)
             nvme_states.store.read(self.ctx.key(s), params.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
         else:
-            params = self._host_copy(s)
+            params = self.cache.host_copy_for_update(s)
         views = s.unit.views(params.tensor)
         copies = [views[i] for i in positions]
         for position, (master, copy) in enumerate(zip(slot.masters, copies)):
@@ -371,18 +417,6 @@ class UnitUpdater:
                 f"Raise host_memory so that fewer units live on NVMe."
             )
         return slot
-
-    def _host_copy(self, s: UnitState) -> Slot:
-        """The NVMe unit's kept host copy, read from NVMe first if there is none."""
-        if s.host_copy is None:
-            staging = self.cache.staging(s.unit.nbytes, wait=True)
-            if staging is None:
-                raise RuntimeError(f"no NVMe staging buffer is free for unit {s.unit.name!r}; raise host_memory.")
-            self._nvme()[0].store.read(self.ctx.key(s), staging.tensor[: align(s.unit.nbytes, HOST_SLOT_ALIGNMENT)]).result()
-            s.host_copy = staging
-        self.ctx.settle_host_copy(s)
-        self.ctx.device.check_host_access(s.host_copy.tensor, "updates an NVMe unit in its kept staging copy")
-        return s.host_copy
 
 
 def _step_masters(

@@ -387,8 +387,8 @@ class ActivationControl:
         storages = {p.untyped_storage().data_ptr() for p in self.context.module.parameters()}
         engine = self.context.engine
         if engine is not None:
-            storages |= {engine.arena.untyped_storage().data_ptr(), engine.slab.tensor.untyped_storage().data_ptr(),
-                         engine.home_region.untyped_storage().data_ptr()}
+            storages |= {engine.memory.arena.untyped_storage().data_ptr(), engine.memory.slab.tensor.untyped_storage().data_ptr(),
+                         engine.memory.home_region.untyped_storage().data_ptr()}
         activations.param_storages.clear()
         activations.param_storages.update(storages)
         activations.begin_forward()
@@ -480,9 +480,9 @@ class ActivationControl:
         bytes kept for backward."""
         activations, engine = self.policies_in_use, self.context.engine
         assert activations is not None
-        outer = (engine.pack_saved, engine.unpack_saved) if engine is not None else (self._count_saved, _unchanged)
+        outer = engine.forwards.saved_hooks() if engine is not None else (self._count_saved, _unchanged)
         activations.outer = outer
-        self._counting = engine.saved if engine is not None else self._saved
+        self._counting = engine.saved_tensors.bytes if engine is not None else self._saved
         activations.saved_so_far = lambda: self._counting
         activations.recompute_holds = engine.recompute_holds if engine is not None else None
         if activations.swap is not None:

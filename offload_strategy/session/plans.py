@@ -341,7 +341,7 @@ class PlanSession:
             share = self.in_use.gpu_for_parameters if engine is not None and self.in_use is not None else budgets.gpu
             self._replace(rules, share, None, engine is None)
         engine = self.context.engine
-        if stepped and engine is not None and {id(o) for o in self.context.optimizers} != set(engine.unit_optimizers):
+        if stepped and engine is not None and {id(o) for o in self.context.optimizers} != set(engine.updater.optimizers):
             # a callback gave the trainer other optimizers (``trainer.optimizers = [...]``): their
             # states may take another size, and the old ones' units must not step again
             self.say("tiered: the trainer's optimizers were replaced; placing the model again with the new ones' states")
@@ -355,9 +355,9 @@ class PlanSession:
         engine, planner = self.context.engine, self.planner
         assert engine is not None and planner is not None and self.in_use is not None
         self.phase = SessionPhase.SEARCHED
-        timing = fastest_timing(self._timed) if self._timed else engine.last_timing or engine.profile
+        timing = fastest_timing(self._timed) if self._timed else engine.timer.last_timing or engine.timer.profile
         if not timing.order:  # first use in forward of every unit, resident ones included
-            timing = replace(timing, order=list(engine.profile.order))
+            timing = replace(timing, order=list(engine.timer.profile.order))
         activations = self.activations
         joint = activations.joint_search
         try:
@@ -470,8 +470,8 @@ class PlanSession:
         done, engine = self.steps_done, self.context.engine
         if WARM_UP_STEPS <= done < WARM_UP_STEPS + TIMED_STEPS:
             self.activations.measure_blocks_again(keep_fastest=done > WARM_UP_STEPS)
-        if WARM_UP_STEPS < done <= WARM_UP_STEPS + TIMED_STEPS and engine is not None and engine.last_timing is not None:
-            self._timed.append(engine.last_timing)
+        if WARM_UP_STEPS < done <= WARM_UP_STEPS + TIMED_STEPS and engine is not None and engine.timer.last_timing is not None:
+            self._timed.append(engine.timer.last_timing)
 
     def forget_timing(self) -> None:
         """Another engine's units: the warm steps' times kept so far are not theirs."""
@@ -495,7 +495,7 @@ class PlanSession:
         compute times of ``timing`` (default: the engine's last timed training step); None before
         a step has been timed or without an engine (nothing offloaded)."""
         engine = self.context.engine
-        timing = timing if timing is not None else engine.last_timing if engine is not None else None
+        timing = timing if timing is not None else engine.timer.last_timing if engine is not None else None
         if engine is None or timing is None or self.planner is None or self.planner.model is None:
             return None
         model = self.planner.model
@@ -507,7 +507,7 @@ class PlanSession:
         order = list(dict.fromkeys(timing.order)) + [i for i in range(len(engine.states)) if i not in timing.order]
         units = [
             replace(
-                costs[i], home=engine.states[i].home, direct_gradient=i in engine.direct_gradients,
+                costs[i], home=engine.states[i].home, direct_gradient=i in engine.gradients.direct,
                 state_bytes=int(sizes[i].trainable_bytes * model.state_factor) if engine.states[i].home == NVME and i in sizes else 0,
             )
             for i in order
@@ -555,7 +555,7 @@ class PlanSession:
         else:
             assert engine is not None
             mode = "in_place" if index in engine.placement.dha else "streamed"
-            gradient = "direct" if index in engine.direct_gradients else "copied"
+            gradient = "direct" if index in engine.gradients.direct else "copied"
         return mode, gradient if trainable else None, home if trainable else None
 
     # -- what the log says of a plan ----------------------------------------------------------------------
