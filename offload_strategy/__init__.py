@@ -9,16 +9,16 @@ from __future__ import annotations
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .callbacks import OffloadMonitor
+from .lightning.callbacks import OffloadMonitor
 from .config import PRESETS, RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes, parse_size
 from .estimate import Estimate, PresetEstimate, estimate
 from .hardware import KNOWN_MACHINES, known_hardware, probe_hardware
-from .runtime.offloaded import OffloadedParameterError
-from .strategy import MemoryBudgetError, TierBudgets, TieredStrategy
-from .strategy_ddp import TieredDDPStrategy
-from .strategy_fabric import TieredFabricStrategy
-from .strategy_names import UnknownStrategyNameError, install as _install_name_suggestions
-from .weights import WeightsMismatchError, load_weights
+from .runtime.params.offloaded import OffloadedParameterError
+from .lightning.strategy import MemoryBudgetError, TierBudgets, TieredStrategy
+from .lightning.ddp import TieredDDPStrategy
+from .lightning.fabric import TieredFabricStrategy
+from .lightning.names import UnknownStrategyNameError, install as _install_name_suggestions
+from .construction.weights import WeightsMismatchError, load_weights
 
 __version__ = "0.1.0"
 

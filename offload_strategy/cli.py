@@ -117,7 +117,7 @@ def _model_and_batch(name: str, batch_size: Optional[int], seq_len: Optional[int
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from .profiling.analytic import GPU_MEMORY_SHARE
+    from .estimate.analytic import GPU_MEMORY_SHARE
 
     return bandwidth.run(args, priced_share=GPU_MEMORY_SHARE)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from offload_strategy.hardware.device import EmulatedDevice
-from offload_strategy.runtime.activation_swap import ActivationSwap
+from offload_strategy.runtime.activations.swap import ActivationSwap
 
 
 def test_a_view_unpacked_twice_counts_once():

@@ -13,7 +13,7 @@ from torch import nn
 from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.placement import PlacementError
-from offload_strategy.runtime.activations import ActivationPolicies, find_blocks
+from offload_strategy.runtime.activations.policies import ActivationPolicies, find_blocks
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_offload import GPT2_4L, param_bytes
 
@@ -384,7 +384,7 @@ def test_a_swap_brings_back_each_layout_and_copies_a_storage_once_for_its_views(
     (99 x 64 + 16 elements: 25,408 bytes): 58,176 bytes in all. A second backward through the kept
     graph fetches them again, and each copy is let go once all its views are unpacked."""
     from offload_strategy.hardware.device import EmulatedDevice
-    from offload_strategy.runtime.activation_swap import ActivationSwap
+    from offload_strategy.runtime.activations.swap import ActivationSwap
 
     product, square = torch.randn(64, 96), torch.randn(256, 64)
     q, k, v = product.split(32, dim=1)

@@ -18,8 +18,8 @@ from offload_strategy.config import PolicyConfig, compute_dtype, parse_size
 from offload_strategy.demos import CausalLM
 from offload_strategy.estimate import simulate as sim
 from offload_strategy.hardware.specs import known_hardware
-from offload_strategy.profiling.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_compute, analytic_units, cpu_update_rate
-from offload_strategy.profiling.shapes import Pricing
+from offload_strategy.estimate.analytic import CPU_PARAMS_PER_S_PER_CORE, analytic_compute, analytic_units, cpu_update_rate
+from offload_strategy.estimate.shapes import Pricing
 from offload_strategy.runtime.units import build_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +176,7 @@ def test_mixed_precision_saves_autocasts_casts_by_hand():
     tensor, not the parameter; the norm widens the 16-bit product (48 bytes) to fp32 and saves that
     (96) with its mean and inverse deviation (6 fp32 each: 48); relu saves its fp32 output (96).
     320 bytes, against 336 in fp32 (the input 96, the norm's input 96 and statistics 48, relu's 96)."""
-    from offload_strategy.profiling.analytic import Autocast
+    from offload_strategy.estimate.analytic import Autocast
 
     with torch.device("meta"):
         model = nn.Sequential(NormedBlock(), NormedBlock())
@@ -191,7 +191,7 @@ def test_mixed_precision_saves_autocasts_casts_by_hand():
 def test_autocast_emulation_saves_what_a_real_autocast_forward_saves():
     """On the CPU, with the CPU's op lists, the meta forward under ``Autocast`` saves the same
     bytes as a real forward under ``torch.autocast`` (cast cache off, as Lightning enters it)."""
-    from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast
+    from offload_strategy.estimate.analytic import AUTOCAST_CPU, Autocast
 
     def block() -> nn.Module:
         return nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8), nn.LayerNorm(8), nn.Softmax(-1))
@@ -223,7 +223,7 @@ def test_memory_bound_work_is_priced_at_the_memory_bandwidth_by_hand():
     bytes moved, at 80% of 1,000 bytes/s = 0.24 s beside the matrix product's 192 FLOPs at 500
     FLOP/s (0.384 s). The matrix product and the views around it move nothing here. Outside the
     blocks, the sum reads the last output (96 bytes) and writes one float: 100 bytes, 0.125 s."""
-    from offload_strategy.profiling.analytic import GPU_MEMORY_SHARE
+    from offload_strategy.estimate.analytic import GPU_MEMORY_SHARE
 
     assert GPU_MEMORY_SHARE == 0.8
     with torch.device("meta"):
@@ -255,7 +255,7 @@ def test_time_no_parameter_accounts_for_goes_to_the_units_beside_it_by_hand():
     """A block of 6 s whose units' products take 1 s and 3 s: the 2 s beyond them (attention's
     products, memory-bound work) go 0.5 s and 1.5 s to the units, twice that to their backward; a
     unit outside the blocks without FLOPs of its own (an embedding) gets all 0.7 s outside."""
-    from offload_strategy.profiling.analytic import AnalyticCompute, AnalyticUnit, attach_unattributed
+    from offload_strategy.estimate.analytic import AnalyticCompute, AnalyticUnit, attach_unattributed
     from offload_strategy.planning.activations import BlockCost
 
     def unit(name: str, forward: float) -> AnalyticUnit:

@@ -92,7 +92,7 @@ def test_every_plan_stays_within_its_budgets():
 def test_a_48_block_model_is_planned_within_a_second():
     from offload_strategy.demos import CausalLM
     from offload_strategy.hardware import known_hardware
-    from offload_strategy.profiling.analytic import analytic_units
+    from offload_strategy.estimate.analytic import analytic_units
     from offload_strategy.runtime.units import build_units
 
     config = dict(vocab_size=50257, n_positions=1024, n_embd=1600, n_layer=48, n_head=25)  # GPT-2 XL's shapes

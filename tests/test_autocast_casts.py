@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from offload_strategy import TieredStrategy
-from offload_strategy.runtime.live_bytes import LiveBytes
+from offload_strategy.estimate.live_bytes import LiveBytes
 from tests.helpers import assert_same_weights, train
 
 WIDTH, LAYERS = 256, 48

@@ -3,7 +3,7 @@
 An operation's backward holds the gradient of its output and makes the gradient of its input,
 each as large as what it saved, while the saved tensors are still held. The runtime and the step
 model plan twice the largest tensor the forward saved beside every activation layout
-(``BesideBlocks.gradients``); ``runtime/live_bytes.py`` measures what a real step holds on the CPU.
+(``BesideBlocks.gradients``); ``estimate/live_bytes.py`` measures what a real step holds on the CPU.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch import nn
 
 from offload_strategy.demos import build_causal_lm
 from offload_strategy.hardware import known_hardware
-from offload_strategy.profiling.analytic import analytic_compute
-from offload_strategy.runtime.activations import find_blocks
-from offload_strategy.runtime.live_bytes import LiveBytes
-from offload_strategy.runtime.live_bytes import backward_beyond_forward as measure
+from offload_strategy.estimate.analytic import analytic_compute
+from offload_strategy.runtime.activations.policies import find_blocks
+from offload_strategy.estimate.live_bytes import LiveBytes
+from offload_strategy.estimate.live_bytes import backward_beyond_forward as measure
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_strategy.runtime.activations import ActivationPolicies, find_blocks
+from offload_strategy.runtime.activations.policies import ActivationPolicies, find_blocks
 from tests.helpers import assert_same_weights
 from tests.test_recipes import fit, tiered
 

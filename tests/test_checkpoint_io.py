@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload_strategy import TieredStrategy
-from offload_strategy.checkpoint_io import AtomicCheckpointIO
+from offload_strategy.checkpoint.atomic import AtomicCheckpointIO
 from tests.helpers import PARAMETERS_ONLY, train
 
 
@@ -69,7 +69,7 @@ def _save_then_hang(directory: Path) -> str:
     """A child process that starts saving a checkpoint into ``directory`` and stops mid-write."""
     return textwrap.dedent(f"""
         import sys, time, torch
-        from offload_strategy import checkpoint_io
+        from offload_strategy.checkpoint import atomic as checkpoint_io
 
         def slow_save(obj, handle):
             handle.write(b"x" * (1 << 20))

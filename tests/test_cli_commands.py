@@ -16,8 +16,8 @@ from offload_strategy.cli import _parser, main
 from offload_strategy.config import parse_size
 from offload_strategy.estimate import simulate as sim
 from offload_strategy.estimate.models import causal_lm
-from offload_strategy.profiling.shapes import Pricing
-from offload_strategy.sharded_checkpoint import consolidate, write_sharded
+from offload_strategy.estimate.shapes import Pricing
+from offload_strategy.checkpoint.sharded import consolidate, write_sharded
 from tests.helpers import TINY_GPT2, assert_same_weights, train
 
 LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3,

@@ -56,7 +56,7 @@ def test_no_buffer_for_offloaded_units_is_refused():
 
 def test_protrain_search_trades_persistent_units_for_buffers():
     from offload_strategy.planning.placement import UnitSize
-    from offload_strategy.planning.protrain import search_persistent
+    from offload_strategy.planning.searches.resident_count import search_persistent
 
     # four frozen units of 512 bytes (one buffer's alignment), each module uses one; a copy takes 1 s
     sizes = [UnitSize(i, 512, 0) for i in range(4)]
@@ -80,7 +80,7 @@ def test_protrain_search_keeps_units_resident_where_host_memory_cannot_hold_them
     tier, and all four too. The search ended at the first refusal, so it called the model too
     large for the machine."""
     from offload_strategy.planning.placement import PlacementError, UnitSize
-    from offload_strategy.planning.protrain import search_persistent
+    from offload_strategy.planning.searches.resident_count import search_persistent
 
     sizes = [UnitSize(i, 512, 0) for i in range(4)]
     costs = {i: UnitCost(512, 1.0, 2.0) for i in range(4)}

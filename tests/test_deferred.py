@@ -14,7 +14,7 @@ from torch import nn
 
 from offload_strategy.demos import build_causal_lm
 from offload_strategy import TieredStrategy
-from offload_strategy.deferred import DeferredParameters
+from offload_strategy.construction.deferred import DeferredParameters
 from tests.ddp_launch import assert_same_optimizer_states
 from tests.test_recipes import Net, assert_like_plain, fit, tiered
 
@@ -209,7 +209,7 @@ def test_everything_fitting_computes_the_parameters_where_they_are(tmp_path):
 
 
 def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exactly(tmp_path, monkeypatch, caplog):
-    import offload_strategy.strategy_core as strategy_module
+    import offload_strategy.lightning.core as strategy_module
 
     class HostFills(L.Callback):
         """Host memory looks nearly full when training ends."""

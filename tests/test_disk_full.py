@@ -100,7 +100,7 @@ def _free_space_of(monkeypatch, path: Path, size: int) -> None:
     """Where no file system can be mounted: ``path`` reports ``size`` less what lies under it."""
     import offload_strategy.memory.nvme as nvme
     import offload_strategy.session.budgets as budgets
-    import offload_strategy.strategy_core as strategy
+    import offload_strategy.lightning.core as strategy
 
     def free(_: object) -> int:
         used = sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())

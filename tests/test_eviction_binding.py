@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import torch
 
 from offload_strategy.planning.placement import HOST, NVME
-from offload_strategy.runtime import cache as cache_module
-from offload_strategy.runtime.cache import UnitCache
+from offload_strategy.runtime.params import cache as cache_module
+from offload_strategy.runtime.params.cache import UnitCache
 
 
 def test_pytorch_drops_the_accumulator_when_data_changes_type():

@@ -27,7 +27,7 @@ from torch import nn
 
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.placement import PlacementError
-from offload_strategy.runtime.scheduler import RESYNC_WINDOW, PrefetchTable
+from offload_strategy.runtime.params.scheduler import RESYNC_WINDOW, PrefetchTable
 from tests.helpers import assert_same_weights
 from tests.test_recipes import Losses, Net, fit
 

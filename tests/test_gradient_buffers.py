@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from offload_strategy.planning.placement import GRADIENT_BUFFERS, NVME, PlacementError, UnitSize, place_units
-from offload_strategy.runtime.gradient_buffers import GradientBuffers, gradient_bytes
-from offload_strategy.runtime.gradients import GradientRecord
+from offload_strategy.runtime.grads.buffers import GradientBuffers, gradient_bytes
+from offload_strategy.runtime.grads.path import GradientRecord
 from offload_strategy.runtime.state import UnitState
 from offload_strategy.runtime.units import TransferUnit
 from tests.test_recipes import Net, assert_like_plain

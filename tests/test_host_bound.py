@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from offload_strategy import RUNTIME_HOST_ALLOWANCE, TieredStrategy
-from offload_strategy.runtime.optimizer import StatesReadOnUse
+from offload_strategy.runtime.updates.optimizers import StatesReadOnUse
 from tests.ddp_launch import assert_same_optimizer_states
 from tests.helpers import assert_same_weights, tiny_data
 from tests.test_recipes import Losses, Net, fit
@@ -121,7 +121,7 @@ def test_placing_again_between_steps_moves_units_on_nvme_exactly(tmp_path, monke
     through host memory where the disk has no room for a second copy of their files, else they
     are read from the old files into their new homes (which are closed after); training and what
     fit leaves are plain training's."""
-    import offload_strategy.strategy_core as strategy_module
+    import offload_strategy.lightning.core as strategy_module
 
     class DiskFills(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:

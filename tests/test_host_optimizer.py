@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_strategy.runtime.optimizer import UnitOptimizers, host_implementation
+from offload_strategy.runtime.updates.optimizers import UnitOptimizers, host_implementation
 
 
 def test_the_fused_kernel_only_where_results_need_not_match_bit_for_bit():

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
-from offload_strategy.runtime.kv_cache import CacheReplay, caches_in
+from offload_strategy.runtime.activations.kv_cache import CacheReplay, caches_in
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,7 +116,7 @@ class HeldAtForwardEnd(L.Callback):
         self.held: list[int] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        from offload_strategy.runtime.live_bytes import LiveBytes
+        from offload_strategy.estimate.live_bytes import LiveBytes
 
         self.mode = LiveBytes()
         self.mode.__enter__()

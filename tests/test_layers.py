@@ -1,13 +1,12 @@
 """The package's layers, checked on its imports (every ``import`` in every module, at any depth).
 
-From the bottom: ``config`` and the profile's data (``profiling/profile.py``); ``planning`` (pure
+From the bottom: ``config`` and the profile's record (``planning/profile.py``); ``planning`` (pure
 functions over sizes and times: no torch, no Lightning); ``hardware`` and ``memory``; ``runtime``
-(the engine); ``profiling/analytic.py`` (shapes on the meta device, above the runtime's units),
-``deferred`` and ``weights`` (models built without memory, weights read into homes), ``losses``
-(a causal LM's loss a chunk at a time); ``session`` (the planning session: profile -> plan -> engine, torch
-but no Lightning); and the Lightning glue on top (``strategy*``, ``callbacks``, ``checkpoint_io``, ``demos``, the package's
-``__init__``), the only modules that may import Lightning. A module may import its own layer and
-those below it. See docs/architecture.md.
+(the engine and its ``params``, ``grads``, ``updates`` and ``activations``); ``estimate`` (shapes on
+the meta device, above the runtime's units), ``construction`` (models built without memory, weights
+read into homes), ``losses``; and on top ``session``, ``checkpoint``, ``lightning`` (the glue: the
+only modules that may import Lightning), ``cli`` and the package's ``__init__``. A module may import
+its own layer and those below it. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,44 +21,24 @@ PACKAGE = Path(__file__).resolve().parents[1] / "offload_strategy"
 # layer of each module (dotted path below the package, by its longest matching prefix)
 LAYERS = {
     "config": 0,
-    "profiling.profile": 0,
-    "profiling": 0,  # the package re-exports only the profile's data
+    "planning.profile": 0,
     "planning": 1,
     "hardware": 2,
     "memory": 3,
-    "memory.bandwidth": 3,  # measures the NVMe store against the raw disk (offload-strategy probe)
     "runtime": 4,
-    "profiling.analytic": 5,
-    "profiling.shapes": 5,
-    "deferred": 5,
-    "weights": 5,
+    "estimate": 7,  # estimates before a run: shapes on the meta device and what-ifs, beside the strategy
+    "construction": 5,
     "losses": 5,
+    "demos": 7,
     "session": 6,
-    "strategy": 7,
-    "strategy_context": 7,
-    "strategy_core": 7,
-    "strategy_recipe": 7,
     "lightning": 7,
-    "strategy_ddp": 7,
-    "strategy_fabric": 7,
-    "strategy_names": 7,
-    "callbacks": 7,
-    "checkpoint_io": 7,
-    "sharded_checkpoint": 7,
-    "__init__": 7,
-    "estimate": 7,
-    "estimate.budgets": 7,
-    "estimate.models": 7,  # models built on the meta device from a config (Hydra's only with the experiments extra)
-    "estimate.simulate": 7,
-    "estimate.plans": 7,
     "checkpoint": 7,
-    "checkpoint.consolidate": 7,
+    "__init__": 7,
     "cli": 7,
     "__main__": 7,
-    "demos": 7,  # the model, data and logger the tests, tools and experiments train with: a LightningModule
 }
 GLUE = 7
-NO_TORCH = {"config", "profiling.profile", "profiling", "planning"}
+NO_TORCH = {"config", "planning", "planning.profile"}
 
 
 def layer_of(module: str) -> tuple[str, int]:

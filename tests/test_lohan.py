@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from offload_strategy.planning.activations import CHECKPOINT, KEEP, SWAP_HOST, SWAP_NVME, BlockCost, Links
-from offload_strategy.planning.lohan import FALLING, RISING, TURNING, lohan_layout, lohan_search, offloading_order
+from offload_strategy.planning.searches.swap_or_recompute import FALLING, RISING, TURNING, lohan_layout, lohan_search, offloading_order
 
 BIG = 10**9
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from offload_strategy.planning.memferry import gradient_offload_plan
+from offload_strategy.planning.searches.access_modes import gradient_offload_plan
 
 
 def brute_force(sizes, dha, gpu, reserve):
@@ -57,7 +57,7 @@ def test_large_sizes_stay_within_the_reserve():
 
 
 def test_forward_modes_by_hand():
-    from offload_strategy.planning.memferry import DHA, GFGB, forward_modes
+    from offload_strategy.planning.searches.access_modes import DHA, GFGB, forward_modes
 
     # unit 0: DHA (3 s) beats copy + GPU (4 + 1 s); its 3 s hide unit 1's 2 s copy
     modes, total = forward_modes([4.0, 2.0], [1.0, 1.0], [3.0, 5.0])
@@ -76,7 +76,7 @@ def test_forward_modes_by_hand():
 
 
 def test_backward_modes_fill_the_idle_window_by_seconds_saved_per_byte():
-    from offload_strategy.planning.memferry import DFGB, DHA, GFGB, backward_modes
+    from offload_strategy.planning.searches.access_modes import DFGB, DHA, GFGB, backward_modes
 
     modes = [DHA, DHA, GFGB, DHA, DHA]
     nbytes = [100, 200, 100, 100, 50]

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from offload_strategy import PolicyConfig
 from offload_strategy.memory.nvme import PAGE, NvmeChecksumError, NvmeStore
-from offload_strategy.sharded_checkpoint import consolidate
+from offload_strategy.checkpoint.sharded import consolidate
 from tests.helpers import tiny_data
 from tests.test_recipes import Net, fit, tiered
 

@@ -18,10 +18,10 @@ import lightning as L
 import pytest
 import torch
 
-from offload_strategy.checkpoint_io import AtomicCheckpointIO
+from offload_strategy.checkpoint.atomic import AtomicCheckpointIO
 from offload_strategy.memory.nvme import PAGE, NvmeStore, NvmeUnsafePathError
 from offload_strategy.runtime import shared_homes
-from offload_strategy.sharded_checkpoint import ShardedCheckpoint, UnsafeCheckpointError, consolidate, write_sharded
+from offload_strategy.checkpoint.sharded import ShardedCheckpoint, UnsafeCheckpointError, consolidate, write_sharded
 from tests.helpers import train
 from tests.test_recipes import Net, fit, tiered
 
@@ -223,7 +223,7 @@ def _input_output_error(*args, **kwargs):
 
 
 def test_an_io_error_while_saving_names_the_checkpoint_and_the_operation(tmp_path, monkeypatch):
-    import offload_strategy.checkpoint_io as checkpoint_io
+    import offload_strategy.checkpoint.atomic as checkpoint_io
 
     target = tmp_path / "last.ckpt"
     io = AtomicCheckpointIO()

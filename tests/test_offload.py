@@ -288,7 +288,7 @@ def test_profile_records_order_sizes_and_times(tmp_path):
     assert backward == sorted(backward, reverse=True) and len(backward) >= n // 2
     assert all(profile.forward_seconds[i] > 0 for i in range(n))
     assert profile.backward_seconds and all(t > 0 for t in profile.backward_seconds.values())
-    from offload_strategy.profiling import StepProfile
+    from offload_strategy.planning.profile import StepProfile
 
     assert StepProfile.from_json(profile.to_json()) == profile
 

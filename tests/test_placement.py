@@ -4,7 +4,7 @@ import pytest
 
 from offload_strategy.planning.placement import GPU, HOST, NVME, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from offload_strategy.planning.sharding import Sharding
-from offload_strategy.runtime.scheduler import PrefetchTable
+from offload_strategy.runtime.params.scheduler import PrefetchTable
 
 # Four units of 1024, 2048, 1024 and 512 bytes, all trainable, each used by its own module.
 UNITS = [UnitSize(0, 1024, 1024), UnitSize(1, 2048, 2048), UnitSize(2, 1024, 1024), UnitSize(3, 512, 512)]

@@ -7,7 +7,7 @@ from offload_strategy.planning.activations import BlockCost, Links
 from offload_strategy.planning.placement import PlacementError, UnitSize
 from offload_strategy.planning.cost_model import Machine
 from offload_strategy.planning.planner import ModelUnits, Planner, TierBudgets
-from offload_strategy.profiling import StepProfile, hold_spikes
+from offload_strategy.planning.profile import StepProfile, hold_spikes
 
 
 def model(sizes=(100, 100, 100), blocks=()) -> ModelUnits:

@@ -25,7 +25,7 @@ PLUGIN_AND_OPTIMIZER_METHODS = {
 # The engine's per-unit optimizers still answer the user's optimizer's own calls from its instance:
 # torch has no hook on zero_grad, and its state_dict hooks run after the default body has read every
 # state (NVMe units' included).
-FACADE = ("runtime/optimizer.py", {"zero_grad", "state_dict", "load_state_dict"})
+FACADE = ("runtime/updates/optimizers.py", {"zero_grad", "state_dict", "load_state_dict"})
 
 
 def _imports_lightning(tree: ast.AST) -> bool:

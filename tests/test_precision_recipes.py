@@ -17,9 +17,9 @@ import lightning as L
 import pytest
 import torch
 
-import offload_strategy.strategy_core as strategy_core
+import offload_strategy.lightning.core as strategy_core
 from offload_strategy import TieredStrategy
-from offload_strategy.deferred import DeferredParameter
+from offload_strategy.construction.deferred import DeferredParameter
 from offload_strategy.planning.placement import PlacementError
 from tests.helpers import assert_same_weights, train
 from tests.plain_modules import LayersInConfigureModel

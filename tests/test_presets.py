@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from offload_strategy import PolicyConfig, TieredStrategy
-from offload_strategy.planning.lohan import offloading_order
+from offload_strategy.planning.searches.swap_or_recompute import offloading_order
 from offload_strategy.planning.placement import minimum_gpu_bytes
 from tests.helpers import assert_same_weights, train
 from tests.test_offload import gpt2_4l, param_bytes

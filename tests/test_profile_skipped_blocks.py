@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offload_strategy.runtime.activations import ActivationPolicies
-from offload_strategy.runtime.saved_bytes import SavedBytes
+from offload_strategy.runtime.activations.policies import ActivationPolicies
+from offload_strategy.runtime.activations.saved_bytes import SavedBytes
 
 
 class Skipping(nn.Module):

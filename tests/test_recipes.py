@@ -256,7 +256,7 @@ def test_optimizers_keeping_three_states_a_parameter_on_nvme(tmp_path, make):
     """AdamW with amsgrad and RMSprop centered with momentum keep three states per parameter where
     their classes usually keep two and one: the NVMe update buffers were sized for those and the
     first update failed (no slot can hold the states). The factor is now measured on a stand-in."""
-    from offload_strategy.runtime.optimizer import measured_state_factor
+    from offload_strategy.runtime.updates.optimizers import measured_state_factor
 
     assert measured_state_factor(make().configure_optimizers()) == 3.0
     assert_like_plain(tmp_path, "nvme", make)
@@ -266,7 +266,7 @@ def test_the_state_factor_is_measured_per_param_group():
     """The most any group keeps: plain SGD none, SGD with momentum one, Adafactor's factored
     moments a fraction (per row and column of a 64 x 64 stand-in); a class that cannot be stepped
     on a stand-in gives None (the usual count is used)."""
-    from offload_strategy.runtime.optimizer import measured_state_factor
+    from offload_strategy.runtime.updates.optimizers import measured_state_factor
 
     w, b = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))
     assert measured_state_factor(torch.optim.SGD([w], lr=0.1)) == 0.0
@@ -1112,7 +1112,7 @@ def test_a_parameter_read_after_the_engine_closed_with_a_failure_is_an_error_not
     """Lending needs the engine: a placeholder read with no engine to lend raises, naming the
     parameter, where it used to compute with NaN."""
     from offload_strategy import OffloadedParameterError
-    from offload_strategy.runtime.offloaded import mark_offloaded, offloaded_class
+    from offload_strategy.runtime.params.offloaded import mark_offloaded, offloaded_class
 
     p = nn.Parameter(torch.full((1,), float("nan")).expand(3, 4))
     mark_offloaded(p, offloaded_class(lambda _, hands_out: False), "block.weight")

@@ -179,7 +179,7 @@ def test_a_recomputation_sees_the_buffers_as_the_forward_found_them_and_leaves_t
     """By hand: the forward writes ``calls`` (0 to 1); only its value before is kept (the constant
     it never wrote is not); each recomputation, a second backward's too, starts from 0 and writes
     a copy; afterwards the module holds its own tensor again, at 1, its version as the forward left it."""
-    from offload_strategy.runtime.buffer_replay import BufferReplay
+    from offload_strategy.runtime.activations.buffer_replay import BufferReplay
 
     module = Counting()
     calls = module.calls
@@ -196,7 +196,7 @@ def test_a_recomputation_sees_the_buffers_as_the_forward_found_them_and_leaves_t
 
 
 def test_a_buffer_two_modules_share_is_one_buffer_in_the_recomputation():
-    from offload_strategy.runtime.buffer_replay import BufferReplay
+    from offload_strategy.runtime.activations.buffer_replay import BufferReplay
 
     first, second = Counting(), Counting()
     second.calls = first.calls
@@ -215,7 +215,7 @@ def test_a_buffer_two_modules_share_is_one_buffer_in_the_recomputation():
 def test_batch_norms_running_statistics_are_kept_though_their_version_counters_do_not_move():
     """Batch norm's kernel writes the running statistics without moving their version counters;
     they are counted written anyway (in training mode only: in evaluation mode nothing is kept)."""
-    from offload_strategy.runtime.buffer_replay import BufferReplay
+    from offload_strategy.runtime.activations.buffer_replay import BufferReplay
 
     norm = nn.BatchNorm1d(8)
     versions = norm.running_mean._version, norm.running_var._version
@@ -244,7 +244,7 @@ class Residual(nn.Module):
 def test_a_second_backward_recomputes_from_the_forwards_buffers_again(make):
     """``backward(retain_graph=True)`` twice: each recomputation starts from the values the
     forward found; the gradients are plain training's, twice over, and the buffers the forward's."""
-    from offload_strategy.runtime.activations import ActivationPolicies
+    from offload_strategy.runtime.activations.policies import ActivationPolicies
 
     def run(checkpointed: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         torch.manual_seed(0)

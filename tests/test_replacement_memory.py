@@ -10,7 +10,7 @@ import weakref
 import lightning as L
 
 from offload_strategy import TieredStrategy
-from offload_strategy.strategy_core import TieredCore
+from offload_strategy.lightning.core import TieredCore
 from tests.helpers import PARAMETERS_ONLY, train
 
 

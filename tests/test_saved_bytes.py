@@ -1,10 +1,10 @@
-"""What a forward keeps for backward, counted as memory holds it (``runtime/saved_bytes.py``)."""
+"""What a forward keeps for backward, counted as memory holds it (``runtime/activations/saved_bytes.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from offload_strategy.runtime.saved_bytes import SavedBytes
+from offload_strategy.runtime.activations.saved_bytes import SavedBytes
 
 
 def saved_by(forward) -> tuple[int, int]:

@@ -13,11 +13,11 @@ import lightning as L
 import pytest
 import torch
 
-import offload_strategy.strategy_core as strategy_module
+import offload_strategy.lightning.core as strategy_module
 from offload_strategy import TieredStrategy
-from offload_strategy.runtime.lending import Lending
-from offload_strategy.runtime.nvme_states import NvmeOptimizerStates
-from offload_strategy.sharded_checkpoint import ShardedCheckpoint, consolidate, is_sharded_checkpoint, write_sharded
+from offload_strategy.runtime.params.lending import Lending
+from offload_strategy.runtime.updates.nvme_states import NvmeOptimizerStates
+from offload_strategy.checkpoint.sharded import ShardedCheckpoint, consolidate, is_sharded_checkpoint, write_sharded
 from tests.helpers import assert_same_weights, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +143,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path):
     assert consolidate(target)["epoch"] == 2
 
     # a file and a directory replace each other whole
-    from offload_strategy.checkpoint_io import AtomicCheckpointIO
+    from offload_strategy.checkpoint.atomic import AtomicCheckpointIO
 
     AtomicCheckpointIO().save_checkpoint({"epoch": 3}, target)
     assert target.is_file()
@@ -170,7 +170,7 @@ def test_bad_state_dict_types_and_paths_are_refused(tmp_path):
         TieredStrategy(state_dict_type="shards")
     with pytest.raises(FileNotFoundError, match="not a sharded checkpoint directory"):
         ShardedCheckpoint(tmp_path)
-    from offload_strategy.checkpoint_io import AtomicCheckpointIO
+    from offload_strategy.checkpoint.atomic import AtomicCheckpointIO
 
     write_sharded({"state_dict": {"w": torch.ones(1)}}, tmp_path / "d.ckpt")
     with pytest.raises(IsADirectoryError, match="offload-strategy consolidate"):

@@ -28,7 +28,7 @@ def test_the_file_is_made_with_its_pages_reserved(tmp_path):
 def _ranks(world_size, processes, shard_states=True, share=True):
     from types import SimpleNamespace
 
-    from offload_strategy.strategy_ddp import DataParallelRanks
+    from offload_strategy.lightning.ddp import DataParallelRanks
 
     return DataParallelRanks(SimpleNamespace(world_size=world_size, num_processes=processes), None, shard_states, share)
 
@@ -46,7 +46,7 @@ def test_host_homes_are_shared_by_each_machines_ranks():
 
 
 def test_a_machine_without_shared_memory_keeps_a_copy_per_rank(monkeypatch):
-    from offload_strategy import strategy_ddp
+    from offload_strategy.lightning import ddp as strategy_ddp
 
     monkeypatch.setattr(strategy_ddp, "shared_memory_unavailable", lambda: "/dev/shm does not exist or is not a directory")
     with pytest.warns(UserWarning, match="/dev/shm does not exist"):
@@ -54,7 +54,7 @@ def test_a_machine_without_shared_memory_keeps_a_copy_per_rank(monkeypatch):
 
 
 def test_machines_and_peers_follow_each_ranks_machine_not_its_number():
-    from offload_strategy.strategy_ddp import machines_and_peers
+    from offload_strategy.lightning.ddp import machines_and_peers
 
     # machine by machine (torchrun): ranks 0-1 on machine 0, 2-3 on machine 1
     assert machines_and_peers([(0, 0), (0, 1), (1, 0), (1, 1)]) == ([(0, 1), (2, 3)], [(0, 2), (1, 3)])

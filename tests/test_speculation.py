@@ -1,4 +1,4 @@
-"""Updates during backward under clipping by norm (runtime/speculation.py): bit for bit plain
+"""Updates during backward under clipping by norm (runtime/updates/speculation.py): bit for bit plain
 Lightning's, whether the norm stays under the threshold, exceeds it, or both."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offload_strategy import TieredStrategy
-from offload_strategy.runtime.speculation import SpeculativeUpdates
+from offload_strategy.runtime.updates.speculation import SpeculativeUpdates
 from tests.helpers import assert_same_weights
 from tests.test_recipes import Net, fit, tiered
 

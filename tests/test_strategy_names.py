@@ -5,7 +5,7 @@ import pytest
 
 import offload_strategy
 from offload_strategy import UnknownStrategyNameError
-from offload_strategy.strategy_names import suggestion
+from offload_strategy.lightning.names import suggestion
 
 
 @pytest.mark.parametrize(

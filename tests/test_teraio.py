@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload_strategy.planning.teraio import HOST, SSD, TensorUses, plan_migrations
+from offload_strategy.planning.searches.migrations import HOST, SSD, TensorUses, plan_migrations
 
 SECONDS = [1.0] * 6  # kernel k runs from k to k + 1
 MEMORY = [5, 5, 15, 15, 12, 5]  # capacity 10: kernels 2, 3, 4 are over by 5, 5, 2

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 from offload_strategy import TieredStrategy
 from offload_strategy.planning.cost_model import GPU, costs_from_timing, outside_units
-from offload_strategy.profiling import StepProfile, mean_timing
+from offload_strategy.planning.profile import StepProfile, mean_timing
 from tests.helpers import PARAMETERS_ONLY, train
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from offload_strategy.runtime.context import StepState
-from offload_strategy.runtime.gradients import GradientRecord
+from offload_strategy.runtime.grads.path import GradientRecord
 from offload_strategy.runtime.state import UnitState
 
 PACKAGE = Path(__file__).resolve().parents[1] / "offload_strategy"
@@ -131,14 +131,14 @@ def test_every_state_field_is_written_from_one_module():
 def test_the_owners_are_those_the_architecture_names():
     owner = {f"{kind}.{name}": sorted(modules) for (kind, name), modules in writers().items()}
     expected = {
-        "UnitState.device_slot": ["runtime.cache"], "UnitState.fetch": ["runtime.cache"],
-        "UnitState.host_copy": ["runtime.cache"], "UnitState.host_copy_read": ["runtime.cache"],
-        "UnitState.pins": ["runtime.cache"], "UnitState.bound": ["runtime.cache"],
-        "UnitState.bound_to": ["runtime.cache"], "UnitState.bound_versions": ["runtime.cache"],
-        "UnitState.written": ["runtime.cache"], "UnitState.handed_out": ["runtime.cache"],
-        "UnitState.placeholders": ["runtime.cache"],
-        "UnitState.grads": ["runtime.gradients"], "UnitState.grads_arrived": ["runtime.gradients"],
-        "UnitState.updated": ["runtime.updates"], "UnitState.recompute_pinned": ["runtime.recompute"],
+        "UnitState.device_slot": ["runtime.params.cache"], "UnitState.fetch": ["runtime.params.cache"],
+        "UnitState.host_copy": ["runtime.params.cache"], "UnitState.host_copy_read": ["runtime.params.cache"],
+        "UnitState.pins": ["runtime.params.cache"], "UnitState.bound": ["runtime.params.cache"],
+        "UnitState.bound_to": ["runtime.params.cache"], "UnitState.bound_versions": ["runtime.params.cache"],
+        "UnitState.written": ["runtime.params.cache"], "UnitState.handed_out": ["runtime.params.cache"],
+        "UnitState.placeholders": ["runtime.params.cache"],
+        "UnitState.grads": ["runtime.grads.path"], "UnitState.grads_arrived": ["runtime.grads.path"],
+        "UnitState.updated": ["runtime.updates.updater"], "UnitState.recompute_pinned": ["runtime.params.recompute"],
     }
     assert {k: owner.get(k) for k in expected} == expected
 

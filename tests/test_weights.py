@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from offload_strategy.demos import CausalLM
 from offload_strategy import WeightsMismatchError, load_weights
-from offload_strategy.deferred import DeferredParameters
+from offload_strategy.construction.deferred import DeferredParameters
 from tests.helpers import TINY_GPT2
 from tests.test_recipes import assert_like_plain
 

@@ -18,9 +18,9 @@ from unittest import mock
 import torch
 from torch import nn
 
-from offload_strategy.runtime import activations
-from offload_strategy.runtime.activations import ActivationPolicies
-from offload_strategy.runtime.buffer_replay import BufferReplay
+from offload_strategy.runtime.activations import policies as activations
+from offload_strategy.runtime.activations.policies import ActivationPolicies
+from offload_strategy.runtime.activations.buffer_replay import BufferReplay
 
 
 class Block(nn.Module):

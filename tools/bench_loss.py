@@ -6,7 +6,7 @@
 A GPT-2 built from its config with random weights (no downloads) runs forward and backward on
 random tokens, alternating between the variants so that the machine's drift falls on each alike.
 Reported per variant: what the forward keeps for backward in all (each storage once, as
-``runtime/saved_bytes.py`` counts it), of it what the loss keeps (the total less what the model
+``runtime/activations/saved_bytes.py`` counts it), of it what the loss keeps (the total less what the model
 keeps up to its last hidden states), the largest tensor saved (the backward's gradients are
 twice it), the median forward-and-backward time and its ratio to the model's own loss, and the
 loss itself.
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from offload_strategy import format_bytes  # noqa: E402
 from offload_strategy.losses import chunked_causal_lm_loss, default_chunk_tokens  # noqa: E402
-from offload_strategy.runtime.saved_bytes import SavedBytes  # noqa: E402
+from offload_strategy.runtime.activations.saved_bytes import SavedBytes  # noqa: E402
 
 
 def _model(args: argparse.Namespace) -> Any:

@@ -35,7 +35,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
-from offload_strategy.runtime.optimizer import UnitOptimizers, grads_on  # noqa: E402
+from offload_strategy.runtime.updates.optimizers import UnitOptimizers, grads_on  # noqa: E402
 from offload_strategy.runtime.units import build_units, merge_into_chunks  # noqa: E402
 from offload_strategy.demos import PARAMETERS_ONLY, CausalLM, SyntheticTokens  # noqa: E402
 

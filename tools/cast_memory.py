@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from offload_strategy import TieredStrategy  # noqa: E402
 from offload_strategy.config import format_bytes  # noqa: E402
-from offload_strategy.runtime.live_bytes import LiveBytes  # noqa: E402
+from offload_strategy.estimate.live_bytes import LiveBytes  # noqa: E402
 
 
 class DeepMLP(L.LightningModule):

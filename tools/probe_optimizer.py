@@ -5,7 +5,7 @@
 
 The step model prices an offloaded unit's update at ``CPU_PARAMS_PER_S_PER_CORE`` parameters per
 second per core, bounded by what the memory channels move at 28 bytes per fp32 parameter
-(``profiling/analytic.py::cpu_update_rate``), and data-parallel ranks on one machine share its cores
+(``estimate/analytic.py::cpu_update_rate``), and data-parallel ranks on one machine share its cores
 and channels (``HardwareSpec.rank_share``). This measures each: fused ``AdamW`` steps (what the
 runtime runs for units in host memory on a GPU machine; torch's default kernel beside it) over ``--params`` fp32 parameters on one
 thread, on every core, and in ``--ranks`` processes at once with an equal share of the cores each;
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload_strategy.config import HardwareSpec, parse_size  # noqa: E402
-from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, cpu_update_rate  # noqa: E402
+from offload_strategy.estimate.analytic import ADAM_BYTES_PER_PARAMETER, cpu_update_rate  # noqa: E402
 
 
 def adam_rate(params: int, threads: int, repeat: int, fused: bool = True) -> float:

@@ -418,14 +418,14 @@ def _lohan(finding: Finding, sim: Any, at: Setting) -> Any:
     """LoHan's Algorithm 1 in LoHan's setting (model states on the SSDs, Eq. 2 and 5), swaps to
     host memory (half of it) and on to the SSDs (as ``simulate.py --findings``)."""
     from offload_strategy.planning.activations import Links
-    from offload_strategy.planning.lohan import lohan_search
+    from offload_strategy.planning.searches.swap_or_recompute import lohan_search
 
     links = Links.lohan(sim.machine_of(at.hardware, at.nvme), at.model.parameters)
     return lohan_search(at.model.blocks, links, gpu_bytes=1 << 62, host_bytes=at.host // 2)
 
 
 def _lohan_case(finding: Finding, sim: Any, at: Setting) -> tuple[str, bool]:
-    from offload_strategy.planning.lohan import FALLING, RISING
+    from offload_strategy.planning.searches.swap_or_recompute import FALLING, RISING
 
     case = {RISING: 1, FALLING: 2}.get(_lohan(finding, sim, at).case, 3)
     return f"case {case}", case == finding.expect[0]

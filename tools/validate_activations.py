@@ -5,18 +5,18 @@
 
 For each model family (the causal LMs the zoo builds, BERT's masked LM and T5's encoder-decoder),
 a small model of the family's shape is built twice from one config: on the
-meta device, where ``profiling/analytic.py`` counts what each block saves for backward from shapes
+meta device, where ``estimate/analytic.py`` counts what each block saves for backward from shapes
 alone (attention as the fused kernels a GPU runs), and on the CPU with real tensors, where the same
 forward is run and every storage a block saves is counted once (parameters excluded, as the
 runtime does). The table gives the first block's bytes both ways, per token and hidden unit, and
 the estimate's error; the model's step planning prices activations with the estimate.
 ``--precision bf16-mixed`` runs both forwards under mixed precision: the real one in
 ``torch.autocast`` on the CPU (as Lightning's plugin enters it, without its cast cache), the meta one
-with ``profiling/analytic.py::Autocast`` given the CPU's op lists, which checks the emulation the
+with ``estimate/analytic.py::Autocast`` given the CPU's op lists, which checks the emulation the
 step model runs with the GPU's lists.
 
 A second table runs one training step of each (forward and backward) and measures what the
-backward holds beyond what the forward left (``runtime/live_bytes.py``: the bytes of tensors
+backward holds beyond what the forward left (``estimate/live_bytes.py``: the bytes of tensors
 the step's operations made, still alive), against twice the largest tensor the forward saved,
 which the runtime and the step model plan beside every activation layout (``BesideBlocks``).
 """
@@ -39,9 +39,9 @@ import torch  # noqa: E402
 
 from offload_strategy.demos import build_causal_lm  # noqa: E402
 from offload_strategy.hardware import known_hardware  # noqa: E402
-from offload_strategy.profiling.analytic import AUTOCAST_CPU, Autocast, analytic_compute  # noqa: E402
-from offload_strategy.runtime.live_bytes import backward_beyond_forward  # noqa: E402
-from offload_strategy.runtime.activations import find_blocks  # noqa: E402
+from offload_strategy.estimate.analytic import AUTOCAST_CPU, Autocast, analytic_compute  # noqa: E402
+from offload_strategy.estimate.live_bytes import backward_beyond_forward  # noqa: E402
+from offload_strategy.runtime.activations.policies import find_blocks  # noqa: E402
 
 WIDTH, HEADS, LAYERS = 256, 4, 2
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -41,9 +41,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from offload_strategy import TieredStrategy, format_bytes  # noqa: E402
-from offload_strategy.profiling import mean_timing  # noqa: E402
+from offload_strategy.planning.profile import mean_timing  # noqa: E402
 from offload_strategy.planning.cost_model import GPU, StepPrediction  # noqa: E402
-from offload_strategy.strategy_recipe import gradient_hooks  # noqa: E402
+from offload_strategy.lightning.recipe import gradient_hooks  # noqa: E402
 from offload_strategy.demos import PARAMETERS_ONLY, gpt2_config  # noqa: E402
 from tools.common import StepTimer, fit, parameter_bytes  # noqa: E402
 

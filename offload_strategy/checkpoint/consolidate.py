@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint_io import AtomicCheckpointIO
-from ..sharded_checkpoint import consolidate, is_sharded_checkpoint, write_sharded
+from .atomic import AtomicCheckpointIO
+from .sharded import consolidate, is_sharded_checkpoint, write_sharded
 
 
 def to_single_file(source: Path, target: Path, trusted: bool = False) -> None:

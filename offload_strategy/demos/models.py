@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..losses import chunked_causal_lm_loss
-from ..profiling.analytic import routed_shares
+from ..estimate.analytic import routed_shares
 
 # family name -> transformers config class
 FAMILIES = {

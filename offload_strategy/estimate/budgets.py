@@ -2,7 +2,7 @@
 predicted step, without memory for the model.
 
 The model's parameters are replaced by meta tensors in a copy (nothing allocated), one training
-step's forward runs on the meta device (``profiling/analytic.py``: what autograd saves per block and
+step's forward runs on the meta device (``estimate/analytic.py``: what autograd saves per block and
 outside the blocks, as the runtime counts it), and the planner the strategy runs decides, for each
 preset, at which ``gpu_memory`` it accepts the model: the placement of parameters, gradients and
 optimizer states (``Planner.place``, the profiling placement under the default policy), then the
@@ -32,8 +32,8 @@ from ..planning.auto import plan_auto
 from ..planning.cost_model import Machine, machine_from_spec
 from ..planning.placement import Placement, PlacementError, minimum_gpu_bytes
 from ..planning.planner import ModelUnits, Planner, TierBudgets
-from ..profiling.shapes import Pricing, ShapeModel, parameter_links, placed_step, shape_model, streamed_bytes, unit_costs
-from ..runtime.activations import resolve_policies
+from .shapes import Pricing, ShapeModel, parameter_links, placed_step, shape_model, streamed_bytes, unit_costs
+from ..runtime.activations.policies import resolve_policies
 from ..session.plans import optimizer_state_factor
 
 # the NVMe tier the bisection may use where host memory runs out: more than any drive holds

@@ -41,7 +41,7 @@ from ..hardware import AVAILABLE_SHARE, resolve_hardware
 from ..planning.auto import plan_auto
 from ..planning.placement import GPU, PlacementError
 from ..planning.plan_file import PlanFile, PlannedUnit, load_plan, prediction_record, save_plan
-from ..profiling.shapes import Pricing
+from .shapes import Pricing
 from .models import ModelSource, compose, instantiate, model_source
 from .simulate import Model, Shape, build, build_from_config, machine_of, parameter_links, unit_costs
 

@@ -11,7 +11,7 @@ the largest model that fits, for several GPU budgets.
 The model is a Hugging Face ``config.json`` (``models.py``), or, in a checkout with the
 ``experiments`` extra, a Hydra job's. It is built on the meta device (nothing allocated), its units are costed
 from their shapes and the hardware spec, and its blocks' activations from one forward on the meta
-device (profiling/analytic.py). Per budget two policies are compared:
+device (estimate/analytic.py). Per budget two policies are compared:
 
 - ``fill``: parameters placed by first use in the whole GPU tier (``placement="fill"``), every
   block's activations kept; the row says when the activations do not fit beside the parameters;
@@ -45,7 +45,7 @@ from torch import nn
 from ..config import PolicyConfig, compute_dtype, format_bytes, parse_size
 from ..hardware import AVAILABLE_SHARE, resolve_hardware
 from ..planning.activations import RECOMPUTED, BesideBlocks  # noqa: F401  (the tools' and tests' names)
-from ..profiling.shapes import (STATE_FACTOR, Pricing, ShapeModel, head_recomputed, parameter_links,  # noqa: F401
+from .shapes import (STATE_FACTOR, Pricing, ShapeModel, head_recomputed, parameter_links,  # noqa: F401
                                 placed_step, shape_model, streamed_bytes, unit_costs)
 from .models import ModelSource, causal_lm, compose, instantiate, model_source
 
@@ -428,7 +428,7 @@ def _last_true(holds: Any, low: int, high: Optional[int] = None) -> int:
 def memferry_findings(model: Model) -> list[tuple[str, int, float, float, int]]:
     """MemFerry Fig. 3 per layer kind: (kind, units, on-GPU forward = copy + compute, DHA forward,
     units Alg. 1 runs in place), times summed over the kind's units."""
-    from offload_strategy.planning.memferry import DHA, forward_modes
+    from offload_strategy.planning.searches.access_modes import DHA, forward_modes
 
     modes, _ = forward_modes([c.transfer_seconds for c in model.costs], [c.forward_seconds for c in model.costs], [c.dha_forward_seconds for c in model.costs])
     kinds: dict[str, list[int]] = {}
@@ -458,7 +458,7 @@ def batch_study(rebuild: Callable[[int], Model], base: int, machine: Any, gpu: i
     setting); ``rebuild(batch)``: the model at another batch size, ``base`` the job's."""
     from offload_strategy.planning.activations import CHECKPOINT, step_seconds
     from offload_strategy.planning.auto import plan_auto
-    from offload_strategy.planning.lohan import FALLING, RISING, lohan_search
+    from offload_strategy.planning.searches.swap_or_recompute import FALLING, RISING, lohan_search
     from offload_strategy.planning.placement import PlacementError
 
     out: list[dict] = []
@@ -549,7 +549,7 @@ def explain(text: str) -> None:
 def print_assumptions(hardware: Any, args: Any, model: Model, budgets: list[int], host: int, nvme: int, machine: Any) -> None:
     """Every figure the predictions rest on, with where it comes from and how to change it."""
     from offload_strategy.config import compute_dtype
-    from offload_strategy.profiling.analytic import ADAM_BYTES_PER_PARAMETER, CPU_PARAMS_PER_S_PER_CORE, GPU_MEMORY_SHARE, cpu_update_rate
+    from offload_strategy.estimate.analytic import ADAM_BYTES_PER_PARAMETER, CPU_PARAMS_PER_S_PER_CORE, GPU_MEMORY_SHARE, cpu_update_rate
 
     copy = 2 if args.precision == "bf16-true" else 0
     memory = (f"{hardware.host_memory_gbps:g} GB/s of memory channels at {ADAM_BYTES_PER_PARAMETER + copy} bytes per parameter"

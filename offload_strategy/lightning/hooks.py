@@ -19,21 +19,21 @@ from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 from ..config import Budget, HardwareSpec, PolicyConfig, StateDictType
-from ..strategy_context import one_device
-from ..strategy_core import check_precision
+from .context import one_device
+from .core import check_precision
 from .precision import TieredPrecision, user_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from ..deferred import DeferredParameters
+    from ..construction.deferred import DeferredParameters
     from ..planning.activations import ActivationPlan, BlockCost, Links
     from ..planning.auto import AutoPlan
     from ..planning.cost_model import StepPrediction
     from ..planning.planner import Planner, TierBudgets
-    from ..profiling import StepProfile
+    from ..planning.profile import StepProfile
     from ..runtime.engine import TieredEngine
-    from ..strategy_core import TieredCore
+    from .core import TieredCore
 
 
 class TieredAttributes:
@@ -116,23 +116,23 @@ class TieredAttributes:
         return self.tiered.activations.plan_links
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        """See :meth:`TieredCore.metrics <offload_strategy.strategy_core.TieredCore.metrics>`."""
+        """See :meth:`TieredCore.metrics <offload_strategy.lightning.core.TieredCore.metrics>`."""
         return self.tiered.metrics(reset)
 
     def dump_plan(self, path: Union[str, Path]) -> Path:
-        """See :meth:`TieredCore.dump_plan <offload_strategy.strategy_core.TieredCore.dump_plan>`."""
+        """See :meth:`TieredCore.dump_plan <offload_strategy.lightning.core.TieredCore.dump_plan>`."""
         return self.tiered.dump_plan(path)
 
     def predicted_step(self, timing: Optional["StepProfile"] = None) -> Optional["StepPrediction"]:
-        """See :meth:`TieredCore.predicted_step <offload_strategy.strategy_core.TieredCore.predicted_step>`."""
+        """See :meth:`TieredCore.predicted_step <offload_strategy.lightning.core.TieredCore.predicted_step>`."""
         return self.tiered.predicted_step(timing)
 
     def gathered_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-        """See :meth:`TieredCore.gathered_parameters <offload_strategy.strategy_core.TieredCore.gathered_parameters>`."""
+        """See :meth:`TieredCore.gathered_parameters <offload_strategy.lightning.core.TieredCore.gathered_parameters>`."""
         return self.tiered.gathered_parameters(writeback)
 
     def resolve_budgets(self) -> "TierBudgets":
-        """See :meth:`TieredCore.resolve_budgets <offload_strategy.strategy_core.TieredCore.resolve_budgets>`."""
+        """See :meth:`TieredCore.resolve_budgets <offload_strategy.lightning.core.TieredCore.resolve_budgets>`."""
         return self.tiered.resolve_budgets()
 
 

@@ -24,12 +24,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..runtime.engine import TieredEngine
-from ..strategy_recipe import Recipe, gradient_hooks, reads_gradients_after_backward
+from .recipe import Recipe, gradient_hooks, reads_gradients_after_backward
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from ..strategy_core import TieredCore
+    from .core import TieredCore
 
 
 @dataclass(frozen=True)

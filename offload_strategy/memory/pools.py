@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import format_bytes
-from ..planning.tencache import SizeClass
+from ..planning.searches.buffer_counts import SizeClass
 
 
 def _round_up(n: int, alignment: int) -> int:

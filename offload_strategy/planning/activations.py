@@ -404,7 +404,7 @@ def teraio_layout(costs: Sequence[BlockCost], links: Links, gpu_bytes: int, host
     ``keep``. What TeraIO would leave to stall, the earliest kept blocks cover. TeraIO does not
     recompute; when offloading cannot bring the peak under ``gpu_bytes``, ValueError says so
     (``activations="auto"`` can also checkpoint)."""
-    from .teraio import SSD, TensorUses, plan_migrations
+    from .searches.migrations import SSD, TensorUses, plan_migrations
 
     n = len(costs)
     keep_all = [KEEP] * n

@@ -40,7 +40,7 @@ from .activations import (CHECKPOINT_HOST, KEEP, RECOMPUTED, SWAP_NVME, Activati
                           move_seconds, recomputes)
 from .cost_model import Machine, StepPrediction, UnitCost
 from .placement import PlacementError, UnitSize, minimum_gpu_bytes
-from .protrain import PlacementCandidate, search_persistent
+from .searches.resident_count import PlacementCandidate, search_persistent
 from .sharding import Sharding
 
 # resident counts tried per search at most; more units are tried in steps

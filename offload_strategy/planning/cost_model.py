@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ..profiling import StepProfile
+from .profile import StepProfile
 from .placement import GPU, HOST, NVME  # defined once, as config.Tier
 
 

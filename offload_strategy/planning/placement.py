@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .sharding import Sharding
-from .tencache import buffer_counts, tensor_size_distribution
+from .searches.buffer_counts import buffer_counts, tensor_size_distribution
 
 GPU, HOST, NVME = Tier.GPU, Tier.HOST, Tier.NVME
 DEVICE_SLOT_ALIGNMENT = 512

@@ -10,7 +10,7 @@ The planner's three kinds of decision, in the order a run asks for them:
    units stay resident, priced by the step model from the measured times (ProTrain §3.3,
    ``auto.py``), jointly with the activation layout under ``activations="auto"``.
 3. The layout: under ``activations="auto"``, every block's activation policy (``activations.py``,
-   ``lohan.py``); when no layout fits beside the parameters' share of the GPU tier, that share
+   ``planning/searches/swap_or_recompute.py``); when no layout fits beside the parameters' share of the GPU tier, that share
    shrinks to the smallest working set first.
 
 Pure: no torch state. Errors say what does not fit, the numbers, and what to do.
@@ -25,12 +25,12 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..config import ActivationPlanner, BlockPolicy, PlacementMode, PolicyConfig, Tier, format_bytes
-from ..profiling.profile import StepProfile, steady_timing
+from .profile import StepProfile, steady_timing
 from .activations import (RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, recomputes,
                           teraio_layout)
 from .auto import AutoPlan, plan_auto
 from .cost_model import Machine, costs_from_timing
-from .lohan import lohan_layout
+from .searches.swap_or_recompute import lohan_layout
 from .placement import DEVICE_SLOT_ALIGNMENT, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .plan_file import PlanFile, check_plan
 from .sharding import Sharding

@@ -15,7 +15,7 @@ from ..hardware.device import Device, TimeMark
 from ..memory.nvme import NvmeStore
 from ..planning.placement import HOST_SLOT_ALIGNMENT, Placement, align
 from .metrics import RequestStats
-from .scheduler import PrefetchTable
+from .params.scheduler import PrefetchTable
 from .state import UnitState
 from .tiers import TierMemory
 
@@ -53,7 +53,7 @@ class StepState:
         self.norms_wanted = norms_wanted
 
     def activate(self) -> None:
-        """Modules run between steps (``forwards.py``): as inside a step, until :meth:`deactivate`."""
+        """Modules run between steps (``runtime/params/forwards.py``): as inside a step, until :meth:`deactivate`."""
         self.active = True
 
     def deactivate(self) -> None:
@@ -103,7 +103,7 @@ class EngineContext:
     states: list[UnitState]
     memory: TierMemory
     store: Optional[NvmeStore] = None
-    offloaded_class: type = object  # the class of parameters at placeholders (runtime/offloaded.py), set once the hooks exist
+    offloaded_class: type = object  # the class of parameters at placeholders (runtime/params/offloaded.py), set once the hooks exist
     table: PrefetchTable = field(default_factory=PrefetchTable)
     requests: RequestStats = field(default_factory=RequestStats)
     step: StepState = field(default_factory=StepState)

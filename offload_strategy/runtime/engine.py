@@ -6,7 +6,7 @@ while its ``.data`` is rebound by the engine — MemFerry's shadow model:
 - a persistent unit's parameters live in a fixed region of the GPU tier;
 - an offloaded unit's parameters point at their home (a host-slab slot) while not resident, and at
   a GPU-tier buffer while resident; a unit at home on NVMe points at a placeholder of the right
-  shape that holds no memory (``runtime/offloaded.py``).
+  shape that holds no memory (``runtime/params/offloaded.py``).
 
 The engine is the one object the strategy talks to. It builds the collaborators, runs the step's
 protocol and the lifecycle; the work is done by collaborators that share one
@@ -14,12 +14,12 @@ protocol and the lifecycle; the work is done by collaborators that share one
 each built with what it needs, calls going one way (docs/architecture.md, where a table says which
 collaborator owns which field of a unit's state):
 
-- :class:`UnitCache` (``cache.py``): fetch, prefetch, evict, bindings, staging buffers;
-- :class:`GradientPath` (``gradients.py``): gradients reaching their homes;
-- :class:`UnitUpdater` (``updates.py``): per-unit updates, on the update worker during backward,
+- :class:`UnitCache` (``runtime/params/cache.py``): fetch, prefetch, evict, bindings, staging buffers;
+- :class:`GradientPath` (``runtime/grads/path.py``): gradients reaching their homes;
+- :class:`UnitUpdater` (``runtime/updates/updater.py``): per-unit updates, on the update worker during backward,
   NVMe units through :class:`NvmeUpdatePipeline`;
-- :class:`GradientExchange` (``data_parallel.py``): reductions across ranks;
-- :class:`Lending` (``lending.py``): true values between steps;
+- :class:`GradientExchange` (``runtime/grads/exchange.py``): reductions across ranks;
+- :class:`Lending` (``runtime/params/lending.py``): true values between steps;
 - :class:`StepTimer` (``timing.py``): the compute times the planner prices placements with;
 - :class:`ModuleHooks` (``unit_hooks.py``), :class:`GradientHooks` (``gradient_hooks.py``) and
   :class:`SavedTensors` (``saved_tensors.py``): the hooks through which the model reaches the engine;
@@ -40,30 +40,30 @@ from torch import nn
 from ..hardware.device import Device
 from ..memory.nvme import NvmeStore
 from ..planning.placement import HOST, NVME, Placement
-from .cache import UnitCache
+from .params.cache import UnitCache
 from .context import EngineContext
-from .clipping import clip_coefficient, total_norm
-from .data_parallel import DataParallel, GradientExchange, Reduction
-from .forwards import ForwardsBetweenSteps
-from .gradient_buffers import GradientBuffers
+from .grads.clipping import clip_coefficient, total_norm
+from .grads.exchange import DataParallel, GradientExchange, Reduction
+from .params.forwards import ForwardsBetweenSteps
+from .grads.buffers import GradientBuffers
 from .gradient_exposure import GradientExposure
 from .saved_tensors import SavedTensors
 from .unit_hooks import ModuleHooks
 from .gradient_hooks import GradientHooks
-from .gradients import GradientPath
+from .grads.path import GradientPath
 from .engine_metrics import tier_metrics
-from .lending import Lending
-from .nvme_states import NvmeOptimizerStates
-from .offloaded import mark_present, offloaded_class
-from .optimizer import UnitOptimizers
-from .recompute import RecomputeHolds
+from .params.lending import Lending
+from .updates.nvme_states import NvmeOptimizerStates
+from .params.offloaded import mark_present, offloaded_class
+from .updates.optimizers import UnitOptimizers
+from .params.recompute import RecomputeHolds
 from .state import UnitState
 from .shared_homes import map_shared_homes
 from .tiers import SharedHomes, TierMemory, refuse_dha_on_a_gpu
 from .timing import StepTimer
 from .units import TransferUnit, master_dtype
-from .speculation import SpeculativeUpdates
-from .updates import GradientView, UnitUpdater
+from .updates.speculation import SpeculativeUpdates
+from .updates.updater import GradientView, UnitUpdater
 
 
 class TieredEngine:
@@ -94,7 +94,7 @@ class TieredEngine:
         initial_value: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None,
     ) -> None:
         self.model = model
-        # writes a parameter built without memory into its home (deferred.py); False for the others
+        # writes a parameter built without memory into its home (construction/deferred.py); False for the others
         self._initial_value = initial_value or (lambda p, target: False)
         refuse_dha_on_a_gpu(placement, device)
         self.device = device
@@ -154,7 +154,7 @@ class TieredEngine:
         self.forwards = ForwardsBetweenSteps(ctx, self.cache, self.lending, self.saved_tensors)
         self.hooks = ModuleHooks(ctx, self.cache, self.lending, self.timer, self.recompute_holds, self.saved_tensors, self.forwards,
                                  self.updater.freed)
-        # a parameter at an NVMe placeholder read as a value is read as an attribute is (offloaded.py)
+        # a parameter at an NVMe placeholder read as a value is read as an attribute is (runtime/params/offloaded.py)
         ctx.offloaded_class = offloaded_class(self.hooks.lend_parameter)
         self.exchange = GradientExchange(ctx, self.data_parallel, self.gradients, self.cache) if self.data_parallel is not None else None
         self.exposure = GradientExposure(ctx, self.gradients, self.updater, self.exchange)
@@ -272,7 +272,7 @@ class TieredEngine:
         its backward ends an optimizer step (no accumulation left, nothing that needs every
         gradient first), so units are updated as soon as their gradients are complete.
         ``speculate``: clipping by norm is all that keeps them from it, so host units are updated
-        then anyway, taken back if the norm says so (``speculation.py``), their previous values
+        then anyway, taken back if the norm says so (``runtime/updates/speculation.py``), their previous values
         kept in ``speculation_room`` host bytes.
         ``reduce``: under data parallelism, how this backward's gradients are reduced; None accumulates."""
         self.forwards.settle()

@@ -21,11 +21,11 @@ import torch
 from ..memory.dha import can_view, device_view
 from ..planning.placement import GPU
 from .context import EngineContext
-from .data_parallel import GradientExchange
-from .gradients import GradientPath
-from .optimizer import LOOSE, UnitOptimizers
+from .grads.exchange import GradientExchange
+from .grads.path import GradientPath
+from .updates.optimizers import LOOSE, UnitOptimizers
 from .state import UnitState
-from .updates import UnitUpdater
+from .updates.updater import UnitUpdater
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..planning.placement import GPU
-from .cache import UnitCache
+from .params.cache import UnitCache
 from .context import EngineContext
-from .data_parallel import GradientExchange
-from .gradients import GradientPath
-from .recompute import RecomputeHolds
-from .speculation import SpeculativeUpdates
+from .grads.exchange import GradientExchange
+from .grads.path import GradientPath
+from .params.recompute import RecomputeHolds
+from .updates.speculation import SpeculativeUpdates
 from .state import UnitState
-from .updates import UnitUpdater
+from .updates.updater import UnitUpdater
 
 
 class GradientHooks:

@@ -6,7 +6,7 @@ counted (``SavedBytes``: the activations the planner prices).
 
 The first unpack of a unit's tensor in a step's backward marks the unit used in backward (the
 cache keeps it while its gradients come) and times the backward (``StepTimer.unpacked``); the
-forwards between steps call :meth:`SavedTensors.unpack` with that (``forwards.py``).
+forwards between steps call :meth:`SavedTensors.unpack` with that (``runtime/params/forwards.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, Optional
 import torch
 
 from ..planning.placement import GPU
-from .cache import UnitCache
+from .params.cache import UnitCache
 from .context import EngineContext, Phase
-from .saved_bytes import SavedBytes
+from .activations.saved_bytes import SavedBytes
 from .timing import StepTimer
 
 

@@ -33,7 +33,7 @@ from ..config import format_bytes
 from ..memory import HostSlab
 
 if TYPE_CHECKING:
-    from .data_parallel import DataParallel
+    from .grads.exchange import DataParallel
 
 SHARED_MEMORY_DIR = Path("/dev/shm")
 PREFIX = "offload_strategy-homes"

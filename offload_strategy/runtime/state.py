@@ -13,7 +13,7 @@ from ..memory import Slot
 from .units import TransferUnit
 
 if TYPE_CHECKING:  # the gradient path owns its records
-    from .gradients import GradientRecord
+    from .grads.path import GradientRecord
 
 
 @dataclass(eq=False)
@@ -60,7 +60,7 @@ class UnitState:
     handed_out: set[int] = field(default_factory=set)  # positions whose ``.data`` user code took inside this step
     reduce_ready: bool = False  # data parallel: complete for this step, its reduction due in the canonical order
     reductions: list[Any] = field(default_factory=list)  # data parallel: its collectives in flight
-    # an NVMe unit whose gradients live in a shared buffer from the first to the update (gradient_buffers.py)
+    # an NVMe unit whose gradients live in a shared buffer from the first to the update (runtime/grads/buffers.py)
     transient_gradients: bool = False
 
     @property

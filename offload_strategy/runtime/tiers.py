@@ -14,7 +14,7 @@ import torch
 from ..hardware.device import Device
 from ..memory import HostSlab, SizeClass, Slot, SlotPool
 from ..planning.placement import DEVICE_SLOT_ALIGNMENT, GPU, HOST, HOST_SLOT_ALIGNMENT, Placement, align
-from .gradient_buffers import gradient_bytes
+from .grads.buffers import gradient_bytes
 from .state import UnitState
 
 
@@ -32,7 +32,7 @@ class TierMemory:
     update_pool: SlotPool  # the update worker's own staging buffers
     update_buffers: int
     master_region: torch.Tensor  # fp32 masters of host-homed 16-bit units (never transferred: not pinned)
-    gradient_slots: list[torch.Tensor]  # buffers the gradients of NVMe units pass through (gradient_buffers.py)
+    gradient_slots: list[torch.Tensor]  # buffers the gradients of NVMe units pass through (runtime/grads/buffers.py)
     home_region: torch.Tensor  # host homes: the start of the slab, or the machine's shared copy
     shared_slab: Optional[HostSlab] = None  # the host homes every rank of the machine maps (shared_homes.py)
     # each persistent unit's fixed region of the GPU tier (the cache makes it the unit's slot)

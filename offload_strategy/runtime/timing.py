@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..hardware.device import Device, TimeMark
-from ..profiling import StepProfile
+from ..planning.profile import StepProfile
 from .context import StepState
 
 

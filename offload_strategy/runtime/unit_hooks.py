@@ -2,9 +2,9 @@
 that uses units (fetch them, pin them while it runs, time it), and a watch on its parameters read
 as attributes (``module.weight`` used outside its module's forward, through the functional API, or
 by another module), so that such a use is fetched like any other (docs/architecture.md,
-invariants). Between steps a read lends the unit at home (``lending.py``). A parameter at an NVMe
+invariants). Between steps a read lends the unit at home (``runtime/params/lending.py``). A parameter at an NVMe
 placeholder read as a value arrives here too (:meth:`ModuleHooks.lend_parameter`, through
-``offloaded.py``).
+``runtime/params/offloaded.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ..hardware import FreedHostMemory
 from ..planning.placement import GPU
-from .cache import UnitCache
+from .params.cache import UnitCache
 from .context import EngineContext, Phase
-from .forwards import ForwardsBetweenSteps, UnitHook, outside_transforms
-from .lending import Lending
-from .recompute import RecomputeHolds
+from .params.forwards import ForwardsBetweenSteps, UnitHook, outside_transforms
+from .params.lending import Lending
+from .params.recompute import RecomputeHolds
 from .saved_tensors import SavedTensors
 from .state import UnitState
 from .timing import StepTimer

@@ -23,9 +23,9 @@ from ..memory.nvme import NvmeStore
 from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
 from ..planning.cost_model import machine_from_spec
 from ..planning.placement import GPU
-from ..runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
-from ..runtime.activations import ActivationPolicies
-from ..runtime.saved_bytes import SavedBytes
+from ..runtime.activations.swap import SWAP_HOST, SWAP_NVME, ActivationSwap
+from ..runtime.activations.policies import ActivationPolicies
+from ..runtime.activations.saved_bytes import SavedBytes
 
 if TYPE_CHECKING:
     from ..planning.planner import Planner, TierBudgets
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class SessionContext(Protocol):
-    """What the session reads of the strategy's state (``strategy_context.TieredContext``): the
+    """What the session reads of the strategy's state (``lightning.context.TieredContext``): the
     options, the module, its optimizers and device, and what set-up made."""
 
     hardware: Optional[HardwareSpec]

@@ -27,14 +27,14 @@ import torch
 from ..config import BlockPolicy, PolicyConfig, Tier, format_bytes
 from ..planning.activations import RECOMPUTED, BesideBlocks, BlockCost
 from ..planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
-from ..planning.memferry import gradient_offload_plan
+from ..planning.searches.access_modes import gradient_offload_plan
 from ..planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from ..planning.plan_file import PlanFile, PlannedUnit, check_plan, prediction_record
 from ..planning.planner import ModelUnits, Planner
 from ..planning.sharding import Sharding
-from ..profiling import StepProfile, fastest_timing
-from ..runtime.activations import find_blocks
-from ..runtime.optimizer import measured_state_factor
+from ..planning.profile import StepProfile, fastest_timing
+from ..runtime.activations.policies import find_blocks
+from ..runtime.updates.optimizers import measured_state_factor
 from ..runtime.out_of_memory import PlannedUse
 from ..runtime.units import build_units, master_dtype, merge_into_chunks
 from .activations import ActivationControl, SessionContext

@@ -1,0 +1,911 @@
+"""``TieredCore``: what every tiered strategy does, as one object the Lightning strategy holds
+(``TieredStrategy``, ``TieredDDPStrategy``) and delegates its hooks to, instead of a mixin.
+
+It validates what the user asked for, resolves the memory budgets of each tier against what is
+free, asks the planner for each plan and hands it to the engine, runs the training step's protocol
+around the engine, writes checkpoints with true values and exposes the metrics the engine reports.
+What data parallelism changes is a :class:`Ranks` collaborator (``OneProcess`` here,
+``lightning.ddp.DataParallelRanks`` there). The core holds no placement logic: the planner decides,
+the runtime engine carries it out. Until the engine is attached every tensor stays on the root
+device, which trains exactly as Lightning's single-device strategy does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+
+import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+
+from ..config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, StateDictType, format_bytes
+from ..construction.deferred import DeferredParameters
+from ..hardware import disk_free, host_available, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
+from ..hardware.device import make_device
+from ..memory.nvme import make_private_directory
+from ..planning.auto import AutoPlan
+from ..planning.cost_model import Machine, StepPrediction
+from ..planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
+from ..planning.plan_file import load_plan, save_plan
+from ..planning.planner import Planner, TierBudgets
+from ..planning.sharding import Sharding
+from ..planning.profile import StepProfile
+from ..runtime.grads.exchange import DataParallel, Reduction
+from ..memory.nvme import NvmeStore
+from ..runtime.engine import TieredEngine
+from ..runtime.updates.optimizers import StatesReadOnUse, compact
+from ..runtime.out_of_memory import out_of_memory_explained
+from ..checkpoint.sharded import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
+from ..session.activations import ActivationControl
+from ..session.budgets import nvme_reserve, refuse_a_full_disk, resolve_budgets
+from ..session.plans import Plan, PlanSession
+from .context import LightningState, TieredContext, TieredOptions
+from ..session.prediction import PredictionCheck
+from .precision import user_precision
+from .recipe import Recipe, Rules
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Precision plugins whose semantics the tiered runtime reproduces: 32-true, 64-true,
+# 16/bf16-mixed and 16/bf16-true. Others (bitsandbytes, Transformer Engine, ...) change the module
+# or the step in ways the runtime would silently undo.
+_SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+
+def check_precision(plugin: Optional[Precision]) -> Optional[Precision]:
+    """The precision plugin, if the tiered runtime reproduces its semantics."""
+    if plugin is not None and type(plugin) not in _SUPPORTED_PRECISION:
+        raise ValueError(
+            f"strategy='tiered' does not support the precision plugin {type(plugin).__name__}; "
+            f"use precision='32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
+        )
+    return plugin
+
+
+class Ranks(Protocol):
+    """What data parallelism changes in the core (``OneProcess``: nothing)."""
+
+    engine_when_all_fits: bool  # the engine runs even when every unit fits in the GPU tier
+
+    def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        """The ranks the engine reduces gradients across; None on one device."""
+
+    def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]:
+        """Which rank keeps each unit's optimizer states; None: this process keeps them all.
+        ``gradients_sent``: every backward reduces to the owners (the recipe allows it)."""
+
+    def same_on_every_rank(self, choice: Any) -> Any:
+        """A planning decision taken from measurements: under data parallelism, rank 0's for all."""
+
+    def largest_on_every_rank(self, value: int) -> int:
+        """The largest of every rank's ``value`` (each rank's batch may differ)."""
+
+    def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
+        """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
+
+    def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
+        """Each process's budgets from what the tiers have free."""
+
+    def measure_links(self) -> None:
+        """At set-up, on every process: what the ranks' collectives move (nothing on one device)."""
+
+    def machine(self, links: Machine) -> Machine:
+        """The step model's machine: ``links`` with the ranks and their collectives."""
+
+    def link_metrics(self) -> dict[str, float]:
+        """What ``measure_links`` measured, as metrics."""
+
+    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The optimizers' state dicts with every rank's units in them, for placing the model again
+        (the units' owners may change with the placement)."""
+
+
+class OneProcess:
+    """One device, one process: nothing is reduced or shared."""
+
+    engine_when_all_fits = False
+
+    def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
+        return None
+
+    def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]:
+        return None
+
+    def same_on_every_rank(self, choice: Any) -> Any:
+        return choice
+
+    def largest_on_every_rank(self, value: int) -> int:
+        return value
+
+    def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
+        return None
+
+    def share_budgets(self, granted: TierBudgets, requested: tuple[Budget, Budget, Budget]) -> TierBudgets:
+        return granted
+
+    def measure_links(self) -> None:
+        return None
+
+    def machine(self, links: Machine) -> Machine:
+        return links
+
+    def link_metrics(self) -> dict[str, float]:
+        return {}
+
+    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return states
+
+
+class TieredCore:
+    """The tiered logic a Lightning strategy delegates to: budgets, planning, the engine's
+    lifecycle, the training step, the optimizer step and checkpoints gathered from every tier."""
+
+    def __init__(self, options: TieredOptions, lightning: LightningState, ranks: Ranks) -> None:
+        self.options = options
+        self.ranks = ranks
+        self.context = TieredContext(options, lightning, hardware=options.hardware if isinstance(options.hardware, HardwareSpec) else None)
+        self.session = PlanSession(self.context, ranks, rank_zero_info, self._replace_engine, self._refuse_a_full_disk)
+        self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
+        self._resident_before = 0  # the anonymous resident set at set-up (resolve)
+        self._final_engine_metrics: Optional[dict[str, float]] = None
+        self._created_directories: list[Path] = []
+        # parameters of models built under this strategy, recorded instead of held (construction/deferred.py)
+        self.deferred = DeferredParameters()
+        self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
+        self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
+
+    def __reduce__(self) -> Any:
+        # A pickle of the strategy (``torch.save(trainer)``, as Lightning's own tests do) holds its
+        # options, as before a run: what a run made (the engine's threads and files, the blocks'
+        # weak references, a parameter class made per strategy) has no meaning elsewhere.
+        return (_core_with_options, (type(self), self.options, self.lightning, self.ranks, self.state_dict_type))
+
+    # -- what the strategy exposes ------------------------------------------------------------------
+
+    @property
+    def lightning(self) -> LightningState:
+        return self.context.lightning
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return self.options.policy
+
+    @property
+    def hardware(self) -> Optional[HardwareSpec]:
+        return self.context.hardware
+
+    @property
+    def budgets(self) -> Optional[TierBudgets]:
+        return self.context.budgets
+
+    @property
+    def planner(self) -> Optional[Planner]:
+        return self.context.planner
+
+    @property
+    def engine(self) -> Optional[TieredEngine]:
+        return self.context.engine
+
+    @property
+    def activations(self) -> ActivationControl:
+        return self.session.activations
+
+    @property
+    def prediction(self) -> PredictionCheck:
+        return self.session.prediction
+
+    @property
+    def placement_search(self) -> Optional[AutoPlan]:
+        """What ``placement="search"`` chose, with its prediction (None before or without it)."""
+        return self.planner.search_result if self.planner is not None else None
+
+    def recipe(self, trainer: "pl.Trainer") -> Recipe:
+        """What the trainer's recipe allows (``Rules``; Fabric's strategy has rules of its own)."""
+        lightning = self.lightning
+        return Recipe(trainer, user_precision(lightning.precision_plugin), self.policy, lightning.world_size, len(lightning.optimizers))
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def runs_an_engine(self) -> bool:
+        """Every policy but ``none`` places the model through an engine; ``none`` too under the
+        ``*-true`` 16-bit precisions, with every unit in the GPU tier, for the fp32 masters the
+        other placements update: without them the same recipe trained otherwise under ``none``
+        (a 16-bit AdamW's epsilon is 0 in fp16, and a parameter with a zero gradient became NaN)."""
+        return self.policy.name != "none" or self.keeps_fp32_masters()
+
+    def keeps_fp32_masters(self) -> bool:
+        return isinstance(user_precision(self.lightning.precision_plugin), (HalfPrecision, FabricHalfPrecision))
+
+    def places_parameters_itself(self) -> bool:
+        """On a GPU, parameters are created in host memory and placed by the engine, so that a model
+        larger than the GPU never has to fit there whole."""
+        return self.runs_an_engine() and self.lightning.root_device.type == "cuda"
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, plain: Callable[[], contextlib.AbstractContextManager[None]], empty_init: Optional[bool]) -> Iterator[None]:
+        """Models built here (``configure_model``, ``trainer.init_module()``) take no memory for
+        their parameters: each is computed in its home once placed, to the bit what plain
+        construction gives (construction/deferred.py)."""
+        root = self.lightning.root_device
+        # initialisation draws where plain construction would: on a GPU root, from the GPU's generator
+        building = self.deferred.recording(root if root.type == "cuda" else torch.device("cpu")) if self.policy.name != "none" else contextlib.nullcontext()
+        if not self.places_parameters_itself():
+            with building, plain():
+                yield
+            return
+        with building, _EmptyInit(enabled=bool(empty_init)), self.lightning.precision_plugin.tensor_init_context():
+            yield
+
+    def model_to_device(self, plain: Callable[[], None]) -> None:
+        model = self.lightning.model
+        assert model is not None
+        if not self.places_parameters_itself() and not len(self.deferred):
+            return plain()
+        # buffers now; parameters once the engine has placed them (or computed where they run: on a
+        # host root, the others are there already)
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(self.lightning.root_device)
+
+    def setup(self, trainer: "pl.Trainer", plain: Callable[["pl.Trainer"], None]) -> None:
+        self.resolve()
+        if self.lightning.lightning_module is not None:
+            self.deferred.adopt(self.lightning.lightning_module)
+        plain(trainer)
+        self.place_module(self.recipe(trainer))
+        _refuse_weight_averaging_on_nvme(trainer, self.engine)
+
+    def clip_gradients(self, plain: Callable[..., None], optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """Lightning's ``clip_gradients`` (``plain``, the user's precision plugin's, called through
+        ``TieredPrecision``) called by the training step's own code under manual optimization: it clips the engine's gradients where they are held, fp32
+        sums of 16-bit parameters included (as the automatic step clips them, with no 16-bit
+        copies), through a gradient view; the automatic step gives it that view already."""
+        engine = self.engine
+        if engine is None or self.context.module.automatic_optimization or not clip_val or clip_val <= 0:
+            return plain(optimizer, clip_val, gradient_clip_algorithm)  # the automatic step clips through its own view
+        exposed = engine.exposure.exposed
+        self.before_users_step()
+        with engine.gradient_view(getattr(optimizer, "optimizer", optimizer)) as gradients:
+            plain(gradients, clip_val, gradient_clip_algorithm)
+        if exposed:
+            engine.exposure.expose()  # the step's code may read the clipped gradients
+        return None
+
+    def resolve(self) -> None:
+        """The hardware (probed when "auto") and each tier's budget, before anything is placed."""
+        context = self.context
+        if context.hardware is None:
+            context.hardware = resolve_hardware(self.options.hardware)
+        context.budgets = self.resolve_budgets()
+        self._resident_before = resident_anonymous()  # what the budgets bound is the growth beyond it
+        self.ranks.measure_links()
+        root = self.lightning.root_device
+        if root.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(root)
+
+    def place_module(self, recipe: Rules) -> None:
+        """The module's blocks, the planner and, unless the policy is ``none``, the engine with the
+        first placement: every loop offloads (fit, and evaluation on its own, forward only)."""
+        context, module, root = self.context, self.context.module, self.lightning.root_device
+        plan_file = self.options.plan_file
+        self.session.start(module, load_plan(plan_file) if plan_file is not None else None, self.keeps_fp32_masters())
+        if self.runs_an_engine():
+            _refuse_lazy_parameters(module)
+            context.engine = self._build_engine(recipe)
+        self.deferred.materialize_all(root)  # nothing placed them (it all fits): computed where they run
+        if context.engine is None and self.places_parameters_itself():
+            module.to(root)
+        self.activations.use_saved_tensor_hooks()
+        self.activations.attach_swap_if_needed()
+
+    def _replace_engine(
+        self, recipe: Rules, gpu_bytes: int, block_policies: Optional[Sequence[str]] = None, may_fit: bool = False,
+    ) -> None:
+        """Place the parameters again with ``gpu_bytes`` of the GPU tier, between two steps
+        (``block_policies``: the layout they will run beside, the one in place by default;
+        ``may_fit``: everything may still fit, and no engine is needed)."""
+        optimizers = self.lightning.optimizers
+        # standard, exact: they move through these; with sharded states, each rank's units' too
+        states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
+        self.session.forget_timing()  # another engine's units
+        left = self._close_engine(leave=self._left_while_placing_again)
+        self._free_closed_engine()
+        self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
+        if self.context.engine is None and not may_fit:
+            raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
+        if left is not None:
+            self.deferred.materialize_all(self.lightning.root_device)  # none when the new engine placed them all
+            left.store.close()
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+        del states
+        release_freed_host_memory()  # the states just moved through memory
+        self.activations.use_saved_tensor_hooks()
+        self.activations.reattach_swap()  # it copied through the old engine's device, now closed
+
+    def _left_while_placing_again(self, engine: TieredEngine) -> bool:
+        """NVMe units are read from the old files into their new homes (which holds the old files
+        and the new ones on the disk meanwhile) where the disk has room for both or they would take
+        more than half of the host memory available; else they move through host memory."""
+        free = disk_free(str(self.options.nvme_path)) if self.options.nvme_path is not None else 0
+        return free - nvme_reserve(free) >= engine.placement.nvme_bytes or _nvme_state_bytes(engine) > _half_host_available()
+
+    def _free_closed_engine(self) -> None:
+        """The closed engine's GPU arena and pinned slab freed before the next engine allocates
+        its own: the saved-tensor hooks stop naming the old engine, and a collection frees what
+        its reference cycles (its parameters' class, its components' bound methods) still hold;
+        on CUDA the caching allocator gives the arena back."""
+        self.activations.use_saved_tensor_hooks()  # without an engine: the counting hooks
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def _build_engine(
+        self, recipe: Rules, gpu_bytes: Optional[int] = None, block_policies: Optional[Sequence[str]] = None,
+    ) -> Optional[TieredEngine]:
+        """The engine for the session's plan of every unit's home (``gpu_bytes``, ``block_policies``:
+        see ``PlanSession.plan_placement``); None when everything fits in the GPU tier."""
+        plan = self.session.plan_placement(recipe, gpu_bytes, block_policies)
+        if plan is None:
+            return None
+        _refuse_compiled_modules(self.context.module)
+        _refuse_sparse_gradients(self.context.module, plan.units, plan.placement)
+        return self._start_engine(plan, recipe)
+
+    def _start_engine(self, plan: Plan, recipe: Rules) -> TieredEngine:
+        budgets, lightning = self.context.budgets, self.lightning
+        assert budgets is not None
+        device = make_device(lightning.root_device, capacity=budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
+        nvme_path, sizes = self.options.nvme_path, plan.model.sizes
+        try:
+            engine = TieredEngine(
+                self.context.module, plan.units, plan.users, plan.placement, device, nvme_path=str(nvme_path) if nvme_path else None,
+                optimizers=lightning.optimizers, direct_gradients=plan.direct_gradients,
+                checksums=self.policy.checksums, fp32_masters=self.keeps_fp32_masters(), data_parallel=self.ranks.data_parallel(sizes),
+                prefetch=self.policy.prefetch, state_factor=plan.model.state_factor, initial_value=self.deferred.fill,
+            )
+        except BaseException:
+            device.close()
+            raise
+        engine.updater.freed.limit = self._freed_memory_limit(engine)
+        self._share_optimizer_attributes()
+        rank_zero_info(self.session.describe(plan))
+        self.session.say_when_updates_wait(recipe, plan)
+        if engine.store is not None:
+            self.removed_stale_nvme = list(engine.store.removed_stale)
+        return engine
+
+    def _share_optimizer_attributes(self) -> None:
+        """Lightning's wrappers find the optimizer's methods on its class before the instance:
+        the ``zero_grad`` the engine put in place (or took back) must reach ``self.optimizers()[k]``
+        too (``state`` and other instance attributes are looked up on the optimizer itself)."""
+        for wrapper in self.lightning._lightning_optimizers:
+            if "zero_grad" in wrapper.optimizer.__dict__:
+                wrapper.__dict__["zero_grad"] = wrapper.optimizer.zero_grad
+            else:
+                wrapper.__dict__.pop("zero_grad", None)
+
+    def _refuse_a_full_disk(self, error: PlacementError) -> None:
+        refuse_a_full_disk(error, self.options.nvme_path, self.options.nvme_memory, self.budgets)
+
+    # -- plans --------------------------------------------------------------------------------------
+
+    def dump_plan(self, path: Union[str, Path]) -> Path:
+        """Write what this run decided (every unit's home, every block's activation policy) as a
+        plan file that ``plan_file=`` runs again without planning. Call it after setup."""
+        if self.budgets is None or self.lightning.lightning_module is None:
+            raise RuntimeError("dump_plan needs a strategy that has been set up; call it from a callback (on_train_start or later).")
+        return save_plan(self.session.plan_as_file(), path)
+
+    def predicted_step(self, timing: Optional[StepProfile] = None) -> Optional[StepPrediction]:
+        """The step model's prediction for the placement in use (``PlanSession.predicted_step``)."""
+        return self.session.predicted_step(timing)
+
+    # -- the training step --------------------------------------------------------------------------
+
+    def training_step(self, run: Callable[[], Any], recipe: Optional[Rules] = None, batch: Any = None) -> Any:
+        """A training step's forward (``run``) of ``batch``, between the planner's decisions and the
+        engine's step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
+        rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
+        self.take_back_exposed()  # before the engine may be replaced
+        self.session.after_step(rules)
+        self.activations.note_batch(batch)  # after the plan: a batch the layout is planned with is a profiled step's
+        self.prediction.step_begins()
+        self.activations.begin_block_forward()
+        try:
+            with self.explaining_out_of_memory():
+                return self._run_training_step(run, rules, manual=recipe is None and not self.context.module.automatic_optimization)
+        finally:
+            self.activations.end_training_step()
+
+    def explaining_out_of_memory(self) -> contextlib.AbstractContextManager:
+        return out_of_memory_explained(self.session.planned_use, self.lightning.root_device)
+
+    def _run_training_step(self, run: Callable[[], Any], rules: Rules, manual: bool) -> Any:
+        engine = self.engine
+        if engine is None:
+            with _torch_func_explained(), self.activations.counting_saved():
+                return run()
+        speculate = rules.updates_may_run_ahead_of_clipping()
+        assert self.budgets is not None  # what the plan and the activations' swaps leave of the host budget
+        room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes() if speculate else 0
+        engine.begin_step(
+            profile=self.session.takes_order_profile(), update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
+            reduce=self.ranks.gradient_reduction(rules.accumulating(), not rules.reductions_may_go_to_owners()), norms_wanted=self.clips_norm_first(rules),
+            speculate=speculate, speculation_room=room,
+        )
+        try:
+            with _torch_func_explained(), engine.saved_tensor_hooks():
+                result = run()
+        finally:
+            self.take_back_exposed()  # manual optimization's backward without a step leaves them to the next
+        if manual:
+            engine.end_manual_training_step()
+        return result
+
+    def clips_norm_first(self, recipe: Rules) -> bool:
+        """This step's clipping by norm is the engine's (gradients may wait on NVMe, or units were
+        updated before it, speculatively)."""
+        engine = self.engine
+        if engine is None or not recipe.clips_by_norm():
+            return False
+        # where updates may run ahead of clipping, every step's norm decides whether the next does;
+        # under data parallelism the reductions went to the owners, who alone hold the gradients
+        sharded = engine.exchange is not None and recipe.reductions_may_go_to_owners()
+        return engine.placement.gradients_spilled or recipe.updates_may_run_ahead_of_clipping() or sharded
+
+    def eval_step(self, run: Callable[[], Any]) -> Any:
+        engine = self.engine
+        if engine is not None:
+            # Evaluation runs the forward part of the profiled order: prefetch along it too.
+            engine.begin_step(profile=False, train=False)
+        try:
+            return run()
+        finally:
+            if engine is not None:
+                engine.end_eval_step()
+
+    def pre_backward(self) -> None:
+        self.activations.note_forward_saved()
+        self.activations.refuse_unfitting()
+        self.take_back_exposed()  # autograd adds to what the user left there
+        if self.engine is not None:
+            self.engine.attach_direct_gradients()
+            self.engine.begin_backward()
+
+    def post_backward(self, expose: bool = False) -> None:
+        """``expose``: the user's own code runs between this backward and the step (manual
+        optimization, a Fabric loop) and may read, clip or replace gradients there, as after
+        plain backward: until the next backward, step or training step, offloaded gradients are
+        on their parameters' ``.grad`` (``TieredEngine.expose_gradients``)."""
+        engine = self.engine
+        if engine is not None:
+            engine.end_backward()
+            if expose:
+                engine.exposure.expose()  # reduced first under data parallelism, as DDP's backward leaves them
+
+    def _freed_memory_limit(self, engine: TieredEngine) -> int:
+        """The resident set above which the steps give freed memory back: what the process held at
+        set-up, the host budget, the emulated GPU tier's and half the runtime's allowance (the other
+        half for what is made between two checks and what construction took before set-up)."""
+        assert self.context.budgets is not None
+        budgets = self.context.budgets
+        emulated = budgets.gpu if engine.device.is_emulated else 0
+        return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 2
+
+    def take_back_exposed(self) -> None:
+        """What the user's code did to exposed gradients reaches the engine's (see :meth:`post_backward`)."""
+        if self.engine is not None:
+            self.engine.exposure.take_back()
+
+    def before_users_step(self) -> None:
+        """Right before an optimizer step or clipping the user's code asked for (manual
+        optimization, Fabric): exposed gradients taken back, and gradients the code put on
+        ``.grad`` without a backward taken in."""
+        self.take_back_exposed()
+        if self.engine is not None:
+            self.engine.gradient_hooks.adopt_set_by_hand()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
+        """``plain``: Lightning's step, through the precision plugin (``TieredPrecision``, which
+        steps every unit where it lives)."""
+        if self.context.module.automatic_optimization:
+            # The closure is the training step: a plan made inside it would leave this step to
+            # the optimizer chosen before it (a first engine's units stepped by the plain one).
+            self.session.after_step(self.recipe(self.context.module.trainer))
+        result = plain(optimizer, closure, model, **kwargs)
+        self._stepped()
+        return result
+
+    def _stepped(self) -> None:
+        self.session.step_ended()  # no gradient is pending until the next forward
+        report = self.prediction.step_ends()
+        if report is not None:  # a check of the step model, not a decision: for those who ask for it
+            rank_zero_debug(report)
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, plain: Callable[[], Any], **kwargs: Any) -> Any:
+        """``optimizer``'s step over every unit where it lives, for a loop that ran forward and
+        backward itself (Fabric's): nothing runs between backward and the step here."""
+        self.before_users_step()
+        engine = self.engine
+        if engine is None:
+            result = plain()
+        else:
+            try:
+                result = engine.step(optimizer, **kwargs)
+            finally:
+                engine.end_step(optimizer)
+        self._stepped()
+        return result
+
+    # -- checkpoints: the true state from every tier -----------------------------------------------
+
+    def lightning_module_state_dict(self, plain: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        engine = self.engine
+        # the checkpoint being built is sharded: values on NVMe stay there until written
+        self._stand_ins = (engine.stand_in_readers() if engine is not None else {}) if self._writes_sharded() else None
+        if engine is None:
+            return plain()
+        module = self.context.module
+        if self._stand_ins is not None:
+            # plain detached aliases of the placeholders: detaching an offloaded parameter the
+            # usual way would lend (read) its unit, gathering the model after all
+            with torch._C.DisableTorchFunctionSubclass():
+                state = module.state_dict()
+            return type(state)((k, compact(v)) for k, v in state.items())
+        # Views of where each value lives, as plain training returns views of its parameters: no
+        # second copy of the model, except for units on NVMe, which are read into fresh buffers.
+        # Each over only its own bytes, so that a checkpoint does not carry whole slabs.
+        with engine.materialized():
+            state = module.state_dict()
+        return type(state)((k, compact(v)) for k, v in state.items())
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, plain: Callable[[torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.updater.optimizers:
+            return self.engine.updater.optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
+        return plain(optimizer)
+
+    def _writes_sharded(self) -> bool:
+        """The next checkpoint is a directory written tensor by tensor (docs/guide.md, "Checkpoints")."""
+        if self.state_dict_type is StateDictType.AUTO:
+            return self.engine is not None and _nvme_state_bytes(self.engine) > _half_host_available()
+        return self.state_dict_type is StateDictType.SHARDED
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], plain: Callable[..., None]) -> None:
+        readers, self._stand_ins = self._stand_ins, None
+        if readers is None:
+            return plain(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("a sharded checkpoint takes no storage_options: it is written by torch.distributed.checkpoint, not by the CheckpointIO plugin.")
+        if self.lightning.is_global_zero:
+            write_sharded(checkpoint, filepath, readers)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: Optional[bool], plain: Callable[..., dict[str, Any]], read: Callable[..., Any]
+    ) -> dict[str, Any]:
+        """``read``: the checkpoint IO's reader of the sharded checkpoint's metadata file."""
+        if not is_sharded_checkpoint(checkpoint_path):
+            return plain(checkpoint_path, weights_only=weights_only)
+        # the model's and optimizers' tensors are read when loaded into their places, the rest now
+        source = ShardedCheckpoint(checkpoint_path, weights_only)
+        checkpoint = source.meta(lambda path: read(path, weights_only=weights_only))
+        checkpoint["state_dict"] = source.model_state()
+        if source.optimizer_count():
+            checkpoint["optimizer_states"] = [source.optimizer_state(i) for i in range(source.optimizer_count())]
+        return checkpoint
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, writeback: bool = False) -> Iterator[None]:
+        """Every parameter holds its true value in a real tensor for the duration, as DeepSpeed's
+        ``GatheredParameters`` and FSDP's ``summon_full_params`` give them: for callbacks that
+        read weights between steps (a weight-norm logger, an EMA), where units at home on NVMe
+        otherwise show placeholders. With ``writeback=True`` what the block writes into the
+        parameters is kept (an averaging callback copying weights in, a manual load); the
+        optimizer's fp32 masters then start from the written values."""
+        if self.engine is None:
+            yield
+            return
+        with self.engine.materialized(writeback=writeback):
+            yield
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool, plain: Callable[..., None]) -> None:
+        state = checkpoint["state_dict"]
+        engine = self.engine
+        with engine.materialized(writeback=True) if engine is not None else contextlib.nullcontext():
+            if not isinstance(state, LazyState):
+                return plain(checkpoint, strict=strict)
+            # parameters built without memory are read when placed, the others in place now
+            state.checkpoint.load_model(
+                self.context.module, strict, defer=lambda p: engine is None and p in self.deferred, set_source=self.deferred.set_source
+            )
+
+    def load_optimizer_state_dict(self, checkpoint: Any, plain: Callable[[Any], None]) -> None:
+        """The optimizers' states from a checkpoint. With an engine each unit's go where the unit
+        lives (NVMe units' to their files); Lightning's own load would then move every state to
+        the GPU, reading NVMe units' into memory on the way."""
+        if self.engine is None:
+            return plain(checkpoint)
+        for optimizer, state in zip(self.lightning.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+        return None
+
+    def teardown(self, plain: Callable[[], None]) -> None:
+        """``plain``: the base strategy's teardown, run after the engine's close with the states
+        left on NVMe out of sight (it moves every optimizer state to the CPU, which would read
+        them all back)."""
+        self.take_back_exposed()  # never left on ``.grad`` over memory the engine frees
+        self.activations.close()
+        try:
+            left = self._close_engine()
+            if left is not None:
+                self._settle_after_training(left, failing=sys.exc_info()[0] is not None)
+        finally:
+            _remove_if_empty(self._created_directories)
+        release_freed_host_memory()  # what training freed leaves the process with it
+        with contextlib.ExitStack() as unread:
+            for optimizer in self.lightning.optimizers:
+                if isinstance(optimizer.state, StatesReadOnUse):
+                    unread.enter_context(optimizer.state.unread())
+            plain()
+
+    def _close_engine(self, leave: Callable[[TieredEngine], bool] = lambda engine: True) -> Optional[_LeftOnNvme]:
+        """Parameters back to plain tensors with their true values, every tier freed, but the
+        units at home on NVMe where ``leave(engine)``: those stay there, read when used; what
+        stays, if any."""
+        engine = self.context.engine
+        if engine is None:
+            return None
+        self.context.engine = None
+        self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
+        units = _units_on_nvme(engine)
+        left = _LeftOnNvme(engine.store, units, self._room_after_training(engine)) if engine.store is not None and units and leave(engine) else None
+        try:
+            # while training's own failure propagates (teardown inside Lightning's handler),
+            # that failure is the one to see; otherwise a failure to read back is raised
+            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if left else None)
+        finally:
+            engine.device.close()
+            self._share_optimizer_attributes()
+        return left
+
+    def _settle_after_training(self, left: _LeftOnNvme, failing: bool = False) -> None:
+        """Once the tiers' memory is gone, the units left on NVMe that fit come back (``_bring_back``);
+        the others stay there, their store open while anything reads from it, and a line says so.
+        ``failing``: training's own failure propagates; where a unit cannot be read back then (a
+        write the failure cut short), that failure is the one to see and the files go."""
+        gc.collect()  # the engine's cycles, and the tiers' memory with them, before anything is read back
+        try:
+            stay = self._bring_back(left.units, left.room)
+        except Exception:
+            left.store.close()
+            if failing:
+                return
+            raise
+        if not stay:
+            left.store.close()
+            return
+        weakref.finalize(self, left.store.close)  # the parameters and states left there read from it
+        nbytes = sum(size for _, size in stay)
+        rank_zero_info(
+            f"tiered: after training, {len(stay)} of the {len(left.units)} units at home on NVMe stay there ({format_bytes(nbytes)} of "
+            f"parameters and optimizer states beyond the {format_bytes(left.room)} that host_memory and the host memory available leave "
+            f"after the units in memory): each parameter, and its optimizer states, is read from its file when first used "
+            f"(optimizer.state_dict(), a checkpoint, more training) and held from then on."
+        )
+
+    def _room_after_training(self, engine: TieredEngine) -> int:
+        """Host memory that units at home on NVMe may take after training: the host budget (and
+        the emulated GPU tier's, host memory too) less what the units in those tiers bring back,
+        within half of what the machine has available."""
+        budgets = self.budgets
+        if budgets is None:
+            return 0
+        emulated = self.lightning.root_device.type != "cuda"
+        homes = (HOST, GPU) if emulated else (HOST,)
+        states = engine.updater.state_bytes if engine.updater is not None else {}
+        held = sum(int(s.unit.nbytes) + states.get(s.unit.index, 0) for s in engine.states if s.home in homes)
+        return max(min(budgets.host + (budgets.gpu if emulated else 0) - held, _half_host_available()), 0)
+
+    def _bring_back(self, on_nvme: list[tuple[list[torch.nn.Parameter], int]], room: int) -> list[tuple[list[torch.nn.Parameter], int]]:
+        """Units left on NVMe read back into memory, parameters and optimizer states, in order,
+        as long as they fit in ``room``; the ones that stay."""
+        stay: list[tuple[list[torch.nn.Parameter], int]] = []
+        for params, size in on_nvme:
+            if size > room or stay:  # in order: what comes back is a prefix, what stays the rest
+                stay.append((params, size))
+                continue
+            room -= size
+            for p in params:
+                if p in self.deferred:
+                    self.deferred.materialize(p)
+                for optimizer in self.lightning.optimizers:
+                    if p in optimizer.state:
+                        optimizer.state[p]  # noqa: B018 (read from its file, then held)
+        return stay
+
+    def resolve_budgets(self) -> TierBudgets:
+        """Each tier's budget against what is free (``session/budgets.py``), the NVMe directory made."""
+        options = self.options
+        if options.nvme_path is not None:
+            self._created_directories = _check_writable_directory(options.nvme_path) or self._created_directories
+        requested = (options.gpu_memory, options.host_memory, options.nvme_memory)
+        return resolve_budgets(requested, options.nvme_path, self.lightning.root_device, self.ranks.share_budgets)
+
+    # -- metrics ------------------------------------------------------------------------------------
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Numbers the strategy reports (docs/reference.md, "Metrics"), read by
+        :class:`~offload_strategy.OffloadMonitor`; after ``fit`` the engine's figures are those
+        of the run's last step. ``reset=False`` reads the per-interval figures without starting
+        a new interval (the progress bar does)."""
+        out: dict[str, float] = {}
+        if self.budgets is not None:
+            out["budget/gpu_bytes"] = float(self.budgets.gpu)
+            out["budget/host_bytes"] = float(self.budgets.host)
+            out["budget/nvme_bytes"] = float(self.budgets.nvme)
+        root = self.lightning.root_device
+        if root.type == "cuda":
+            out["memory/gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated(root))
+        out["memory/process_peak_rss_bytes"] = float(process_peak_rss())
+        engine_metrics = self.engine.metrics(reset) if self.engine is not None else self._final_engine_metrics
+        if engine_metrics is not None:  # after fit: the run's last figures
+            out.update(engine_metrics)
+            out["memory/nvme_bytes"] = out["tier/nvme_bytes"]
+        else:
+            out["memory/nvme_bytes"] = 0.0
+        out.update(self.activations.metrics())
+        out.update(self.prediction.metrics())
+        out.update(self.ranks.link_metrics())
+        return out
+
+
+def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:
+    core = cls(options, lightning, ranks)
+    core.state_dict_type = state_dict_type
+    return core
+
+
+def _nvme_state_bytes(engine: TieredEngine) -> int:
+    """Parameters and optimizer states at home on NVMe."""
+    on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
+    return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
+
+
+@dataclass(frozen=True)
+class _LeftOnNvme:
+    """Units an engine's close left on NVMe, the store they read from, and the host memory the
+    budget leaves them after the units in memory (``TieredCore._room_after_training``)."""
+
+    store: NvmeStore
+    units: list[tuple[list[torch.nn.Parameter], int]]
+    room: int
+
+
+def _units_on_nvme(engine: TieredEngine) -> list[tuple[list[torch.nn.Parameter], int]]:
+    """Each unit at home on NVMe: its parameters, and their bytes with the optimizer states' in its file."""
+    sizes = engine.nvme_states.sizes if engine.nvme_states is not None else {}
+    return [(list(s.unit.params), s.unit.nbytes + sizes.get(s.unit.index, 0)) for s in engine.states if s.home == NVME]
+
+
+def _half_host_available() -> int:
+    """What NVMe-resident state may take in host memory before it stays on NVMe after fit and
+    checkpoints of it are sharded (``state_dict_type="auto"``)."""
+    return host_available() // 2
+
+
+def _refuse_lazy_parameters(model: torch.nn.Module) -> None:
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"{len(lazy)} parameters are not materialized yet ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: lazily "
+            f"initialized modules such as nn.LazyLinear), and strategy='tiered' places parameters by their sizes before the first "
+            f"step. Run one forward on an example batch before fit (in __init__ or configure_model), or give the modules their "
+            f"input sizes (nn.Linear(in_features, out_features))."
+        )
+
+
+def _refuse_compiled_modules(model: torch.nn.Module) -> None:
+    """torch.compile guards on the parameters' storages, which offloading swaps at every fetch:
+    a compiled module would recompile at each one or fail inside the compiler."""
+    compiled = [
+        name or "the LightningModule"
+        for name, module in model.named_modules()
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+    ]
+    if compiled or getattr(model, "_compiler_ctx", None):
+        where = ", ".join(compiled[:3]) if compiled else "the LightningModule"
+        raise ValueError(
+            f"torch.compile was applied to {where}, whose parameters are offloaded: compiled code guards on the parameters' "
+            f"storages, which the strategy swaps between tiers at every fetch, so it would recompile at each one or fail. "
+            f"Compile only code that owns no parameters (attention or activation functions), raise gpu_memory so that nothing "
+            f"is offloaded, or leave the model uncompiled."
+        )
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module, units: list[Any], placement: Placement) -> None:
+    """An embedding with ``sparse=True`` gives sparse gradients, which an offloaded unit's dense
+    gradient home cannot hold; its optimizer (``SparseAdam``) would then fail at the first step."""
+    offloaded = {id(p) for u in units if placement.home[u.index] != GPU for p in u.params}
+    sparse = [name for name, module in model.named_modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+              and module.weight.requires_grad and id(module.weight) in offloaded]
+    if sparse:
+        raise ValueError(
+            f"{sparse[0]!r} is an embedding with sparse=True whose weight is offloaded ({len(sparse)} such module(s)): its gradients are "
+            f"sparse, and an offloaded unit's gradients are kept in a dense buffer at its home, so SparseAdam would refuse them. Set "
+            f"sparse=False (with a dense optimizer such as Adam), or raise gpu_memory so that the embedding stays in the GPU tier."
+        )
+
+
+def _refuse_weight_averaging_on_nvme(trainer: "pl.Trainer", engine: Optional[TieredEngine]) -> None:
+    """Lightning's weight-averaging callbacks read and write every parameter between steps, where
+    units at home on NVMe hold placeholders."""
+    averaging = [type(c).__name__ for c in getattr(trainer, "callbacks", []) if isinstance(c, StochasticWeightAveraging)]
+    if averaging and engine is not None and any(s.home == NVME for s in engine.states):
+        raise ValueError(
+            f"{averaging[0]} reads and writes every parameter between steps, but {sum(s.home == NVME for s in engine.states)} "
+            f"units live on NVMe, where between steps their parameters are placeholders. Give host_memory enough room for "
+            f"every unit (or no nvme_path), or average the weights in your own callback inside "
+            f"`with trainer.strategy.gathered_parameters(writeback=True):`."
+        )
+
+
+def _check_writable_directory(path: Path) -> list[Path]:
+    """Create ``path`` if needed (0700, and only where no other user could redirect what is made
+    there: ``make_private_directory``) and make sure files can be written there, before training
+    starts; the directories it created, deepest first (removed again at teardown if left empty)."""
+    created = []
+    missing = path
+    while not missing.exists() and missing != missing.parent:
+        created.append(missing)
+        missing = missing.parent
+    try:
+        make_private_directory(path)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"nvme_path={str(path)!r} cannot hold the NVMe tier's files: {error.strerror or error}. "
+            f"Give a directory this process can create files in, or nvme_path=None for no NVMe tier."
+        ) from None
+    return created
+
+
+def _remove_if_empty(directories: list[Path]) -> None:
+    """Directories the strategy created, deepest first: each goes if nothing else was put there."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
+@contextlib.contextmanager
+def _torch_func_explained() -> Iterator[None]:
+    """``torch.func``'s transforms that differentiate refuse to start under saved-tensor hooks,
+    and a training step's forward runs under the strategy's: say so, and what works instead."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "torch.func" not in str(error) or "saved tensor hooks" not in str(error):
+            raise
+        raise RuntimeError(
+            "torch.func.grad (or vjp, jacrev, hessian) was called inside a training step, and strategy='tiered' runs the "
+            "step's forward under saved-tensor hooks (they fetch offloaded parameters back for backward and count the "
+            "activations the blocks keep), which torch.func refuses. Inside the training step use torch.autograd.grad "
+            "(with torch.func.functional_call for other weights, as MAML does; per-sample gradients one sample at a time); "
+            "torch.func's transforms work outside the training step (validation, callbacks)."
+        ) from error

@@ -1,0 +1,1 @@
+"""The searches the planner runs, each named after what it computes; each module's docstring cites its paper."""

@@ -1,0 +1,1 @@
+"""Activations: the per-block policies, swaps to host memory or NVMe, saved-bytes counts."""

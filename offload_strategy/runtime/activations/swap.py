@@ -1,0 +1,293 @@
+"""Swapping a block's saved activations out of the GPU tier and back ahead of its backward.
+
+Inside a swap block's forward, saved-tensor hooks (ProTrain §3.1.2's activation swapping; the
+offload side of LoHan §IV-B) hand every tensor autograd saves for backward to this class:
+
+- a tensor that is, or views, a parameter stays where it is (the engine re-fetches parameters by
+  itself; an activation swap must never copy a weight);
+- a tensor smaller than ``MIN_SWAP_BYTES`` stays (the copy would cost more than it frees);
+- any other tensor is copied to host memory asynchronously and the GPU-tier original is let go; a
+  ``swap_nvme`` block's copies continue from host memory to the NVMe store, and their host buffers
+  are let go once written. Host memory holds at most ``host_limit`` bytes of swapped activations
+  per step: beyond it a ``swap_host`` tensor goes on to NVMe when there is a store, and otherwise
+  stays in the GPU tier (counted in ``stats.host_full_bytes``).
+
+Backward unpacks a block's tensors in reverse order. The first unpack of a block brings back all of
+that block's tensors (unless they were brought back ahead) and starts bringing back the next swap
+block's (prefetch by block order), so later unpacks, and the next block's, find their tensors
+already in the GPU tier.
+
+A swapped run computes exactly what a kept run computes: values are copied bit for bit, and each
+tensor comes back with its own strides, since CPU and GPU kernels may add up in another order for
+another layout (Qwen2-MoE's experts save the two halves of ``gate_up_proj``'s output, views with
+gaps between their rows; brought back contiguous, the gradients differed in the last bits). A
+tensor that covers its memory exactly (contiguous, or a transposed or permuted one) is copied as
+that memory; views with gaps (``split``, ``chunk``: attention's query, key and value) are copied
+as their storage, once for all the block's views of it, and come back as views of one copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ...config import BlockPolicy
+from ...hardware.device import Device, Event
+from ...memory.nvme import NvmeSpaceError, NvmeStore
+
+SWAP_HOST, SWAP_NVME = BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
+# Saved tensors below this size stay in the GPU tier.
+MIN_SWAP_BYTES = 4096
+
+
+@dataclass(eq=False)
+class _Copy:
+    """A span of GPU-tier memory that left it: a tensor's own, or the storage of views with gaps."""
+
+    block: int
+    nbytes: int
+    host: Optional[torch.Tensor]  # its bytes in host memory (None once written to NVMe)
+    to_host: Optional[Event]
+    key: Optional[str] = None  # NVMe key
+    written: Any = None  # Future of the NVMe write
+    back: Optional[torch.Tensor] = None  # its bytes in the GPU tier once brought back
+    to_device: Optional[Event] = None
+    source: Optional[torch.Tensor] = None  # a view of the storage, held until its block's forward ends
+    views: int = 0  # saved tensors that lie in it
+    unpacked: int = 0  # of them, unpacked in this round (once each, however often a node reads them)
+    consumed: bool = False  # every view unpacked: its GPU-tier bytes are autograd's alone
+    round: int = 0  # rounds of unpacks before this one (a later backward through a kept graph starts one)
+
+
+@dataclass(eq=False)
+class _Swapped:
+    """One saved tensor that left the GPU tier: where in its copy it lies, and its layout."""
+
+    copy: _Copy
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # in elements of ``dtype`` from the copy's start
+    round: int = -1  # the copy's round that last unpacked it
+
+    @property
+    def block(self) -> int:
+        return self.copy.block
+
+    def view(self) -> torch.Tensor:
+        assert self.copy.back is not None
+        return self.copy.back.view(self.dtype).as_strided(self.shape, self.stride, self.offset)
+
+
+def _coming_back(copy: _Copy) -> Event:
+    """The copy of ``copy``'s bytes into the GPU tier, started with their buffer there (``_bring_back``)."""
+    assert copy.to_device is not None, "a copy brought back has its copy into the GPU tier under way"
+    return copy.to_device
+
+
+def _covers_its_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one span of memory without gaps or overlaps (any order)."""
+    return t.is_contiguous() or torch.empty_like(t, device="meta").stride() == t.stride()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The first element of ``t``'s storage it reaches, and one past the last (elements of its dtype)."""
+    start = int(t.storage_offset())  # an int in eager mode, where saved-tensor hooks run
+    return start, start + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+
+
+def _bytes_at(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements ``start`` to ``end`` of ``t``'s storage, as a contiguous 1-D uint8 view of them."""
+    return t.detach().as_strided((end - start,), (1,), start).view(torch.uint8)
+
+
+@dataclass
+class SwapStats:
+    """Bytes by destination in the last training forward, and how backward found them."""
+
+    kept_bytes: int = 0
+    host_bytes: int = 0
+    nvme_bytes: int = 0
+    prefetched: int = 0
+    waited: int = 0  # unpacks that had to fetch synchronously
+    wait_seconds: float = 0.0
+    host_full_bytes: int = 0  # swap_host tensors kept in the GPU tier: host limit reached, no NVMe store
+    blocks: dict[int, list[_Copy]] = field(default_factory=dict)
+
+
+class ActivationSwap:
+    """Saved-tensor hooks for swap blocks; see the module docstring.
+
+    ``is_parameter`` tells whether a saved tensor is or views a parameter; ``outer`` is the pair
+    of hooks that would have packed it otherwise (the engine's), or None.
+    """
+
+    def __init__(self, device: Device, store: Optional[NvmeStore], is_parameter: Callable[[torch.Tensor], bool], host_limit: Optional[int] = None) -> None:
+        self.device = device
+        self.store = store
+        self.host_limit = host_limit
+        self.is_parameter = is_parameter
+        self.outer: Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
+        self.stats = SwapStats()
+        self._keys = itertools.count()
+        self._order: list[int] = []  # swap blocks in the order forward ran them
+        # the storages of views with gaps copied in the running block's forward, by address
+        self._storages: dict[tuple[int, int], _Copy] = {}
+
+    def begin_forward(self) -> None:
+        """A training forward starts: what the last step swapped is gone (its backward consumed it)."""
+        for copies in self.stats.blocks.values():
+            for c in copies:
+                self._forget(c)
+        self.stats = SwapStats()
+        self._order = []
+
+    @contextlib.contextmanager
+    def hooks(self, block: int, destination: str) -> Iterator[None]:
+        """Saved-tensor hooks for one run of a swap block's forward."""
+        if block not in self.stats.blocks:
+            self.stats.blocks[block] = []
+            self._order.append(block)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, destination, t), self._unpack):
+                yield
+        finally:
+            # the storages views were copied from were held so that none of their addresses was
+            # reused by another storage (which would have matched) while the block ran
+            for copy in self._storages.values():
+                copy.source = None
+            self._storages.clear()
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def _pack(self, block: int, destination: str, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if self.is_parameter(t):
+            return self._keep(t)
+        if nbytes < MIN_SWAP_BYTES or t.layout != torch.strided:
+            self.stats.kept_bytes += nbytes
+            return self._keep(t)
+        start, end = _span(t)
+        storage = t.untyped_storage()
+        whole = storage.nbytes() // t.element_size()
+        shared = not _covers_its_memory(t) and 2 * (end - start) >= whole and storage.nbytes() % t.element_size() == 0
+        if not shared:  # its own bytes (with the gaps between them, if any)
+            copy, offset = self._copy_out(block, destination, _bytes_at(t, start, end)), start
+        else:  # a view with gaps over most of its storage: the storage once, for all the block's views of it
+            key = (storage.data_ptr(), storage.nbytes())
+            copy, offset = self._storages.get(key), 0
+            if copy is None:
+                copy = self._copy_out(block, destination, _bytes_at(t, 0, whole))
+                if copy is not None:
+                    copy.source = t
+                    self._storages[key] = copy
+        if copy is None:
+            self.stats.kept_bytes += nbytes
+            return self._keep(t)
+        copy.views += 1
+        return _Swapped(copy, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) - offset)
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        return ("outer", self.outer[0](t)) if self.outer else t
+
+    def _copy_out(self, block: int, destination: str, memory: torch.Tensor) -> Optional[_Copy]:
+        """Start copying ``memory`` (1-D bytes) out of the GPU tier; None where it must stay."""
+        nbytes = memory.numel()
+        requested = destination
+        if destination == SWAP_HOST and self.host_limit is not None and self.stats.host_bytes + nbytes > self.host_limit:
+            destination = SWAP_NVME if self.store is not None else ""
+            if not destination:
+                self.stats.host_full_bytes += nbytes
+                return None
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
+        to_host = self.device.copy_to_host(host, memory)
+        copy = _Copy(block, nbytes, host, to_host)
+        if destination == SWAP_NVME and self.store is not None:
+            to_host.wait()
+            copy.to_host = None
+            key = f"activation{next(self._keys)}"
+            try:
+                copy.written = self.store.write(key, host)
+            except NvmeSpaceError:
+                if requested == SWAP_NVME:
+                    raise
+                self.stats.host_full_bytes += nbytes  # over host memory and the NVMe budget: it stays
+                return None
+            copy.key = key
+            self.stats.nvme_bytes += nbytes
+        else:
+            self.stats.host_bytes += nbytes
+        self.stats.blocks[block].append(copy)
+        return copy
+
+    # -- backward -----------------------------------------------------------------------------------
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, tuple) and len(packed) == 2 and packed[0] == "outer":
+            assert self.outer is not None, "packed by the outer hooks, which stay once set (``_keep``)"
+            return self.outer[1](packed[1])
+        if not isinstance(packed, _Swapped):
+            return packed
+        copy = packed.copy
+        if copy.consumed:  # every view was unpacked: a later backward through a kept graph (or a node reading again) fetches it again
+            copy.consumed, copy.unpacked, copy.round = False, 0, copy.round + 1
+        if copy.back is None:
+            start = time.perf_counter()
+            self._bring_back(packed.block)
+            self.stats.waited += 1
+            self._prefetch_below(packed.block)
+            self.device.wait(_coming_back(copy))
+            self.stats.wait_seconds += time.perf_counter() - start
+        else:
+            self.stats.prefetched += 1
+            if copy.unpacked == 0:  # a block brought back ahead: its first unpack starts the next one's, as a waited one's does
+                self._prefetch_below(packed.block)
+            self.device.wait(_coming_back(copy))
+        view = packed.view()
+        if packed.round != copy.round:  # a node reading its saved tensors twice unpacks them twice: counted once
+            packed.round = copy.round
+            copy.unpacked += 1
+        if copy.unpacked >= copy.views:
+            # autograd holds the views now; letting go of the copy frees the GPU tier when it is done
+            copy.back, copy.to_device, copy.consumed = None, None, True
+        return view
+
+    def _bring_back(self, block: int) -> None:
+        for c in self.stats.blocks.get(block, []):
+            if c.back is not None or c.consumed:
+                continue
+            if c.key is not None:  # from NVMe into host memory first
+                assert self.store is not None, "a key is given only where there is a store (``_copy_out``)"
+                c.written.result()
+                c.host = torch.empty(c.nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
+                self.store.read(c.key, c.host).result()
+                self.store.delete(c.key)
+                c.key = None
+            elif c.to_host is not None:
+                c.to_host.wait()
+            assert c.host is not None, "a copy loses its host bytes only when forgotten (``begin_forward``), after which no block lists it"
+            c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
+            c.to_device = self.device.copy_to_device(c.back, c.host)
+
+    def _prefetch_below(self, block: int) -> None:
+        """Start bringing back the swap block that backward reaches next."""
+        position = self._order.index(block) if block in self._order else -1
+        if position > 0:
+            self._bring_back(self._order[position - 1])
+
+    def _forget(self, c: _Copy) -> None:
+        if c.key is not None and self.store is not None:
+            if c.written is not None:
+                c.written.exception()  # wait; a failed write is moot once the tensor is not needed
+            self.store.delete(c.key)
+            c.key = None
+        c.host = c.back = c.source = None
+
+    def close(self) -> None:
+        self.begin_forward()

@@ -1,0 +1,1 @@
+"""Parameters: the unit cache, its prefetch schedule, forwards between steps, recomputation, lending."""

@@ -1,0 +1,1 @@
+"""Updates: the per-unit optimizer step, optimizer states on NVMe, speculation, the update worker."""

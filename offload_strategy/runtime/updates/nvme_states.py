@@ -1,0 +1,243 @@
+"""Optimizer states of the units whose home is NVMe: read before their step, written after.
+
+Between steps the optimizer holds, for each such state tensor, a placeholder of the right shape that
+owns no memory (NaN if ever read); the values live in one NVMe file per unit (10Cache §3.4.2 splits
+optimizer states between CPU and NVMe the same way). The layout of a unit's states is learnt from
+the tensors the optimizer creates at its first step, so any per-parameter optimizer works. Scalar
+states (Adam's step count) stay in memory: they are a few bytes and the optimizer may keep them
+on the CPU whatever the parameter's device.
+
+A unit whose parameters several optimizers hold (Muon for the weight matrices, AdamW for the
+biases) keeps every optimizer's states in its one file, each entry knowing its optimizer: an
+update of one loads and writes the others' unchanged.
+
+Under ``*-true`` precisions the fp32 master of each low-precision parameter is stored with its
+states (key ``None`` in the layout): it is read and written at the same times, and an update reads
+and writes the low-precision copy, which is what forward fetches, beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from ...memory.nvme import NvmeStore
+from ...planning.placement import HOST_SLOT_ALIGNMENT, align
+from ..state import one_element
+from ..units import PARAM_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class _Entry:
+    optimizer: torch.optim.Optimizer
+    param: torch.Tensor  # a master (the parameter itself, or its fp32 copy)
+    key: Optional[str]  # None: the master itself
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+    def value(self) -> torch.Tensor:
+        return self.param.data if self.key is None else self.optimizer.state[self.param][self.key]
+
+    def set(self, value: torch.Tensor) -> None:
+        if self.key is None:
+            self.param.data = value
+        else:
+            self.optimizer.state[self.param][self.key] = value
+
+
+class NvmeOptimizerStates:
+    """The NVMe side of the optimizer states, unit by unit."""
+
+    def __init__(self, store: NvmeStore) -> None:
+        self.store = store
+        self.layouts: dict[int, list[_Entry]] = {}
+        self.sizes: dict[int, int] = {}
+        self.placeholders: dict[int, list[torch.Tensor]] = {}  # made once: dropping states allocates nothing
+        self.loaded: set[int] = set()  # units whose entries hold their values in memory, not placeholders
+
+    @staticmethod
+    def _file(unit: int) -> str:
+        return f"states{unit}"
+
+    def known(self, unit: int) -> bool:
+        return unit in self.layouts
+
+    @staticmethod
+    def _tensor_states(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
+        return [key for key, value in optimizer.state.get(p, {}).items() if torch.is_tensor(value) and value.dim() > 0]
+
+    def matches(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[torch.Tensor]) -> bool:
+        """The learnt layout still holds every state tensor (an optimizer may add some at a later step)."""
+        stored = {(id(e.param), e.key) for e in self.layouts[unit] if e.key is not None and e.optimizer is optimizer}
+        return stored == {(id(p), key) for p in params for key in self._tensor_states(optimizer, p)}
+
+    def learn(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[torch.Tensor], masters: Sequence[bool] = ()) -> int:
+        """Record where each non-scalar state tensor of ``params`` goes in the unit's buffer, and
+        each param itself where ``masters`` says so (fp32 masters), after the entries of other
+        optimizers holding parameters of the unit; return the buffer's size."""
+        others = self._others_in_memory(optimizer, unit)
+        entries, offset = [], 0
+        for e in others:
+            entries.append(replace(e, offset=offset))
+            offset = align(offset + e.nbytes, PARAM_ALIGNMENT)
+        for p, stored in zip(params, masters):
+            if stored:
+                entries.append(_Entry(optimizer, p, None, tuple(p.shape), p.dtype, offset))
+                offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
+        for p in params:
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    entries.append(_Entry(optimizer, p, key, tuple(value.shape), value.dtype, offset))
+                    offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
+        if not entries:
+            # nothing to store (SGD without momentum, or no gradient yet for a module first used
+            # later): the unit stays unknown, so no later update reads a file never written
+            self.forget(unit)
+            return 0
+        self.layouts[unit] = entries
+        self.sizes[unit] = align(offset, HOST_SLOT_ALIGNMENT)
+        self.placeholders[unit] = [one_element(float("nan"), e.shape, e.dtype) for e in entries]
+        self.loaded.add(unit)
+        return self.sizes[unit]
+
+    def _others_in_memory(self, optimizer: torch.optim.Optimizer, unit: int) -> list[_Entry]:
+        """The unit's entries of other optimizers, each holding a tensor of its own (a copy of a
+        loaded one, else the file's value), so that a new layout keeps them."""
+        others = [e for e in self.layouts.get(unit, []) if e.optimizer is not optimizer]
+        if not others:
+            return []
+        if unit in self.loaded:
+            values = [e.value().clone() for e in others]
+        else:
+            buffer = torch.empty(self.sizes[unit], dtype=torch.uint8)
+            self.read(unit, buffer).result()
+            stored = dict(zip(map(id, self.layouts[unit]), self.views(unit, buffer)))
+            values = [stored[id(e)] for e in others]
+        for e, value in zip(others, values):
+            e.set(value)
+        return others
+
+    def own(self, unit: int) -> None:
+        """Every entry of a loaded unit holds a copy of its own, so that the buffer it was loaded
+        into can go back before the unit's states are laid out again."""
+        if unit in self.loaded:
+            for entry in self.layouts[unit]:
+                entry.set(entry.value().clone())
+
+    def views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]
+
+    def current_values(self, unit: int) -> list[torch.Tensor]:
+        """What each entry of the unit's layout points at now (placeholders between steps)."""
+        return [e.value() for e in self.layouts[unit]]
+
+    def read(self, unit: int, buffer: torch.Tensor) -> Any:
+        """Start reading the unit's states into ``buffer``; a Future."""
+        return self.store.read(self._file(unit), buffer[: self.sizes[unit]])
+
+    def load(self, unit: int, buffer: torch.Tensor, read: bool = True) -> None:
+        """Read the unit's states into ``buffer`` (unless already read there) and let its optimizer use them in place."""
+        if read:
+            self.read(unit, buffer).result()
+        for entry, view in zip(self.layouts[unit], self.views(unit, buffer)):
+            entry.set(view)
+        self.loaded.add(unit)
+
+    def save(self, unit: int, buffer: torch.Tensor, wait: bool = True) -> Any:
+        """Write the unit's states (gathered into ``buffer`` unless already there) and drop them from
+        memory; with ``wait=False`` the write's Future is returned and ``buffer`` must stay untouched until it is done."""
+        for entry, view in zip(self.layouts[unit], self.views(unit, buffer)):
+            value = entry.value()
+            if value.data_ptr() != view.data_ptr():
+                view.copy_(value)
+        written = self.store.write(self._file(unit), buffer[: self.sizes[unit]])
+        self._drop(unit)
+        if wait:
+            written.result()
+        return written
+
+    def drop(self, unit: int) -> None:
+        """The unit's states, unchanged since loaded, leave memory (placeholders again)."""
+        self._drop(unit)
+
+    def _drop(self, unit: int) -> None:
+        for entry, placeholder in zip(self.layouts[unit], self.placeholders[unit]):
+            entry.set(placeholder)
+        self.loaded.discard(unit)
+
+    @contextlib.contextmanager
+    def unit_in_memory(self, unit: int) -> Iterator[None]:
+        """The unit's offloaded states (if it has any) are real tensors of their own for the
+        duration: one unit's at a time, so that bringing states back never holds two copies of more."""
+        if unit not in self.layouts or unit in self.loaded:
+            yield
+            return
+        self.load(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+        try:
+            yield
+        finally:
+            self._drop(unit)
+
+    def reader(self, unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
+        """A function reading the unit's states from its file, each into a tensor of its own, keyed
+        by (id of the master, state's key); None where the unit has none on NVMe. It holds the
+        store and the layout's places, nothing of the engine, so that what reads after training
+        keeps no tier's memory alive."""
+        if unit not in self.layouts or unit in self.loaded:
+            return None
+        store, name, size = self.store, self._file(unit), self.sizes[unit]
+        places = [(id(e.param), e.key, e.offset, e.nbytes, e.dtype, e.shape) for e in self.layouts[unit] if e.key is not None]
+
+        def read() -> dict[tuple[int, str], torch.Tensor]:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            store.read(name, buffer).result()
+            return {(param, key): buffer[offset : offset + nbytes].view(dtype).view(shape).clone() for param, key, offset, nbytes, dtype, shape in places}
+
+        return read
+
+    @contextlib.contextmanager
+    def materialized(self, skip: frozenset[int] = frozenset()) -> Iterator[None]:
+        """Every offloaded state (but the units ``skip``) is a real tensor of its own for the duration (checkpoints)."""
+        units = [unit for unit in self.layouts if unit not in skip]
+        for unit in units:
+            self.load(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+        try:
+            yield
+        finally:
+            for unit in units:
+                self._drop(unit)
+
+    def adopt(self, optimizer: torch.optim.Optimizer, unit: int, params: Sequence[torch.Tensor], masters: Sequence[bool] = ()) -> None:
+        """States ``optimizer`` holds in memory for an NVMe unit (just loaded from a checkpoint), and
+        the masters ``masters`` marks: offload them."""
+        if self.learn(optimizer, unit, params, masters):
+            self.save(unit, torch.empty(self.sizes[unit], dtype=torch.uint8))
+
+    def drop_entries(self, unit: int, optimizer: Optional[torch.optim.Optimizer], param: torch.Tensor) -> None:
+        """User code removed or replaced ``param``'s states in ``optimizer`` (``optimizer.state.clear()``,
+        a fresh dict): the file no longer holds them, and the unit's next update lays its states
+        out again with what the optimizer then holds. An fp32 master kept with them stays."""
+        layout = self.layouts.get(unit)
+        if layout is None or optimizer is None:
+            return
+        keep = [k for k, e in enumerate(layout) if e.key is None or e.optimizer is not optimizer or e.param is not param]
+        if not keep:
+            self.forget(unit)
+        elif len(keep) < len(layout):
+            self.layouts[unit] = [layout[k] for k in keep]
+            self.placeholders[unit] = [self.placeholders[unit][k] for k in keep]
+
+    def forget(self, unit: int) -> None:
+        """The unit has no states on NVMe (any file it had is stale)."""
+        for table in (self.layouts, self.sizes, self.placeholders):
+            table.pop(unit, None)
+        self.loaded.discard(unit)
