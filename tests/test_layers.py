@@ -54,6 +54,7 @@ LAYERS = {
     "estimate.plans": 7,
     "checkpoint": 7,
     "checkpoint.consolidate": 7,
+    "checkpoint.states": 7,  # checkpoints with true values and the units on NVMe after training: imports Lightning (rank_zero_info)
     "cli": 7,
     "__main__": 7,
     "demos": 7,  # the model, data and logger the tests, tools and experiments train with: a LightningModule
