@@ -209,13 +209,13 @@ def test_everything_fitting_computes_the_parameters_where_they_are(tmp_path):
 
 
 def test_units_too_large_to_bring_back_stay_on_nvme_after_training_and_read_exactly(tmp_path, monkeypatch, caplog):
-    import offload_strategy.lightning.core as strategy_module
+    import offload_strategy.checkpoint.states as states_module
 
     class HostFills(L.Callback):
         """Host memory looks nearly full when training ends."""
 
         def on_train_end(self, trainer, pl_module) -> None:
-            monkeypatch.setattr(strategy_module, "host_available", lambda: 2**10)
+            monkeypatch.setattr(states_module, "host_available", lambda: 2**10)
 
     plain_losses, plain_weights, plain_model = fit("auto", tmp_path / "plain", Net)
     plain_states = plain_model.trainer.optimizers[0].state_dict()

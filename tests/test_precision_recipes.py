@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-import offload_strategy.lightning.core as strategy_core
+import offload_strategy.checkpoint.states as checkpoint_states
 from offload_strategy import TieredStrategy
 from offload_strategy.construction.deferred import DeferredParameter
 from offload_strategy.planning.placement import PlacementError
@@ -146,7 +146,7 @@ def test_a_module_left_on_nvme_after_fit_pickles_its_values_and_stays_there(tmp_
 
     class HostFills(L.Callback):
         def on_train_end(self, trainer, pl_module) -> None:
-            monkeypatch.setattr(strategy_core, "host_available", lambda: 2**10)
+            monkeypatch.setattr(checkpoint_states, "host_available", lambda: 2**10)
 
     plain, _ = fit_layers("auto", tmp_path / "plain")
     model, _ = fit_layers(tiered("nvme", tmp_path), tmp_path / "tiered", callbacks=(HostFills(),))

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-import offload_strategy.lightning.core as strategy_module
+import offload_strategy.checkpoint.states as states_module
 from offload_strategy import TieredStrategy
 from offload_strategy.runtime.params.lending import Lending
 from offload_strategy.runtime.updates.nvme_states import NvmeOptimizerStates
@@ -159,7 +159,7 @@ def test_auto_shards_only_what_would_not_fit_in_host_memory(tmp_path, monkeypatc
         """Once placed, what is on NVMe would no longer fit in half the host memory."""
 
         def on_train_start(self, trainer, pl_module) -> None:
-            monkeypatch.setattr(strategy_module, "host_available", lambda: 2**10)
+            monkeypatch.setattr(states_module, "host_available", lambda: 2**10)
 
     train(sharded(tmp_path / "b", state_dict_type="auto"), tmp_path / "large", epochs=1, save_every_epoch=True, extra_callbacks=(HostFills(),))
     assert is_sharded_checkpoint(tmp_path / "large" / "ckpt" / "epoch=0.ckpt")

@@ -106,7 +106,8 @@ def _max_batch_elements(max_batch: Any) -> Optional[int]:
 
 @dataclass
 class TieredContext:
-    """Shared by the core and its planning session; the core and the session assign its fields."""
+    """Shared by the core, its planning session and its ``CheckpointStates``; the core and the
+    session assign its fields, the checkpoint states only read them."""
 
     options: TieredOptions
     lightning: LightningState

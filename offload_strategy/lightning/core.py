@@ -3,7 +3,8 @@
 
 It validates what the user asked for, resolves the memory budgets of each tier against what is
 free, asks the planner for each plan and hands it to the engine, runs the training step's protocol
-around the engine, writes checkpoints with true values and exposes the metrics the engine reports.
+around the engine and exposes the metrics the engine reports; checkpoints with true values, and
+the units left on NVMe after training, are its ``CheckpointStates``' (``checkpoint/states.py``).
 What data parallelism changes is a :class:`Ranks` collaborator (``OneProcess`` here,
 ``lightning.ddp.DataParallelRanks`` there). The core holds no placement logic: the planner decides,
 the runtime engine carries it out. Until the engine is attached every tensor stays on the root
@@ -16,9 +17,7 @@ import contextlib
 import gc
 import sys
 import tempfile
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -30,24 +29,23 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
-from ..config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, StateDictType, format_bytes
+from ..checkpoint.states import CheckpointStates, LeftOnNvme, half_host_available, nvme_state_bytes, units_on_nvme
+from ..config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes
 from ..construction.deferred import DeferredParameters
-from ..hardware import disk_free, host_available, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
+from ..hardware import disk_free, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
 from ..hardware.device import make_device
 from ..memory.nvme import make_private_directory
 from ..planning.auto import AutoPlan
 from ..planning.cost_model import Machine, StepPrediction
-from ..planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
+from ..planning.placement import GPU, NVME, Placement, PlacementError, UnitSize
 from ..planning.plan_file import load_plan, save_plan
 from ..planning.planner import Planner, TierBudgets
 from ..planning.sharding import Sharding
 from ..planning.profile import StepProfile
 from ..runtime.grads.exchange import DataParallel, Reduction
-from ..memory.nvme import NvmeStore
 from ..runtime.engine import TieredEngine
-from ..runtime.updates.optimizers import StatesReadOnUse, compact
+from ..runtime.updates.optimizers import StatesReadOnUse
 from ..runtime.out_of_memory import out_of_memory_explained
-from ..checkpoint.sharded import LazyState, Readers, ShardedCheckpoint, is_sharded_checkpoint, write_sharded
 from ..session.activations import ActivationControl
 from ..session.budgets import nvme_reserve, refuse_a_full_disk, resolve_budgets
 from ..session.plans import Plan, PlanSession
@@ -150,7 +148,7 @@ class OneProcess:
 
 class TieredCore:
     """The tiered logic a Lightning strategy delegates to: budgets, planning, the engine's
-    lifecycle, the training step, the optimizer step and checkpoints gathered from every tier."""
+    lifecycle, the training step and the optimizer step (checkpoints: ``self.checkpoints``)."""
 
     def __init__(self, options: TieredOptions, lightning: LightningState, ranks: Ranks) -> None:
         self.options = options
@@ -163,14 +161,13 @@ class TieredCore:
         self._created_directories: list[Path] = []
         # parameters of models built under this strategy, recorded instead of held (construction/deferred.py)
         self.deferred = DeferredParameters()
-        self.state_dict_type = StateDictType.FULL  # the single-process strategy chooses (data-parallel: full)
-        self._stand_ins: Optional[Readers] = None  # the sharded checkpoint being built: NVMe values, read when written
+        self.checkpoints = CheckpointStates(self.context, self.deferred)  # checkpoints, and the units on NVMe after training
 
     def __reduce__(self) -> Any:
         # A pickle of the strategy (``torch.save(trainer)``, as Lightning's own tests do) holds its
         # options, as before a run: what a run made (the engine's threads and files, the blocks'
         # weak references, a parameter class made per strategy) has no meaning elsewhere.
-        return (_core_with_options, (type(self), self.options, self.lightning, self.ranks, self.state_dict_type))
+        return (_core_with_options, (type(self), self.options, self.lightning, self.ranks, self.checkpoints.state_dict_type))
 
     # -- what the strategy exposes ------------------------------------------------------------------
 
@@ -340,7 +337,7 @@ class TieredCore:
         and the new ones on the disk meanwhile) where the disk has room for both or they would take
         more than half of the host memory available; else they move through host memory."""
         free = disk_free(str(self.options.nvme_path)) if self.options.nvme_path is not None else 0
-        return free - nvme_reserve(free) >= engine.placement.nvme_bytes or _nvme_state_bytes(engine) > _half_host_available()
+        return free - nvme_reserve(free) >= engine.placement.nvme_bytes or nvme_state_bytes(engine) > half_host_available()
 
     def _free_closed_engine(self) -> None:
         """The closed engine's GPU arena and pinned slab freed before the next engine allocates
@@ -550,98 +547,6 @@ class TieredCore:
         self._stepped()
         return result
 
-    # -- checkpoints: the true state from every tier -----------------------------------------------
-
-    def lightning_module_state_dict(self, plain: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        engine = self.engine
-        # the checkpoint being built is sharded: values on NVMe stay there until written
-        self._stand_ins = (engine.stand_in_readers() if engine is not None else {}) if self._writes_sharded() else None
-        if engine is None:
-            return plain()
-        module = self.context.module
-        if self._stand_ins is not None:
-            # plain detached aliases of the placeholders: detaching an offloaded parameter the
-            # usual way would lend (read) its unit, gathering the model after all
-            with torch._C.DisableTorchFunctionSubclass():
-                state = module.state_dict()
-            return type(state)((k, compact(v)) for k, v in state.items())
-        # Views of where each value lives, as plain training returns views of its parameters: no
-        # second copy of the model, except for units on NVMe, which are read into fresh buffers.
-        # Each over only its own bytes, so that a checkpoint does not carry whole slabs.
-        with engine.materialized():
-            state = module.state_dict()
-        return type(state)((k, compact(v)) for k, v in state.items())
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, plain: Callable[[torch.optim.Optimizer], dict[str, Any]]) -> dict[str, Any]:
-        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-        if self._stand_ins is not None and self.engine is not None and id(inner) in self.engine.updater.optimizers:
-            return self.engine.updater.optimizers[id(inner)].state_dict(contextlib.nullcontext)  # NVMe units' states as stand-ins
-        return plain(optimizer)
-
-    def _writes_sharded(self) -> bool:
-        """The next checkpoint is a directory written tensor by tensor (docs/guide.md, "Checkpoints")."""
-        if self.state_dict_type is StateDictType.AUTO:
-            return self.engine is not None and _nvme_state_bytes(self.engine) > _half_host_available()
-        return self.state_dict_type is StateDictType.SHARDED
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], plain: Callable[..., None]) -> None:
-        readers, self._stand_ins = self._stand_ins, None
-        if readers is None:
-            return plain(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
-            raise TypeError("a sharded checkpoint takes no storage_options: it is written by torch.distributed.checkpoint, not by the CheckpointIO plugin.")
-        if self.lightning.is_global_zero:
-            write_sharded(checkpoint, filepath, readers)
-
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: Optional[bool], plain: Callable[..., dict[str, Any]], read: Callable[..., Any]
-    ) -> dict[str, Any]:
-        """``read``: the checkpoint IO's reader of the sharded checkpoint's metadata file."""
-        if not is_sharded_checkpoint(checkpoint_path):
-            return plain(checkpoint_path, weights_only=weights_only)
-        # the model's and optimizers' tensors are read when loaded into their places, the rest now
-        source = ShardedCheckpoint(checkpoint_path, weights_only)
-        checkpoint = source.meta(lambda path: read(path, weights_only=weights_only))
-        checkpoint["state_dict"] = source.model_state()
-        if source.optimizer_count():
-            checkpoint["optimizer_states"] = [source.optimizer_state(i) for i in range(source.optimizer_count())]
-        return checkpoint
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, writeback: bool = False) -> Iterator[None]:
-        """Every parameter holds its true value in a real tensor for the duration, as DeepSpeed's
-        ``GatheredParameters`` and FSDP's ``summon_full_params`` give them: for callbacks that
-        read weights between steps (a weight-norm logger, an EMA), where units at home on NVMe
-        otherwise show placeholders. With ``writeback=True`` what the block writes into the
-        parameters is kept (an averaging callback copying weights in, a manual load); the
-        optimizer's fp32 masters then start from the written values."""
-        if self.engine is None:
-            yield
-            return
-        with self.engine.materialized(writeback=writeback):
-            yield
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool, plain: Callable[..., None]) -> None:
-        state = checkpoint["state_dict"]
-        engine = self.engine
-        with engine.materialized(writeback=True) if engine is not None else contextlib.nullcontext():
-            if not isinstance(state, LazyState):
-                return plain(checkpoint, strict=strict)
-            # parameters built without memory are read when placed, the others in place now
-            state.checkpoint.load_model(
-                self.context.module, strict, defer=lambda p: engine is None and p in self.deferred, set_source=self.deferred.set_source
-            )
-
-    def load_optimizer_state_dict(self, checkpoint: Any, plain: Callable[[Any], None]) -> None:
-        """The optimizers' states from a checkpoint. With an engine each unit's go where the unit
-        lives (NVMe units' to their files); Lightning's own load would then move every state to
-        the GPU, reading NVMe units' into memory on the way."""
-        if self.engine is None:
-            return plain(checkpoint)
-        for optimizer, state in zip(self.lightning.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
-        return None
-
     def teardown(self, plain: Callable[[], None]) -> None:
         """``plain``: the base strategy's teardown, run after the engine's close with the states
         left on NVMe out of sight (it moves every optimizer state to the CPU, which would read
@@ -651,7 +556,7 @@ class TieredCore:
         try:
             left = self._close_engine()
             if left is not None:
-                self._settle_after_training(left, failing=sys.exc_info()[0] is not None)
+                self.checkpoints.settle_after_training(left, failing=sys.exc_info()[0] is not None)
         finally:
             _remove_if_empty(self._created_directories)
         release_freed_host_memory()  # what training freed leaves the process with it
@@ -661,7 +566,7 @@ class TieredCore:
                     unread.enter_context(optimizer.state.unread())
             plain()
 
-    def _close_engine(self, leave: Callable[[TieredEngine], bool] = lambda engine: True) -> Optional[_LeftOnNvme]:
+    def _close_engine(self, leave: Callable[[TieredEngine], bool] = lambda engine: True) -> Optional[LeftOnNvme]:
         """Parameters back to plain tensors with their true values, every tier freed, but the
         units at home on NVMe where ``leave(engine)``: those stay there, read when used; what
         stays, if any."""
@@ -670,8 +575,8 @@ class TieredCore:
             return None
         self.context.engine = None
         self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
-        units = _units_on_nvme(engine)
-        left = _LeftOnNvme(engine.store, units, self._room_after_training(engine)) if engine.store is not None and units and leave(engine) else None
+        units = units_on_nvme(engine)
+        left = LeftOnNvme(engine.store, units, self.checkpoints.room_after_training(engine)) if engine.store is not None and units and leave(engine) else None
         try:
             # while training's own failure propagates (teardown inside Lightning's handler),
             # that failure is the one to see; otherwise a failure to read back is raised
@@ -680,61 +585,6 @@ class TieredCore:
             engine.device.close()
             self._share_optimizer_attributes()
         return left
-
-    def _settle_after_training(self, left: _LeftOnNvme, failing: bool = False) -> None:
-        """Once the tiers' memory is gone, the units left on NVMe that fit come back (``_bring_back``);
-        the others stay there, their store open while anything reads from it, and a line says so.
-        ``failing``: training's own failure propagates; where a unit cannot be read back then (a
-        write the failure cut short), that failure is the one to see and the files go."""
-        gc.collect()  # the engine's cycles, and the tiers' memory with them, before anything is read back
-        try:
-            stay = self._bring_back(left.units, left.room)
-        except Exception:
-            left.store.close()
-            if failing:
-                return
-            raise
-        if not stay:
-            left.store.close()
-            return
-        weakref.finalize(self, left.store.close)  # the parameters and states left there read from it
-        nbytes = sum(size for _, size in stay)
-        rank_zero_info(
-            f"tiered: after training, {len(stay)} of the {len(left.units)} units at home on NVMe stay there ({format_bytes(nbytes)} of "
-            f"parameters and optimizer states beyond the {format_bytes(left.room)} that host_memory and the host memory available leave "
-            f"after the units in memory): each parameter, and its optimizer states, is read from its file when first used "
-            f"(optimizer.state_dict(), a checkpoint, more training) and held from then on."
-        )
-
-    def _room_after_training(self, engine: TieredEngine) -> int:
-        """Host memory that units at home on NVMe may take after training: the host budget (and
-        the emulated GPU tier's, host memory too) less what the units in those tiers bring back,
-        within half of what the machine has available."""
-        budgets = self.budgets
-        if budgets is None:
-            return 0
-        emulated = self.lightning.root_device.type != "cuda"
-        homes = (HOST, GPU) if emulated else (HOST,)
-        states = engine.updater.state_bytes if engine.updater is not None else {}
-        held = sum(int(s.unit.nbytes) + states.get(s.unit.index, 0) for s in engine.states if s.home in homes)
-        return max(min(budgets.host + (budgets.gpu if emulated else 0) - held, _half_host_available()), 0)
-
-    def _bring_back(self, on_nvme: list[tuple[list[torch.nn.Parameter], int]], room: int) -> list[tuple[list[torch.nn.Parameter], int]]:
-        """Units left on NVMe read back into memory, parameters and optimizer states, in order,
-        as long as they fit in ``room``; the ones that stay."""
-        stay: list[tuple[list[torch.nn.Parameter], int]] = []
-        for params, size in on_nvme:
-            if size > room or stay:  # in order: what comes back is a prefix, what stays the rest
-                stay.append((params, size))
-                continue
-            room -= size
-            for p in params:
-                if p in self.deferred:
-                    self.deferred.materialize(p)
-                for optimizer in self.lightning.optimizers:
-                    if p in optimizer.state:
-                        optimizer.state[p]  # noqa: B018 (read from its file, then held)
-        return stay
 
     def resolve_budgets(self) -> TierBudgets:
         """Each tier's budget against what is free (``session/budgets.py``), the NVMe directory made."""
@@ -774,36 +624,8 @@ class TieredCore:
 
 def _core_with_options(cls: type[TieredCore], options: TieredOptions, lightning: LightningState, ranks: Ranks, state_dict_type: Any) -> TieredCore:
     core = cls(options, lightning, ranks)
-    core.state_dict_type = state_dict_type
+    core.checkpoints.state_dict_type = state_dict_type
     return core
-
-
-def _nvme_state_bytes(engine: TieredEngine) -> int:
-    """Parameters and optimizer states at home on NVMe."""
-    on_nvme = sum(s.unit.nbytes for s in engine.states if s.home == NVME)
-    return on_nvme + (sum(engine.nvme_states.sizes.values()) if engine.nvme_states is not None else 0)
-
-
-@dataclass(frozen=True)
-class _LeftOnNvme:
-    """Units an engine's close left on NVMe, the store they read from, and the host memory the
-    budget leaves them after the units in memory (``TieredCore._room_after_training``)."""
-
-    store: NvmeStore
-    units: list[tuple[list[torch.nn.Parameter], int]]
-    room: int
-
-
-def _units_on_nvme(engine: TieredEngine) -> list[tuple[list[torch.nn.Parameter], int]]:
-    """Each unit at home on NVMe: its parameters, and their bytes with the optimizer states' in its file."""
-    sizes = engine.nvme_states.sizes if engine.nvme_states is not None else {}
-    return [(list(s.unit.params), s.unit.nbytes + sizes.get(s.unit.index, 0)) for s in engine.states if s.home == NVME]
-
-
-def _half_host_available() -> int:
-    """What NVMe-resident state may take in host memory before it stays on NVMe after fit and
-    checkpoints of it are sharded (``state_dict_type="auto"``)."""
-    return host_available() // 2
 
 
 def _refuse_lazy_parameters(model: torch.nn.Module) -> None:

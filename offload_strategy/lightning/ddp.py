@@ -119,7 +119,7 @@ class TieredDDPStrategy(TieredHooks, DDPStrategy):
         self.shard_states = bool(shard_states)
         self._ranks = DataParallelRanks(self, options, self.shard_states, bool(share_host_homes))
         self.tiered = TieredCore(options, self, self._ranks)
-        self.tiered.state_dict_type = StateDictType.FULL  # consolidated on rank 0
+        self.tiered.checkpoints.state_dict_type = StateDictType.FULL  # consolidated on rank 0
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

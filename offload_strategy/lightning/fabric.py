@@ -278,12 +278,12 @@ class TieredFabricStrategy(TieredAttributes, OneDevice, SingleDeviceStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         user = _user_module(module)
-        return self.tiered.lightning_module_state_dict(user.state_dict)
+        return self.tiered.checkpoints.lightning_module_state_dict(user.state_dict)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         user = _user_module(module)
-        self.tiered.load_model_state_dict(
+        self.tiered.checkpoints.load_model_state_dict(
             {"state_dict": state_dict}, strict, lambda checkpoint, strict: user.load_state_dict(checkpoint["state_dict"], strict=strict)
         )
 

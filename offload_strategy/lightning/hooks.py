@@ -68,7 +68,7 @@ class TieredAttributes:
 
     @property
     def state_dict_type(self) -> StateDictType:
-        return self.tiered.state_dict_type
+        return self.tiered.checkpoints.state_dict_type
 
     @property
     def removed_stale_nvme(self) -> list[Path]:
@@ -128,8 +128,8 @@ class TieredAttributes:
         return self.tiered.predicted_step(timing)
 
     def gathered_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-        """See :meth:`TieredCore.gathered_parameters <offload_strategy.lightning.core.TieredCore.gathered_parameters>`."""
-        return self.tiered.gathered_parameters(writeback)
+        """See :meth:`CheckpointStates.gathered_parameters <offload_strategy.checkpoint.states.CheckpointStates.gathered_parameters>`."""
+        return self.tiered.checkpoints.gathered_parameters(writeback)
 
     def resolve_budgets(self) -> "TierBudgets":
         """See :meth:`TieredCore.resolve_budgets <offload_strategy.lightning.core.TieredCore.resolve_budgets>`."""
@@ -228,27 +228,27 @@ class TieredHooks(TieredAttributes, Strategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.tiered.lightning_module_state_dict(super().lightning_module_state_dict)
+        return self.tiered.checkpoints.lightning_module_state_dict(super().lightning_module_state_dict)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self.tiered.optimizer_state(optimizer, super().optimizer_state)
+        return self.tiered.checkpoints.optimizer_state(optimizer, super().optimizer_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self.tiered.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
+        self.tiered.checkpoints.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.tiered.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint, self.checkpoint_io.load_checkpoint)
+        return self.tiered.checkpoints.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint, self.checkpoint_io.load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        self.tiered.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
+        self.tiered.checkpoints.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self.tiered.load_optimizer_state_dict(checkpoint, super().load_optimizer_state_dict)
+        self.tiered.checkpoints.load_optimizer_state_dict(checkpoint, super().load_optimizer_state_dict)
 
     @override
     def teardown(self) -> None:

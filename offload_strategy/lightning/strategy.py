@@ -86,7 +86,7 @@ class TieredStrategy(TieredHooks, OneDevice, SingleDeviceStrategy):
     ) -> None:
         options = TieredOptions.parse(policy, hardware, gpu_memory, host_memory, nvme_path, nvme_memory, plan_file, max_batch)
         self.tiered = TieredCore(options, self, OneProcess())
-        self.tiered.state_dict_type = StateDictType.coerce(state_dict_type)
+        self.tiered.checkpoints.state_dict_type = StateDictType.coerce(state_dict_type)
         self._parallel_devices = None
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin
