@@ -21,9 +21,9 @@ collaborator owns which field of a unit's state):
 - :class:`GradientExchange` (``runtime/grads/exchange.py``): reductions across ranks;
 - :class:`Lending` (``runtime/params/lending.py``): true values between steps;
 - :class:`StepTimer` (``timing.py``): the compute times the planner prices placements with;
-- :class:`ModuleHooks` (``unit_hooks.py``), :class:`GradientHooks` (``gradient_hooks.py``) and
-  :class:`SavedTensors` (``saved_tensors.py``): the hooks through which the model reaches the engine;
-- :class:`GradientExposure` (``gradient_exposure.py``): gradients shown to user code on ``.grad``.
+- :class:`ModuleHooks` (``runtime/params/hooks.py``), :class:`GradientHooks` (``runtime/grads/hooks.py``) and
+  :class:`SavedTensors` (``runtime/activations/saved_tensors.py``): the hooks through which the model reaches the engine;
+- :class:`GradientExposure` (``runtime/grads/exposure.py``): gradients shown to user code on ``.grad``.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from .grads.clipping import clip_coefficient, total_norm
 from .grads.exchange import DataParallel, GradientExchange, Reduction
 from .params.forwards import ForwardsBetweenSteps
 from .grads.buffers import GradientBuffers
-from .gradient_exposure import GradientExposure
-from .saved_tensors import SavedTensors
-from .unit_hooks import ModuleHooks
-from .gradient_hooks import GradientHooks
+from .grads.exposure import GradientExposure
+from .activations.saved_tensors import SavedTensors
+from .params.hooks import ModuleHooks
+from .grads.hooks import GradientHooks
 from .grads.path import GradientPath
 from .engine_metrics import tier_metrics
 from .params.lending import Lending

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from .cache import UnitCache
 from ..context import EngineContext
 from .lending import Lending
-from ..saved_tensors import SavedTensors
+from ..activations.saved_tensors import SavedTensors
 
 
 def outside_transforms() -> contextlib.AbstractContextManager:

@@ -18,14 +18,14 @@ from typing import Callable, Optional
 
 import torch
 
-from ..memory.dha import can_view, device_view
-from ..planning.placement import GPU
-from .context import EngineContext
-from .grads.exchange import GradientExchange
-from .grads.path import GradientPath
-from .updates.optimizers import LOOSE, UnitOptimizers
-from .state import UnitState
-from .updates.updater import UnitUpdater
+from ...memory.dha import can_view, device_view
+from ...planning.placement import GPU
+from ..context import EngineContext
+from .exchange import GradientExchange
+from .path import GradientPath
+from ..updates.optimizers import LOOSE, UnitOptimizers
+from ..state import UnitState
+from ..updates.updater import UnitUpdater
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..hardware import FreedHostMemory
-from ..planning.placement import GPU
-from .params.cache import UnitCache
-from .context import EngineContext, Phase
-from .params.forwards import ForwardsBetweenSteps, UnitHook, outside_transforms
-from .params.lending import Lending
-from .params.recompute import RecomputeHolds
-from .saved_tensors import SavedTensors
-from .state import UnitState
-from .timing import StepTimer
-from .units import TransferUnit
+from ...hardware import FreedHostMemory
+from ...planning.placement import GPU
+from .cache import UnitCache
+from ..context import EngineContext, Phase
+from .forwards import ForwardsBetweenSteps, UnitHook, outside_transforms
+from .lending import Lending
+from .recompute import RecomputeHolds
+from ..activations.saved_tensors import SavedTensors
+from ..state import UnitState
+from ..timing import StepTimer
+from ..units import TransferUnit
 
 
 class _WatchedParameters(dict):

@@ -11,15 +11,15 @@ from typing import Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..planning.placement import GPU
-from .params.cache import UnitCache
-from .context import EngineContext
-from .grads.exchange import GradientExchange
-from .grads.path import GradientPath
-from .params.recompute import RecomputeHolds
-from .updates.speculation import SpeculativeUpdates
-from .state import UnitState
-from .updates.updater import UnitUpdater
+from ...planning.placement import GPU
+from ..params.cache import UnitCache
+from ..context import EngineContext
+from .exchange import GradientExchange
+from .path import GradientPath
+from ..params.recompute import RecomputeHolds
+from ..updates.speculation import SpeculativeUpdates
+from ..state import UnitState
+from ..updates.updater import UnitUpdater
 
 
 class GradientHooks:

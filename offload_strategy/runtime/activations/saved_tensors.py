@@ -17,11 +17,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..planning.placement import GPU
-from .params.cache import UnitCache
-from .context import EngineContext, Phase
-from .activations.saved_bytes import SavedBytes
-from .timing import StepTimer
+from ...planning.placement import GPU
+from ..params.cache import UnitCache
+from ..context import EngineContext, Phase
+from .saved_bytes import SavedBytes
+from ..timing import StepTimer
 
 
 def _storage_address(t: torch.Tensor) -> Optional[int]:
