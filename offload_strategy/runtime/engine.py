@@ -534,6 +534,7 @@ class TieredEngine:
         return type(p) is nn.Parameter
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._give_back_freed()  # autograd freed the gradients before this one: backward's large transients
         s = self.gradients.receive(p)
         if s is not None:
             self._gradients_complete(s)
