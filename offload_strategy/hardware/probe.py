@@ -176,7 +176,7 @@ def resident_anonymous() -> int:
 
 # After giving freed memory back, how much more the resident set may grow before it is given
 # back again: where what is live stands above the limit, a trim at every check would only cost.
-FREED_MEMORY_SLACK = 32 * 2**20
+FREED_MEMORY_SLACK = 16 * 2**20
 
 
 class FreedHostMemory:

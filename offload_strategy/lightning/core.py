@@ -286,6 +286,7 @@ class TieredCore:
         if context.hardware is None:
             context.hardware = resolve_hardware(self.options.hardware)
         context.budgets = self.resolve_budgets()
+        release_freed_host_memory()  # what construction freed is no part of what the process holds
         self._resident_before = resident_anonymous()  # what the budgets bound is the growth beyond it
         self.ranks.measure_links()
         root = self.lightning.root_device
@@ -495,12 +496,13 @@ class TieredCore:
 
     def _freed_memory_limit(self, engine: TieredEngine) -> int:
         """The resident set above which the steps give freed memory back: what the process held at
-        set-up, the host budget, the emulated GPU tier's and half the runtime's allowance (the other
-        half for what is made between two checks and what construction took before set-up)."""
+        set-up, the host budget, the emulated GPU tier's and a quarter of the runtime's allowance: the
+        rest is for what is made between two checks (a unit's gradients in backward while the worker
+        updates another) and what a trim leaves above the limit (``FREED_MEMORY_SLACK``)."""
         assert self.context.budgets is not None
         budgets = self.context.budgets
         emulated = budgets.gpu if engine.device.is_emulated else 0
-        return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 2
+        return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 4
 
     def take_back_exposed(self) -> None:
         """What the user's code did to exposed gradients reaches the engine's (see :meth:`post_backward`)."""

@@ -19,11 +19,12 @@ import torch
 
 from ..config import BlockPolicy, HardwareSpec, PolicyConfig, format_bytes
 from ..hardware.device import Device, make_device
+from ..hardware.probe import disk_free
 from ..memory.nvme import NvmeStore
 from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
 from ..planning.cost_model import machine_from_spec
 from ..planning.placement import GPU
-from ..runtime.activations.swap import SWAP_HOST, SWAP_NVME, ActivationSwap
+from ..runtime.activations.swap import SWAP_NVME, ActivationSwap
 from ..runtime.activations.policies import ActivationPolicies
 from ..runtime.activations.saved_bytes import SavedBytes
 
@@ -212,13 +213,16 @@ class ActivationControl:
 
     def swap_store_capacity(self) -> int:
         """What the activation swap's NVMe store may hold: the bytes the layout in place swaps
-        there, a quarter more for batches that grow before they are laid out again, within the
-        room the NVMe budget leaves; all that room where the layout's bytes are not known (a
-        layout the user fixed) or its swap_host blocks may overflow host memory onto NVMe."""
-        room = self.nvme_room()
-        if self.plan is None or not self.costs or SWAP_HOST in self.plan.layout:
+        there and, of its swap_host blocks' bytes, those beyond the host memory left (they go to
+        NVMe), a quarter more for batches that grow before they are laid out again; within the
+        room the NVMe budget leaves and what the disk has free now (the budget was read at
+        set-up, and other processes may have filled the disk since). All that room where the
+        layout's bytes are not known (a layout the user fixed)."""
+        context = self.context
+        room = min(self.nvme_room(), disk_free(str(context.nvme_path))) if context.nvme_path is not None else self.nvme_room()
+        if self.plan is None or not self.costs:
             return max(room, 1)
-        planned = nvme_swapped_bytes(self.costs, self.plan.layout)
+        planned = nvme_swapped_bytes(self.costs, self.plan.layout) + max(self.host_swap_bytes() - self.host_left(), 0)
         return max(min(room, planned + planned // 4), 1)
 
     # -- the layout after the profiled step -----------------------------------------------------------

@@ -70,6 +70,7 @@ class GradientHooks:
             self.hook(s, i, p)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self.updater.freed.check()  # autograd freed the gradients before this one: backward's large transients
         s = self.gradients.receive(p)
         if s is not None:
             self._gradients_complete(s)

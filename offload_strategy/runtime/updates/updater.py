@@ -319,6 +319,7 @@ class UnitUpdater:
             _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
             self._remember_state_bytes(s, slot)
             return
+        self.freed.check()  # before the step makes its temporaries (a first step: the unit's new states)
         _step_masters(unit_optimizers, slot, grads, copies, written=written)
         self.gradients.consumed(s, positions)
         if s.home == NVME:
