@@ -168,17 +168,22 @@ class _Run:
 
 def plan_from_profile(
     planner: Planner, model: ModelUnits, profile: Profile, running: Sequence[str], layout_planner: Optional[str], machine: Machine,
+    measured: str = "in the profile given",
 ) -> SequencePlan:
     """The sequence the session runs between steps, on ``profile`` at once: the first placement
     in the whole GPU tier grouped for the ``running`` layout (the profiling one under a layout
     planner), the profiling placement, the search (``placement="search"``), the layout beside
-    it and the placement again. Raises PlacementError or ValueError where the run would stop."""
+    it and the placement again. Raises PlacementError or ValueError where the run would stop
+    (``measured``: where the profile's figures come from, for the refusal)."""
     budgets = planner.budgets
     measuring = layout_planner is not None and bool(profile.blocks)
     together = planner.working_groups(running, model=model)
     first = planner.place(model, budgets.gpu, together, activations_auto=layout_planner is not None)
     run = _Run(planner, layout_planner is not None, running, first, budgets.gpu)
     if measuring:
+        assert layout_planner is not None
+        # the profiled steps stop where no layout fits even beside the parameters' smallest share
+        planner.refuse_unfitting_activations(profile.blocks, layout_planner, running, measured, profile.beside, running=running)
         run.placement, run.profiling = profiling_share(planner, first, together, budgets.gpu)
     profiled = run.placement
     searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if planner.searching and first.offloaded else None
