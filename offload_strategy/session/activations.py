@@ -20,7 +20,7 @@ import torch
 from ..config import BlockPolicy, HardwareSpec, PolicyConfig, format_bytes
 from ..hardware.device import Device, make_device
 from ..memory.nvme import NvmeStore
-from ..planning.activations import ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
+from ..planning.activations import ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes
 from ..planning.cost_model import machine_from_spec
 from ..planning.placement import GPU
 from ..runtime.activation_swap import SWAP_HOST, SWAP_NVME, ActivationSwap
@@ -295,19 +295,15 @@ class ActivationControl:
     def _profile_from_host_if_needed(self, costs: list[BlockCost], beside: BesideBlocks) -> None:
         """The profiling steps' layout (the first block kept, the others recomputed) with the
         recomputed blocks' inputs in host memory, where in the GPU tier they would not fit beside
-        the parameters' smallest share and in host memory they would. The blocks after the first
+        the parameters' smallest share and out of it (host memory, then the NVMe tier) they would. The blocks after the first
         have not run yet: they run so from this step on, as the planner may have them run."""
         activations, planner, budgets = self.policies_in_use, self.context.planner, self.context.budgets
         if activations is None or planner is None or budgets is None or not activations.auto or self.context.policy.name == "none":
             return
         running = activations.policies
-        left = planner.gpu_beside(planner.smallest_parameter_share(running) + beside.in_blocks)
-        if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
-            return
-        from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
-        inputs = sum(c.host_bytes(p) for c, p in zip(costs, from_host))
-        if peak_bytes(costs, from_host, beside.head) <= left and inputs <= self.host_left():
-            activations.apply(from_host)
+        chosen = sequence.profiling_layout(planner, costs, beside, running, self.held().room(budgets, self.context.nvme_path is not None))
+        if list(chosen) != running:
+            activations.apply(chosen)
             self.attach_swap_if_needed()
 
     def refuse_unfitting(self) -> None:

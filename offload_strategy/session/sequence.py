@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links
+from ..config import BlockPolicy
+from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, peak_bytes
 from ..planning.auto import AutoPlan
 from ..planning.cost_model import Bandwidth, Machine, UnitCost
 from ..planning.placement import GPU, Placement, PlacementError, UnitSize
@@ -45,6 +46,10 @@ class Held:
 
     def nvme_room(self, budgets: TierBudgets) -> int:
         return max(budgets.nvme - self.nvme, 0)
+
+    def room(self, budgets: TierBudgets, has_nvme: bool) -> int:
+        """Host memory and (with an NVMe tier) NVMe left for activations moved out of the GPU tier."""
+        return self.host_left(budgets) + (self.nvme_room(budgets) if has_nvme else 0)
 
     def links(self, machine: Bandwidth, budgets: TierBudgets, nvme_room: bool = True) -> Links:
         """The links swaps use beside this placement's traffic (with ``nvme_room``: the NVMe it leaves)."""
@@ -85,6 +90,20 @@ def profiling_share(planner: Planner, placement: Placement, together: list[list[
     except PlacementError:  # host memory may need some units resident: the first-use placement, then
         planner.place(planner.units, gpu_bytes, together, activations_auto=True)
         return placement, False
+
+
+def profiling_layout(planner: Planner, costs: Sequence[BlockCost], beside: BesideBlocks, running: Sequence[str], room: int) -> Sequence[str]:
+    """The profiling steps' layout (the first block kept, the others recomputed) with the
+    recomputed blocks' inputs in host memory, where in the GPU tier they would not fit beside the
+    parameters' smallest share and out of it they would: ``room``, what host memory and the NVMe
+    tier leave beside the placement in use (the swap puts what host memory does not hold on NVMe,
+    as the planner counts the room for moved-out activations); ``running`` otherwise."""
+    left = planner.gpu_beside(planner.smallest_parameter_share(running) + beside.in_blocks)
+    if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
+        return running
+    from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
+    inputs = sum(c.host_bytes(p) for c, p in zip(costs, from_host))
+    return from_host if peak_bytes(costs, from_host, beside.head) <= left and inputs <= room else running
 
 
 def searched_share(planner: Planner, order: list[int], count: int, layout: Optional[ActivationPlan], current: Placement,
@@ -182,9 +201,10 @@ def plan_from_profile(
     run = _Run(planner, layout_planner is not None, running, first, budgets.gpu)
     if measuring:
         assert layout_planner is not None
-        # the profiled steps stop where no layout fits even beside the parameters' smallest share
-        planner.refuse_unfitting_activations(profile.blocks, layout_planner, running, measured, profile.beside, running=running)
         run.placement, run.profiling = profiling_share(planner, first, together, budgets.gpu)
+        run.running = profiling_layout(planner, profile.blocks, profile.beside, running, run.held().room(budgets, planner.has_nvme))
+        # the profiled steps stop where no layout fits even beside the parameters' smallest share
+        planner.refuse_unfitting_activations(profile.blocks, layout_planner, run.running, measured, profile.beside, running=run.running)
     profiled = run.placement
     searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if planner.searching and first.offloaded else None
     layout = _lay_out(run, profile, machine, searched, layout_planner) if measuring and layout_planner is not None else None
