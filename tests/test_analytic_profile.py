@@ -584,11 +584,10 @@ def test_lohans_ssd_traffic_a_step_by_hand():
 def test_lohans_configuration_is_refused_where_its_profiling_steps_are_as_the_runtime_refuses_them():
     """A 24-block tiny GPT-2 at batch 16 x 64 in LoHan's configuration (every unit on NVMe) with
     a 24 MiB GPU tier and 64 MiB of host memory. The row is the running session's planning
-    sequence on the shapes' profile: the profiling steps run the first block kept and the others
-    checkpointed, whose inputs do not fit in the GPU tier beside the streaming buffers, and the
-    staging buffers beyond the minimum (a cache of NVMe units) have taken the host memory the
-    units left, so they cannot be recomputed from there either: the run stops in its first step,
-    naming the least gpu_memory. At that minimum the row fits, within the host budget."""
+    sequence on the shapes' profile, which refuses it in the first step as the runtime does: the
+    least activation peak of the layouts, and of the profiling steps' own (the first block kept,
+    the others recomputed), does not fit beside the streaming buffers; the refusal names the least
+    gpu_memory. At that minimum the row fits, within the host budget, every unit on NVMe."""
     rtx4090 = known_hardware("rtx4090")
     model = gpt2(rtx4090, 16, 64, loss_chunk_tokens="auto", n_layer=24)
     refused = lohan_row(model, rtx4090, "24MiB", "64MiB", "1GiB")
