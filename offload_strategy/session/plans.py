@@ -349,14 +349,16 @@ class PlanSession:
         activations = self.activations
         joint = activations.joint_search
         # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
-        order, costs = planner.priced(timing, [bool(s.unit.trainable) for s in engine.states],
-                                      engine.device.is_emulated and not self.policy.gradient_reserve)
+        trainable, direct = [bool(s.unit.trainable) for s in engine.states], engine.device.is_emulated and not self.policy.gradient_reserve
         profiled = activations.profiled
-        self.profile = sequence.Profile(order, costs, activations.block_costs() if profiled else [], self._beside() if profiled else BesideBlocks())
+        # what the search prices (Planner.search: Planner.priced, then search_priced), kept for a replay (sequence.plan_from_profile)
+        self.profile = sequence.Profile(*planner.priced(timing, trainable, direct), activations.block_costs() if profiled else [],
+                                        self._beside() if profiled else BesideBlocks())
         try:
-            plan = planner.search_priced(
-                order, costs, self._machine(), blocks=self.profile.blocks if joint else (), links=activations.links() if joint else None,
-                activation_host_bytes=activations.host_left(), beside=self.profile.beside if joint else BesideBlocks(),
+            plan, order = planner.search(
+                timing, trainable, self._machine(), direct_gradients=direct, blocks=self.profile.blocks if joint else (),
+                links=activations.links() if joint else None, activation_host_bytes=activations.host_left(),
+                beside=self.profile.beside if joint else BesideBlocks(),
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
