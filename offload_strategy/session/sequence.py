@@ -208,7 +208,7 @@ def plan_from_profile(
     profiled = run.placement
     searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if planner.searching and first.offloaded else None
     layout = _lay_out(run, profile, machine, searched, layout_planner) if measuring and layout_planner is not None else None
-    return SequencePlan(run.placement, layout, run.gpu_for_parameters, profiled, planner.search_result if searched is not None else None)
+    return SequencePlan(run.placement, layout, run.gpu_for_parameters, profiled, searched)
 
 
 def _search(run: _Run, profile: Profile, machine: Machine, joint: bool) -> Optional[AutoPlan]:
