@@ -3,12 +3,11 @@ predicted step, without memory for the model.
 
 The model's parameters are replaced by meta tensors in a copy (nothing allocated), one training
 step's forward runs on the meta device (``estimate/analytic.py``: what autograd saves per block and
-outside the blocks, as the runtime counts it), and the planner the strategy runs decides, for each
-preset, at which ``gpu_memory`` it accepts the model: the placement of parameters, gradients and
-optimizer states (``Planner.place``, the profiling placement under the default policy), then the
-activations beside them (``Planner.refuse_unfitting_activations`` where a planner lays the blocks
-out, the blocks' kept peak where a preset keeps them). The least GPU tier is bisected over those
-decisions; the host and NVMe figures are what that placement keeps there.
+outside the blocks, as the runtime counts it), and the planning sequence the running strategy
+takes (``session/sequence.py``: the profiling placement, the search, the activation layout beside
+it and the placement again) decides, on that profile, whether each preset accepts a
+``gpu_memory``. The least GPU tier is bisected over those decisions, then the least host memory
+and NVMe at it; the units are where the plan at the least budgets keeps them.
 """
 
 from __future__ import annotations
@@ -25,16 +24,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..config import PRESETS, BlockPolicy, HardwareSpec, PlacementMode, PolicyConfig, compute_dtype, format_bytes
+from ..config import PRESETS, ActivationPlanner, BlockPolicy, HardwareSpec, PlacementMode, PolicyConfig, compute_dtype, format_bytes
 from ..hardware import AVAILABLE_SHARE, resolve_hardware
 from ..planning.activations import peak_bytes
-from ..planning.auto import plan_auto
+from ..planning.auto import AutoPlan
 from ..planning.cost_model import Machine, machine_from_spec
-from ..planning.placement import Placement, PlacementError, minimum_gpu_bytes
+from ..planning.placement import Placement
 from ..planning.planner import ModelUnits, Planner, TierBudgets
-from .shapes import Pricing, ShapeModel, parameter_links, placed_step, shape_model, streamed_bytes, unit_costs
+from ..planning.sharding import Sharding
+from .shapes import Pricing, ShapeModel, placed_step, shape_model, unit_costs
 from ..runtime.activations.policies import resolve_policies
 from ..session.plans import optimizer_state_factor
+from ..session.sequence import Profile, SequencePlan, plan_from_profile
 
 # the NVMe tier the bisection may use where host memory runs out: more than any drive holds
 _ANY_NVME = 1 << 60
@@ -243,35 +244,36 @@ class _Fit:
 
     placement: Placement
     beside: int  # the GPU bytes the activations take beyond the budget (no layout planned)
+    search: Optional[AutoPlan] = None  # the search's plan, where the preset searches
 
 
 def _preset_estimate(model: ShapeModel, name: str, host: int, machine: Machine, priced: bool) -> PresetEstimate:
     policy = PolicyConfig.coerce(name)
     try:
-        least, fit = least_budgets(model, policy, host)
+        least, fit = least_budgets(model, policy, host, machine)
     except ValueError as error:
         return PresetEstimate(name, 0, 0, 0, None, "-", note=str(error))
     placement = fit.placement
     units = "/".join(str(sum(h == tier for h in placement.home.values())) for tier in ("gpu", "host", "nvme"))
-    step = _step(model, policy, placement, least, machine) if priced else None
+    step = _step(model, policy, fit, machine) if priced else None
     return PresetEstimate(name, least.gpu, least.host, least.nvme, step, units, activations_beside=fit.beside)
 
 
-def least_budgets(model: ShapeModel, policy: PolicyConfig, host: int) -> tuple[TierBudgets, _Fit]:
+def least_budgets(model: ShapeModel, policy: PolicyConfig, host: int, machine: Machine) -> tuple[TierBudgets, _Fit]:
     """The least GPU tier with ``host`` bytes of host memory and NVMe to spare; then the least host
     memory with that GPU tier (NVMe only where the policy or that placement uses it); then the
     least NVMe with both; and what the run holds at the three."""
     upper = _upper(model)
     try:
-        gpu, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(n, host, _ANY_NVME)), upper)
+        gpu, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(n, host, _ANY_NVME), machine), upper)
     except ValueError:
         raise ValueError(f"no gpu_memory up to {format_bytes(upper)} fits beside host_memory={format_bytes(host)} (95% of the machine's): "
                          f"it homes more than that there; give hardware= a machine with more host memory") from None
     spare = _ANY_NVME if policy.placement == PlacementMode.NVME or fit.placement.nvme_bytes else 0
-    least_host, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, n, spare)), host)
+    least_host, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, n, spare), machine), host)
     if not spare:
         return TierBudgets(gpu, least_host, 0), fit
-    nvme, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, least_host, n)), upper)
+    nvme, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, least_host, n), machine), upper)
     return TierBudgets(gpu, least_host, nvme), fit
 
 
@@ -302,74 +304,57 @@ def least_budget(fits: Callable[[int], Optional[_Fit]], upper: int) -> tuple[int
     return high, best
 
 
-def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets) -> Optional[_Fit]:
+def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machine: Machine) -> Optional[_Fit]:
     """What a run of ``model`` under ``policy`` holds in the GPU tier at ``budgets``, or None where
-    the strategy refuses it: the placement (the profiling one while the blocks are measured), then
-    the activations beside it, as the runtime decides them."""
-    units = _model_units(model, policy)
-    planner = Planner(policy, budgets, has_nvme=budgets.nvme > 0, model=units)
-    planning = _layout_planner(policy, model)
-    running = _running_layout(policy, model, planning)
-    together = planner.working_groups(running)
+    the strategy refuses it: the planning sequence the running session takes (``session/sequence.py``:
+    the profiling placement, the search, the layout beside it and the placement again) on the
+    shapes' profile; ``machine``: what prices the search."""
     try:
-        placement = planner.place(units, budgets.gpu, together, activations_auto=planning is not None)
-        placement = _profiling_placement(planner, placement, together, planning)
-        if planning is not None:
-            planner.refuse_unfitting_activations(model.blocks, planning, running, "estimated", model.beside, running=running)
-            placement = _placed_beside_layout(planner, model, planning, running, together)
+        planned = plan_on_shapes(model, policy, budgets, machine)
     except ValueError:  # PlacementError too
         return None
-    return _Fit(placement, 0 if planning is not None else _kept_peak(model, running))
+    planning = layout_planner(policy, model)
+    return _Fit(planned.placement, 0 if planning is not None else _kept_peak(model, running_layout(policy, model, planning)), planned.search)
 
 
-def _layout_planner(policy: PolicyConfig, model: ShapeModel) -> Optional[str]:
+def plan_on_shapes(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machine: Machine, sharding: Optional[Sharding] = None,
+                   owners: Optional[Sequence[int]] = None) -> SequencePlan:
+    """What the running session plans for ``model`` under ``policy`` within ``budgets``, from the
+    shapes' profile of its units and blocks (``sharding``, ``owners``: rank 0's under data parallelism)."""
+    planner = Planner(policy, budgets, has_nvme=budgets.nvme > 0)
+    planning = layout_planner(policy, model)
+    owners = list(owners) if owners is not None else [0] * len(model.sizes)
+    profile = Profile([s.index for s in model.sizes], unit_costs(model, owners), list(model.blocks), model.beside)
+    return plan_from_profile(planner, model_units(model, policy, sharding), profile, running_layout(policy, model, planning), planning, machine,
+                             measured="estimated from the shapes")
+
+
+def layout_planner(policy: PolicyConfig, model: ShapeModel) -> Optional[str]:
     """The planner that lays out the blocks (``auto``, ``teraio``, ``lohan``), or None."""
     named = policy.activations if isinstance(policy.activations, str) else None
-    if policy.name == "none" or not model.blocks or named not in ("auto", "teraio", "lohan"):
+    if policy.name == "none" or not model.blocks or named not in tuple(ActivationPlanner):
         return None
     return named
 
 
-def _running_layout(policy: PolicyConfig, model: ShapeModel, planning: Optional[str]) -> Sequence[str]:
+def running_layout(policy: PolicyConfig, model: ShapeModel, planning: Optional[str]) -> Sequence[str]:
     """The blocks' policies of the first steps: the profiling layout under a planner (the first
     block kept, the others checkpointed), the policy's own otherwise."""
     count = len(model.blocks)
     if planning is not None:
         return [BlockPolicy.KEEP] + [BlockPolicy.CHECKPOINT] * (count - 1)
-    if policy.name == "none" or not count or policy.activations in ("auto", "teraio", "lohan"):
+    if policy.name == "none" or not count or policy.activations in tuple(ActivationPlanner):
         return [BlockPolicy.KEEP] * count
     return resolve_policies([nn.Module()] * count, policy.activations or BlockPolicy.KEEP)
 
 
-def _model_units(model: ShapeModel, policy: PolicyConfig) -> ModelUnits:
+def model_units(model: ShapeModel, policy: PolicyConfig, sharding: Optional[Sharding] = None) -> ModelUnits:
     """What the planner knows of the model, as the strategy tells it for one optimizer without
     clipping or accumulation: each unit updated as its gradients complete where the policy does so."""
     return ModelUnits(
         sizes=list(model.sizes), names=[f"unit{s.index}" for s in model.sizes], co_resident=model.co_resident, block_units=model.block_units,
-        state_factor=model.state_factor, gradients_until_update=policy.update_during_backward,
+        state_factor=model.state_factor, sharding=sharding, gradients_until_update=policy.update_during_backward,
     )
-
-
-def _profiling_placement(planner: Planner, placement: Placement, together: list[list[int]], planning: Optional[str]) -> Placement:
-    """Under the search, the blocks are measured with the parameters in the fewest streaming
-    buffers (``PlanSession._profiling_placement``)."""
-    if planning is None or not planner.searching or not placement.offloaded:
-        return placement
-    smallest = minimum_gpu_bytes(planner.units.sizes, together, planner.policy.prefetch)
-    if smallest >= placement.gpu_bytes:
-        return placement
-    try:
-        return planner.place(planner.units, smallest, together, activations_auto=True)
-    except PlacementError:
-        return planner.place(planner.units, planner.budgets.gpu, together, activations_auto=True)
-
-
-def _placed_beside_layout(planner: Planner, model: ShapeModel, planning: str, running: Sequence[str], together: list[list[int]]) -> Placement:
-    """The parameters placed again, after the profiled steps, in what the least peak of the
-    blocks' layout leaves of the GPU tier (the runtime's ``layout`` phase): more of them home in
-    host memory or NVMe than while the blocks were measured."""
-    peak = planner.least_activation_peak(model.blocks, planning, model.beside, running)
-    return planner.place(planner.units, max(planner.gpu_beside(peak), 0), together, activations_auto=True)
 
 
 def _kept_peak(model: ShapeModel, running: Sequence[str]) -> int:
@@ -378,19 +363,9 @@ def _kept_peak(model: ShapeModel, running: Sequence[str]) -> int:
     return (peak_bytes(model.blocks, running, model.beside.head) if model.blocks else 0) + model.beside.in_blocks
 
 
-def _step(model: ShapeModel, policy: PolicyConfig, placement: Placement, budgets: TierBudgets, machine: Machine) -> Optional[float]:
-    """The step model's prediction at the least budgets: the joint search's plan under
-    ``placement="search"``, the placement's parameter step otherwise."""
-    costs = unit_costs(model, [0] * len(model.sizes))
-    if policy.placement != PlacementMode.SEARCH or not model.blocks:
-        return placed_step(model, costs, placement, machine).seconds
-    try:
-        plan = plan_auto(
-            model.sizes, model.co_resident, [s.index for s in model.sizes], costs, machine, gpu_bytes=max(budgets.gpu - model.beside.in_blocks, 0),
-            host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=model.blocks,
-            links=parameter_links(machine, streamed_bytes(model, placement)), activation_host_bytes=max(budgets.host - placement.host_bytes, 0),
-            block_units=model.block_units, gradients_until_update=policy.update_during_backward, head=model.beside.head,
-        )
-    except ValueError:
-        return placed_step(model, costs, placement, machine).seconds
-    return plan.seconds if math.isfinite(plan.seconds) else None
+def _step(model: ShapeModel, policy: PolicyConfig, fit: _Fit, machine: Machine) -> Optional[float]:
+    """The step model's prediction at the least budgets: the search's plan where the preset
+    searches, the placement's parameter step otherwise."""
+    if fit.search is not None:
+        return fit.search.seconds if math.isfinite(fit.search.seconds) else None
+    return placed_step(model, unit_costs(model, [0] * len(model.sizes)), fit.placement, machine).seconds

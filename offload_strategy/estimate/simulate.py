@@ -44,7 +44,8 @@ from torch import nn
 
 from ..config import PolicyConfig, compute_dtype, format_bytes, parse_size
 from ..hardware import AVAILABLE_SHARE, resolve_hardware
-from ..planning.activations import RECOMPUTED, BesideBlocks  # noqa: F401  (the tools' and tests' names)
+from ..planning.planner import TierBudgets
+from ..planning.activations import BesideBlocks  # noqa: F401  (the tools' and tests' names)
 from .shapes import (STATE_FACTOR, Pricing, ShapeModel, head_recomputed, parameter_links,  # noqa: F401
                                 placed_step, shape_model, streamed_bytes, unit_costs)
 from .models import ModelSource, causal_lm, compose, instantiate, model_source
@@ -226,103 +227,57 @@ def check_policy_row(policy: Any, nvme: int) -> None:
 
 
 def policy_row(model: Model, machine: Any, gpu: int, host: int, nvme: int, sharding: Any, owners: list[int], policy: Any) -> Row:
-    """What the runtime plans under ``policy`` when it is not the joint search, as it plans it:
-    the parameters placed first in the whole GPU tier (every home fixed by ``placement`` host or
-    nvme, or by first use under fill), the layout in what they leave; where no layout fits there,
-    the layout beside the parameters' smallest working set (``_beside_smallest``) and the
-    parameters placed again in what it leaves, grouped for its recomputed blocks. The layout's work and traffic are added to the
-    parameters' step as the auto row adds them."""
-    from offload_strategy.planning.activations import recomputes
+    """What the runtime plans under ``policy`` when it is not the joint search, as it plans it: the
+    running session's planning sequence (``session/sequence.py``) on the shapes' profile: the
+    parameters placed first in the whole GPU tier (every home fixed by ``placement`` host or nvme,
+    or by first use under fill), the layout in what they leave, and where no layout fits there
+    the parameters placed again in what the layout beside their smallest share leaves. The
+    layout's work and traffic are added to the parameters' step as the auto row adds them."""
     from offload_strategy.planning.auto import layout_added_seconds
-    from offload_strategy.planning.placement import PlacementError
+
+    from .budgets import plan_on_shapes
 
     name = policy_name(policy)
-    lay_out = _policy_layout(model, machine, policy)
-    place = _policy_placement(model, gpu, host, nvme, sharding, policy)
+    _check_fixed_layout(model, policy)
     try:
-        placement = place(gpu)
-        try:  # the staging buffers beyond the minimum give way to what the layout keeps in host memory, as the runtime's
-            layout = lay_out(gpu - placement.gpu_bytes, host - placement.host_bytes + placement.spare_staging_bytes, placement)
-            in_host = swapped_bytes(model, layout.layout)["swap_host"]
-            if in_host > host - placement.host_bytes:
-                placement = place(gpu, reserve=in_host)
-        except ValueError:
-            layout = _beside_smallest(model, place, lay_out, gpu, host)
-            placement = place(gpu - layout.peak_bytes - model.beside.in_blocks, recomputes(layout.layout), swapped_bytes(model, layout.layout)["swap_host"])
-    except (PlacementError, ValueError) as error:
+        planned = plan_on_shapes(model, policy, TierBudgets(gpu, host, nvme), machine, sharding, owners)
+    except ValueError as error:  # PlacementError too
         return Row(name, "-", "-", 0, 0, 0, 0, 0, float("nan"), False, f"does not fit: {error}")
+    placement = planned.placement
+    layout = planned.layout if planned.layout is not None else _fixed_layout(model, policy, placement, machine)
     streamed = streamed_bytes(model, placement)
     step = placed_step(model, unit_costs(model, owners), placement, machine)
     seconds = step.seconds + layout_added_seconds(step, streamed, model.blocks, layout.layout, parameter_links(machine, streamed))
     swapped = swapped_bytes(model, layout.layout)
-    activations = layout.peak_bytes + model.beside.in_blocks
+    activations = layout.peak_bytes + (model.beside.in_blocks if planned.layout is None else 0)
     fits = placement.gpu_bytes + activations <= gpu and placement.host_bytes + swapped["swap_host"] <= host
     return Row(name, homes_of(placement), counts(layout.layout, len(model.blocks)), placement.gpu_bytes, activations,
                placement.host_bytes + swapped["swap_host"], placement.nvme_bytes + swapped["swap_nvme"], sum(placement.device_slots.values()),
                seconds, fits, "" if fits else f"activations over budget by {fmt(placement.gpu_bytes + activations - gpu)}", tuple(layout.layout))
 
 
+def _check_fixed_layout(model: Model, policy: Any) -> None:
+    """A list of block policies must name one per block."""
+    if not isinstance(policy.activations, str) and len(policy.activations) != len(model.blocks):
+        raise SystemExit(f"policy.activations lists {len(policy.activations)} block policies, but the model has {len(model.blocks)} blocks: "
+                         "give one per block, or one name for all.")
+
+
+def _fixed_layout(model: Model, policy: Any, placement: Any, machine: Any) -> Any:
+    """The layout no planner chose (the policy's own, every block's policy fixed), priced beside ``placement``."""
+    from offload_strategy.planning.activations import ActivationPlan, peak_bytes, step_seconds
+
+    from .budgets import layout_planner, running_layout
+
+    fixed = list(running_layout(policy, model, layout_planner(policy, model)))
+    links = parameter_links(machine, streamed_bytes(model, placement))
+    return ActivationPlan(tuple(fixed), step_seconds(model.blocks, fixed, links), peak_bytes(model.blocks, fixed, model.beside.head))
+
+
 def swapped_bytes(model: Model, layout: Sequence[str]) -> dict[str, int]:
     """What ``layout`` keeps in host memory (swapped blocks, inputs recomputed from there) and on NVMe."""
     return {"swap_host": sum(b.host_bytes(p) for b, p in zip(model.blocks, layout)),
             "swap_nvme": sum(b.activation_bytes for b, p in zip(model.blocks, layout) if p == "swap_nvme")}
-
-
-def _beside_smallest(model: Model, place: Any, lay_out: Any, gpu: int, host: int) -> Any:
-    """The layout beside the parameters' smallest share, as ``Planner.layout`` finds it
-    (``planner.layout_beside_smallest``)."""
-    from offload_strategy.planning.placement import minimum_gpu_bytes
-    from offload_strategy.planning.planner import layout_beside_smallest
-
-    def beside(recompute: bool) -> Any:
-        smallest = minimum_gpu_bytes(model.sizes, [*model.co_resident, *(model.block_units if recompute else [])])
-        frugal = place(smallest, recompute)
-        return lay_out(gpu - smallest, host - frugal.host_bytes + frugal.spare_staging_bytes, frugal)
-
-    return layout_beside_smallest(beside)
-
-
-def _policy_placement(model: Model, gpu: int, host: int, nvme: int, sharding: Any, policy: Any) -> Any:
-    """The policy's placement of the parameters in a share of the GPU tier (a function of it), a
-    recomputed block's units together where the layout recomputes (by default, where the policy
-    may: the profiling steps recompute)."""
-    from offload_strategy.config import BlockPolicy
-    from offload_strategy.planning.placement import HOST, NVME, place_units
-
-    home = {"host": HOST, "nvme": NVME}.get(str(policy.placement))
-    layouts = [policy.activations] if isinstance(policy.activations, str) else list(policy.activations)
-    may_recompute = any(a not in tuple(BlockPolicy) or a in RECOMPUTED for a in layouts)  # a planner may checkpoint
-    homes = {s.index: home for s in model.sizes} if home else None
-
-    def place(share: int, recompute: bool = may_recompute, reserve: int = 0) -> Any:
-        together = [*model.co_resident, *model.block_units] if recompute else model.co_resident
-        return place_units(model.sizes, together, gpu_bytes=max(share, 0), host_bytes=host, nvme_bytes=nvme,
-                           state_factor=model.state_factor, homes=homes, sharding=sharding, gradients_until_update=True, host_reserve=reserve)
-
-    return place
-
-
-def _policy_layout(model: Model, machine: Any, policy: Any) -> Any:
-    """The policy's activation layout for what the parameters leave of the GPU tier and of host
-    memory (a function of both and the placement): its planner's choice, or its fixed layout."""
-    from offload_strategy.config import ActivationPlanner, BlockPolicy
-    from offload_strategy.planning.activations import ActivationPlan, peak_bytes, step_seconds
-    from offload_strategy.planning.planner import layout_for
-
-    blocks, head = model.blocks, model.beside.head
-
-    def lay_out(room: int, host_left: int, placement: Any) -> Any:
-        links = parameter_links(machine, streamed_bytes(model, placement))
-        if isinstance(policy.activations, str) and policy.activations in tuple(ActivationPlanner):
-            return layout_for(str(policy.activations))(blocks, links, gpu_bytes=max(room - model.beside.in_blocks, 0),
-                                                       host_bytes=max(host_left, 0), head=head)
-        fixed = [policy.activations] * len(blocks) if policy.activations in tuple(BlockPolicy) else list(policy.activations)
-        if len(fixed) != len(blocks):
-            raise SystemExit(f"policy.activations lists {len(fixed)} block policies, but the model has {len(blocks)} blocks: give one per block, "
-                             "or one name for all.")
-        return ActivationPlan(tuple(fixed), step_seconds(blocks, fixed, links), peak_bytes(blocks, fixed, head))
-
-    return lay_out
 
 
 def outside_note(model: Model, gpu: int) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -29,7 +29,7 @@ from .profile import StepProfile, steady_timing
 from .activations import (RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, choose_layout, interleaved_layout, peak_bytes, recomputes,
                           teraio_layout)
 from .auto import AutoPlan, plan_auto
-from .cost_model import Machine, costs_from_timing
+from .cost_model import Machine, UnitCost, costs_from_timing
 from .searches.swap_or_recompute import lohan_layout
 from .placement import DEVICE_SLOT_ALIGNMENT, Placement, PlacementError, UnitSize, minimum_gpu_bytes, place_units
 from .plan_file import PlanFile, check_plan
@@ -265,7 +265,12 @@ class Planner:
         the activation layout, ``beside`` the bytes outside the blocks' layouts (counted in the
         layout's peak). Returns the plan and the units in first-use
         order. Raises PlacementError when no split of the GPU tier fits."""
-        model, budgets = self.units, self.budgets
+        order, costs = self.priced(timing, trainable, direct_gradients)
+        return self.search_priced(order, costs, machine, blocks, links, activation_host_bytes, beside), order
+
+    def priced(self, timing: StepProfile, trainable: Sequence[bool], direct_gradients: bool) -> tuple[list[int], dict[int, UnitCost]]:
+        """The units in first-use order and each one's costs, from the measured times of ``timing``."""
+        model = self.units
         used = list(dict.fromkeys(timing.order))
         order = used + [i for i in range(len(model.sizes)) if i not in used]
         timing = steady_timing(timing, dict(enumerate(model.work)))
@@ -273,6 +278,14 @@ class Planner:
         costs = costs_from_timing(timing, list(trainable), {u.index: u.trainable_bytes for u in model.sizes}, owns, model.tensors)
         if direct_gradients:
             costs = {i: replace(c, direct_gradient=True) for i, c in costs.items()}
+        return order, costs
+
+    def search_priced(
+        self, order: Sequence[int], costs: Mapping[int, UnitCost], machine: Machine, blocks: Sequence[BlockCost] = (), links: Optional[Links] = None,
+        activation_host_bytes: int = 0, beside: BesideBlocks = BesideBlocks(),
+    ) -> AutoPlan:
+        """The search of :meth:`search` over units priced already (measured, or from their shapes)."""
+        model, budgets = self.units, self.budgets
         plan = plan_auto(
             model.sizes, model.together, order, costs, machine, gpu_bytes=max(self.gpu_beside(beside.in_blocks), 0), host_bytes=budgets.host,
             nvme_bytes=budgets.nvme, state_factor=model.state_factor, blocks=blocks, links=links,
@@ -282,7 +295,7 @@ class Planner:
         if plan.activations is not None and beside.in_blocks:
             plan = replace(plan, activations=replace(plan.activations, peak_bytes=plan.activations.peak_bytes + beside.in_blocks))
         self.search_result = plan
-        return plan, order
+        return plan
 
     def keep_resident(self, order: list[int], count: int, current: set[int], gpu_bytes: int, placed: int, profiling: bool = False) -> Optional[Resident]:
         """The first ``count`` units of ``order`` resident, in ``gpu_bytes`` of the GPU tier (what

@@ -21,12 +21,14 @@ from ..config import BlockPolicy, HardwareSpec, PolicyConfig, format_bytes
 from ..hardware.device import Device, make_device
 from ..hardware.probe import disk_free
 from ..memory.nvme import NvmeStore
-from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes, peak_bytes
+from ..planning.activations import ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes
 from ..planning.cost_model import machine_from_spec
 from ..planning.placement import GPU
 from ..runtime.activations.swap import SWAP_NVME, ActivationSwap
 from ..runtime.activations.policies import ActivationPolicies
 from ..runtime.activations.saved_bytes import SavedBytes
+from . import sequence
+from .sequence import Held
 
 if TYPE_CHECKING:
     from ..planning.planner import Planner, TierBudgets
@@ -182,11 +184,19 @@ class ActivationControl:
             return placed
         return sum(p.numel() * p.element_size() for p in self.context.module.parameters())
 
+    def held(self) -> Held:
+        """What the placement in use holds, as the engine counts it (nothing without an engine)."""
+        engine = self.context.engine
+        if engine is None:
+            return Held()
+        store = engine.store.capacity if engine.store is not None else 0
+        moved = sum(s.unit.nbytes for s in engine.states if s.home != GPU)
+        return Held(engine.host_bytes_held(), max(engine.placement.nvme_bytes, store), engine.placement.spare_staging_bytes, moved)
+
     def host_left(self) -> int:
-        engine, budgets = self.context.engine, self.context.budgets
+        budgets = self.context.budgets
         assert budgets is not None
-        used = engine.host_bytes_held() if engine is not None else 0
-        return max(budgets.host - used, 0)
+        return self.held().host_left(budgets)
 
     def host_swap_bytes(self) -> int:
         """Host memory the activation layout in place swaps into."""
@@ -199,17 +209,14 @@ class ActivationControl:
         NVMe budget the placement leaves, which bounds the layout's swaps there (the joint search
         counts it per placement itself)."""
         context = self.context
-        machine = machine_from_spec(context.hardware, nvme=context.nvme_path is not None)
-        engine = context.engine
-        moved = sum(s.unit.nbytes for s in engine.states if s.home != GPU) if engine is not None else 0
-        return Links.beside(machine, moved, self.nvme_room() if nvme_room else None)
+        assert context.budgets is not None
+        return self.held().links(machine_from_spec(context.hardware, nvme=context.nvme_path is not None), context.budgets, nvme_room)
 
     def nvme_room(self) -> int:
         """The NVMe budget the parameters' placement leaves (its units' parameters, states and spilled gradients)."""
-        engine, budgets = self.context.engine, self.context.budgets
+        budgets = self.context.budgets
         assert budgets is not None
-        used = 0 if engine is None else max(engine.placement.nvme_bytes, engine.store.capacity if engine.store is not None else 0)
-        return max(budgets.nvme - used, 0)
+        return self.held().nvme_room(budgets)
 
     def swap_store_capacity(self) -> int:
         """What the activation swap's NVMe store may hold: the bytes the layout in place swaps
@@ -233,42 +240,27 @@ class ActivationControl:
 
     def choose_layout(self, costs: list[BlockCost], beside: BesideBlocks, lend_spare_staging: bool = False) -> Optional[int]:
         """The planner's layout for the measured ``costs``, ``beside`` the bytes outside the
-        blocks' layouts; when none fits beside the parameters, the GPU bytes the parameters must
-        be placed again in (then ``choose_layout_beside``). ``lend_spare_staging``: the placement
-        in use is the profiling one, whose spare staging buffers the layout may have."""
+        blocks' layouts (``sequence.choose_layout``); when none fits beside the parameters, the GPU
+        bytes the parameters must be placed again in (then ``choose_layout_beside``).
+        ``lend_spare_staging``: the placement in use is the profiling one, whose spare staging
+        buffers the layout may have."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None and activations.planner is not None
         self.costs, self.beside = costs, beside
         activations.end_profile()
-        if self.searched is not None and self.searched.peak_bytes <= planner.gpu_beside(self.gpu_parameter_bytes()):
-            # the parameters were placed for this layout's recomputed blocks, not another's
-            self.plan = self.searched
-            return None
-        # where the parameters are placed again for the layout, the staging buffers beyond the
-        # minimum (a cache of NVMe units) give way to what the layout keeps in host memory
-        lent = self._spare_staging() if lend_spare_staging else 0
-        self.plan, parameter_bytes = planner.layout(
-            costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left() + lent, activations.policies, beside,
+        held = self.held()
+        self.plan, parameter_bytes = sequence.choose_layout(
+            planner, self.searched, costs, beside, self.links(), activations.planner, activations.policies, self.gpu_parameter_bytes(),
+            self.host_left(), held.spare_staging if lend_spare_staging else 0,
         )
-        if lent:
-            planner.keep_host_for_layout(sum(c.host_bytes(p) for c, p in zip(costs, self.plan.layout)))
         return parameter_bytes
 
-    def _spare_staging(self) -> int:
-        engine = self.context.engine
-        return engine.placement.spare_staging_bytes if engine is not None else 0
-
     def choose_layout_beside(self, costs: list[BlockCost]) -> None:
-        """The layout for what the parameters, placed again, left; the one they were placed for
-        where the new one recomputes a block that one does not (that block's units were not placed
-        together). That one fits: they were placed in what it leaves."""
+        """The layout for what the parameters, placed again, left (``sequence.layout_placed_again``)."""
         activations, planner = self.policies_in_use, self.context.planner
-        assert activations is not None and planner is not None and activations.planner is not None
-        placed_for = self.plan
-        plan = planner.layout_beside(costs, self.links(), activations.planner, self.gpu_parameter_bytes(), self.host_left(), self.beside)
-        if placed_for is not None and not _recomputed(plan.layout) <= _recomputed(placed_for.layout):
-            plan = placed_for
-        self.plan = plan
+        assert activations is not None and planner is not None and activations.planner is not None and self.plan is not None
+        self.plan = sequence.layout_placed_again(planner, self.plan, costs, self.beside, self.links(), activations.planner,
+                                                 self.gpu_parameter_bytes(), self.host_left())
 
     def apply_layout(self) -> None:
         plan, activations = self.plan, self.policies_in_use
@@ -307,19 +299,15 @@ class ActivationControl:
     def _profile_from_host_if_needed(self, costs: list[BlockCost], beside: BesideBlocks) -> None:
         """The profiling steps' layout (the first block kept, the others recomputed) with the
         recomputed blocks' inputs in host memory, where in the GPU tier they would not fit beside
-        the parameters' smallest share and in host memory they would. The blocks after the first
+        the parameters' smallest share and out of it (host memory, then the NVMe tier) they would. The blocks after the first
         have not run yet: they run so from this step on, as the planner may have them run."""
         activations, planner, budgets = self.policies_in_use, self.context.planner, self.context.budgets
         if activations is None or planner is None or budgets is None or not activations.auto or self.context.policy.name == "none":
             return
         running = activations.policies
-        left = planner.gpu_beside(planner.smallest_parameter_share(running) + beside.in_blocks)
-        if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
-            return
-        from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
-        inputs = sum(c.host_bytes(p) for c, p in zip(costs, from_host))
-        if peak_bytes(costs, from_host, beside.head) <= left and inputs <= self.host_left():
-            activations.apply(from_host)
+        chosen = sequence.profiling_layout(planner, costs, beside, running, self.held().room(budgets, self.context.nvme_path is not None))
+        if list(chosen) != running:
+            activations.apply(chosen)
             self.attach_swap_if_needed()
 
     def refuse_unfitting(self) -> None:
@@ -584,10 +572,6 @@ class ActivationControl:
             out["activations/swap_wait_ms"] = 1e3 * stats.wait_seconds
             out["activations/swap_host_full_bytes"] = float(stats.host_full_bytes)
         return out
-
-
-def _recomputed(layout: Sequence[str]) -> set[int]:
-    return {i for i, policy in enumerate(layout) if policy in RECOMPUTED}
 
 
 def _scaled(costs: list[BlockCost], growth: float) -> list[BlockCost]:

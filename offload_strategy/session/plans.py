@@ -37,6 +37,7 @@ from ..runtime.activations.policies import find_blocks
 from ..runtime.updates.optimizers import measured_state_factor
 from ..runtime.out_of_memory import PlannedUse
 from ..runtime.units import build_units, master_dtype, merge_into_chunks
+from . import sequence
 from .activations import ActivationControl, SessionContext
 from .prediction import PredictionCheck
 
@@ -147,6 +148,7 @@ class PlanSession:
         self._recomputed_known: set[int] = set()  # blocks seen recomputed by the model itself, as the planner knows them
         self._said_updates_wait = False  # the run has been told once that updates wait for backward's end
         self._fp32_masters = False
+        self.profile: Optional[sequence.Profile] = None  # what the search and the layout were planned from
 
     @property
     def planner(self) -> Optional[Planner]:
@@ -253,23 +255,9 @@ class PlanSession:
         Returns the placement and whether it is the profiling one."""
         planner = self.planner
         assert planner is not None
-        if not (rules.training and placement.offloaded and planner.searching and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING)
-                and self.activations.measuring and self.activations.blocks):
+        if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and self.activations.measuring and self.activations.blocks):
             return placement, False
-        if any(not size.trainable_bytes for size in planner.units.sizes):
-            # a unit with nothing to train that the model's own checkpointing recomputes stays in the
-            # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
-            # a model's own checkpointing may show itself only in its first backward: the fewest
-            # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
-            return placement, False
-        smallest = planner.least_parameter_share(together)  # what host memory and NVMe can hold the rest of
-        if smallest >= placement.gpu_bytes:
-            return placement, False
-        try:
-            return planner.place(planner.units, smallest, together, activations_auto=True), True
-        except PlacementError:  # host memory may need some units resident: the first-use placement, then
-            planner.place(planner.units, gpu_bytes, together, activations_auto=True)
-            return placement, False
+        return sequence.profiling_share(planner, placement, together, gpu_bytes)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
@@ -360,14 +348,17 @@ class PlanSession:
             timing = replace(timing, order=list(engine.timer.profile.order))
         activations = self.activations
         joint = activations.joint_search
+        # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
+        trainable, direct = [bool(s.unit.trainable) for s in engine.states], engine.device.is_emulated and not self.policy.gradient_reserve
+        profiled = activations.profiled
+        # what the search prices (Planner.search: Planner.priced, then search_priced), kept for a replay (sequence.plan_from_profile)
+        self.profile = sequence.Profile(*planner.priced(timing, trainable, direct), activations.block_costs() if profiled else [],
+                                        self._beside() if profiled else BesideBlocks())
         try:
             plan, order = planner.search(
-                timing, [bool(s.unit.trainable) for s in engine.states], self._machine(),
-                # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
-                direct_gradients=engine.device.is_emulated and not self.policy.gradient_reserve,
-                blocks=activations.block_costs() if joint else (), links=activations.links() if joint else None,
-                activation_host_bytes=activations.host_left(),
-                beside=self._beside() if joint else BesideBlocks(),
+                timing, trainable, self._machine(), direct_gradients=direct, blocks=self.profile.blocks if joint else (),
+                links=activations.links() if joint else None, activation_host_bytes=activations.host_left(),
+                beside=self.profile.beside if joint else BesideBlocks(),
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
@@ -380,10 +371,7 @@ class PlanSession:
         self.say(searched_placement_line(count, len(engine.states), plan.parameters.buffers, plan.seconds))
         self.prediction.planned(plan.seconds, "placement search")
         # rank 0's layout: each rank's own search may have chosen another, with another peak
-        peak = layout.peak_bytes if layout is not None else 0
-        current = {i for i, home in self.in_use.placement.home.items() if home == GPU}
-        resident = planner.keep_resident(order, count, current, self.gpu_for_parameters(peak), self.in_use.placement.gpu_bytes,
-                                         profiling=self.profiling_placement)
+        resident = sequence.searched_share(planner, order, count, layout, self.in_use.placement, self.profiling_placement)
         if resident is not None:  # beside the layout searched with it, not the profiling step's
             self._replace(rules, resident.gpu_bytes, layout.layout if layout is not None else None, self.profiling_placement)
             self._priced(plan.seconds)
@@ -407,6 +395,8 @@ class PlanSession:
             costs = self.ranks.same_on_every_rank(activations.block_costs())  # measured times differ between ranks
             beside = self._beside()
         self.phase = SessionPhase.LAID_OUT
+        # the profile the plan comes from, for a replay on it (sequence.plan_from_profile)
+        self.profile = sequence.Profile([], {}, costs, beside) if self.profile is None else replace(self.profile, blocks=costs, beside=beside)
         parameter_bytes = activations.choose_layout(costs, beside, lend_spare_staging=self.profiling_placement)
         if parameter_bytes is not None:
             budgets = self.context.budgets
