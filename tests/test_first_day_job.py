@@ -81,7 +81,9 @@ def test_a_short_sweep_validates_reports_logs_its_configuration_and_refuses_a_mo
     assert len(summaries) == 2
     lines = summaries[0].strip().splitlines()[:8]
     csv_job = jobs["0"]
-    assert all(len(line) <= 120 for line in lines) and lines[-1].split()[-1] == str(sweep / "0" / "metrics.json"), lines
+    # the lines that end in a path are as long as the path (pytest's under xdist is 10 characters longer)
+    figures = [line for line in lines if not line.rstrip().endswith((".json", ".ckpt"))]
+    assert all(len(line) <= 120 for line in figures) and lines[-1].split()[-1] == str(sweep / "0" / "metrics.json"), lines
     text = "\n".join(lines)
     assert f"preset lohan, 3 steps in {csv_job['wall_seconds']:.0f} s" in text and f"checkpoint      {sweep / '0' / 'checkpoints' / 'last.ckpt'}" in text
     units = ", ".join(f"{tier} {int(csv_job[f'offload/units/{tier}'])}" for tier in ("gpu", "host", "nvme"))

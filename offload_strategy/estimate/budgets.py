@@ -265,16 +265,27 @@ def least_budgets(model: ShapeModel, policy: PolicyConfig, host: int, machine: M
     least NVMe with both; and what the run holds at the three."""
     upper = _upper(model)
     try:
-        gpu, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(n, host, _ANY_NVME), machine), upper)
+        gpu, fit = _least(model, policy, machine, lambda n: TierBudgets(n, host, _ANY_NVME), upper)
     except ValueError:
         raise ValueError(f"no gpu_memory up to {format_bytes(upper)} fits beside host_memory={format_bytes(host)} (95% of the machine's): "
                          f"it homes more than that there; give hardware= a machine with more host memory") from None
     spare = _ANY_NVME if policy.placement == PlacementMode.NVME or fit.placement.nvme_bytes else 0
-    least_host, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, n, spare), machine), host)
+    least_host, fit = _least(model, policy, machine, lambda n: TierBudgets(gpu, n, spare), host)
     if not spare:
         return TierBudgets(gpu, least_host, 0), fit
-    nvme, fit = least_budget(lambda n: accepts(model, policy, TierBudgets(gpu, least_host, n), machine), upper)
+    nvme, fit = _least(model, policy, machine, lambda n: TierBudgets(gpu, least_host, n), upper)
     return TierBudgets(gpu, least_host, nvme), fit
+
+
+def _least(model: ShapeModel, policy: PolicyConfig, machine: Machine, budgets: Callable[[int], TierBudgets], upper: int) -> tuple[int, _Fit]:
+    """The least budget of one tier: bisected over the sequence without its search (which prices
+    every placement of a large model at each point), then checked with it; bisected again with
+    it where the search's placement is refused there."""
+    least, _ = least_budget(lambda n: accepts(model, policy, budgets(n), machine, search=False), upper)
+    fit = accepts(model, policy, budgets(least), machine)
+    if fit is not None:
+        return least, fit
+    return least_budget(lambda n: accepts(model, policy, budgets(n), machine), upper)
 
 
 def _upper(model: ShapeModel) -> int:
@@ -304,13 +315,13 @@ def least_budget(fits: Callable[[int], Optional[_Fit]], upper: int) -> tuple[int
     return high, best
 
 
-def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machine: Machine) -> Optional[_Fit]:
+def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machine: Machine, search: bool = True) -> Optional[_Fit]:
     """What a run of ``model`` under ``policy`` holds in the GPU tier at ``budgets``, or None where
     the strategy refuses it: the planning sequence the running session takes (``session/sequence.py``:
     the profiling placement, the search, the layout beside it and the placement again) on the
     shapes' profile; ``machine``: what prices the search."""
     try:
-        planned = plan_on_shapes(model, policy, budgets, machine)
+        planned = plan_on_shapes(model, policy, budgets, machine, search=search)
     except ValueError:  # PlacementError too
         return None
     planning = layout_planner(policy, model)
@@ -318,7 +329,7 @@ def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machi
 
 
 def plan_on_shapes(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machine: Machine, sharding: Optional[Sharding] = None,
-                   owners: Optional[Sequence[int]] = None) -> SequencePlan:
+                   owners: Optional[Sequence[int]] = None, search: bool = True) -> SequencePlan:
     """What the running session plans for ``model`` under ``policy`` within ``budgets``, from the
     shapes' profile of its units and blocks (``sharding``, ``owners``: rank 0's under data parallelism)."""
     planner = Planner(policy, budgets, has_nvme=budgets.nvme > 0)
@@ -326,7 +337,7 @@ def plan_on_shapes(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets
     owners = list(owners) if owners is not None else [0] * len(model.sizes)
     profile = Profile([s.index for s in model.sizes], unit_costs(model, owners), list(model.blocks), model.beside)
     return plan_from_profile(planner, model_units(model, policy, sharding), profile, running_layout(policy, model, planning), planning, machine,
-                             measured="estimated from the shapes")
+                             measured="estimated from the shapes", search=search)
 
 
 def layout_planner(policy: PolicyConfig, model: ShapeModel) -> Optional[str]:

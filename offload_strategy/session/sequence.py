@@ -187,13 +187,14 @@ class _Run:
 
 def plan_from_profile(
     planner: Planner, model: ModelUnits, profile: Profile, running: Sequence[str], layout_planner: Optional[str], machine: Machine,
-    measured: str = "in the profile given",
+    measured: str = "in the profile given", search: bool = True,
 ) -> SequencePlan:
     """The sequence the session runs between steps, on ``profile`` at once: the first placement
     in the whole GPU tier grouped for the ``running`` layout (the profiling one under a layout
     planner), the profiling placement, the search (``placement="search"``), the layout beside
     it and the placement again. Raises PlacementError or ValueError where the run would stop
-    (``measured``: where the profile's figures come from, for the refusal)."""
+    (``measured``: where the profile's figures come from, for the refusal; ``search=False``
+    leaves the search out, for a quick first answer)."""
     budgets = planner.budgets
     measuring = layout_planner is not None and bool(profile.blocks)
     together = planner.working_groups(running, model=model)
@@ -206,7 +207,7 @@ def plan_from_profile(
         # the profiled steps stop where no layout fits even beside the parameters' smallest share
         planner.refuse_unfitting_activations(profile.blocks, layout_planner, run.running, measured, profile.beside, running=run.running)
     profiled = run.placement
-    searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if planner.searching and first.offloaded else None
+    searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if search and planner.searching and first.offloaded else None
     layout = _lay_out(run, profile, machine, searched, layout_planner) if measuring and layout_planner is not None else None
     return SequencePlan(run.placement, layout, run.gpu_for_parameters, profiled, searched)
 
