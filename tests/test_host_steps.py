@@ -35,6 +35,21 @@ def test_freed_memory_is_given_back_only_above_the_limit():
 
 @pytest.mark.slow
 @pytest.mark.nvme
+def test_the_check_reads_the_resident_set_through_one_descriptor_it_closes():
+    import gc
+    import os
+
+    before = len(os.listdir("/proc/self/fd"))
+    freed = FreedHostMemory(limit=2**50)
+    for _ in range(100):  # a check per gradient, per module: the file is opened once
+        freed.check()
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    assert abs(freed._resident() - resident_anonymous()) < 16 * 2**20
+    del freed
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_the_resident_set_during_the_steps_stays_within_the_bound(tmp_path):
     """A 101M-parameter GPT-2 (8 x 1024; training state 1.5 GiB, 3.4x the bound) at home on NVMe
     with 200 MiB of host memory and a 64 MiB emulated GPU tier: before, the steps grew the process

@@ -13,6 +13,7 @@ import resource
 import shutil
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -196,9 +197,10 @@ class FreedHostMemory:
         self.trims = 0  # times freed memory was given back
         self._floor = 0  # after a trim: the resident set it left plus the slack
         self._busy = threading.Lock()
+        self._statm: Optional[int] = None  # /proc/self/statm kept open: a check comes per gradient, per module
 
     def check(self) -> None:
-        if self.limit is None or resident_anonymous() <= max(self.limit, self._floor):
+        if self.limit is None or self._resident() <= max(self.limit, self._floor):
             return
         if not self._busy.acquire(blocking=False):
             return  # the other thread is giving it back now
@@ -208,6 +210,18 @@ class FreedHostMemory:
             self._floor = resident_anonymous() + FREED_MEMORY_SLACK
         finally:
             self._busy.release()
+
+    def _resident(self) -> int:
+        """``resident_anonymous()`` read through a descriptor kept open (1.6 µs a read, against
+        14 µs opening the file each time)."""
+        try:
+            if self._statm is None:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+                weakref.finalize(self, os.close, self._statm)
+            fields = os.pread(self._statm, 128, 0).split()
+        except OSError:
+            return resident_anonymous()
+        return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
 
 
 def disk_free(path: Optional[str]) -> int:
