@@ -61,10 +61,11 @@ class Blocks(L.LightningModule):
             block.requires_grad_(False)
         self.width, self.batch = width, batch
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        generator = torch.Generator(device=self.device).manual_seed(1000 + batch_idx)
-        x = torch.randn(self.batch, self.width, generator=generator, device=self.device)
-        target = torch.randn(self.batch, self.width, generator=generator, device=self.device)
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        device = batch.device  # the root device, where Lightning put the batch (the parameters' homes may lie elsewhere)
+        generator = torch.Generator(device=device).manual_seed(1000 + batch_idx)
+        x = torch.randn(self.batch, self.width, generator=generator, device=device)
+        target = torch.randn(self.batch, self.width, generator=generator, device=device)
         for block in self.blocks:
             x = F.gelu(block(x))
         return F.mse_loss(x, target)

@@ -177,7 +177,8 @@ def gpu_work(events: list[dict]) -> list[Work]:
 
 
 def cpu_work(events: list[dict]) -> list[Work]:
-    """Each thread's outermost operators (the emulated device's links copy on threads of their own)."""
+    """Each thread's outermost operators (the emulated device's links copy on threads of their own,
+    the update worker works on its own)."""
     by_thread: dict[Any, list[dict]] = defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op" and e.get("ph") == "X":
@@ -243,7 +244,7 @@ def streams(work: list[Work]) -> Streams:
     busy = {lane: length(union([(w.start, w.end) for w in ws])) for lane, ws in lanes.items()}
     computing = {lane: length(union([(w.start, w.end) for w in ws if not w.copy])) for lane, ws in lanes.items()}
     compute = max(computing, key=lambda lane: computing[lane])
-    copies = [lane for lane, ws in lanes.items() if lane != compute and all(w.copy for w in ws)]
+    copies = [lane for lane in lanes if lane != compute and computing[lane] <= busy[lane] / 2]  # mostly copying
     on_compute = union([(w.start, w.end) for w in lanes[compute]])
     copying = union([(w.start, w.end) for lane in copies for w in lanes[lane]])
     return Streams(busy, compute, copies, length(intersect(on_compute, copying)), length(intersect(gaps(on_compute), copying)))
