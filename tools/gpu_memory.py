@@ -6,8 +6,9 @@ blocks are all checkpointed (recomputed in backward), part of it streamed throug
     python tools/gpu_memory.py                          # 12 layers x 1024, batch 8 x 1024, gpu_memory 1GiB
 
 One row per step as it ends: the allocator's allocated bytes at the step's start, its peak
-allocated and peak reserved bytes in the step, the engine's GPU tier arena, the plan's use of the
-tier (parameters as placed, activations kept, the backward's gradients as planned), ``gpu_memory``, and the
+allocated and peak reserved bytes in the step, the engine's GPU tier arena, the plan's count of
+the tier (the parameters as placed, with their gradients and optimizer states there; the
+activations kept and the backward's gradients as planned), ``gpu_memory``, and the
 peak over each; a line at each re-placement with the allocated bytes before and after it (the
 old engine's arena freed before the new one's is allocated: no rise). The last line sums up
 both precisions. What lies outside every plan (cuBLAS's workspaces, 66 MiB on an H200) is in
@@ -58,13 +59,13 @@ def _over(a: Optional[int], b: int) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
-def tier_count(trainer: L.Trainer) -> int:
+def tier_count(trainer: L.Trainer) -> tuple[int, int]:
     """The GPU tier as the plan counts it after a step (``tools/tier_use.py``'s sum): the
-    parameters as placed (with their gradients and states there), the activations the forward
-    kept (checkpointed blocks: their inputs), the backward's gradients as planned."""
+    parameters as placed (with their gradients and optimizer states there), and the activations
+    the forward kept (checkpointed blocks: their inputs) with the backward's gradients as planned."""
     activations = trainer.strategy.tiered.activations
     saved = int(trainer.strategy.metrics(reset=False).get("activations/saved_bytes", 0))
-    return activations.gpu_parameter_bytes() + saved + activations.beside.gradients
+    return activations.gpu_parameter_bytes(), saved + activations.beside.gradients
 
 
 @dataclass
@@ -74,8 +75,13 @@ class Row:
     peak: Optional[int]
     reserved: Optional[int]
     arena: int
-    plan: int
+    parameters: int
+    activations: int
     budget: int
+
+    @property
+    def plan(self) -> int:
+        return self.parameters + self.activations
 
 
 @dataclass
@@ -101,15 +107,16 @@ class MemoryRows(L.Callback):
             torch.cuda.synchronize()
         row = Row(trainer.global_step, self._start, torch.cuda.max_memory_allocated() if self.cuda else None,
                   torch.cuda.max_memory_reserved() if self.cuda else None, core.engine.device.allocated if core.engine is not None else 0,
-                  tier_count(trainer), core.context.budgets.gpu)
+                  *tier_count(trainer), core.context.budgets.gpu)
         self.rows.append(row)
         print(f"| {self.precision} | {row.step} | {_size(row.start)} | {_size(row.peak)} | {_size(row.reserved)} | {format_bytes(row.arena)} | "
-              f"{format_bytes(row.plan)} | {format_bytes(row.budget)} | {_over(row.peak, row.plan)} | {_over(row.peak, row.budget)} |", flush=True)
+              f"{format_bytes(row.parameters)} | {format_bytes(row.activations)} | {format_bytes(row.plan)} | {format_bytes(row.budget)} | "
+              f"{_over(row.peak, row.plan)} | {_over(row.peak, row.budget)} |", flush=True)
         if trainer.global_step == self.replace_after:
             before = _allocated(self.cuda)
             core._replace_engine(core.recipe(trainer), gpu_bytes=core.context.budgets.gpu)  # as a growth of the batch's shapes does
             self.replaced = (before, _allocated(self.cuda))
-            print(f"| {self.precision} | placed again | {_size(before)} -> {_size(self.replaced[1])} allocated | | | | | | | |", flush=True)
+            print(f"| {self.precision} | placed again | {_size(before)} -> {_size(self.replaced[1])} allocated | | | | | | | | | |", flush=True)
 
 
 def run(precision: str, args: argparse.Namespace, root: str) -> MemoryRows:
@@ -147,9 +154,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.accelerator = "gpu" if args.device == "cuda" else "cpu"
     print(f"GPT-2 {args.layers} layers x {args.width} wide, batch {args.batch_size} x {args.seq_len}, every block checkpointed, gpu_memory "
           f"{args.gpu_memory}, placed again after step {args.replace_after}, on {args.device}\n")
-    print("| precision | step | allocated at its start | peak allocated | peak reserved | engine's arena | the plan's count "
-          "| gpu_memory | peak / plan | peak / gpu_memory |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| precision | step | allocated at its start | peak allocated | peak reserved | engine's arena | plan: parameters as placed "
+          "| plan: activations kept, backward's gradients | plan | gpu_memory | peak / plan | peak / gpu_memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     lines = []
     with tempfile.TemporaryDirectory() as root:
         for precision in args.precision:

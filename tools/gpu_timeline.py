@@ -124,6 +124,8 @@ class Profiled(L.Callback):
             return
         self._marks.remove()
         timer = trainer.strategy.engine.timer
+        if timer is not self._marks.timer:  # not on a fixed placement after warm-up steps; said, as the table would be wrong
+            print(f"step {trainer.global_step}: the engine was replaced inside the step; its marks are the old engine's", flush=True)
         self.timings.append(timer.last_timing)  # read now: it waits for the step's marks on the GPU
         self.unit_names = timer.profile.unit_names
         if trainer.global_step == self.first + self.count:  # counted after the optimizer step
