@@ -39,6 +39,7 @@ def test_the_race_part_trains_twice_under_the_race_check_and_finds_the_same_bits
     """Four blocks on NVMe, two frozen; the first run under the emulated device's race check
     (copies land late; a host access before its wait raises), the second in a child process."""
     lines = run("gpu_race.py", "--blocks", "4", "--width", "64", "--batch", "32", "--nvme-path", str(tmp_path), cwd=tmp_path)
+    assert lines[-3].endswith(", under the emulated device's race check"), lines[-3]
     first, second = (line.split("losses ")[1].split("]")[0] for line in lines[-3:-1])
     assert first == second and first.count(",") == 2, lines  # three losses, the same digits
     assert lines[-1].startswith("race: none seen: 3 losses and 8 tensors the same bits as under CUDA_LAUNCH_BLOCKING=1"), lines[-1]

@@ -75,14 +75,16 @@ class Blocks(L.LightningModule):
 
 
 class Homes(L.Callback):
-    """Where the units were in the last step (gpu/host/nvme)."""
+    """Where the units were in the last step (gpu/host/nvme), and whether the emulated device kept
+    the race check's books."""
 
     def __init__(self) -> None:
-        self.homes = "-"
+        self.homes, self.race_checked = "-", False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         m = trainer.strategy.metrics()
         self.homes = "/".join(str(int(m.get(f"units/{tier}", 0))) for tier in ("gpu", "host", "nvme"))
+        self.race_checked = getattr(trainer.strategy.engine.device, "race_check", None) is not None
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Run:
     weights: dict[str, torch.Tensor]
     homes: str
     seconds: float
+    race_checked: bool = False
 
 
 def train(args: argparse.Namespace) -> Run:
@@ -105,7 +108,7 @@ def train(args: argparse.Namespace) -> Run:
                             enable_model_summary=False, num_sanity_val_steps=0, callbacks=[losses, homes], default_root_dir=root)
         trainer.fit(model, DataLoader(list(range(args.steps)), batch_size=1))
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # read while the NVMe files exist
-    return Run(losses.losses, weights, homes.homes, time.perf_counter() - start)
+    return Run(losses.losses, weights, homes.homes, time.perf_counter() - start, homes.race_checked)
 
 
 def first_difference(ours: Run, blocking: Run) -> Optional[str]:
@@ -161,7 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device == "cpu":  # the emulated device's copies land late, as CUDA's may, and a host access before its wait raises
         os.environ[RACE_CHECK_ENV] = "1"
     ours = train(args)
-    print(f"asynchronous: losses {ours.losses} in {ours.seconds:.0f} s, units gpu/host/nvme {ours.homes}", flush=True)
+    checked = ", under the emulated device's race check" if ours.race_checked else ""
+    print(f"asynchronous: losses {ours.losses} in {ours.seconds:.0f} s, units gpu/host/nvme {ours.homes}{checked}", flush=True)
     blocking = blocking_run(args, argv)
     print(f"{BLOCKING}=1: losses {blocking.losses} in {blocking.seconds:.0f} s", flush=True)
     unit = args.width * (args.width + 1) * 4
