@@ -54,6 +54,8 @@ device-wheels: env
 	  --platform manylinux_2_28_x86_64 --platform any --find-links $(WHEELS) -d $(WHEELS) "hjson==3.1.0" "torchao==0.18.0"
 
 # On a GPU machine, with the system's Python (no virtual environment is made there): docs/gpu.md.
+# PART: all (tests, probe and bench), tests, probe, bench, race, timeline, memory, peers-a or
+# peers-b, each at most five minutes on an H100/H200 (all: eight); one device call each.
 OUT  ?= gpu-check
 PART ?= all
 gpu-check:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 import lightning as L
 
@@ -55,15 +55,16 @@ def fit(
     steps: int,
     precision: str = "32-true",
     devices: int = 1,
+    callbacks: Sequence[L.Callback] = (),
 ) -> L.Trainer:
     """``steps`` steps of the GPT-2 ``config`` on random tokens, seed 0, on the CPU or, with
     ``args.accelerator="gpu"``, a GPU (``devices`` processes under a data-parallel strategy, each
-    with its own batches)."""
+    with its own batches); ``callbacks`` beside the timer."""
     L.seed_everything(0, verbose=False)
     model = CausalLM(family="gpt2", config=config, lr=1e-3)
     data = SyntheticTokens(seq_len=args.seq_len, batch_size=args.batch_size, num_tokens=args.seq_len * args.batch_size * (steps + 2) * 2 * devices)
     trainer = L.Trainer(strategy=strategy, accelerator=getattr(args, "accelerator", "cpu"), devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[timer], default_root_dir=root, precision=precision)
+                        callbacks=[timer, *callbacks], default_root_dir=root, precision=precision)
     trainer.fit(model, datamodule=data)
     return trainer
