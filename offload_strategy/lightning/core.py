@@ -159,6 +159,7 @@ class TieredCore:
         self._resident_before = 0  # the anonymous resident set at set-up (resolve)
         self._final_engine_metrics: Optional[dict[str, float]] = None
         self._created_directories: list[Path] = []
+        self._batch_ends_with_backward = False  # the training step's batch takes no optimizer step (it accumulates)
         # parameters of models built under this strategy, recorded instead of held (construction/deferred.py)
         self.deferred = DeferredParameters()
         self.checkpoints = CheckpointStates(self.context, self.deferred)  # checkpoints, and the units on NVMe after training
@@ -418,6 +419,7 @@ class TieredCore:
         engine's step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self.take_back_exposed()  # before the engine may be replaced
+        self._batch_ends_with_backward = rules.accumulating()
         self.session.after_step(rules)
         self.activations.note_batch(batch)  # after the plan: a batch the layout is planned with is a profiled step's
         self.prediction.step_begins()
@@ -493,6 +495,8 @@ class TieredCore:
             engine.end_backward()
             if expose:
                 engine.exposure.expose()  # reduced first under data parallelism, as DDP's backward leaves them
+            if expose or self._batch_ends_with_backward:  # user code runs next (the batch's end, or its own step)
+                engine.fence_host_memory()
 
     def _freed_memory_limit(self, engine: TieredEngine) -> int:
         """The resident set above which the steps give freed memory back: what the process held at
