@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 
 from offload_strategy import TieredStrategy
+from offload_strategy.hardware.device import RACE_CHECK_ENV
 from offload_strategy.runtime.activations.swap_memory import HELD_ALIGNMENT, SwapMemory
 from tests.helpers import assert_same_weights, train
 from tests.test_activations import gpt2
@@ -52,6 +53,7 @@ class SwapSeen(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         swap = trainer.strategy.tiered.activations.policies_in_use.swap
+        assert swap.device.race_check is not None
         copies = [c for cs in swap.stats.blocks.values() for c in cs]
         held, on_nvme = [c for c in copies if c.key is None], [c for c in copies if c.key is not None]
         self.seen.append((
@@ -62,14 +64,16 @@ class SwapSeen(L.Callback):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [("swap_host",) * 4, ("swap_host", "checkpoint", "swap_nvme", "swap_host")], ids=["host", "host_and_nvme"])
-def test_a_swapped_run_holds_in_host_memory_what_it_swaps_there_and_trains_as_plain(tmp_path, layout):
+def test_a_swapped_run_holds_in_host_memory_what_it_swaps_there_and_trains_as_plain(tmp_path, monkeypatch, layout):
     """Every step the same batch shape: from the second step the swap holds one slab, each host
     copy a view of it; where every swap goes to host memory the slab is as large as the host
     copies together (at 64-byte alignment), and beside NVMe swaps it holds besides only what is
     being written there (less than they swap); an NVMe copy holds no host memory once written.
     Before, each copy was a buffer of its own (on a GPU, a power of two of PyTorch's pinned
-    allocator), and an NVMe copy's stayed until the next step."""
+    allocator), and an NVMe copy's stayed until the next step. Under the race check: no buffer is
+    reused, read from NVMe into or given back while a copy may still use it."""
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2)
+    monkeypatch.setenv(RACE_CHECK_ENV, "6")
     seen = SwapSeen()
     strategy = TieredStrategy(policy={"name": "auto", "activations": layout}, nvme_path=tmp_path / "nvme")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2, extra_callbacks=(seen,))
