@@ -58,7 +58,7 @@ def _frozen_blocks() -> L.LightningModule:
     return model
 
 
-@pytest.mark.parametrize(("accumulate", "forward_first"), [(1, False), (2, False), pytest.param(1, True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize(("accumulate", "forward_first"), [(1, False), pytest.param(2, False, marks=pytest.mark.slow), pytest.param(1, True, marks=pytest.mark.slow)],
                          ids=["step", "accumulate", "lent_after_a_forward"])
 def test_a_callback_writes_host_homes_at_batch_end_after_every_copy_out_of_them(tmp_path, monkeypatch, accumulate, forward_first):
     """Frozen host units' copies into the GPU tier were waited for on the device only: at the end

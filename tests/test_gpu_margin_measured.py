@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from offload_strategy import TieredStrategy
-from offload_strategy.session.budgets import gpu_after_profiling
 from tests.helpers import PARAMETERS_ONLY, train
 from tests.test_activations import gpt2
 
@@ -21,6 +20,8 @@ GIB, MIB = 2**30, 2**20
 
 
 def test_a_measured_reserve_beyond_the_kept_margin_comes_off_the_tier():
+    from offload_strategy.session.budgets import gpu_after_profiling
+
     gpu, line = gpu_after_profiling(70 * GIB, kept=4 * GIB, measured=5 * GIB, where="cuda:0")
     assert gpu == 69 * GIB
     assert "margin of 5.00 GiB" in line and "1.00 GiB more than the 4.00 GiB kept at set-up" in line

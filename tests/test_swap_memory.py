@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 
 from offload_strategy import TieredStrategy
 from offload_strategy.hardware.device import RACE_CHECK_ENV
+from offload_strategy.memory.slab import PAGE_BYTES
 from offload_strategy.runtime.activations.swap_memory import HELD_ALIGNMENT, SwapMemory
 from tests.helpers import assert_same_weights, train
 from tests.test_activations import gpt2
@@ -41,6 +43,34 @@ def test_staging_buffers_are_reused_once_their_write_is_done():
     b = memory.take(8192, staging=True)  # only room once the first is given back: waits for it
     assert done["first"] and b is not None and b.data_ptr() == a.data_ptr() and memory.held_bytes == 8192
     memory.close()
+
+
+def test_a_swap_by_hand_holds_its_host_copies_in_its_slab_and_no_nvme_copy_in_host_memory(tmp_path):
+    """Steps of three swapped tensors, the middle one to NVMe: the host copies become views of one
+    slab, as large as they are and the NVMe copy's page-aligned buffer for its write and its read
+    beside them, and the NVMe copy holds no host buffer once written (each came back with its bytes)."""
+    from offload_strategy.hardware.device import EmulatedDevice
+    from offload_strategy.memory.nvme import NvmeStore
+    from offload_strategy.runtime.activations.swap import ActivationSwap
+
+    tensors = [torch.randn(n) for n in (3000, 2000, 1500)]
+    with EmulatedDevice(capacity=1 << 20) as device, NvmeStore(tmp_path, capacity=1 << 20) as store:
+        swap = ActivationSwap(device, store, is_parameter=lambda t: False, host_limit=1 << 20)
+        for _ in range(3):
+            swap.begin_forward()
+            packed = []
+            for i, t in enumerate(tensors):
+                destination = "swap_nvme" if i == 1 else "swap_host"
+                with swap.hooks(i, destination):
+                    packed.append(swap._pack(i, destination, t))
+            held = [packed[0].copy, packed[2].copy]
+            assert packed[1].copy.host is None and packed[1].copy.key is not None
+            back = [swap._unpack(p) for p in reversed(packed)][::-1]
+            assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+        host_copies = sum(_counted(c.nbytes) for c in held)
+        assert all(swap.memory.contains(c.host) for c in held) and swap.memory.held_bytes == swap.memory.slab.nbytes
+        assert host_copies < swap.memory.slab.nbytes <= host_copies + 8000 + PAGE_BYTES, swap.memory
+        swap.close()
 
 
 class SwapSeen(L.Callback):

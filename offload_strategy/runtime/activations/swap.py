@@ -152,10 +152,13 @@ class ActivationSwap:
 
     def begin_forward(self) -> None:
         """A training forward starts: what the last step swapped is gone (its backward consumed it)."""
+        self._forget_all()
+        self.memory.new_step()
+
+    def _forget_all(self) -> None:
         for copies in self.stats.blocks.values():
             for c in copies:
                 self._forget(c)
-        self.memory.new_step()
         self.stats = SwapStats()
         self._order = []
 
@@ -342,5 +345,5 @@ class ActivationSwap:
         c.host = c.back = c.source = c.to_host = c.out_of_host = None
 
     def close(self) -> None:
-        self.begin_forward()
+        self._forget_all()
         self.memory.close()
