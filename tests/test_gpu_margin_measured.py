@@ -65,4 +65,5 @@ def test_the_cuda_device_counts_what_its_allocator_reserved_beyond_its_allocatio
         kept = [torch.empty(n, dtype=torch.uint8, device=root) for n in (3 * MIB + 1, 5 * MIB + 3)]
         del kept[0]
         measured = device.reserved_beyond_allocated()
-        assert measured == torch.cuda.max_memory_reserved(root) - torch.cuda.max_memory_allocated(root) >= 0
+        # the allocator rounds large blocks up to 2 MiB: 4 + 6 MiB reserved for 8 MiB and 4 bytes
+        assert measured == torch.cuda.max_memory_reserved(root) - torch.cuda.max_memory_allocated(root) > 0
