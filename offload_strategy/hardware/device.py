@@ -217,6 +217,13 @@ class Device(abc.ABC):
         """The compute's seconds from ``start`` to ``end`` (on CUDA the host waits for ``end`` first)."""
         return end.at - start.at
 
+    def reserved_beyond_allocated(self) -> int:
+        """What the device's allocator reserved beyond what it allocated, at their peaks since
+        set-up: memory the process holds that no tensor uses (fragmentation), which a GPU tier
+        of "all that is free" must leave room for. The emulated tier has no caching allocator:
+        its ``reserve`` (0 unless a test sets one)."""
+        return 0
+
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Return once every queued copy has completed."""
@@ -418,6 +425,7 @@ class EmulatedDevice(Device):
                 raise ValueError(f"{name}={gbps!r} must be > 0 GB/s, or None for an unthrottled link.")
         super().__init__(torch.device("cpu"), capacity)
         self.race_check = race_check
+        self.reserve = 0  # what a caching allocator would hold beyond its allocations (reserved_beyond_allocated)
         self._links = {_H2D: _Link("h2d", h2d_gbps), _D2H: _Link("d2h", d2h_gbps)}
         self._stop = weakref.finalize(self, _stop_links, tuple(self._links.values()))
 
@@ -441,6 +449,9 @@ class EmulatedDevice(Device):
 
     def compute_done(self) -> Event:
         return self.race_check.compute_done() if self.race_check is not None else super().compute_done()
+
+    def reserved_beyond_allocated(self) -> int:
+        return self.reserve
 
     def check_host_access(self, tensor: torch.Tensor, action: str) -> None:
         if self.race_check is not None:
@@ -498,6 +509,10 @@ class CudaDevice(Device):
 
     def mark_time(self) -> TimeMark:
         return _CudaTimeMark(torch.cuda.current_stream(self.compute))
+
+    def reserved_beyond_allocated(self) -> int:
+        # the peaks since set-up reset them (TieredCore.resolve)
+        return max(torch.cuda.max_memory_reserved(self.compute) - torch.cuda.max_memory_allocated(self.compute), 0)
 
     def seconds_between(self, start: TimeMark, end: TimeMark) -> float:
         if not isinstance(start, _CudaTimeMark) or not isinstance(end, _CudaTimeMark):

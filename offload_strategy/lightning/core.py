@@ -14,6 +14,7 @@ device, which trains exactly as Lightning's single-device strategy does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from ..checkpoint.states import CheckpointStates, LeftOnNvme, half_host_available, nvme_state_bytes, units_on_nvme
 from ..config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes
 from ..construction.deferred import DeferredParameters
-from ..hardware import disk_free, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
+from ..hardware import cuda_gpu_margin, disk_free, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
 from ..hardware.device import make_device
 from ..memory.nvme import make_private_directory
 from ..planning.auto import AutoPlan
@@ -47,7 +48,7 @@ from ..runtime.engine import TieredEngine
 from ..runtime.updates.optimizers import StatesReadOnUse
 from ..runtime.out_of_memory import out_of_memory_explained
 from ..session.activations import ActivationControl
-from ..session.budgets import nvme_reserve, refuse_a_full_disk, resolve_budgets
+from ..session.budgets import gpu_after_profiling, nvme_reserve, refuse_a_full_disk, resolve_budgets
 from ..session.plans import Plan, PlanSession
 from .context import LightningState, TieredContext, TieredOptions
 from ..session.prediction import PredictionCheck
@@ -154,11 +155,12 @@ class TieredCore:
         self.options = options
         self.ranks = ranks
         self.context = TieredContext(options, lightning, hardware=options.hardware if isinstance(options.hardware, HardwareSpec) else None)
-        self.session = PlanSession(self.context, ranks, rank_zero_info, self._replace_engine, self._refuse_a_full_disk)
+        self.session = PlanSession(self.context, ranks, rank_zero_info, self._replace_engine, self._refuse_a_full_disk, self._settle_gpu_margin)
         self.removed_stale_nvme: list[Path] = []  # swap directories of killed runs this run removed
         self._resident_before = 0  # the anonymous resident set at set-up (resolve)
         self._final_engine_metrics: Optional[dict[str, float]] = None
         self._created_directories: list[Path] = []
+        self._batch_ends_with_backward = False  # the training step's batch takes no optimizer step (it accumulates)
         # parameters of models built under this strategy, recorded instead of held (construction/deferred.py)
         self.deferred = DeferredParameters()
         self.checkpoints = CheckpointStates(self.context, self.deferred)  # checkpoints, and the units on NVMe after training
@@ -285,10 +287,11 @@ class TieredCore:
         context = self.context
         if context.hardware is None:
             context.hardware = resolve_hardware(self.options.hardware)
+        # the first collective first: NCCL's buffers, made by it, are no part of what is free
+        self.ranks.measure_links()
         context.budgets = self.resolve_budgets()
         release_freed_host_memory()  # what construction freed is no part of what the process holds
         self._resident_before = resident_anonymous()  # what the budgets bound is the growth beyond it
-        self.ranks.measure_links()
         root = self.lightning.root_device
         if root.type == "cuda":
             torch.cuda.reset_peak_memory_stats(root)
@@ -418,6 +421,7 @@ class TieredCore:
         engine's step protocol; ``recipe``: the rules of a caller without a Trainer (Fabric)."""
         rules: Rules = recipe if recipe is not None else self.recipe(self.context.module.trainer)
         self.take_back_exposed()  # before the engine may be replaced
+        self._batch_ends_with_backward = rules.accumulating()
         self.session.after_step(rules)
         self.activations.note_batch(batch)  # after the plan: a batch the layout is planned with is a profiled step's
         self.prediction.step_begins()
@@ -493,6 +497,8 @@ class TieredCore:
             engine.end_backward()
             if expose:
                 engine.exposure.expose()  # reduced first under data parallelism, as DDP's backward leaves them
+            if expose or self._batch_ends_with_backward:  # user code runs next (the batch's end, or its own step)
+                engine.fence_host_memory()
 
     def _freed_memory_limit(self, engine: TieredEngine) -> int:
         """The resident set above which the steps give freed memory back: what the process held at
@@ -587,6 +593,20 @@ class TieredCore:
             engine.device.close()
             self._share_optimizer_attributes()
         return left
+
+    def _settle_gpu_margin(self) -> None:
+        """Once the profiled steps are done, before their plan: a GPU tier of "all that is free"
+        checked against what the device's allocator reserved beyond its allocations over them
+        (``session/budgets.py::gpu_after_profiling``; the largest of every rank's), the budget line said."""
+        engine, budgets, planner = self.context.engine, self.context.budgets, self.context.planner
+        if engine is None or budgets is None or planner is None or self.options.gpu_memory != Budget():
+            return
+        root = self.lightning.root_device
+        kept = cuda_gpu_margin(root).share if root.type == "cuda" else 0
+        measured = self.ranks.largest_on_every_rank(engine.device.reserved_beyond_allocated())
+        gpu, line = gpu_after_profiling(budgets.gpu, kept, measured, str(root) if root.type == "cuda" else "the emulated GPU tier")
+        self.context.budgets = planner.budgets = dataclasses.replace(budgets, gpu=gpu)
+        rank_zero_info(line)
 
     def resolve_budgets(self) -> TierBudgets:
         """Each tier's budget against what is free (``session/budgets.py``), the NVMe directory made."""

@@ -319,6 +319,13 @@ class TieredEngine:
     def evict_all(self) -> None:
         self.cache.evict_all()
 
+    def fence_host_memory(self) -> None:
+        """The host waits for every copy issued so far, before user code may write host memory:
+        a batch's end (callbacks: an EMA, ``load_state_dict``, a weight constraint) or a home lent
+        to it. A device-side wait orders compute only (CUDA), so a copy out of a home (a frozen
+        unit's fetch, which no gradient's copy orders) may still be queued when the step ends."""
+        self.device.synchronize()
+
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, closure_result: Any = None, **kwargs: Any) -> None:
         """Update every unit where it lives with the user's optimizer, one unit at a time
@@ -358,6 +365,7 @@ class TieredEngine:
         if self.ctx.step.active:
             self.ctx.step.deactivate()
             self.cache.evict_all()
+        self.fence_host_memory()
 
     def end_eval_step(self) -> None:
         """An evaluation step ended: as after a training step, every parameter points at its home,
@@ -365,6 +373,7 @@ class TieredEngine:
         around validation) is the parameters' true value, not a GPU-tier copy."""
         self.ctx.step.deactivate()
         self.cache.evict_all()
+        self.fence_host_memory()
 
     def end_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """After ``optimizer``'s step, taken or skipped (an fp16 overflow): its gradients start
@@ -382,6 +391,7 @@ class TieredEngine:
             self.gradients.forget(self._ensure_unit_optimizers(optimizer))
         else:
             self.gradients.forget_all()
+        self.fence_host_memory()
 
     @torch.no_grad()
     def clip_norm_and_step(self, optimizer: torch.optim.Optimizer, max_norm: float, closure_result: Any = None, **kwargs: Any) -> torch.Tensor:

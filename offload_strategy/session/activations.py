@@ -525,7 +525,11 @@ class ActivationControl:
         if context.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory
             store = NvmeStore(context.nvme_path, capacity=self.swap_store_capacity(), checksums=context.policy.checksums)
         self.swap_store = store
-        swap = ActivationSwap(device, store, activations.is_parameter, host_limit=self.host_left())
+        host_limit = self.host_left()
+        # the slab of swapped activations starts at what the layout swaps to host memory where known
+        # (a layout the user fixed: the first step measures it)
+        planned = min(self.host_swap_bytes(), host_limit) if self.plan is not None and self.costs else 0
+        swap = ActivationSwap(device, store, activations.is_parameter, host_limit=host_limit, host_capacity=planned)
         swap.outer = activations.outer
         activations.swap = swap
 

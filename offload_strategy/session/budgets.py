@@ -90,6 +90,23 @@ def resolve_budgets(
     return share(TierBudgets(gpu=granted["gpu_memory"], host=granted["host_memory"], nvme=granted["nvme_memory"]), requested)
 
 
+def gpu_after_profiling(gpu: int, kept: int, measured: int, where: str) -> tuple[int, str]:
+    """A GPU tier of "all that is free" once the profiled steps measured what the caching allocator
+    reserved beyond its allocations (``measured``): the margin kept at set-up for what lives
+    outside the plan (``kept``: on CUDA a share of the GPU, for NCCL's buffers, fragmentation and
+    workspaces) stays where it holds that, else the tier gives up the difference. The tier's bytes,
+    and the budget line that says why."""
+    short = max(measured - kept, 0)
+    granted = max(gpu - short, 0)
+    if short:
+        reason = (f"the caching allocator reserved {format_bytes(measured)} beyond its allocations over the profiled steps, "
+                  f"{format_bytes(short)} more than the {format_bytes(kept)} kept at set-up: the tier gives it up")
+    else:
+        reason = (f"the caching allocator reserved {format_bytes(measured)} beyond its allocations over the profiled steps, "
+                  f"within the {format_bytes(kept)} kept at set-up")
+    return granted, f"tiered: GPU tier {format_bytes(granted)} of {where}, all that is free less a margin of {format_bytes(max(kept, measured))}: {reason}"
+
+
 def refuse_a_full_disk(error: PlacementError, nvme_path: Optional[Path], nvme_memory: Budget, budgets: Optional[TierBudgets]) -> None:
     """NVMe fell short where its budget is what the disk has free: say the disk is full."""
     if not error.nvme_needed or nvme_path is None or nvme_memory.bytes is not None:

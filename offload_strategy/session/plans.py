@@ -128,9 +128,10 @@ class PlanSession:
 
     def __init__(
         self, context: SessionContext, ranks: PlanningRanks, say: Callable[[str], None], replace_engine: Replace,
-        explain_nvme_shortfall: Callable[[PlacementError], None] = lambda error: None,
+        explain_nvme_shortfall: Callable[[PlacementError], None] = lambda error: None, before_planning: Callable[[], None] = lambda: None,
     ) -> None:
         self.context = context
+        self._before_planning = before_planning  # once, when the profiled steps are done (the GPU tier's margin measured)
         self.ranks = ranks
         self.say = say
         self._replace = replace_engine
@@ -301,6 +302,8 @@ class PlanSession:
         if stepped:
             self._keep_timing()
         warm = stepped and self.steps_done >= WARM_UP_STEPS + TIMED_STEPS
+        if warm and self.steps_done == WARM_UP_STEPS + TIMED_STEPS:
+            self._before_planning()
         self._note_blocks_the_model_recomputes()
         self._plan_when_warm(rules, warm)
         self._place_again_when_asked(rules, stepped)

@@ -12,6 +12,11 @@ offload side of LoHan §IV-B) hand every tensor autograd saves for backward to t
   per step: beyond it a ``swap_host`` tensor goes on to NVMe when there is a store, and otherwise
   stays in the GPU tier (counted in ``stats.host_full_bytes``).
 
+Every host buffer is a view of the swap's own slab (:class:`~.swap_memory.SwapMemory`): exactly
+what a step's swaps hold, never more than ``host_limit``, instead of PyTorch's pinned caching
+allocator (powers of two, never given back). An NVMe copy's buffer is lent only while its write,
+or in backward its read and copy into the GPU tier, is under way.
+
 Backward unpacks a block's tensors in reverse order. The first unpack of a block brings back all of
 that block's tensors (unless they were brought back ahead) and starts bringing back the next swap
 block's (prefetch by block order), so later unpacks, and the next block's, find their tensors
@@ -40,6 +45,7 @@ import torch
 from ...config import BlockPolicy
 from ...hardware.device import Device, Event
 from ...memory.nvme import NvmeSpaceError, NvmeStore
+from .swap_memory import SwapMemory
 
 SWAP_HOST, SWAP_NVME = BlockPolicy.SWAP_HOST, BlockPolicy.SWAP_NVME
 # Saved tensors below this size stay in the GPU tier.
@@ -58,6 +64,7 @@ class _Copy:
     written: Any = None  # Future of the NVMe write
     back: Optional[torch.Tensor] = None  # its bytes in the GPU tier once brought back
     to_device: Optional[Event] = None
+    out_of_host: Optional[Event] = None  # the last copy out of ``host`` into the GPU tier (waited for before it is reused)
     source: Optional[torch.Tensor] = None  # a view of the storage, held until its block's forward ends
     views: int = 0  # saved tensors that lie in it
     unpacked: int = 0  # of them, unpacked in this round (once each, however often a node reads them)
@@ -128,10 +135,13 @@ class ActivationSwap:
     of hooks that would have packed it otherwise (the engine's), or None.
     """
 
-    def __init__(self, device: Device, store: Optional[NvmeStore], is_parameter: Callable[[torch.Tensor], bool], host_limit: Optional[int] = None) -> None:
+    def __init__(self, device: Device, store: Optional[NvmeStore], is_parameter: Callable[[torch.Tensor], bool], host_limit: Optional[int] = None,
+                 host_capacity: int = 0) -> None:
+        """``host_capacity``: the host bytes the layout swaps, where known (the slab's first size)."""
         self.device = device
         self.store = store
         self.host_limit = host_limit
+        self.memory = SwapMemory(host_limit, host_capacity, pin=device.compute.type == "cuda")
         self.is_parameter = is_parameter
         self.outer: Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
         self.stats = SwapStats()
@@ -142,6 +152,10 @@ class ActivationSwap:
 
     def begin_forward(self) -> None:
         """A training forward starts: what the last step swapped is gone (its backward consumed it)."""
+        self._forget_all()
+        self.memory.new_step()
+
+    def _forget_all(self) -> None:
         for copies in self.stats.blocks.values():
             for c in copies:
                 self._forget(c)
@@ -199,32 +213,58 @@ class ActivationSwap:
     def _copy_out(self, block: int, destination: str, memory: torch.Tensor) -> Optional[_Copy]:
         """Start copying ``memory`` (1-D bytes) out of the GPU tier; None where it must stay."""
         nbytes = memory.numel()
-        requested = destination
-        if destination == SWAP_HOST and self.host_limit is not None and self.stats.host_bytes + nbytes > self.host_limit:
-            destination = SWAP_NVME if self.store is not None else ""
-            if not destination:
-                self.stats.host_full_bytes += nbytes
+        to = self._destination(destination, nbytes)
+        host = self.memory.take(nbytes, staging=to == SWAP_NVME) if to else None
+        if host is None and to == SWAP_HOST and self.store is not None:  # the swap's host memory is full
+            to = SWAP_NVME
+            host = self.memory.take(nbytes, staging=True)
+        if host is None and to == SWAP_NVME:
+            # held swap_host copies fill the limit: one pageable buffer of the tensor's size, written at once
+            host = torch.empty(nbytes, dtype=torch.uint8)
+        if host is None:
+            self.stats.host_full_bytes += nbytes
+            return None
+        copy = _Copy(block, nbytes, host, self.device.copy_to_host(host, memory))
+        if to == SWAP_NVME:
+            if not self._write_out(copy, destination):
                 return None
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
-        to_host = self.device.copy_to_host(host, memory)
-        copy = _Copy(block, nbytes, host, to_host)
-        if destination == SWAP_NVME and self.store is not None:
-            to_host.wait()
-            copy.to_host = None
-            key = f"activation{next(self._keys)}"
-            try:
-                copy.written = self.store.write(key, host)
-            except NvmeSpaceError:
-                if requested == SWAP_NVME:
-                    raise
-                self.stats.host_full_bytes += nbytes  # over host memory and the NVMe budget: it stays
-                return None
-            copy.key = key
-            self.stats.nvme_bytes += nbytes
         else:
             self.stats.host_bytes += nbytes
         self.stats.blocks[block].append(copy)
         return copy
+
+    def _destination(self, requested: str, nbytes: int) -> str:
+        """Where a tensor of a ``requested`` block goes: NVMe, host memory, or nowhere ("": it stays)."""
+        if requested == SWAP_NVME and self.store is not None:
+            return SWAP_NVME
+        if self.host_limit is None or self.stats.host_bytes + nbytes <= self.host_limit:
+            return SWAP_HOST
+        return SWAP_NVME if self.store is not None else ""
+
+    def _write_out(self, copy: _Copy, requested: str) -> bool:
+        """``copy``'s bytes on from its host buffer to the NVMe store; the buffer is given back
+        once written. False where the store is full and the tensor may stay in the GPU tier."""
+        assert self.store is not None and copy.to_host is not None and copy.host is not None, "an NVMe copy has a store and a host buffer"
+        host = copy.host
+        self.device.host_wait(copy.to_host)
+        copy.to_host, copy.host = None, None
+        key = f"activation{next(self._keys)}"
+        try:
+            written = self.store.write(key, host)
+        except NvmeSpaceError:
+            if self.memory.owns(host):
+                self.memory.give_back_after(host, lambda: True, lambda: None)
+            if requested == SWAP_NVME:
+                raise
+            self.stats.host_full_bytes += copy.nbytes  # over host memory and the NVMe budget: it stays
+            return False
+        if self.memory.owns(host):
+            self.memory.give_back_after(host, written.done, written.exception)  # exception() waits for it
+        else:
+            written.exception()  # the pageable buffer beyond the limit: one at a time
+        copy.written, copy.key = written, key
+        self.stats.nvme_bytes += copy.nbytes
+        return True
 
     # -- backward -----------------------------------------------------------------------------------
 
@@ -262,18 +302,30 @@ class ActivationSwap:
         for c in self.stats.blocks.get(block, []):
             if c.back is not None or c.consumed:
                 continue
-            if c.key is not None:  # from NVMe into host memory first
-                assert self.store is not None, "a key is given only where there is a store (``_copy_out``)"
-                c.written.result()
-                c.host = torch.empty(c.nbytes, dtype=torch.uint8, pin_memory=self.device.compute.type == "cuda")
-                self.store.read(c.key, c.host).result()
-                self.store.delete(c.key)
-                c.key = None
-            elif c.to_host is not None:
-                c.to_host.wait()
-            assert c.host is not None, "a copy loses its host bytes only when forgotten (``begin_forward``), after which no block lists it"
             c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
-            c.to_device = self.device.copy_to_device(c.back, c.host)
+            if c.key is not None:
+                self._bring_back_from_nvme(c)
+                continue
+            if c.to_host is not None:
+                self.device.host_wait(c.to_host)
+                c.to_host = None
+            assert c.host is not None, "a copy loses its host bytes only when forgotten (``begin_forward``), after which no block lists it"
+            c.to_device = c.out_of_host = self.device.copy_to_device(c.back, c.host)
+
+    def _bring_back_from_nvme(self, c: _Copy) -> None:
+        """From NVMe into a staging buffer, then into the GPU tier; the buffer is given back once
+        that copy is done. The key stays until the next forward: a backward through a kept graph
+        reads it again."""
+        assert self.store is not None and c.key is not None and c.back is not None, "a key is given only where there is a store (``_write_out``)"
+        c.written.result()
+        # beyond the limit (held swap_host copies fill it) a pageable buffer: bringing back cannot wait
+        staging = self.memory.take(c.nbytes, staging=True)
+        buffer = staging if staging is not None else torch.empty(c.nbytes, dtype=torch.uint8)
+        self.device.check_host_access(buffer, "reads a swapped activation from NVMe into a staging buffer")
+        self.store.read(c.key, buffer).result()
+        to_device = c.to_device = self.device.copy_to_device(c.back, buffer)
+        if staging is not None:
+            self.memory.give_back_after(staging, to_device.done, lambda: self.device.host_wait(to_device))
 
     def _prefetch_below(self, block: int) -> None:
         """Start bringing back the swap block that backward reaches next."""
@@ -287,7 +339,11 @@ class ActivationSwap:
                 c.written.exception()  # wait; a failed write is moot once the tensor is not needed
             self.store.delete(c.key)
             c.key = None
-        c.host = c.back = c.source = None
+        for event in (c.to_host, c.out_of_host):  # the host buffer is reused next step: no copy may still use it
+            if event is not None:
+                self.device.host_wait(event)
+        c.host = c.back = c.source = c.to_host = c.out_of_host = None
 
     def close(self) -> None:
-        self.begin_forward()
+        self._forget_all()
+        self.memory.close()

@@ -49,6 +49,9 @@ class Lending:
         if s.device_slot is not None:
             self.cache.evict(index)  # a GPU-tier copy would take writes that never reach home
         if s.home == HOST:
+            # the home itself goes to user code: no copy issued since the batch's fence (a forward
+            # between steps fetched it) may still read it when user code writes it
+            self.ctx.device.synchronize()
             self.lent[index] = None
             return
         buffer = self.ctx.read_home(s)
