@@ -50,15 +50,17 @@ def test_the_check_reads_the_resident_set_through_one_descriptor_it_closes():
                 pass
         return found
 
+    gc.collect()  # engines of earlier tests in this process close theirs now, not while this one counts
     before = statm_descriptors()
     freed = FreedHostMemory(limit=2**50)
     for _ in range(100):  # a check per gradient, per module: the file is opened once
         freed.check()
-    assert len(statm_descriptors() - before) == 1
+    mine = statm_descriptors() - before
+    assert len(mine) == 1
     assert abs(freed._resident() - resident_anonymous()) < 16 * 2**20
     del freed
     gc.collect()
-    assert statm_descriptors() == before
+    assert not mine & statm_descriptors()  # others' may have closed meanwhile: ours is closed
 
 
 def test_the_resident_set_during_the_steps_stays_within_the_bound(tmp_path):

@@ -177,7 +177,9 @@ def resident_anonymous() -> int:
 
 # After giving freed memory back, how much more the resident set may grow before it is given
 # back again: where what is live stands above the limit, a trim at every check would only cost.
-FREED_MEMORY_SLACK = 16 * 2**20
+# 4 MiB: at 16 the freed memory left between two trims added 0.03-0.05x of the bound to the
+# 101M job's peak, for a quarter fewer trims (docs/benchmarks.md, "Optimizer states made in their buffer").
+FREED_MEMORY_SLACK = 4 * 2**20
 
 
 class FreedHostMemory:

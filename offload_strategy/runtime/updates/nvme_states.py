@@ -14,6 +14,9 @@ update of one loads and writes the others' unchanged.
 Under ``*-true`` precisions the fp32 master of each low-precision parameter is stored with its
 states (key ``None`` in the layout): it is read and written at the same times, and an update reads
 and writes the low-precision copy, which is what forward fetches, beside it.
+
+A unit's first step makes its states where they will be stored (``StatesMadeInBuffer``): in a
+staging buffer host_memory counts, not as fresh tensors of the heap packed into one after the step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...memory.nvme import NvmeStore
 from ...planning.placement import HOST_SLOT_ALIGNMENT, align
@@ -52,6 +56,64 @@ class _Entry:
             self.param.data = value
         else:
             self.optimizer.state[self.param][self.key] = value
+
+
+def next_offset(offset: int, nbytes: int) -> int:
+    """Where the entry after one of ``nbytes`` at ``offset`` starts in a unit's states buffer."""
+    return align(offset + nbytes, PARAM_ALIGNMENT)
+
+
+_aten = torch.ops.aten
+# ops that make a tensor shaped like their input: how optimizers create their states (Adam's
+# ``zeros_like``, SGD's momentum a ``clone`` of the gradient); -> what fills the new tensor
+_MADE_LIKE: dict[Any, Callable[[torch.Tensor, tuple, dict], Any]] = {
+    _aten.zeros_like.default: lambda out, args, kwargs: out.zero_(),
+    _aten.ones_like.default: lambda out, args, kwargs: out.fill_(1),
+    _aten.full_like.default: lambda out, args, kwargs: out.fill_(args[1]),
+    _aten.empty_like.default: lambda out, args, kwargs: None,
+    _aten.clone.default: lambda out, args, kwargs: out.copy_(args[0]),
+}
+
+
+class StatesMadeInBuffer(TorchDispatchMode):
+    """Active on the updating thread through a unit's first optimizer step: the tensors the
+    optimizer makes like its parameters (``_MADE_LIKE``) are made in ``buffer`` from ``start``
+    on, one after another as :meth:`NvmeOptimizerStates.learn` lays states out, so the step's new
+    states take no memory beyond the buffer (before, they were heap tensors as large as twice the
+    unit under Adam, alive beside the buffer they were then copied into). A tensor made otherwise,
+    one not contiguous, or one the buffer has no room left for is made as usual; the layout copies
+    it in after the step (:meth:`NvmeOptimizerStates.in_place`)."""
+
+    def __init__(self, buffer: torch.Tensor, start: int = 0) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.offset = start
+        self.made = 0  # tensors made in the buffer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        fill = _MADE_LIKE.get(func)
+        out = self._place(func, args, kwargs) if fill is not None else None
+        if fill is None or out is None:
+            return func(*args, **kwargs)
+        fill(out, args, kwargs)
+        return out
+
+    def _place(self, func: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        """A view of the buffer shaped as ``func`` would make its result; None where it cannot be."""
+        source = args[0] if args else None
+        if not isinstance(source, torch.Tensor) or source.device.type != "cpu" or source.dim() == 0:
+            return None
+        if kwargs.get("device") not in (None, torch.device("cpu"), "cpu") or kwargs.get("pin_memory"):
+            return None
+        meta = func(source.to("meta"), *args[1:], **{**kwargs, "device": "meta"} if func is not _aten.clone.default else kwargs)
+        nbytes = meta.numel() * meta.element_size()
+        if not meta.is_contiguous() or self.offset + nbytes > self.buffer.numel():
+            return None
+        out = self.buffer[self.offset : self.offset + nbytes].view(meta.dtype).view(meta.shape)
+        self.offset = next_offset(self.offset, nbytes)
+        self.made += 1
+        return out
 
 
 class NvmeOptimizerStates:
@@ -88,16 +150,16 @@ class NvmeOptimizerStates:
         entries, offset = [], 0
         for e in others:
             entries.append(replace(e, offset=offset))
-            offset = align(offset + e.nbytes, PARAM_ALIGNMENT)
+            offset = next_offset(offset, e.nbytes)
         for p, stored in zip(params, masters):
             if stored:
                 entries.append(_Entry(optimizer, p, None, tuple(p.shape), p.dtype, offset))
-                offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
+                offset = next_offset(offset, entries[-1].nbytes)
         for p in params:
             for key, value in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     entries.append(_Entry(optimizer, p, key, tuple(value.shape), value.dtype, offset))
-                    offset = align(offset + entries[-1].nbytes, PARAM_ALIGNMENT)
+                    offset = next_offset(offset, entries[-1].nbytes)
         if not entries:
             # nothing to store (SGD without momentum, or no gradient yet for a module first used
             # later): the unit stays unknown, so no later update reads a file never written
@@ -132,6 +194,13 @@ class NvmeOptimizerStates:
         if unit in self.loaded:
             for entry in self.layouts[unit]:
                 entry.set(entry.value().clone())
+
+    def in_place(self, unit: int, buffer: torch.Tensor) -> bool:
+        """Every entry of the unit's layout holds its value at its place in ``buffer`` already
+        (made there by ``StatesMadeInBuffer``): saving it copies nothing."""
+        if self.sizes[unit] > buffer.numel():
+            return False
+        return all(e.value().data_ptr() == view.data_ptr() for e, view in zip(self.layouts[unit], self.views(unit, buffer)))
 
     def views(self, unit: int, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.layouts[unit]]

@@ -10,8 +10,9 @@ write back (an NVMe unit's parameters and states go home; behind the next update
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -22,10 +23,11 @@ from ..params.cache import UnitCache
 from ..context import EngineContext
 from ..grads.path import GradientPath, clip_by_value
 from .nvme_pipeline import NvmeUpdatePipeline
-from .nvme_states import NvmeOptimizerStates
+from .nvme_states import NvmeOptimizerStates, StatesMadeInBuffer, next_offset
 from .optimizers import LOOSE, UnitOptimizers, UnitSlot, grads_on, host_implementation
 from .speculation import SpeculativeUpdates
 from ..state import UnitState, one_element
+from ..units import PARAM_ALIGNMENT
 from .worker import UpdateWorker
 
 
@@ -309,9 +311,10 @@ class UnitUpdater:
         self.gradients.restore(s)
         grads = self.gradients.for_update(s, positions)
         written = self._take_written(s)
+        made: ContextManager[Any] = contextlib.nullcontext()
         if s.home == NVME:
             known = nvme_states.known(s.unit.index)
-            params, states, copies = self._stage_nvme(s, slot, positions, staged, known, on_worker)
+            params, states, copies, made = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
             self.ctx.device.check_host_access(self.ctx.home_bytes(s), "updates a host unit at home")
@@ -319,8 +322,9 @@ class UnitUpdater:
             _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
             self._remember_state_bytes(s, slot)
             return
-        self.freed.check()  # before the step makes its temporaries (a first step: the unit's new states)
-        _step_masters(unit_optimizers, slot, grads, copies, written=written)
+        self.freed.check()  # before the step makes its temporaries
+        with made:  # a first step of an NVMe unit: its new states made in their buffer
+            _step_masters(unit_optimizers, slot, grads, copies, written=written)
         self.gradients.consumed(s, positions)
         if s.home == NVME:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
@@ -336,9 +340,10 @@ class UnitUpdater:
 
     def _stage_nvme(
         self, s: UnitState, slot: UnitSlot, positions: list[int], staged: Any, known: bool, on_worker: bool,
-    ) -> tuple[Slot, Optional[Slot], list[torch.Tensor]]:
+    ) -> tuple[Slot, Optional[Slot], list[torch.Tensor], ContextManager[Any]]:
         """An NVMe unit's parameters (and its states, once stored) in host buffers, its masters
-        bound to them: (parameter buffer, state buffer or None, the parameters' views)."""
+        bound to them: (parameter buffer, state buffer or None, the parameters' views, what the
+        step runs under: at the unit's first step, its states made in the state buffer)."""
         states: Optional[Slot] = None
         nvme_states, pipeline = self._nvme()
         if on_worker:
@@ -364,22 +369,54 @@ class UnitUpdater:
             size = nvme_states.sizes[s.unit.index]
             states = pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
             nvme_states.load(s.unit.index, states.tensor)
-        self._own_unstored_masters(slot, copies)
-        return params, states, copies
+        else:
+            states = self._first_state_buffer(s, slot, on_worker)
+        start = self._own_unstored_masters(slot, copies, states.tensor if states is not None and not known else None)
+        if known or states is None:
+            return params, states, copies, contextlib.nullcontext()
+        return params, states, copies, StatesMadeInBuffer(states.tensor, start)
 
-    def _own_unstored_masters(self, slot: UnitSlot, copies: list[torch.Tensor]) -> None:
+    def _first_state_buffer(self, s: UnitState, slot: UnitSlot, on_worker: bool) -> Optional[Slot]:
+        """A unit's first update: the buffer its states will be stored from, taken before the step
+        so that the optimizer makes them there (``StatesMadeInBuffer``), of the bytes planned for
+        them (the masters' bytes times the optimizer's state bytes per byte, fp32 masters beside),
+        at most the largest buffer; None where none are planned."""
+        masters = sum(m.numel() * m.element_size() for m in slot.masters)
+        widened = sum(m.numel() * m.element_size() for position, m in enumerate(slot.masters) if slot.widened(position))
+        planned = int(masters * self.gradients.state_factor) + widened
+        if planned == 0:
+            return None
+        nvme_states, pipeline = self._nvme()
+        largest = pipeline.pool.classes[0].slot_bytes if on_worker else max(self.ctx.placement.staging_slots)
+        size = min(align(planned + len(slot.masters) * 2 * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT), largest)
+        return pipeline.buffer(size) if on_worker else self._state_buffer(s, size)
+
+    def _own_unstored_masters(self, slot: UnitSlot, copies: list[torch.Tensor], buffer: Optional[torch.Tensor] = None) -> int:
         """An fp32 master is read with the states, into their buffer; one never stored yet (still
         its placeholder) starts from the copy, in memory of its own (made only then: not at every
-        update, which put the unit's size in fp32 through the allocator each time)."""
+        update, which put the unit's size in fp32 through the allocator each time): at a unit's
+        first update, at its place in the states' ``buffer`` where it fits. Returns where the
+        states start after the masters in that layout."""
+        offset = 0
         for position, (master, copy) in enumerate(zip(slot.masters, copies)):
-            if slot.widened(position) and master.data_ptr() == self.idle_masters[id(master)].data_ptr():
-                master.data = torch.empty(copy.shape, dtype=master.dtype)
+            if not slot.widened(position):
+                continue
+            nbytes = copy.numel() * master.element_size()
+            if master.data_ptr() == self.idle_masters[id(master)].data_ptr():
+                if buffer is not None and offset + nbytes <= buffer.numel():
+                    master.data = buffer[offset : offset + nbytes].view(master.dtype).view(copy.shape)
+                else:
+                    master.data = torch.empty(copy.shape, dtype=master.dtype)
+            offset = next_offset(offset, nbytes)
+        return offset
 
     def _write_back_nvme(self, s: UnitState, slot: UnitSlot, params: Slot, states: Optional[Slot], known: bool, on_worker: bool) -> None:
         """The updated parameters and states of an NVMe unit go home: behind the next unit's
         update on the worker, at once otherwise; the masters point at their placeholders again."""
         nvme_states, pipeline = self._nvme()
-        if not known or not nvme_states.matches(slot.inner, s.unit.index, slot.masters):
+        if not known and states is not None:
+            states = self._keep_made_states(s, slot, states, on_worker)
+        elif not known or not nvme_states.matches(slot.inner, s.unit.index, slot.masters):
             states = self._relayout_states(s, slot, states, on_worker)
         writes = []
         if states is not None:
@@ -394,6 +431,18 @@ class UnitUpdater:
             w.result()
         if states is not None:
             self.ctx.memory.staging_pool.release(states)
+
+    def _keep_made_states(self, s: UnitState, slot: UnitSlot, states: Slot, on_worker: bool) -> Optional[Slot]:
+        """A unit's first update made its states in ``states`` (``StatesMadeInBuffer``): their
+        layout is learnt; where every one is at its place there, the buffer is kept as it is,
+        else each takes a copy of its own and they are laid out as after any new state."""
+        nvme_states, pipeline = self._nvme()
+        widened = [slot.widened(position) for position in range(len(slot.masters))]
+        if nvme_states.learn(slot.inner, s.unit.index, slot.masters, widened) and nvme_states.in_place(s.unit.index, states.tensor):
+            return states
+        nvme_states.own(s.unit.index)  # made elsewhere in part: the buffer goes back, their values stay
+        (pipeline.pool if on_worker else self.ctx.memory.staging_pool).release(states)
+        return self._relayout_states(s, slot, None, on_worker)
 
     def _relayout_states(self, s: UnitState, slot: UnitSlot, states: Optional[Slot], on_worker: bool) -> Optional[Slot]:
         """The optimizer created (or added) states: their layout is learnt, and a buffer of the new
