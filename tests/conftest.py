@@ -18,6 +18,10 @@ NVME_TEST_FREE_BYTES = 4 * 1024**3
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # xdist (3.x) otherwise hands out the largest modules first, by test count: the few long
+    # subprocess modules then came last and one worker ran them alone at the end
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker shares the cores with the others
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -36,7 +40,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     free = shutil.disk_usage(tempfile.gettempdir()).free
     no_room = pytest.mark.skip(reason=f"needs {NVME_TEST_FREE_BYTES >> 30} GiB free for NVMe files, {free >> 30} GiB free")
     slow_tests = Counter(_module(item) for item in items if "slow" in item.keywords)
-    items.sort(key=lambda item: -slow_tests[_module(item)])  # stable: each module's order kept
+    tests = Counter(_module(item) for item in items)
+    # stable: each module's order kept; among modules with as many slow tests, the larger first
+    items.sort(key=lambda item: (-slow_tests[_module(item)], -tests[_module(item)]))
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)

@@ -29,7 +29,7 @@ from offload_strategy import TieredStrategy
 from offload_strategy.planning.placement import PlacementError
 from offload_strategy.runtime.params.scheduler import RESYNC_WINDOW, PrefetchTable
 from tests.helpers import assert_same_weights
-from tests.test_recipes import Losses, Net, fit
+from tests.test_recipes import Losses, Net, PlainRuns, fit
 
 pytestmark = pytest.mark.slow  # each finds its minimum through the strategy's refusals, then trains twice
 
@@ -171,11 +171,17 @@ def train_at_the_named_minimum(tmp_path: Path, make: Callable[[], L.LightningMod
     raise AssertionError(f"still refused at gpu_memory={gpu_memory}")
 
 
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> PlainRuns:
+    """Plain Lightning's run of each model, once for both policies."""
+    return PlainRuns(tmp_path_factory.mktemp("plain"))
+
+
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_trains_like_plain_at_the_minimum_the_strategy_names(tmp_path, model, policy):
+def test_trains_like_plain_at_the_minimum_the_strategy_names(tmp_path, plain_runs, model, policy):
     make = MODELS[model]
-    plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", make, steps=STEPS)
+    plain_losses, plain_weights, _ = plain_runs(make, steps=STEPS)
     losses, weights, _ = train_at_the_named_minimum(tmp_path, make, POLICIES[policy])
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)

@@ -21,7 +21,7 @@ from tests.test_recompute_buffers import BatchNorm2dNet, BatchNormNet, RunningNe
 from tests.test_recompute_buffers import DEFAULT_POLICY_TIERS as BUFFER_MODEL_TIERS
 from offload_strategy import TieredStrategy
 from tests import test_recipes as recipes
-from tests.test_recipes import PLACEMENTS, T5, Net, assert_like_plain, fit, tiered
+from tests.test_recipes import PLACEMENTS, T5, Net, PlainRuns, assert_like_plain, fit, tiered
 
 pytest.importorskip("transformers")
 
@@ -196,10 +196,19 @@ MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm
           "running-statistic-blocks": RunningNet, "own-checkpoint-batchnorm": OwnCheckpointBatchNorm}
 
 
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> PlainRuns:
+    """Plain Lightning's run of each model, once for both placements."""
+    return PlainRuns(tmp_path_factory.mktemp("plain"))
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("model", list(MODELS))
-def test_model_family(tmp_path, model, placement):
-    assert_like_plain(tmp_path, placement, MODELS[model], steps=3)
+def test_model_family(tmp_path, plain_runs, model, placement):
+    plain_losses, plain_weights, _ = plain_runs(MODELS[model], steps=3)
+    losses, weights, _ = fit(tiered(placement, tmp_path), tmp_path / "tiered", MODELS[model], steps=3)
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
 
 
 # -- recipes ----------------------------------------------------------------------------------------

@@ -86,6 +86,22 @@ def fit(
     return losses.values, {k: v.detach().clone() for k, v in model.state_dict().items()}, model
 
 
+class PlainRuns:
+    """Plain Lightning's runs that several tests of a module compare with, each run once per model,
+    step count and trainer settings (seeded alike, a second run would give the same losses and
+    weights); runs with callbacks are not kept, their callbacks' state being the test's."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple, tuple[list[float], dict[str, torch.Tensor], L.LightningModule]] = {}
+
+    def __call__(self, make: Callable[[], L.LightningModule], steps: int = 6, **trainer_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor], L.LightningModule]:
+        key = (make, steps, tuple(sorted(trainer_kwargs.items())))
+        if key not in self.done:
+            self.done[key] = fit("auto", self.root / f"plain{len(self.done)}", make, steps=steps, **trainer_kwargs)
+        return self.done[key]
+
+
 def assert_like_plain(tmp_path: Path, placement: str, make: Callable[[], L.LightningModule], callbacks: Callable[[], tuple] = tuple,
                       policy: Optional[dict] = None, **kwargs: Any) -> tuple[L.LightningModule, L.LightningModule]:
     plain_losses, plain_weights, plain = fit("auto", tmp_path / "plain", make, callbacks=callbacks(), **kwargs)
