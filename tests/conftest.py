@@ -6,9 +6,10 @@ each worker, and every process its tests start, computes on one thread.
 Every test runs under the emulated device's race check (``OFFLOAD_STRATEGY_RACE_CHECK``: copies
 land late, a host access before the host waited for a copy raises), with a seed of its own made
 from its id, so a failure reruns with the same delays; the seed is printed in the failure's
-report, and every process the test starts inherits it. A test marked ``no_race_check`` (it
-measures time or memory, which the delays would distort) runs without. A seed in the environment
-wins (``OFFLOAD_STRATEGY_RACE_CHECK=0`` turns the check off)."""
+report, and every process the test starts inherits it (a fixture shared between tests runs under
+the seed of the first test that makes it). A test marked ``no_race_check`` (it measures time or
+memory, which the delays would distort) runs without. A seed in the environment wins
+(``OFFLOAD_STRATEGY_RACE_CHECK=0`` turns the check off)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 # Tests that write large files need this much free space next to the temporary directory.
 NVME_TEST_FREE_BYTES = 4 * 1024**3
 # offload_strategy.hardware.device.RACE_CHECK_ENV, named here so that collecting the tests imports
-# nothing of the package (tests/test_race_check.py checks the two agree)
+# nothing of the package (tests/test_race_paths.py checks the two agree)
 RACE_CHECK_ENV = "OFFLOAD_STRATEGY_RACE_CHECK"
 RACE_CHECK_SEED = pytest.StashKey[str]()  # the test's setting, for its failure's report
 RACE_CHECK_OUTSIDE = pytest.StashKey[Optional[str]]()  # the setting outside the test, restored after it
