@@ -28,11 +28,12 @@ import os
 import queue
 import random
 import threading
+import sys
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from types import FrameType
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -338,7 +339,7 @@ class _InFlight:
     direction: str
     dst: tuple[int, int]  # [start, end) addresses
     src: tuple[int, int]
-    issued_by: str
+    issued_by: _Call
     order: int  # in the order copies were issued
     ordered_compute_at: Optional[int] = None  # the issue order when compute was made to wait for it
 
@@ -348,12 +349,28 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
-def _caller() -> str:
-    """The innermost frame outside this module: the call that issued or touched a buffer."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.endswith(("device.py", "pools.py")) and frame.name != "<lambda>":
-            return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
-    return "?"
+class _Call(NamedTuple):
+    """Where a call was made, formatted only for an error's message."""
+
+    filename: str
+    lineno: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{os.path.relpath(self.filename)}:{self.lineno} ({self.name})"
+
+
+def _caller() -> _Call:
+    """The innermost frame outside this module: the call that issued or touched a buffer. Read
+    off the frames, not ``traceback.extract_stack`` (which reads every frame's source line: a
+    millisecond a copy under Lightning's stack, most of what the race check cost the suite)."""
+    frame: Optional[FrameType] = sys._getframe(2)  # past this function and the race check's own
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.endswith(("device.py", "pools.py")) and code.co_name != "<lambda>":
+            return _Call(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return _Call("?", 0, "?")
 
 
 class RaceCheck:
