@@ -130,6 +130,7 @@ class Metrics(L.Callback):
             self.last["all_host_masters_bytes"] = float(sum(
                 align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in engine.states if s.home == HOST and s.widened
             ))
+            self.last["race_checked"] = float(getattr(engine.device, "race_check", None) is not None)  # the suite's (tests/conftest.py)
 
 
 def main() -> None:

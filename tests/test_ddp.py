@@ -10,10 +10,13 @@ Each run is ``tests/ddp_job.py`` started as a user starts it (``tests/ddp_launch
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from offload_strategy.hardware.device import RACE_CHECK_ENV
 from tests.ddp_job import GPT2_4L
 from tests.ddp_launch import assert_same_optimizer_states, launch, launch_by_lightning, load, plain_ddp_runs
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
@@ -49,6 +52,7 @@ def test_two_ranks_match_ddp_with_parameters_and_states_on_host_and_nvme(runs):
         metrics = tiered[rank]["metrics"]
         assert metrics["units/host"] > 0 and metrics["units/nvme"] > 0, metrics
         assert metrics["optimizer/nvme_state_bytes"] > 0, metrics
+        assert metrics["race_checked"] == float(os.environ.get(RACE_CHECK_ENV, "0") not in ("", "0")), "the ranks inherit the suite's race check"
     assert plain[0]["losses"] != plain[1]["losses"], "both ranks saw the same batches"
     assert_same_weights(load(plain_dir / "weights.pt"), load(tiered_dir / "weights.pt"))
     # the checkpoint gathers every rank's states into DDP's own format

@@ -96,6 +96,7 @@ def test_training_on_after_fit_reads_the_states_left_on_nvme(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.nvme
+@pytest.mark.no_race_check  # measures the resident set
 def test_the_resident_set_grows_by_at_most_the_budgets_from_construction_to_after_fit(tmp_path):
     """A 19M-parameter GPT-2 (training state 290 MiB) built in configure_model with 64 MiB of host
     memory and a 16 MiB emulated GPU tier: before, teardown read every parameter and optimizer

@@ -63,6 +63,7 @@ def test_the_check_reads_the_resident_set_through_one_descriptor_it_closes():
     assert not mine & statm_descriptors()  # others' may have closed meanwhile: ours is closed
 
 
+@pytest.mark.no_race_check  # measures the resident set
 def test_the_resident_set_during_the_steps_stays_within_the_bound(tmp_path):
     """A 101M-parameter GPT-2 (8 x 1024; training state 1.5 GiB, 3.4x the bound) at home on NVMe
     with 200 MiB of host memory and a 64 MiB emulated GPU tier: before, the steps grew the process

@@ -225,7 +225,7 @@ def test_chunks_train_identically(tmp_path):
 def test_engine_with_units_computed_in_place_at_home():
     """DHA units never move: the model computes on their host home. Checked without Lightning,
     against a plain training loop."""
-    from offload_strategy.hardware.device import EmulatedDevice
+    from offload_strategy.hardware.device import make_device
     from offload_strategy.planning.placement import HOST, UnitSize, place_units
     from offload_strategy.runtime.engine import TieredEngine
     from offload_strategy.runtime.units import build_units
@@ -241,7 +241,7 @@ def test_engine_with_units_computed_in_place_at_home():
     norms = frozenset(i for i, u in enumerate(units) if isinstance(dict(tiered.named_modules())[u.name], nn.LayerNorm))
     assert all(placement.home[i] == HOST for i in norms)
     placement = dataclasses.replace(placement, dha=norms)
-    engine = TieredEngine(tiered, units, users, placement, EmulatedDevice(capacity=18000))
+    engine = TieredEngine(tiered, units, users, placement, make_device(torch.device("cpu"), capacity=18000))
     try:
         opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
         opt_tiered = torch.optim.AdamW(tiered.parameters(), lr=1e-2)

@@ -120,6 +120,7 @@ def test_with_two_optimizers_the_plan_also_waits_for_the_second_batch(tmp_path, 
     assert seen == [3]
 
 
+@pytest.mark.no_race_check  # compares the times of a quiet run's steps
 def test_a_step_slowed_throughout_by_a_neighbour_does_not_price_the_plan(tmp_path, monkeypatch):
     """Every module of the second step waits 5 ms (a neighbour process busy throughout): the units
     and blocks are priced at the least of the two warm steps, the third's, and the plan is the one

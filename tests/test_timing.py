@@ -72,6 +72,7 @@ def _timed_run(tmp_path, link_gbps):
     return probe
 
 
+@pytest.mark.no_race_check  # compares step and compute times
 def test_the_engine_times_compute_without_the_waits_for_units(tmp_path):
     # a link slow enough that every step waits ~0.1 s or more for its units
     slow = _timed_run(tmp_path / "slow", 0.0005)

@@ -12,8 +12,9 @@ code may write, read or give back a copy's buffers only after waiting for its ev
 (:meth:`Device.host_wait`, ``Event.wait``, :meth:`Device.synchronize`). The emulated device's
 compute is the host's, so its ``wait`` blocks, and a missing host wait goes unseen. With a
 :class:`RaceCheck` (``EmulatedDevice(race_check=...)``, or ``OFFLOAD_STRATEGY_RACE_CHECK=1`` in
-the environment, as ``TORCH_CUDA_SANITIZER`` turns on PyTorch's check of CUDA streams) copies land
-late, after a random delay each, and the books CUDA would keep are kept: each copy's buffers stay
+the environment, as ``TORCH_CUDA_SANITIZER`` turns on PyTorch's check of CUDA streams; the test
+suite runs under it) copies land late, after a random delay each unless something waits for them
+first, and the books CUDA would keep are kept: each copy's buffers stay
 in flight until the host has waited for it (or for a later copy ordered after it), and
 :meth:`Device.check_host_access` raises :class:`CopyRaceError`, naming the buffer, the call that
 touched it and the call that issued the copy, when the host touches one of them before.
@@ -22,15 +23,17 @@ touched it and the call that issued the copy, when the host touches one of them 
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import queue
 import random
 import threading
+import sys
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from types import FrameType
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -57,6 +60,7 @@ class Event:
         self.error: Optional[BaseException] = None
         self._finished = threading.Event()
         self.on_host_wait: Optional[Callable[["Event"], None]] = None  # a RaceCheck's books
+        self.hurry: Optional[Callable[[], None]] = None  # lands a late copy now that someone waits (_Link)
 
     def done(self) -> bool:
         """True once the copy has completed, or failed (then :meth:`wait` raises its error)."""
@@ -76,6 +80,8 @@ class Event:
         return blocked
 
     def _block(self) -> None:
+        if self.hurry is not None:
+            self.hurry()
         self._finished.wait()
 
     def _finish(self, error: Optional[BaseException]) -> None:
@@ -256,6 +262,11 @@ def _as_bytes(tensor: torch.Tensor, name: str) -> torch.Tensor:
 class _Link:
     """One direction of the emulated link: a FIFO served by one thread, so copies finish in issue order.
 
+    A copy given a delay (a :class:`RaceCheck`'s late landing) waits that long before it starts,
+    or less: a wait for it, or for a later copy on the link, lands it at once. A copy nobody waits
+    for lands late, and the suite, which runs under the race check, pays for the delays only where
+    no one waits.
+
     It holds no reference to its device, so a device dropped without ``close()`` can still be
     collected and stop its threads. They are daemons: a script that ends without tearing the
     strategy down (a Fabric loop) must not wait on them at exit, and no copy outlives the process.
@@ -265,21 +276,35 @@ class _Link:
         self._seconds_per_byte = 0.0 if gbps is None else 1.0 / (gbps * 1e9)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._last: Optional[Event] = None
+        self._issued = 0  # copies put on the link
+        self._hurried = 0  # copies up to this one land without their delay
+        self._waited = threading.Condition()
         self.failure: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._serve, name=f"offload-{name}", daemon=True)
         self.thread.start()
 
     def put(self, event: Event, dst: torch.Tensor, src: torch.Tensor, delay: float = 0.0) -> None:
         self._last = event
-        self._queue.put((event, dst, src, delay))
+        self._issued += 1
+        event.hurry = functools.partial(self.hurry, self._issued)
+        self._queue.put((event, dst, src, delay, self._issued))
+
+    def hurry(self, through: int) -> None:
+        """Copies up to the ``through``-th land as soon as the link reaches them (someone waits)."""
+        with self._waited:
+            if through > self._hurried:
+                self._hurried = through
+                self._waited.notify_all()
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
             self._run(*item)
             item = None  # drop the buffers while idle
 
-    def _run(self, event: Event, dst: torch.Tensor, src: torch.Tensor, delay: float) -> None:
-        time.sleep(delay)  # a RaceCheck's late landing
+    def _run(self, event: Event, dst: torch.Tensor, src: torch.Tensor, delay: float, number: int) -> None:
+        if delay > 0:  # a RaceCheck's late landing
+            with self._waited:
+                self._waited.wait_for(lambda: self._hurried >= number, timeout=delay)
         start = time.perf_counter()
         try:
             dst.copy_(src)
@@ -294,12 +319,13 @@ class _Link:
     def drain(self) -> None:
         last = self._last
         if last is not None:
-            last._finished.wait()
+            last._block()
         failure, self.failure = self.failure, None
         if failure is not None:
             raise failure
 
     def stop(self) -> None:
+        self.hurry(self._issued)
         self._queue.put(None)  # after every queued copy, so they all complete
         if self.thread is not threading.current_thread():  # a collection may run on the worker itself
             self.thread.join()
@@ -320,7 +346,7 @@ class _InFlight:
     direction: str
     dst: tuple[int, int]  # [start, end) addresses
     src: tuple[int, int]
-    issued_by: str
+    issued_by: _Call
     order: int  # in the order copies were issued
     ordered_compute_at: Optional[int] = None  # the issue order when compute was made to wait for it
 
@@ -330,12 +356,28 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
-def _caller() -> str:
-    """The innermost frame outside this module: the call that issued or touched a buffer."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.endswith(("device.py", "pools.py")) and frame.name != "<lambda>":
-            return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
-    return "?"
+class _Call(NamedTuple):
+    """Where a call was made, formatted only for an error's message."""
+
+    filename: str
+    lineno: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{os.path.relpath(self.filename)}:{self.lineno} ({self.name})"
+
+
+def _caller() -> _Call:
+    """The innermost frame outside this module: the call that issued or touched a buffer. Read
+    off the frames, not ``traceback.extract_stack`` (which reads every frame's source line: a
+    millisecond a copy under Lightning's stack, most of what the race check cost the suite)."""
+    frame: Optional[FrameType] = sys._getframe(2)  # past this function and the race check's own
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.endswith(("device.py", "pools.py")) and code.co_name != "<lambda>":
+            return _Call(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return _Call("?", 0, "?")
 
 
 class RaceCheck:
@@ -346,7 +388,8 @@ class RaceCheck:
     made to wait for it (each copy waits for the compute queued before it), or the compute queued
     after that wait (``compute_done``). Each copy lands after a random delay of up to
     ``max_delay_s`` (drawn from ``seed``), so a buffer used before its copy lands holds the wrong
-    bytes as well."""
+    bytes as well; a wait for it (or a later copy on its link) lands it at once, so that a run
+    whose waits are all in place is hardly slower."""
 
     def __init__(self, max_delay_s: float = 0.002, seed: int = 0) -> None:
         self.max_delay_s = max_delay_s

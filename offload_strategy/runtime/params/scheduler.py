@@ -11,6 +11,12 @@ Deviations from 10Cache, and why:
   used last in forward, which backward needs first, without a special case at the turn.
 - Alg. 4's write-back on eviction is not needed for parameters: between optimizer steps the copy in
   the GPU tier equals the one at home, so eviction only frees the buffer.
+- The profiled step may take several micro-batches (gradient accumulation): each starts the
+  cursor again at the top, and a prefetch never reaches past the end of the micro-batch's own
+  part of the table into the next one's forward. After the step's last backward no such forward
+  comes before the updates, which write the units' homes (on the update worker, during backward)
+  while, on CUDA, the copy out of them could still be queued; between micro-batches the training
+  step may write at home first too (``TieredEngine.begin_step``).
 - The cursor resynchronises on a use found a few entries ahead; on a use farther ahead (a step
   that skips layers: LayerDrop) it moves there too, counting the use as unexpected; a use the
   table holds nowhere ahead (eval loops, dynamic graphs) leaves it alone. Such uses are fetched on
@@ -36,9 +42,11 @@ class PrefetchTable:
         self.frozen = False
         self.cursor = 0
         self._positions: dict[int, list[int]] = {}
+        self._starts: list[int] = []  # where each micro-batch after the first starts in the order
 
     def start_recording(self) -> None:
         self.order.clear()
+        self._starts.clear()
         self.recording = True
 
     def freeze(self) -> None:
@@ -50,6 +58,9 @@ class PrefetchTable:
             self._positions.setdefault(unit, []).append(position)
 
     def restart(self) -> None:
+        """A training step (a micro-batch, under gradient accumulation) starts: from the top."""
+        if self.recording and self.order:
+            self._starts.append(len(self.order))
         self.cursor = 0
 
     def record(self, unit: int) -> bool:
@@ -80,7 +91,12 @@ class PrefetchTable:
         """The next distinct units the table expects, at most ``limit`` entries ahead."""
         if not self.frozen:
             return iter(())
-        return iter(self.order[self.cursor : self.cursor + limit])
+        return iter(self.order[self.cursor : min(self.cursor + limit, self._part_end())])
+
+    def _part_end(self) -> int:
+        """The end of the micro-batch's part of the table the cursor is in."""
+        i = bisect.bisect_left(self._starts, self.cursor)
+        return self._starts[i] if i < len(self._starts) else len(self.order)
 
     def next_use(self, unit: int) -> Optional[int]:
         """Distance from the cursor to the unit's next use this step; None if not used again."""
