@@ -1,0 +1,128 @@
+"""The host's share of a gradient's way home runs off autograd's thread, which only queues it (on a
+GPU the host waiting for a copy waits for everything queued before it, so a wait there drains the
+GPU once per parameter): a later micro-batch's gradient is added at home on the update worker, a
+16-bit one widened there, a ``tiered_ddp`` reduction launched from its own thread once its
+gradients have landed, and a ``swap_nvme`` block's tensor written once its copy has landed with
+no wait in the pack hook. Every run is under the race check (copies land late; a host access
+before its wait raises) and trains as plain Lightning does, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+
+import lightning as L
+import pytest
+
+from offload_strategy import TieredStrategy
+from offload_strategy.hardware.device import RACE_CHECK_ENV, Device, Event
+from offload_strategy.runtime.grads.path import GradientPath
+from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
+from tests.test_offload import gpt2_4l, param_bytes
+from tests.test_precision import FP32AccumulatingLM
+
+
+class CopyWaits:
+    """The threads that waited on the host for copies issued inside ``issuer`` (a method of
+    ``owner``), by name."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: type, issuer: str) -> None:
+        self.threads: list[str] = []
+        self._issued: dict[int, Event] = {}
+        inside = threading.local()
+        issue, copy_to_host, wait = getattr(owner, issuer), Device.copy_to_host, Event.wait
+
+        def issuing(*args, **kwargs):
+            inside.on = True
+            try:
+                return issue(*args, **kwargs)
+            finally:
+                inside.on = False
+
+        def copying(device, dst, src):
+            event = copy_to_host(device, dst, src)
+            if getattr(inside, "on", False):
+                self._issued[id(event)] = event
+            return event
+
+        def waiting(event):
+            if self._issued.get(id(event)) is event:
+                self.threads.append(threading.current_thread().name)
+            return wait(event)
+
+        monkeypatch.setattr(owner, issuer, issuing)
+        monkeypatch.setattr(Device, "copy_to_host", copying)
+        monkeypatch.setattr(Event, "wait", waiting)
+
+
+# Gradients copied home as on CUDA (``gradient_reserve=1``, CUDA's default; the emulated tier's
+# default writes them at home in place). No prefetch: a prefetch past the last micro-batch into
+# the next forward races with the updates at home, which tests/test_race_check.py covers on its own.
+COPIED_HOME = {"gradient_reserve": 1.0, "prefetch": False}
+
+
+def _host_strategy() -> TieredStrategy:
+    return TieredStrategy(policy={**PARAMETERS_ONLY, **COPIED_HOME}, gpu_memory=int(0.3 * param_bytes(gpt2_4l)), host_memory="1GiB")
+
+
+def _nvme_strategy(path) -> TieredStrategy:
+    total = param_bytes(gpt2_4l)
+    return TieredStrategy(policy={**PARAMETERS_ONLY, **COPIED_HOME}, gpu_memory=int(0.3 * total), host_memory=int(4.2 * total),
+                          nvme_path=path, nvme_memory="64MiB")
+
+
+@pytest.mark.parametrize("accumulate", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+def test_later_micro_batches_are_added_at_home_on_the_update_worker(tmp_path, monkeypatch, accumulate):
+    """Autograd's thread waited for the gradient's last copy home, then copied the new one into
+    pageable memory and added it there, for every offloaded parameter of every later micro-batch."""
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2_4l, accumulate_grad_batches=accumulate)
+    monkeypatch.setenv(RACE_CHECK_ENV, str(accumulate))
+    waits = CopyWaits(monkeypatch, GradientPath, "receive")
+    losses, weights, trainer = train(_host_strategy(), tmp_path / "tiered", epochs=1, make_model=gpt2_4l, accumulate_grad_batches=accumulate)
+    assert trainer.strategy.metrics()["units/host"] > 0
+    assert waits.threads and set(waits.threads) == {"offload-update"}, sorted(set(waits.threads))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.slow
+def test_later_micro_batches_of_nvme_units_and_16_bit_gradients_settle_on_the_update_worker(tmp_path, monkeypatch):
+    """Units in every tier under ``bf16-true``: a 16-bit gradient lands beside its fp32 master's
+    and is widened (or added) into it on the worker; NVMe units' gradients wait in their buffers
+    and on NVMe between micro-batches as before. The reference is plain Lightning updating fp32
+    masters by hand (``tests/test_precision.py``)."""
+    kwargs = dict(precision="bf16-true", accumulate_grad_batches=3)
+    expected_losses, expected_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=FP32AccumulatingLM, **kwargs)
+    monkeypatch.setenv(RACE_CHECK_ENV, "7")
+    waits = CopyWaits(monkeypatch, GradientPath, "receive")
+    losses, weights, trainer = train(_nvme_strategy(tmp_path / "nvme"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, **kwargs)
+    metrics = trainer.strategy.metrics()
+    assert metrics["units/host"] > 0 and metrics["units/nvme"] > 0
+    assert waits.threads and set(waits.threads) == {"offload-update"}, sorted(set(waits.threads))
+    assert losses == expected_losses
+    assert_same_weights(expected_weights, weights)
+
+
+class Pieces(L.Callback):
+    """The size of the staging's pieces, and how many it made beyond its few."""
+
+    def __init__(self) -> None:
+        self.piece_bytes, self.extra = 0, 0
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        staging = trainer.strategy.engine.gradients.staging
+        self.piece_bytes, self.extra = staging.piece_bytes, staging.extra
+
+
+@pytest.mark.slow
+def test_a_later_micro_batch_goes_home_in_pieces_no_larger_than_the_staging(tmp_path, monkeypatch):
+    """A gradient larger than a staging piece (the embedding: 32 KiB) is copied and added a piece
+    at a time, through the few pieces there are, autograd's thread waiting for the worker to give
+    one back."""
+    monkeypatch.setattr("offload_strategy.runtime.grads.staging.PIECE_BYTES", 4096)
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2_4l, accumulate_grad_batches=2)
+    monkeypatch.setenv(RACE_CHECK_ENV, "11")
+    pieces = Pieces()
+    losses, weights, _ = train(_host_strategy(), tmp_path / "tiered", epochs=1, make_model=gpt2_4l, accumulate_grad_batches=2, extra_callbacks=(pieces,))
+    assert pieces.piece_bytes == 4096 and pieces.extra == 0
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
