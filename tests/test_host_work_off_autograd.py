@@ -12,11 +12,15 @@ import threading
 
 import lightning as L
 import pytest
+import torch.distributed as dist
 
 from offload_strategy import TieredStrategy
 from offload_strategy.hardware.device import RACE_CHECK_ENV, Device, Event
+from offload_strategy.runtime.activations.swap import ActivationSwap
 from offload_strategy.runtime.grads.path import GradientPath
+from tests.ddp_launch import launch, load
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
+from tests.test_activations import Swapped, gpt2
 from tests.test_offload import gpt2_4l, param_bytes
 from tests.test_precision import FP32AccumulatingLM
 
@@ -126,3 +130,37 @@ def test_a_later_micro_batch_goes_home_in_pieces_no_larger_than_the_staging(tmp_
     assert pieces.piece_bytes == 4096 and pieces.extra == 0
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.slow
+def test_swap_nvme_writes_each_tensor_once_its_copy_has_landed_without_a_wait_in_the_pack_hook(tmp_path, monkeypatch):
+    """Every block's activations to NVMe, two micro-batches a step, gradients copied home: the
+    pack hook waited for each saved tensor's copy out of the GPU tier before queueing its write;
+    the store's threads wait for it now, and backward's unpack waits for the write."""
+    plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2, accumulate_grad_batches=2)
+    monkeypatch.setenv(RACE_CHECK_ENV, "13")
+    waits, seen = CopyWaits(monkeypatch, ActivationSwap, "_pack"), Swapped()
+    strategy = TieredStrategy(policy={"name": "auto", "activations": "swap_nvme", **COPIED_HOME}, nvme_path=tmp_path / "nvme")
+    losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2, accumulate_grad_batches=2, extra_callbacks=(seen,))
+    assert seen.metrics[-1]["activations/swapped_nvme_bytes"] > 0
+    assert waits.threads and all(name.startswith("nvme") for name in waits.threads), sorted(set(waits.threads))
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_tiered_ddp_waits_for_gradients_and_launches_reductions_off_autograds_thread(tmp_path, monkeypatch):
+    """Two ranks, host and NVMe units, gradients copied home: each unit's reduction waited on the
+    host for its gradients' copies and launched, on autograd's thread; a thread of its own does
+    both now, in the canonical order. Losses and weights are DDP's, bit for bit."""
+    args = ("--accumulate", "2", "--epochs", "1")
+    plain = launch(tmp_path / "ddp", "--strategy", "ddp", *args)
+    monkeypatch.setenv(RACE_CHECK_ENV, "17")
+    tiered = launch(tmp_path / "tiered_ddp", "--strategy", "tiered_ddp", "--copied-home", "--record-threads", "--nvme", str(tmp_path / "nvme"), *args)
+    for rank in (0, 1):
+        threads = tiered[rank]["threads"]
+        assert threads["launches"] and set(threads["launches"]) == {"offload-reduce"}, sorted(set(threads["launches"]))
+        assert threads["copy_waits"] and "MainThread" not in threads["copy_waits"], sorted(set(threads["copy_waits"]))
+        assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))

@@ -454,6 +454,9 @@ class TieredEngine:
             if closing is not None:
                 closing.closed = True  # nothing is fetched or lent any more
         errors = updater.close() if updater is not None else []
+        exchange = self._built("exchange")
+        if exchange is not None:
+            exchange.close()
         self._remove_hooks()
         left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
         if materialize and lending is not None:

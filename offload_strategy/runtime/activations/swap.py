@@ -7,8 +7,9 @@ offload side of LoHan §IV-B) hand every tensor autograd saves for backward to t
   itself; an activation swap must never copy a weight);
 - a tensor smaller than ``MIN_SWAP_BYTES`` stays (the copy would cost more than it frees);
 - any other tensor is copied to host memory asynchronously and the GPU-tier original is let go; a
-  ``swap_nvme`` block's copies continue from host memory to the NVMe store, and their host buffers
-  are let go once written. Host memory holds at most ``host_limit`` bytes of swapped activations
+  ``swap_nvme`` block's copies continue from host memory to the NVMe store, written by the store's
+  threads once each copy has landed (the pack hook never waits for a copy), and their host
+  buffers are let go once written. Host memory holds at most ``host_limit`` bytes of swapped activations
   per step: beyond it a ``swap_host`` tensor goes on to NVMe when there is a store, and otherwise
   stays in the GPU tier (counted in ``stats.host_full_bytes``).
 
@@ -209,12 +210,14 @@ class ActivationSwap:
         to_host = self.device.copy_to_host(host, memory)
         copy = _Copy(block, nbytes, host, to_host)
         if destination == SWAP_NVME and self.store is not None:
-            to_host.wait()
+            # the store's threads wait for the copy, then write: the pack hook only queues both
+            # (backward's unpack waits for the write)
             copy.to_host = None
             key = f"activation{next(self._keys)}"
             try:
-                copy.written = self.store.write(key, host)
+                copy.written = self.store.write(key, host, after=to_host.wait)
             except NvmeSpaceError:
+                to_host.wait()  # the buffer goes: not while the copy may still write it
                 if requested == SWAP_NVME:
                     raise
                 self.stats.host_full_bytes += nbytes  # over host memory and the NVMe budget: it stays
