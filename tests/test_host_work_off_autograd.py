@@ -8,6 +8,7 @@ before its wait raises) and trains as plain Lightning does, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import lightning as L
@@ -18,6 +19,7 @@ from offload_strategy import TieredStrategy
 from offload_strategy.hardware.device import RACE_CHECK_ENV, Device, Event
 from offload_strategy.runtime.activations.swap import ActivationSwap
 from offload_strategy.runtime.grads.path import GradientPath
+from offload_strategy.runtime.updates.worker import UpdateWorker
 from tests.ddp_launch import launch, load
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_activations import Swapped, gpt2
@@ -165,3 +167,27 @@ def test_tiered_ddp_waits_for_gradients_and_launches_reductions_off_autograds_th
         assert threads["copy_waits"] and "MainThread" not in threads["copy_waits"], sorted(set(threads["copy_waits"]))
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
     assert_same_weights(load(tmp_path / "ddp" / "weights.pt"), load(tmp_path / "tiered_ddp" / "weights.pt"))
+
+
+def test_a_task_the_worker_skipped_after_a_failure_raises_that_failure_to_whoever_waits():
+    """Autograd's thread may wait for an add the worker skipped (an update failed before it): it
+    gets the failure, not a wait for ever; a task waiting for one queued behind it is refused."""
+    worker = UpdateWorker(name="test-worker")
+    try:
+        failing = worker.submit(lambda: 1 / 0)
+        skipped = worker.submit(lambda: None)
+        with pytest.raises(ZeroDivisionError):
+            skipped.wait()
+        with pytest.raises(ZeroDivisionError):
+            failing.wait()
+        with pytest.raises(ZeroDivisionError):
+            worker.drain()
+        later: list = []
+        first = worker.submit(lambda: later[0].wait())
+        later.append(worker.submit(lambda: None))
+        with pytest.raises(RuntimeError, match="queued after it"):
+            first.wait()
+    finally:
+        with contextlib.suppress(RuntimeError):
+            worker.drain()
+        worker.close()
