@@ -6,6 +6,9 @@ the worker; the worker waits for the copy, adds, and gives the piece back. A gra
 a piece goes in pieces, so the memory stays a few pieces whatever the model (a copy into pageable
 memory, as ``grad.to("cpu")`` makes, would wait on the host for everything queued before it).
 With every piece in use, autograd's thread waits for the worker to give one back.
+
+The pieces (at most ``PIECES * PIECE_BYTES``, 32 MiB) are not in the placement's host budget: the
+planner does not know whether a run accumulates. They are within ``RUNTIME_HOST_ALLOWANCE``'s room.
 """
 
 from __future__ import annotations
