@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -133,6 +134,44 @@ class Metrics(L.Callback):
             self.last["race_checked"] = float(getattr(engine.device, "race_check", None) is not None)  # the suite's (tests/conftest.py)
 
 
+def record_threads() -> dict[str, list[str]]:
+    """The names of the threads that waited on the host for the copies of gradients home, and of
+    those that launched backward's reductions, filled in as the run goes (``--record-threads``)."""
+    from offload_strategy.hardware.device import Device, Event  # noqa: PLC0415
+    from offload_strategy.runtime.grads.exchange import GradientExchange  # noqa: PLC0415
+    from offload_strategy.runtime.grads.path import GradientPath  # noqa: PLC0415
+
+    seen: dict[str, list[str]] = {"copy_waits": [], "launches": []}
+    issued: dict[int, Event] = {}
+    inside = threading.local()
+    receive, copy_to_host, wait, launch = GradientPath.receive, Device.copy_to_host, Event.wait, GradientExchange._launch
+
+    def receiving(self, p):
+        inside.on = True
+        try:
+            return receive(self, p)
+        finally:
+            inside.on = False
+
+    def copying(self, dst, src):
+        event = copy_to_host(self, dst, src)
+        if getattr(inside, "on", False):
+            issued[id(event)] = event
+        return event
+
+    def waiting(event):
+        if issued.get(id(event)) is event:
+            seen["copy_waits"].append(threading.current_thread().name)
+        return wait(event)
+
+    def launching(self, *args):
+        seen["launches"].append(threading.current_thread().name)
+        return launch(self, *args)
+
+    GradientPath.receive, Device.copy_to_host, Event.wait, GradientExchange._launch = receiving, copying, waiting, launching
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="tiered_ddp", choices=["ddp", "ddp_find_unused_parameters_true", "tiered_ddp", "tiered", "auto"])
@@ -161,6 +200,8 @@ def main() -> None:
     parser.add_argument("--policy-none", action="store_true", help="policy 'none' (every unit in the GPU tier)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="the loss a chunk of this many tokens at a time")
     parser.add_argument("--timeout", type=float, default=None, help="the strategy's timeout, seconds")
+    parser.add_argument("--copied-home", action="store_true", help="gradients copied home (gradient_reserve=1, as on CUDA), no prefetch")
+    parser.add_argument("--record-threads", action="store_true", help="report the threads that waited for gradients' copies and launched reductions")
     parser.add_argument("--hang", type=int, nargs=2, default=None, metavar=("RANK", "STEP"), help="RANK stops responding before STEP")
     args = parser.parse_args()
 
@@ -174,6 +215,9 @@ def main() -> None:
         budgets = dict(policy="none", host_memory=int(host * total))
     if args.nvme:
         budgets.update(nvme_path=args.nvme, nvme_memory="64MiB")
+    if args.copied_home:
+        budgets["policy"] = {**PARAMETERS_ONLY, "gradient_reserve": 1.0, "prefetch": False}
+    threads = record_threads() if args.record_threads else None
     if args.strategy == "tiered_ddp":
         timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
         strategy = TieredDDPStrategy(shard_states=not args.no_shard, share_host_homes=args.share_homes, **timeout, **budgets)
@@ -211,7 +255,7 @@ def main() -> None:
     trainer.fit(model, datamodule=tiny_data(), ckpt_path=args.resume)
     trainer.save_checkpoint(args.out / "last.ckpt")  # every rank takes part; rank 0 writes
     rank = trainer.global_rank
-    report = {"losses": recorder.losses, "metrics": metrics.last, "world_size": trainer.world_size}
+    report = {"losses": recorder.losses, "metrics": metrics.last, "world_size": trainer.world_size, **({"threads": threads} if threads else {})}
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "weights.pt")

@@ -23,6 +23,7 @@ touched it and the call that issued the copy, when the host touches one of them 
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import os
 import queue
@@ -213,6 +214,11 @@ class Device(abc.ABC):
         event = Event(0)
         event._finish(None)
         return event
+
+    def compute_stream(self) -> contextlib.AbstractContextManager:
+        """A context in which another host thread queues its kernels where this thread queues its
+        compute now (CUDA: this thread's current stream), so that they run after what it queued."""
+        return contextlib.nullcontext()
 
     def mark_time(self) -> TimeMark:
         """A mark on the compute's timeline at the compute queued so far (read it with
@@ -549,6 +555,9 @@ class CudaDevice(Device):
         event = _CudaEvent(0)
         event.cuda_event.record(torch.cuda.current_stream(self.compute))
         return event
+
+    def compute_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(torch.cuda.current_stream(self.compute))
 
     def mark_time(self) -> TimeMark:
         return _CudaTimeMark(torch.cuda.current_stream(self.compute))

@@ -323,11 +323,13 @@ class NvmeStore:
     def used_bytes(self) -> int:
         return self._used
 
-    def write(self, key: str, src: torch.Tensor) -> Future:
+    def write(self, key: str, src: torch.Tensor, after: Optional[Callable[[], object]] = None) -> Future:
         """Store ``src``'s bytes under ``key``; keep ``src`` alive and unchanged until the future is done.
 
         The space is booked at once, so the budget check needs no wait; if the future fails, the
-        key's content is undefined until it is written again.
+        key's content is undefined until it is written again. ``after``: called on the store's
+        threads before they read ``src`` (a host wait for the copy that fills it), so that the
+        caller queues the write without waiting; its error fails the future.
         """
         data = _bytes_of(src, "src")
         n = data.nbytes
@@ -348,7 +350,7 @@ class NvmeStore:
             entry.seal = _Seal({}) if self.checksums else None  # a new write: the old digests no longer hold
             entry.failed = None
         flags = os.O_CREAT | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
-        return self._transfer(_Request(_Op.WRITE, key, entry, flags, data, _round_up(n) if self.direct else n))
+        return self._transfer(_Request(_Op.WRITE, key, entry, flags, data, _round_up(n) if self.direct else n), after)
 
     def read(self, key: str, dst: torch.Tensor) -> Future:
         """Fill ``dst`` with the bytes stored under ``key``; the sizes must match exactly. With
@@ -404,8 +406,9 @@ class NvmeStore:
         if self._closed:
             raise RuntimeError(f"NVMe store {self.path} is closed.")
 
-    def _transfer(self, request: "_Request") -> Future:
-        """Run one request as chunks on the pool; the returned future completes when all have."""
+    def _transfer(self, request: "_Request", after: Optional[Callable[[], object]] = None) -> Future:
+        """Run one request as chunks on the pool (each after ``after``); the returned future
+        completes when all have."""
         done: Future = Future()
         done.set_running_or_notify_cancel()
         try:
@@ -437,6 +440,8 @@ class NvmeStore:
         if not spans:
             finish()
         chunk = self._write_chunk if request.op is _Op.WRITE else self._read_chunk
+        if after is not None:
+            chunk = _after(after, chunk)
         seal = request.entry.seal
         for off, length in spans:
             self._pool.submit(chunk, fd, request.data, off, length, aligned, seal).add_done_callback(finish)
@@ -489,6 +494,14 @@ class NvmeStore:
             raise _Mismatch(off, n)
         with self._lock:
             self.bytes_read += n
+
+
+def _after(first: Callable[[], object], chunk: Callable[..., None]) -> Callable[..., None]:
+    def chunk_after(*args: Any) -> None:
+        first()
+        chunk(*args)
+
+    return chunk_after
 
 
 class _Op(Enum):

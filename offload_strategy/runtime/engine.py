@@ -64,6 +64,7 @@ from .timing import StepTimer
 from .units import TransferUnit, master_dtype
 from .updates.speculation import SpeculativeUpdates
 from .updates.updater import GradientView, UnitUpdater
+from .updates.worker import UpdateWorker
 
 
 class TieredEngine:
@@ -145,8 +146,9 @@ class TieredEngine:
         )
         self.ctx = ctx
         self.cache = UnitCache(ctx, prefetch)
-        self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots))
-        self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, owned)
+        worker = UpdateWorker()  # the updates, and the host's share of the gradients' way home
+        self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots), worker)
+        self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, owned, worker)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
         self.timer = StepTimer(ctx.step, self.device, [s.unit.name for s in states], [s.unit.nbytes for s in states])
         self.saved_tensors = SavedTensors(ctx, self.cache, self.timer)
@@ -457,11 +459,14 @@ class TieredEngine:
         if self._closed:
             return
         self._closed = True
-        hooks, lending, updater = self._built("hooks"), self._built("lending"), self._built("updater")
+        hooks, lending, updater, gradients = self._built("hooks"), self._built("lending"), self._built("updater"), self._built("gradients")
         for closing in (hooks, lending):
             if closing is not None:
                 closing.closed = True  # nothing is fetched or lent any more
         errors = updater.close() if updater is not None else []
+        exchange = self._built("exchange")
+        if exchange is not None:
+            exchange.close()
         self._remove_hooks()
         left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
         if materialize and lending is not None:
@@ -475,6 +480,7 @@ class TieredEngine:
             self.device.synchronize,  # no copy still reads or writes the slab when it is unregistered
             self.store.close if self.store is not None and not left else None,
             memory.slab.close if memory is not None else None,
+            gradients.staging.close if gradients is not None else None,
             memory.shared_slab.close if memory is not None and memory.shared_slab is not None else None,
         ])
         if errors and raise_errors:

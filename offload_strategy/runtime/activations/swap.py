@@ -7,8 +7,9 @@ offload side of LoHan §IV-B) hand every tensor autograd saves for backward to t
   itself; an activation swap must never copy a weight);
 - a tensor smaller than ``MIN_SWAP_BYTES`` stays (the copy would cost more than it frees);
 - any other tensor is copied to host memory asynchronously and the GPU-tier original is let go; a
-  ``swap_nvme`` block's copies continue from host memory to the NVMe store, and their host buffers
-  are let go once written. Host memory holds at most ``host_limit`` bytes of swapped activations
+  ``swap_nvme`` block's copies continue from host memory to the NVMe store, written by the store's
+  threads once each copy has landed (the pack hook never waits for a copy), and their host
+  buffers are let go once written. Host memory holds at most ``host_limit`` bytes of swapped activations
   per step: beyond it a ``swap_host`` tensor goes on to NVMe when there is a store, and otherwise
   stays in the GPU tier (counted in ``stats.host_full_bytes``).
 
@@ -34,6 +35,7 @@ as their storage, once for all the block's views of it, and come back as views o
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -245,13 +247,15 @@ class ActivationSwap:
         """``copy``'s bytes on from its host buffer to the NVMe store; the buffer is given back
         once written. False where the store is full and the tensor may stay in the GPU tier."""
         assert self.store is not None and copy.to_host is not None and copy.host is not None, "an NVMe copy has a store and a host buffer"
-        host = copy.host
-        self.device.host_wait(copy.to_host)
+        host, to_host = copy.host, copy.to_host
         copy.to_host, copy.host = None, None
         key = f"activation{next(self._keys)}"
         try:
-            written = self.store.write(key, host)
+            # the store's threads wait for the copy, then write: the pack hook only queues both
+            # (backward's unpack waits for the write)
+            written = self.store.write(key, host, after=functools.partial(self.device.host_wait, to_host))
         except NvmeSpaceError:
+            self.device.host_wait(to_host)  # the buffer goes: not while the copy may still write it
             if self.memory.owns(host):
                 self.memory.give_back_after(host, lambda: True, lambda: None)
             if requested == SWAP_NVME:

@@ -52,6 +52,7 @@ from ..context import EngineContext
 from .path import GradientPath
 from ..updates.optimizers import LOOSE, UnitOptimizers
 from ..state import UnitState
+from ..updates.worker import Pending, UpdateWorker
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,33 @@ class _Widening:
         return bool(self.work.is_completed())
 
 
+class _Launch:
+    """A unit's reductions as queued on the launcher: waited for, they have been launched (once
+    its gradients had landed) and have ended."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[Pending] = None
+        self.works: list[Any] = []
+
+    def wait(self) -> None:
+        assert self.pending is not None, "queued before anything waits for it"
+        self.pending.wait()
+        for work in self.works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return self.pending is not None and self.pending.done() and all(work.is_completed() for work in self.works)
+
+
 class GradientExchange:
     """Reductions of each unit's gradients and broadcasts of updated units, in one canonical order
-    on every rank (see the module docstring)."""
+    on every rank (see the module docstring). Backward's reductions are launched from a thread of
+    their own, in that order: it waits on the host for each unit's gradients to land (on a GPU a
+    wait for everything queued before them) and divides them, autograd's thread only queues."""
 
     def __init__(self, ctx: EngineContext, data_parallel: DataParallel, gradients: GradientPath, cache: UnitCache) -> None:
         self.ctx, self.dp, self.gradients, self.cache = ctx, data_parallel, gradients, cache
+        self.launcher = UpdateWorker(name="offload-reduce")
         self.reset(None)
 
     def reset(self, mode: Optional[Reduction]) -> None:
@@ -181,14 +203,37 @@ class GradientExchange:
         while self._next < len(self._order) and self._order[self._next].reduce_ready:
             ready = self._order[self._next]
             self._next += 1
-            self._launch(ready, self.gradients.unit_gradients(ready))
+            self._queue_launch(ready)
             started.append(ready)
         return started
 
-    def _launch(self, s: UnitState, grads: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
+    def _queue_launch(self, s: UnitState) -> None:
+        """The unit's reductions, launched on the launcher once its gradients have landed, on the
+        stream this thread computes on (where a GPU tier's gradients were made)."""
+        launch, stream = _Launch(), self.ctx.device.compute_stream()
+
+        def run() -> None:
+            with stream:
+                launch.works = self._launch(s, self.gradients.unit_gradients(s))
+
+        launch.pending = self.launcher.submit(run)
+        s.reductions.append(launch)
+        self._mark_sent(s)
+
+    def _mark_sent(self, s: UnitState) -> None:
+        dp = self.dp
+        if self._to_owner(s) and dp.owners[s.unit.index] != dp.rank and s.transient_gradients:
+            self.gradients.buffers.sent(s)  # not needed here once sent: its buffer goes back then
+
+    def _to_owner(self, s: UnitState) -> bool:
+        return self.mode is Reduction.OWNER and self.dp.shard_states and not self.ctx.placement.replicated(s.unit.index)
+
+    def _launch(self, s: UnitState, grads: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> list[Any]:
+        """The unit's reductions, launched; what to wait for."""
         dp = self.dp
         owner = dp.owners[s.unit.index]
-        to_owner = self.mode is Reduction.OWNER and dp.shard_states and not self.ctx.placement.replicated(s.unit.index)
+        to_owner = self._to_owner(s)
+        works: list[Any] = []
         for g, narrow in grads:
             g.mul_(1.0 / dp.world_size)  # divided before the sum, as DDP's reducer does
             reduced = g if narrow is None else narrow.copy_(g)
@@ -199,9 +244,8 @@ class GradientExchange:
                 work = dist.all_reduce(reduced, group=group, async_op=True)
             # the sum widens back for the fp32 master where it is used (not on a rank that only sent it)
             used_here = not to_owner or owner == dp.rank
-            s.reductions.append(_Widening(work, narrow, g) if narrow is not None and used_here else work)
-        if to_owner and owner != dp.rank and s.transient_gradients:
-            self.gradients.buffers.sent(s)  # not needed here once sent: its buffer goes back then
+            works.append(_Widening(work, narrow, g) if narrow is not None and used_here else work)
+        return works
 
     def reduce_late_units(self) -> None:
         """At the optimizer step: agree on which parameters have a gradient on some rank, then
@@ -209,6 +253,7 @@ class GradientExchange:
         if self.mode is None or self._late_done:
             return
         self._late_done = True
+        self.launcher.drain()  # backward's launched first, on every rank in the same order
         gradients = self.gradients
         params = [(s, i, p) for s in self._order for i, p in enumerate(s.unit.params) if p.requires_grad]
         local = torch.tensor([gradients.has_gradient(s, i, p) for s, i, p in params], dtype=torch.uint8)
@@ -219,7 +264,8 @@ class GradientExchange:
             for i, p in enumerate(s.unit.params):
                 if (id(s), i) in needed:
                     gradients.zero(s, i, p)
-            self._launch(s, gradients.unit_gradients(s))
+            s.reductions.extend(self._launch(s, gradients.unit_gradients(s)))
+            self._mark_sent(s)
         self._next = len(self._order)
 
     def norm_inputs(self, unit_optimizers: UnitOptimizers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -337,3 +383,6 @@ class GradientExchange:
     def finish(self) -> None:
         for s in self.ctx.states:
             s.wait_reductions()
+
+    def close(self) -> None:
+        self.launcher.close()

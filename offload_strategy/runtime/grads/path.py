@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ...hardware.device import Event
+from ...hardware.device import Device, Event
 from ...memory.dha import can_view, device_view
 from ...planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from ..context import EngineContext
@@ -21,6 +21,8 @@ from .buffers import GradientBuffers
 from ..updates.optimizers import LOOSE, UnitOptimizers
 from ..state import Landing, UnitState, one_element
 from ..units import PARAM_ALIGNMENT, master_dtype
+from ..updates.worker import Pending, UpdateWorker
+from .staging import AccumulationStaging
 
 
 def clip_by_value(grads: Iterable[Optional[torch.Tensor]], clip_value: Optional[float]) -> None:
@@ -41,26 +43,24 @@ class GradientRecord:
     # fp32 masters: where the 16-bit gradient lands (pinned, the copy is async) before widening
     landing: Optional[torch.Tensor] = None
     fresh: bool = False  # ``home`` holds this accumulation's gradient
-    event: Optional[Event] = None  # the copy from the GPU tier in flight
-    pending: Optional[Landing] = None
+    event: Optional[Event] = None  # the copy from the GPU tier into ``home`` in flight
+    # the update worker's task completing ``home``: what landed apart (a later micro-batch's
+    # gradient, a 16-bit one) added or widened into it once its copy has landed
+    settling: Optional[Pending] = None
     # this accumulation's gradient waits on NVMe for its update (runtime/grads/path.py, ``spill``), and its
     # norm, taken on the way for clipping by norm
     spilled: bool = False
     norm: Optional[torch.Tensor] = None
 
     def wait(self) -> None:
-        """The copy in flight has landed and, for an fp32 master, has been widened into ``home``."""
+        """``home`` holds this accumulation's gradient: its copies have landed, and the worker has
+        added or widened into it what landed apart."""
+        if self.settling is not None:
+            self.settling.wait()
+            self.settling = None
         if self.event is not None:
             self.event.wait()
             self.event = None
-        if self.pending is not None:
-            home, landing = self.home, self.landing
-            assert home is not None and landing is not None, "a landing pending for a gradient home"
-            if self.pending is Landing.ADD:
-                home.add_(landing)
-            else:
-                home.copy_(landing)
-            self.pending = None
 
     def value(self) -> Optional[torch.Tensor]:
         """This accumulation's gradient once landed; None if there is none."""
@@ -69,8 +69,9 @@ class GradientRecord:
 
     def bind(self, home: Optional[torch.Tensor], landing: Optional[torch.Tensor]) -> None:
         """The record points at a buffer's place for its gradient (and 16-bit landing), empty."""
+        self.wait()
         self.home, self.landing = home, landing
-        self.fresh, self.event, self.pending = False, None, None
+        self.fresh = False
 
     def unbind(self) -> None:
         """The buffer it pointed into goes back: no gradient, nowhere to hold one."""
@@ -82,6 +83,18 @@ class GradientRecord:
         self.wait()
         self.fresh, self.spilled, self.norm = False, False, None
 
+
+def _settle(device: Device, earlier: Optional[Event], copied: Event, home: torch.Tensor, landed: torch.Tensor, how: Landing) -> None:
+    """On the update worker: ``landed`` (a gradient copied out of the GPU tier apart from its
+    home) added into ``home``, or widened into it, once the copies into both have landed."""
+    if earlier is not None:
+        earlier.wait()
+    copied.wait()
+    device.check_host_access(home, "adds or widens a gradient at home")
+    if how is Landing.ADD:
+        home.add_(landed)
+    else:
+        home.copy_(landed)
 
 
 def bind_gradients(s: UnitState, buffer: torch.Tensor) -> None:
@@ -99,8 +112,10 @@ class GradientPath:
 
     def __init__(
         self, ctx: EngineContext, direct_gradients: frozenset[int], data_parallel: bool, state_factor: float, buffers: GradientBuffers,
+        worker: UpdateWorker,
     ) -> None:
         self.ctx = ctx
+        self.worker = worker  # adds and widens what lands apart from a home (``_settle``)
         # offloaded units whose gradients autograd writes straight into their host buffers; a
         # gradient bound for an fp32 master is not the parameter's dtype, so it is copied; one
         # that takes a buffer only when its first gradient arrives has none to write into before
@@ -117,6 +132,9 @@ class GradientPath:
                 home = ctx.memory.gradient_homes.get(s.unit.index)
                 if home is not None:
                     bind_gradients(s, home)
+        largest = max((p.numel() * d.itemsize for s in ctx.states if s.home != GPU for p, d in zip(s.unit.params, s.master_dtypes)), default=0)
+        self.staging = AccumulationStaging(largest, pin=ctx.device.compute.type == "cuda")
+        self.staging.worker_failed = lambda: worker.failed
 
     def new_backward(self) -> None:
         """A step starts: no unit's gradients have arrived in its backward yet."""
@@ -142,14 +160,9 @@ class GradientPath:
             record.fresh = True  # accumulated in place, at home
             record.event = self.ctx.device.compute_done()  # by a kernel the host must wait for before reading (emulated: done)
         elif home.dtype != grad.dtype:  # an fp32 master's gradient: moved in 16 bits, widened (and accumulated) in fp32
-            record.wait()
-            assert record.landing is not None, "a parameter with an fp32 master has a landing area (runtime/grads/buffers.py)"
-            record.event = self.ctx.device.copy_to_host(record.landing, grad)
-            record.pending = Landing.ADD if record.fresh else Landing.COPY
-            record.fresh = True
-        elif record.fresh:
-            record.wait()
-            home.add_(grad.to(home.device))
+            self._land_widened(record, home, grad)
+        elif record.fresh:  # a later micro-batch's: added at home on the worker
+            self._land_apart(record, home, grad)
         else:
             record.event = self.ctx.device.copy_to_host(home, grad)
             record.fresh = True
@@ -159,6 +172,43 @@ class GradientPath:
         if s.grads_arrived < len(s.unit.trainable):
             return None
         return s
+
+    def _land_widened(self, record: GradientRecord, home: torch.Tensor, grad: torch.Tensor) -> None:
+        """A 16-bit gradient copied into its landing area, widened (or added) into ``home`` in
+        fp32 on the worker once landed."""
+        landing = record.landing
+        assert landing is not None, "a parameter with an fp32 master has a landing area (runtime/grads/buffers.py)"
+        record.wait()  # the landing area is read until the last micro-batch's widening: done long ago
+        copied = self.ctx.device.copy_to_host(landing, grad)
+        how = Landing.ADD if record.fresh else Landing.COPY
+        device = self.ctx.device
+        record.settling = self.worker.submit(lambda: _settle(device, None, copied, home, landing, how))
+        record.fresh = True
+
+    def _land_apart(self, record: GradientRecord, home: torch.Tensor, grad: torch.Tensor) -> None:
+        """A later micro-batch's gradient copied into staging pieces, each added at home on the
+        worker once landed (after the copy into ``home`` still in flight): autograd's thread only
+        queues them, and waits only where every piece is in use."""
+        device, staging = self.ctx.device, self.staging
+        source, target = grad.detach().reshape(-1), home.view(-1)
+        step = staging.elements_per_piece(home.dtype)
+        earlier, record.event = record.event, None
+        for start in range(0, target.numel(), step):
+            n = min(step, target.numel() - start)
+            piece = staging.acquire()
+            landed = piece[: n * home.dtype.itemsize].view(home.dtype)
+            copied = device.copy_to_host(landed, source[start : start + n])
+            part = target[start : start + n]
+
+            def add(earlier: Optional[Event] = earlier, copied: Event = copied, part: torch.Tensor = part,
+                    landed: torch.Tensor = landed, piece: torch.Tensor = piece) -> None:
+                try:
+                    _settle(device, earlier, copied, part, landed, Landing.ADD)
+                finally:
+                    staging.release(piece)
+
+            record.settling = self.worker.submit(add)  # in order: the last one done, every one is
+            earlier = None  # the first waits for it, and the others run after the first
 
     def take_buffer(self, s: UnitState) -> None:
         """A buffer for a unit whose gradients pass through one, holding what it accumulated so far

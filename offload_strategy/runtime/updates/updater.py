@@ -52,13 +52,13 @@ class GradientView:
 class UnitUpdater:
     def __init__(
         self, ctx: EngineContext, cache: UnitCache, gradients: GradientPath, nvme_states: Optional[NvmeOptimizerStates],
-        owned: frozenset[int],
+        owned: frozenset[int], worker: UpdateWorker,
     ) -> None:
         self.ctx, self.cache, self.gradients = ctx, cache, gradients
         self.nvme_states = nvme_states
         self.pipeline = NvmeUpdatePipeline(ctx, nvme_states) if nvme_states is not None else None
         self.owned = owned  # the units this process updates (under sharded states another rank may)
-        self.worker = UpdateWorker()
+        self.worker = worker  # the gradient path queues its adds on it too, ahead of the updates that read them
         gradients.buffers.worker_failed = lambda: self.worker.failed
         self.optimizers: dict[int, UnitOptimizers] = {}  # id(facade) -> its per-unit optimizers
         self.state_bytes: dict[int, int] = {}  # optimizer state bytes of each unit updated here, once known
