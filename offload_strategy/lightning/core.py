@@ -316,7 +316,7 @@ class TieredCore:
         ``may_fit``: everything may still fit, and no engine is needed)."""
         optimizers = self.lightning.optimizers
         self.session.forget_timing()  # another engine's units
-        left, handed = self._close_engine(leave=self._left_while_placing_again, hand_over=True)
+        left, handed = self._close_engine(leave=self._left_while_placing_again, hand_over=frozenset(map(id, optimizers)))
         try:
             # exact, in the engine's format; those of units left on NVMe are read from the old files
             # as the new engine takes them, one unit at a time; with sharded states, each rank's units' too
@@ -575,12 +575,12 @@ class TieredCore:
             plain()
 
     def _close_engine(
-        self, leave: Callable[[TieredEngine], bool] = lambda engine: True, hand_over: bool = False,
+        self, leave: Callable[[TieredEngine], bool] = lambda engine: True, hand_over: frozenset[int] = frozenset(),
     ) -> tuple[Optional[LeftOnNvme], dict[int, dict[str, Any]]]:
         """Parameters back to plain tensors with their true values, every tier freed, but the
         units at home on NVMe where ``leave(engine)``: those stay there, read when used; what
-        stays, if any, and with ``hand_over`` the optimizers' states for the next engine
-        (``TieredEngine.close``), by the optimizer's id."""
+        stays, if any, and the states of the optimizers whose ids ``hand_over`` names, for the
+        next engine (``TieredEngine.close``), by the optimizer's id."""
         engine = self.context.engine
         if engine is None:
             return None, {}

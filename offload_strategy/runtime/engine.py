@@ -431,7 +431,8 @@ class TieredEngine:
 
     def close(
         self, materialize: bool = True, raise_errors: bool = True,
-        leave_on_nvme: Optional[Callable[[nn.Parameter, str, Callable[[], torch.Tensor]], None]] = None, hand_over: bool = False,
+        leave_on_nvme: Optional[Callable[[nn.Parameter, str, Callable[[], torch.Tensor]], None]] = None,
+        hand_over: frozenset[int] = frozenset(),
     ) -> None:
         """Remove hooks, give every parameter a plain tensor with its true value, free all tiers.
 
@@ -441,10 +442,11 @@ class TieredEngine:
         from their files when first used (``optimizer.StatesReadOnUse``). The functions hold the
         store and the units, nothing of the engine, so no tier's memory outlives the close.
 
-        With ``hand_over`` (the units are placed again), the user's optimizers are left plain
-        and empty, and ``handed_over`` maps each one's id to its state dict for the next engine
+        ``hand_over`` (the units are placed again): the ids of the user's optimizers left plain
+        and empty, ``handed_over`` mapping each id to its state dict for the next engine
         (``UnitOptimizers.hand_over``): the states in memory as they are, those of NVMe units
         left there read from their files as the next engine takes them, the others' read now.
+        Any other optimizer gets its states back in memory.
 
         Every step runs even when one fails (threads joined, hooks removed, files and pinned
         memory freed); the first failure is then raised (``raise_errors``), so that a unit that
@@ -476,12 +478,13 @@ class TieredEngine:
         if errors and raise_errors:
             raise errors[0]
 
-    def _materialize_all(self, leave_on_nvme: Optional[Callable], left: frozenset[int], hand_over: bool = False) -> list[BaseException]:
+    def _materialize_all(self, leave_on_nvme: Optional[Callable], left: frozenset[int], hand_over: frozenset[int] = frozenset()) -> list[BaseException]:
         """Every parameter its true value for good (those ``left`` on NVMe handed to ``leave_on_nvme``),
-        and the user's optimizers their states back (``hand_over``: handed over); the failures."""
+        and the user's optimizers their states back (those ``hand_over`` names: handed over); the failures."""
         errors = _attempt([self.lending.take_back, *(lambda s=s: self.lending.materialize_for_good(s, leave_on_nvme) for s in self.states)])
         if hand_over:
-            return errors + _attempt([functools.partial(self._hand_over, left)])
+            errors += _attempt([functools.partial(self._hand_over, left, hand_over)])
+            left = frozenset()  # the others' states come back now: the old files go once the units are placed again
         nvme_states = self.nvme_states
 
         def in_memory(unit: int) -> contextlib.AbstractContextManager:
@@ -490,10 +493,11 @@ class TieredEngine:
         def readers(unit: int) -> Optional[StatesReader]:
             return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
 
-        return errors + _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in self.updater.optimizers.values()])
+        restored = [u for key, u in self.updater.optimizers.items() if key not in hand_over]
+        return errors + _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in restored])
 
-    def _hand_over(self, left: frozenset[int]) -> None:
-        """The optimizers' states for the next engine (``close(hand_over=True)``)."""
+    def _hand_over(self, left: frozenset[int], handing: frozenset[int]) -> None:
+        """The states of the optimizers ``handing`` names, for the next engine (``close(hand_over=...)``)."""
         nvme_states = self.nvme_states
         readers = nvme_states.hand_over() if nvme_states is not None else {}
         if nvme_states is not None:
@@ -506,7 +510,7 @@ class TieredEngine:
         def now(unit: int) -> bool:
             return unit not in left  # its file closes with this engine
 
-        self.handed_over = {key: u.hand_over(reader, now) for key, u in self.updater.optimizers.items()}
+        self.handed_over = {key: u.hand_over(reader, now) for key, u in self.updater.optimizers.items() if key in handing}
 
     def _remove_hooks(self) -> None:
         for hooks in (self._built("gradient_hooks"), self._built("hooks")):
