@@ -14,6 +14,7 @@ import torch
 
 from offload_strategy import TieredStrategy
 from offload_strategy.estimate.live_bytes import LiveBytes
+from offload_strategy.memory.nvme import NvmeStore
 from tests.ddp_launch import assert_same_optimizer_states
 from tests.helpers import assert_same_weights
 from tests.test_host_bound import Deep
@@ -29,6 +30,7 @@ class PlaceAgain(L.Callback):
         self.at = at
         self.transient: list[int] = []
         self.on_nvme: list[tuple[int, int]] = []  # (all units' state bytes, the largest unit's)
+        self.files: list[int] = []  # the old engine's units with states on NVMe
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         core = trainer.strategy.tiered
@@ -36,6 +38,7 @@ class PlaceAgain(L.Callback):
             return
         sizes = core.engine.nvme_states.sizes if core.engine.nvme_states is not None else {}
         self.on_nvme.append((sum(sizes.values()), max(sizes.values(), default=0)))
+        self.files.append(len(sizes))
         with LiveBytes() as live:
             core._replace_engine(core.recipe(trainer), gpu_bytes=core.context.budgets.gpu)
         self.transient.append(live.peak - live.bytes)
@@ -48,8 +51,12 @@ def on_nvme(root: Path, host_memory: str = "448KiB") -> TieredStrategy:
     )
 
 
-def test_placing_again_holds_a_few_units_states_at_once_and_trains_as_plain(tmp_path):
+def test_placing_again_holds_a_few_units_states_at_once_and_trains_as_plain(tmp_path, monkeypatch):
     plain_losses, plain_weights, plain = fit("auto", tmp_path / "plain", Deep, steps=4)
+    events: list[str] = []  # the old store gives back each unit's file once read, before it closes
+    delete, close = NvmeStore.delete, NvmeStore.close
+    monkeypatch.setattr(NvmeStore, "delete", lambda store, key: events.append(key) or delete(store, key))
+    monkeypatch.setattr(NvmeStore, "close", lambda store: events.append("close") or close(store))
     moves = PlaceAgain()
     losses, weights, model = fit(on_nvme(tmp_path), tmp_path / "tiered", Deep, steps=4, callbacks=(moves,))
     assert losses == plain_losses
@@ -61,6 +68,8 @@ def test_placing_again_holds_a_few_units_states_at_once_and_trains_as_plain(tmp_
         # the new engine holds one unit's states read from the old file, its own copy and the
         # buffer it writes them from: before, every unit's states were in memory at once
         assert transient <= 3 * largest, (transient, total, largest)
+    first_close = events.index("close")
+    assert sum(key.startswith("states") for key in events[:first_close]) == moves.files[0] > 40
 
 
 def test_fp32_masters_on_nvme_move_with_their_states(tmp_path):

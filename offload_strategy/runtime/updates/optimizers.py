@@ -459,7 +459,6 @@ class UnitOptimizers:
             self.facade.__dict__.pop(name, None)
 
 
-
 def _read_into(held: list[tuple[int, int, dict[str, Any]]], read: StatesReader) -> Callable[[], dict[int, dict[str, Any]]]:
     """A function giving each (index, id of the master, values) of ``held`` its values, those the
     unit's file holds read from it (the others, a step count, as held)."""
