@@ -194,13 +194,16 @@ class PlanSeen(L.Callback):
         self.metrics: list[dict] = []
 
     def on_train_start(self, trainer, *args):
-        engine = trainer.strategy.engine
-        self.arenas.append(engine.memory.arena.numel() if engine is not None else 0)
+        self.arenas.append(_gpu_tier_taken(trainer.strategy.engine))
 
     def on_train_batch_end(self, trainer, *args):
-        engine = trainer.strategy.engine
-        self.arenas.append(engine.memory.arena.numel() if engine is not None else 0)
+        self.arenas.append(_gpu_tier_taken(trainer.strategy.engine))
         self.metrics.append(trainer.strategy.metrics())
+
+
+def _gpu_tier_taken(engine) -> int:
+    """What the parameters take of the GPU tier: the persistent units' region and the streaming buffers."""
+    return engine.memory.persistent_region.numel() + engine.memory.arena.numel() if engine is not None else 0
 
 
 def test_auto_plans_the_blocks_and_trains_like_plain_training(tmp_path):

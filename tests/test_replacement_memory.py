@@ -11,6 +11,7 @@ import lightning as L
 
 from offload_strategy import TieredStrategy
 from offload_strategy.lightning.core import TieredCore
+from offload_strategy.planning.placement import GPU, HOST
 from tests.helpers import PARAMETERS_ONLY, train
 
 
@@ -54,3 +55,66 @@ def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, 
     # at each re-placement, every earlier engine's arena and slab are gone already
     assert seen_at_build[1] == [[True, True, True]]
     assert seen_at_build[2] == [[True, True, True], [True, True, True]]
+
+
+def test_persistent_units_keep_their_gpu_tier_memory_when_the_engine_closes(tmp_path):
+    """After ``fit`` (and at a re-placement) the persistent units' parameters keep the memory they
+    had in the GPU tier, each over a storage of its own bytes, and the streaming buffers are
+    freed: before, every persistent unit was first cloned beside the whole GPU tier (on a GPU, on
+    the GPU), one full extra copy of the persistent units at once."""
+    where: dict[int, int] = {}  # id(parameter) -> its address in the GPU tier during training
+    arena_freed: list[bool] = []
+
+    class Watch(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            engine = trainer.strategy.tiered.engine
+            for s in engine.states:
+                if s.home == GPU:
+                    where.update((id(p), p.data_ptr()) for p in s.unit.params)
+            weakref.finalize(engine.memory.arena.untyped_storage(), arena_freed.append, True)
+
+    strategy = TieredStrategy(gpu_memory="200KiB", host_memory="1GiB", policy=PARAMETERS_ONLY)  # some units persistent
+    _, _, trainer = train(strategy, tmp_path, epochs=1, max_steps=2, extra_callbacks=(Watch(),))
+    gc.collect()
+    persistent = [p for p in trainer.lightning_module.parameters() if id(p) in where]
+    assert persistent and len(persistent) < len(list(trainer.lightning_module.parameters()))
+    for p in persistent:
+        assert p.data_ptr() == where[id(p)]  # moved, not copied
+        assert p.untyped_storage().nbytes() == p.nbytes  # a checkpoint of it writes its own bytes only
+    assert arena_freed == [True]
+
+
+def test_a_released_part_of_the_slab_leaves_the_resident_set_and_nothing_else_changes():
+    from offload_strategy.hardware.resident import proc_status
+    from offload_strategy.memory.slab import PAGE_BYTES, HostSlab
+
+    slab = HostSlab(64 * 2**20 + 3 * PAGE_BYTES, pin=False)
+    slab.tensor.fill_(7)
+    before = proc_status("RssAnon")
+    view = slab.tensor[PAGE_BYTES // 2 : PAGE_BYTES // 2 + 64 * 2**20 + PAGE_BYTES]  # whole pages inside: 64 MiB
+    assert slab.release(view) == 64 * 2**20
+    assert before - proc_status("RssAnon") >= 48 * 2**20
+    assert int(slab.tensor[PAGE_BYTES : PAGE_BYTES + 64 * 2**20].sum()) == 0
+    assert bool((slab.tensor[: PAGE_BYTES] == 7).all()) and bool((slab.tensor[PAGE_BYTES + 64 * 2**20 :] == 7).all())
+    slab.close()
+
+
+def test_host_homes_leave_the_slab_unit_by_unit_when_the_engine_closes(tmp_path, monkeypatch):
+    """Each host unit's home is copied out and its pages given back before the next unit's: the
+    slab and all the copies were in memory at once before."""
+    from offload_strategy.memory.slab import PAGE_BYTES, HostSlab
+
+    released: list[int] = []
+    release = HostSlab.release
+    monkeypatch.setattr(HostSlab, "release", lambda slab, view: released.append(release(slab, view)) or released[-1])
+    homes: list[int] = []
+
+    class Watch(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            # each home starts on a page: its whole pages go
+            homes.extend(s.unit.nbytes // PAGE_BYTES * PAGE_BYTES for s in trainer.strategy.tiered.engine.states if s.home == HOST)
+
+    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", policy=PARAMETERS_ONLY)
+    train(strategy, tmp_path, epochs=1, max_steps=2, extra_callbacks=(Watch(),))
+    assert len(homes) > 10 and sum(homes) > 0
+    assert sorted(released) == sorted(homes)

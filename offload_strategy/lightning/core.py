@@ -318,21 +318,25 @@ class TieredCore:
         (``block_policies``: the layout they will run beside, the one in place by default;
         ``may_fit``: everything may still fit, and no engine is needed)."""
         optimizers = self.lightning.optimizers
-        # standard, exact: they move through these; with sharded states, each rank's units' too
-        states = self.ranks.every_ranks_states([optimizer.state_dict() for optimizer in optimizers])
         self.session.forget_timing()  # another engine's units
-        left = self._close_engine(leave=self._left_while_placing_again)
-        self._free_closed_engine()
-        self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
-        if self.context.engine is None and not may_fit:
-            raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
-        if left is not None:
-            self.deferred.materialize_all(self.lightning.root_device)  # none when the new engine placed them all
-            left.store.close()
-        for optimizer, state in zip(optimizers, states):
-            optimizer.load_state_dict(state)
-        del states
-        release_freed_host_memory()  # the states just moved through memory
+        left, handed = self._close_engine(leave=self._left_while_placing_again, hand_over=frozenset(map(id, optimizers)))
+        try:
+            # exact, in the engine's format; those of units left on NVMe are read from the old files
+            # as the new engine takes them, one unit at a time; with sharded states, each rank's units' too
+            states = self.ranks.every_ranks_states([handed[id(o)] if id(o) in handed else o.state_dict() for o in optimizers])
+            self._free_closed_engine()
+            self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
+            if self.context.engine is None and not may_fit:
+                raise RuntimeError(f"placing the parameters in {format_bytes(gpu_bytes)} of the GPU tier offloaded nothing")
+            if left is not None:
+                self.deferred.materialize_all(self.lightning.root_device)  # none when the new engine placed them all
+            for optimizer, state in zip(optimizers, states):
+                optimizer.load_state_dict(state)
+            del states
+        finally:
+            if left is not None:
+                left.store.close()
+        release_freed_host_memory()  # what passed through memory
         self.activations.use_saved_tensor_hooks()
         self.activations.reattach_swap()  # it copied through the old engine's device, now closed
 
@@ -347,11 +351,13 @@ class TieredCore:
         """The closed engine's GPU arena and pinned slab freed before the next engine allocates
         its own: the saved-tensor hooks stop naming the old engine, and a collection frees what
         its reference cycles (its parameters' class, its components' bound methods) still hold;
-        on CUDA the caching allocator gives the arena back."""
+        on CUDA the caching allocator gives the arena back. What the steps freed and glibc kept
+        goes back to the system too, before the next engine takes its budgets' worth."""
         self.activations.use_saved_tensor_hooks()  # without an engine: the counting hooks
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        release_freed_host_memory()
 
     def _build_engine(
         self, recipe: Rules, gpu_bytes: Optional[int] = None, block_policies: Optional[Sequence[str]] = None,
@@ -562,7 +568,7 @@ class TieredCore:
         self.take_back_exposed()  # never left on ``.grad`` over memory the engine frees
         self.activations.close()
         try:
-            left = self._close_engine()
+            left, _ = self._close_engine()
             if left is not None:
                 self.checkpoints.settle_after_training(left, failing=sys.exc_info()[0] is not None)
         finally:
@@ -574,13 +580,16 @@ class TieredCore:
                     unread.enter_context(optimizer.state.unread())
             plain()
 
-    def _close_engine(self, leave: Callable[[TieredEngine], bool] = lambda engine: True) -> Optional[LeftOnNvme]:
+    def _close_engine(
+        self, leave: Callable[[TieredEngine], bool] = lambda engine: True, hand_over: frozenset[int] = frozenset(),
+    ) -> tuple[Optional[LeftOnNvme], dict[int, dict[str, Any]]]:
         """Parameters back to plain tensors with their true values, every tier freed, but the
         units at home on NVMe where ``leave(engine)``: those stay there, read when used; what
-        stays, if any."""
+        stays, if any, and the states of the optimizers whose ids ``hand_over`` names, for the
+        next engine (``TieredEngine.close``), by the optimizer's id."""
         engine = self.context.engine
         if engine is None:
-            return None
+            return None, {}
         self.context.engine = None
         self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
         units = units_on_nvme(engine)
@@ -588,11 +597,13 @@ class TieredCore:
         try:
             # while training's own failure propagates (teardown inside Lightning's handler),
             # that failure is the one to see; otherwise a failure to read back is raised
-            engine.close(materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if left else None)
+            engine.close(
+                materialize=True, raise_errors=sys.exc_info()[0] is None, leave_on_nvme=self.deferred.defer_read if left else None, hand_over=hand_over,
+            )
         finally:
             engine.device.close()
             self._share_optimizer_attributes()
-        return left
+        return left, engine.handed_over
 
     def _settle_gpu_margin(self) -> None:
         """Once the profiled steps are done, before their plan: a GPU tier of "all that is free"

@@ -331,6 +331,7 @@ class DataParallelRanks:
         every rank's host memory once, at a re-placement (after the profiled steps)."""
         if not self.shard_states or self.strategy.world_size == 1 or not dist.is_initialized():
             return states
+        states = [{**s, "state": dict(s["state"])} for s in states]  # read once: a handed-over state is taken as it is read
         mine = [{i: v for i, v in s["state"].items() if all(not torch.is_tensor(t) or t.device.type == "cpu" for t in v.values())} for s in states]
         gathered: list[Any] = [None] * self.strategy.world_size
         dist.all_gather_object(gathered, mine, group=self.process_groups()[2])

@@ -84,6 +84,7 @@ class HostSlab:
         self.nbytes = nbytes
         self.pinned = False
         self._closed = False
+        self._shared = shared_fd is not None
         self._mapping: Optional[_Mapping] = None
         if nbytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -120,6 +121,24 @@ class HostSlab:
                 )
             mapping.registered_ptr = ptr
             self.pinned = True
+
+    def release(self, view: torch.Tensor) -> int:
+        """Give the pages that lie wholly inside ``view`` (a view of this slab) back to the system,
+        their contents gone: for memory about to be freed with the slab whose values were copied
+        out first. Only an anonymous, unpinned slab's: a pinned page stays pinned (and resident)
+        until the slab is unregistered, a shared one stays in its file. The bytes given back."""
+        if self._mapping is None or self.pinned or self._shared or view.numel() == 0:
+            return 0
+        base = self.tensor.data_ptr()
+        start = view.data_ptr() - base
+        end = start + view.numel() * view.element_size()
+        if start < 0 or end > self.nbytes:
+            raise ValueError(f"release: the view (bytes {start} to {end}) is not inside this slab of {self.nbytes} bytes.")
+        first, last = -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
+        if last <= first:
+            return 0
+        self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return last - first
 
     @property
     def closed(self) -> bool:

@@ -55,7 +55,7 @@ from .engine_metrics import tier_metrics
 from .params.lending import Lending
 from .updates.nvme_states import NvmeOptimizerStates
 from .params.offloaded import mark_present, offloaded_class
-from .updates.optimizers import UnitOptimizers
+from .updates.optimizers import StatesReader, UnitOptimizers, UnitSlot
 from .params.recompute import RecomputeHolds
 from .state import UnitState
 from .shared_homes import map_shared_homes
@@ -109,6 +109,7 @@ class TieredEngine:
         # the parameters whose gradients and optimizer states the placement planned room for
         self._planned_trainable = {id(p) for u in units for p in u.trainable}
         self._closed = False
+        self.handed_over: dict[int, dict[str, Any]] = {}  # id(optimizer) -> its state dict for the next engine (close)
         # optimizer time hidden behind backward vs left after it, since the last report
         self.step_stats = {"exposed_seconds": 0.0, "update_seconds": 0.0, "steps": 0}
         self.store: Optional[NvmeStore] = None  # the NVMe tier's files
@@ -443,6 +444,7 @@ class TieredEngine:
     def close(
         self, materialize: bool = True, raise_errors: bool = True,
         leave_on_nvme: Optional[Callable[[nn.Parameter, str, Callable[[], torch.Tensor]], None]] = None,
+        hand_over: frozenset[int] = frozenset(),
     ) -> None:
         """Remove hooks, give every parameter a plain tensor with its true value, free all tiers.
 
@@ -451,6 +453,12 @@ class TieredEngine:
         open (``self.store``; its owner closes it), and the user's optimizer reads their states
         from their files when first used (``optimizer.StatesReadOnUse``). The functions hold the
         store and the units, nothing of the engine, so no tier's memory outlives the close.
+
+        ``hand_over`` (the units are placed again): the ids of the user's optimizers left plain
+        and empty, ``handed_over`` mapping each id to its state dict for the next engine
+        (``UnitOptimizers.hand_over``): the states in memory as they are, those of NVMe units
+        left there read from their files as the next engine takes them, the others' read now.
+        Any other optimizer gets its states back in memory.
 
         Every step runs even when one fails (threads joined, hooks removed, files and pinned
         memory freed); the first failure is then raised (``raise_errors``), so that a unit that
@@ -470,7 +478,7 @@ class TieredEngine:
         self._remove_hooks()
         left = frozenset(s.unit.index for s in self.states if s.home == NVME) if leave_on_nvme is not None else frozenset()
         if materialize and lending is not None:
-            errors += self._materialize_all(leave_on_nvme, left)
+            errors += self._materialize_all(leave_on_nvme, left, hand_over)
         for s in self.states:
             for p in s.unit.params:  # after a failed read-back: placeholders, plain again (the failure is raised)
                 if s.unit.index not in left:
@@ -486,19 +494,39 @@ class TieredEngine:
         if errors and raise_errors:
             raise errors[0]
 
-    def _materialize_all(self, leave_on_nvme: Optional[Callable], left: frozenset[int]) -> list[BaseException]:
+    def _materialize_all(self, leave_on_nvme: Optional[Callable], left: frozenset[int], hand_over: frozenset[int] = frozenset()) -> list[BaseException]:
         """Every parameter its true value for good (those ``left`` on NVMe handed to ``leave_on_nvme``),
-        and the user's optimizers their states back; the failures."""
+        and the user's optimizers their states back (those ``hand_over`` names: handed over); the failures."""
         errors = _attempt([self.lending.take_back, *(lambda s=s: self.lending.materialize_for_good(s, leave_on_nvme) for s in self.states)])
+        if hand_over:
+            errors += _attempt([functools.partial(self._hand_over, left, hand_over)])
+            left = frozenset()  # the others' states come back now: the old files go once the units are placed again
         nvme_states = self.nvme_states
 
         def in_memory(unit: int) -> contextlib.AbstractContextManager:
             return nvme_states.unit_in_memory(unit) if nvme_states is not None else contextlib.nullcontext()
 
-        def readers(unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
+        def readers(unit: int) -> Optional[StatesReader]:
             return nvme_states.reader(unit) if nvme_states is not None and unit in left else None
 
-        return errors + _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in self.updater.optimizers.values()])
+        restored = [u for key, u in self.updater.optimizers.items() if key not in hand_over]
+        return errors + _attempt([functools.partial(u.restore_facade, in_memory, readers) for u in restored])
+
+    def _hand_over(self, left: frozenset[int], handing: frozenset[int]) -> None:
+        """The states of the optimizers ``handing`` names, for the next engine (``close(hand_over=...)``)."""
+        nvme_states = self.nvme_states
+        readers = nvme_states.hand_over() if nvme_states is not None else {}
+        if nvme_states is not None:
+            for unit in list(nvme_states.loaded):
+                nvme_states.own(unit)  # in memory, not in the file: handed over as they are
+
+        def reader(slot: UnitSlot) -> Optional[StatesReader]:
+            return readers.get((slot.unit_index, id(slot.inner)))
+
+        def now(unit: int) -> bool:
+            return unit not in left  # its file closes with this engine
+
+        self.handed_over = {key: u.hand_over(reader, now) for key, u in self.updater.optimizers.items() if key in handing}
 
     def _remove_hooks(self) -> None:
         for hooks in (self._built("gradient_hooks"), self._built("hooks")):

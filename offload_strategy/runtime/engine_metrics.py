@@ -23,7 +23,7 @@ def tier_metrics(engine: TieredEngine) -> dict[str, float]:
     persistent = sum(s.device_slot.slot_bytes for s in states if s.home == GPU and s.device_slot is not None)
     out["tier/gpu_bytes"] = float(persistent + memory.device_pool.used_bytes)
     out["tier/gpu_peak_bytes"] = float(persistent + memory.device_pool.peak_used_bytes)
-    out["tier/gpu_reserved_bytes"] = float(memory.arena.numel())
+    out["tier/gpu_reserved_bytes"] = float(memory.persistent_region.numel() + memory.arena.numel())
     # optimizer states (and fp32 masters kept with them) by tier: under sharded data
     # parallelism, this rank's share
     state_bytes = {home: float(sum(b for i, b in updater.state_bytes.items() if states[i].home == home)) for home in (GPU, HOST)}

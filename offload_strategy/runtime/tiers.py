@@ -1,6 +1,6 @@
-"""The memory one placement needs, allocated once: the GPU tier's arena (persistent units, then
-the streaming buffers) and the pinned host slab (host homes, gradient homes, the NVMe staging
-and update buffers), carved into the unit states' views."""
+"""The memory one placement needs, allocated once: the GPU tier's persistent units' region and its
+arena of streaming buffers, and the pinned host slab (host homes, gradient homes, the NVMe
+staging and update buffers), carved into the unit states' views."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ SharedHomes = Callable[[int, list[tuple[int, int]]], HostSlab]
 
 @dataclass(eq=False)
 class TierMemory:
-    arena: torch.Tensor  # the whole GPU tier
+    arena: torch.Tensor  # the GPU tier's streaming buffers
     device_pool: SlotPool  # streaming buffers
     class_sizes: list[int]  # the streaming buffers' sizes, ascending
     slab: HostSlab
@@ -39,6 +39,9 @@ class TierMemory:
     persistent_slots: dict[int, Slot] = field(default_factory=dict)
     # each offloaded unit's gradient home for the run, where it keeps one (the gradient path binds it)
     gradient_homes: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the persistent units, an allocation of their own: after the engine the parameters keep it
+    # as their memory (``Lending.materialize_for_good``), and the streaming buffers go
+    persistent_region: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
     @classmethod
     def allocate(
@@ -47,35 +50,50 @@ class TierMemory:
         """``owns``: whether this process updates a unit (under sharded states, only its owner
         keeps its fp32 masters); ``shared_homes``: where the placement shares host homes among
         the machine's ranks, what maps them."""
-        arena, device_pool, class_sizes, persistent_slots = _device_tier(states, placement, device)
+        persistent, persistent_slots = _persistent_region(states, device)
+        arena, device_pool, class_sizes = _streaming_arena(placement, device)
         host = _host_tier(states, placement, device, shared_homes)
         masters = _master_region([s for s in states if owns(s.unit.index)])
         return cls(arena, device_pool, class_sizes, host.slab, host.staging_pool, host.update_pool, host.update_buffers, masters,
-                   host.gradient_slots, host.home_region, host.shared_slab, persistent_slots, host.gradient_homes)
+                   host.gradient_slots, host.home_region, host.shared_slab, persistent_slots, host.gradient_homes, persistent)
 
     def own_class(self, nbytes: int) -> int:
         """The smallest buffer size that holds ``nbytes``: where a unit of that size belongs."""
         return self.class_sizes[bisect.bisect_left(self.class_sizes, nbytes)]
+
+    def release_home(self, s: UnitState) -> None:
+        """The pages of host unit ``s``'s home, its values copied out (the engine closes), go back
+        to the system (``HostSlab.release``): unit by unit, the values move out of the slab with
+        one unit's copy at a time beside it, not the whole homes' at once."""
+        if self.shared_slab is not None or not s.home_views:
+            return
+        start = min(v.data_ptr() for v in s.home_views)
+        end = max(v.data_ptr() + v.numel() * v.element_size() for v in s.home_views)
+        self.slab.release(self.slab.tensor[start - self.slab.tensor.data_ptr() : end - self.slab.tensor.data_ptr()])
 
     def host_fixed_bytes(self) -> int:
         """Host homes and gradients in the slab (the staging buffers excluded)."""
         return self.slab.nbytes - self.staging_pool.capacity_bytes
 
 
-def _device_tier(states: list[UnitState], placement: Placement, device: Device) -> tuple[torch.Tensor, SlotPool, list[int], dict[int, Slot]]:
+def _persistent_region(states: list[UnitState], device: Device) -> tuple[torch.Tensor, dict[int, Slot]]:
+    """The persistent units' region of the GPU tier and each one's fixed slot in it."""
     persistent = [s for s in states if s.home == GPU]
-    persistent_bytes = sum(align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT) for s in persistent)
-    classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.device_slots.items(), reverse=True)]
-    stream_bytes = SlotPool.required_bytes(classes, DEVICE_SLOT_ALIGNMENT) if classes else 0
-    arena = device.allocate(persistent_bytes + stream_bytes)
+    region = device.allocate(sum(align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT) for s in persistent))
     offset = 0
     slots = {}
     for s in persistent:
         size = align(s.unit.nbytes, DEVICE_SLOT_ALIGNMENT)
-        slots[s.unit.index] = Slot(slot_bytes=size, offset=offset, tensor=arena[offset : offset + size])
+        slots[s.unit.index] = Slot(slot_bytes=size, offset=offset, tensor=region[offset : offset + size])
         offset += size
-    pool = SlotPool(arena[offset:], classes, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
-    return arena, pool, sorted(c.slot_bytes for c in classes), slots
+    return region, slots
+
+
+def _streaming_arena(placement: Placement, device: Device) -> tuple[torch.Tensor, SlotPool, list[int]]:
+    classes = [SizeClass(slot_bytes=b, count=c) for b, c in sorted(placement.device_slots.items(), reverse=True)]
+    arena = device.allocate(SlotPool.required_bytes(classes, DEVICE_SLOT_ALIGNMENT) if classes else 0)
+    pool = SlotPool(arena, classes, alignment=DEVICE_SLOT_ALIGNMENT, name="GPU tier")
+    return arena, pool, sorted(c.slot_bytes for c in classes)
 
 
 @dataclass

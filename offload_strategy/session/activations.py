@@ -379,8 +379,8 @@ class ActivationControl:
         storages = {p.untyped_storage().data_ptr() for p in self.context.module.parameters()}
         engine = self.context.engine
         if engine is not None:
-            storages |= {engine.memory.arena.untyped_storage().data_ptr(), engine.memory.slab.tensor.untyped_storage().data_ptr(),
-                         engine.memory.home_region.untyped_storage().data_ptr()}
+            memory = engine.memory
+            storages |= {t.untyped_storage().data_ptr() for t in (memory.arena, memory.persistent_region, memory.slab.tensor, memory.home_region)}
         activations.param_storages.clear()
         activations.param_storages.update(storages)
         activations.begin_forward()

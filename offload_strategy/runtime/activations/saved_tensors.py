@@ -68,6 +68,7 @@ class SavedTensors:
         self.ctx, self.cache, self.timer = ctx, cache, timer
         # what a saved tensor aliasing the GPU tier shares with it
         self.arena_device, self.arena_storage = ctx.memory.arena.device, ctx.memory.arena.untyped_storage().data_ptr()
+        self.persistent_storage = ctx.memory.persistent_region.untyped_storage().data_ptr()
         self.bytes = SavedBytes()  # kept for backward by the last forward (parameters excluded)
         self.backward_log: list[float] = []  # times of this step's backward uses of units
 
@@ -93,6 +94,8 @@ class SavedTensors:
         return s.unit.index if s is not None else None
 
     def pack(self, t: torch.Tensor) -> Any:
+        if t.device == self.arena_device and t.untyped_storage().data_ptr() == self.persistent_storage:
+            return t  # persistent units never move
         if t.device != self.arena_device or t.untyped_storage().data_ptr() != self.arena_storage:
             cast = self._streamed_cast(t)
             if cast is not None:
@@ -104,7 +107,7 @@ class SavedTensors:
         ptr = t.data_ptr()
         s = self.cache.owner(ptr)
         if s is None:
-            return t  # persistent buffers never move
+            return t  # a buffer no unit holds now
         return _SavedRef(s.unit.index, self.cache.owner_offset(s, ptr), tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def _streamed_cast(self, t: torch.Tensor) -> Optional[_SavedCast]:

@@ -203,16 +203,20 @@ class Lending:
 
     def materialize_for_good(self, s: UnitState, leave_on_nvme: Optional[Callable] = None) -> None:
         """The unit's parameters become plain tensors holding their true values (an NVMe unit's
-        handed to ``leave_on_nvme`` with a reader instead, where given)."""
+        handed to ``leave_on_nvme`` with a reader instead, where given). A persistent unit's keep
+        their memory, no copy: the persistent units' region of the GPU tier is theirs from now on
+        (each parameter over a storage of its own bytes, as ``compact`` makes it)."""
         if s.fetch is not None:
             self.cache.complete(s)
         for i, p in enumerate(s.unit.params):
             if s.home == GPU and s.device_slot is not None:
-                p.data = p.data.clone()
+                p.data = compact(p.data)
             elif s.home == HOST and s.home_views:
                 p.data = s.home_views[i].clone()
             if p.grad is not None and self._in_host_tier(p.grad):
                 p.grad = p.grad.clone()  # a gradient at home: the slab is freed
+        if s.home == HOST and s.home_views and self.ctx.memory is not None:
+            self.ctx.memory.release_home(s)  # copied out: its pages go now, not with the slab
         if s.home == NVME and self.ctx.store is not None and s.placeholders and leave_on_nvme is not None:
             self.cache.forget_host_copy(s)  # the slab is freed: reads come from the file
             self.cache.bind(s, s.placeholders)

@@ -22,6 +22,7 @@ staging buffer host_memory counts, not as fresh tensors of the heap packed into 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -256,22 +257,32 @@ class NvmeOptimizerStates:
         finally:
             self._drop(unit)
 
-    def reader(self, unit: int) -> Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]:
+    def reader(self, unit: int) -> Optional[Callable[[], dict[tuple[int, Optional[str]], torch.Tensor]]]:
         """A function reading the unit's states from its file, each into a tensor of its own, keyed
         by (id of the master, state's key); None where the unit has none on NVMe. It holds the
         store and the layout's places, nothing of the engine, so that what reads after training
         keeps no tier's memory alive."""
         if unit not in self.layouts or unit in self.loaded:
             return None
-        store, name, size = self.store, self._file(unit), self.sizes[unit]
-        places = [(id(e.param), e.key, e.offset, e.nbytes, e.dtype, e.shape) for e in self.layouts[unit] if e.key is not None]
+        return _file_reader(self.store, self._file(unit), self.sizes[unit], [e for e in self.layouts[unit] if e.key is not None])
 
-        def read() -> dict[tuple[int, str], torch.Tensor]:
-            buffer = torch.empty(size, dtype=torch.uint8)
-            store.read(name, buffer).result()
-            return {(param, key): buffer[offset : offset + nbytes].view(dtype).view(shape).clone() for param, key, offset, nbytes, dtype, shape in places}
-
-        return read
+    def hand_over(self) -> dict[tuple[int, int], Callable[[], dict[tuple[int, Optional[str]], torch.Tensor]]]:
+        """For the engine that places the units next: for each unit whose states are on NVMe and
+        each optimizer with entries there, keyed by (unit, id of the optimizer), a function reading
+        that optimizer's entries from the unit's file, each into a tensor of its own (a master
+        under the key None). The file is deleted once every optimizer's entries have been read, so
+        the old store gives back its disk unit by unit as the next engine takes them. The
+        functions hold the store, nothing of the engine."""
+        readers = {}
+        for unit, layout in self.layouts.items():
+            if unit in self.loaded:
+                continue
+            optimizers = {id(e.optimizer): e.optimizer for e in layout}
+            release = _Countdown(len(optimizers), functools.partial(self.store.delete, self._file(unit)))
+            for key, optimizer in optimizers.items():
+                entries = [e for e in layout if e.optimizer is optimizer]
+                readers[(unit, key)] = _file_reader(self.store, self._file(unit), self.sizes[unit], entries, release.count)
+        return readers
 
     @contextlib.contextmanager
     def materialized(self, skip: frozenset[int] = frozenset()) -> Iterator[None]:
@@ -310,3 +321,32 @@ class NvmeOptimizerStates:
         for table in (self.layouts, self.sizes, self.placeholders):
             table.pop(unit, None)
         self.loaded.discard(unit)
+
+
+def _file_reader(
+    store: NvmeStore, name: str, size: int, entries: Sequence[_Entry], after: Callable[[], None] = lambda: None,
+) -> Callable[[], dict[tuple[int, Optional[str]], torch.Tensor]]:
+    """A function reading ``entries`` from the file ``name`` of ``size`` bytes, each into a tensor
+    of its own keyed by (id of its master, its key), then calling ``after``."""
+    places = [(id(e.param), e.key, e.offset, e.nbytes, e.dtype, e.shape) for e in entries]
+
+    def read() -> dict[tuple[int, Optional[str]], torch.Tensor]:
+        buffer = torch.empty(size, dtype=torch.uint8)
+        store.read(name, buffer).result()
+        values = {(param, key): buffer[offset : offset + nbytes].view(dtype).view(shape).clone() for param, key, offset, nbytes, dtype, shape in places}
+        after()
+        return values
+
+    return read
+
+
+class _Countdown:
+    """Calls ``then`` at the ``times``-th call of :meth:`count`."""
+
+    def __init__(self, times: int, then: Callable[[], None]) -> None:
+        self.left, self.then = times, then
+
+    def count(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.then()

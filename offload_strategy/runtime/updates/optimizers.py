@@ -27,7 +27,7 @@ import collections
 import contextlib
 import inspect
 import types
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -38,6 +38,8 @@ from torch import nn
 WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
 # The unit index of the inner optimizer over tensors no unit owns.
 LOOSE = -1
+# reads a unit's states from its file: (id of the master, state's key; None: the master itself) -> value
+StatesReader = Callable[[], dict[tuple[int, Optional[str]], torch.Tensor]]
 
 
 def check_per_parameter(optimizer: torch.optim.Optimizer) -> None:
@@ -396,7 +398,7 @@ class UnitOptimizers:
 
     def restore_facade(
         self, in_memory: Callable[[int], contextlib.AbstractContextManager],
-        readers: Callable[[int], Optional[Callable[[], dict[tuple[int, str], torch.Tensor]]]] = lambda unit: None,
+        readers: Callable[[int], Optional[StatesReader]] = lambda unit: None,
     ) -> None:
         """End of training: the facade holds the real states of its own parameters, as after plain
         training. ``in_memory(unit)`` holds a unit's offloaded states in memory while they are
@@ -413,13 +415,62 @@ class UnitOptimizers:
                     values = slot.inner.state.get(master)
                     if values:
                         state[p] = _plain_states(slot, position, values, {})
+        self._leave_facade(state)
+
+    def hand_over(self, readers: Callable[[UnitSlot], Optional[StatesReader]], now: Callable[[int], bool]) -> dict[str, Any]:
+        """Placing the units again: the facade's state dict for the next engine, in
+        :meth:`state_dict`'s format (fp32 states and masters), whose entries the next engine's
+        ``load_state_dict`` takes one at a time (``StatesToMove``). States in memory go as they
+        are, no copy; those of a slot ``readers`` gives a function for are read from the unit's
+        file with the rest of the unit when the first is taken (at once where ``now(unit)``: its
+        file goes with this engine). The facade is left plain, its state empty, until then."""
+        self.adopt_replaced_state()
+        moving = StatesToMove()
+        index_of = {id(p): i for i, p in enumerate(self.order)}
+        for slot in self.all_slots():
+            held = [
+                (index_of[id(p)], id(master), values) for position, (p, master) in enumerate(zip(slot.params, slot.masters))
+                if id(p) in index_of and (values := self._moving_values(slot, position))
+            ]
+            read = readers(slot)
+            if read is None:
+                for index, _, values in held:
+                    moving.add(index, values)
+            else:
+                moving.defer([index for index, _, _ in held], _read_into(held, read), now(slot.unit_index))
+        groups = self._packed_groups()
+        self._leave_facade(collections.defaultdict(dict))
+        return {"state": moving, "param_groups": groups}
+
+    def _moving_values(self, slot: UnitSlot, position: int) -> dict[str, Any]:
+        """A parameter's states as :meth:`state_dict` gives them (an NVMe unit's tensors are
+        placeholders until read), each over only its own bytes."""
+        master = slot.masters[position]
+        values = dict(slot.inner.state.get(master, {}))
+        if slot.widened(position) and id(master) not in self.stale:
+            values["master"] = master.detach()
+        return {k: compact(v) if torch.is_tensor(v) else v for k, v in values.items()}
+
+    def _leave_facade(self, state: MutableMapping) -> None:
+        """The facade is a plain optimizer again, holding ``state``."""
         self.facade.state = state  # type: ignore[assignment]  # a mapping that acts as the defaultdict(dict) torch declares
         self.on_zero_grad = lambda units: None
         for name in ("state_dict", "load_state_dict", "zero_grad"):
             self.facade.__dict__.pop(name, None)
 
 
-def _plain_states(slot: UnitSlot, position: int, values: dict, read: dict[tuple[int, str], torch.Tensor]) -> dict:
+def _read_into(held: list[tuple[int, int, dict[str, Any]]], read: StatesReader) -> Callable[[], dict[int, dict[str, Any]]]:
+    """A function giving each (index, id of the master, values) of ``held`` its values, those the
+    unit's file holds read from it (the others, a step count, as held)."""
+
+    def states() -> dict[int, dict[str, Any]]:
+        stored = read()
+        return {index: {k: stored.get((master, None if k == "master" else k), v) for k, v in values.items()} for index, master, values in held}
+
+    return states
+
+
+def _plain_states(slot: UnitSlot, position: int, values: dict, read: dict[tuple[int, Optional[str]], torch.Tensor]) -> dict:
     """One parameter's states as plain training holds them: fp32 states of a low-precision
     parameter take its dtype; a tensor that owns its memory is taken as it is (the inner optimizer
     is done with it), any other is copied. ``read``: values read from the unit's file."""
@@ -437,7 +488,7 @@ def _plain_states(slot: UnitSlot, position: int, values: dict, read: dict[tuple[
     return plain
 
 
-def _unit_states(slot: UnitSlot, read: Callable[[], dict[tuple[int, str], torch.Tensor]]) -> Callable[[], dict[Any, dict]]:
+def _unit_states(slot: UnitSlot, read: StatesReader) -> Callable[[], dict[Any, dict]]:
     """A function giving the plain states of each parameter of the slot, read from the unit's
     file; it keeps the scalar states (a step count) the optimizer holds in memory, not the optimizer."""
     kept = [
@@ -514,6 +565,53 @@ class StatesReadOnUse(MutableMapping):
 
     def __repr__(self) -> str:
         return f"StatesReadOnUse({len(self.held)} parameters' states in memory, {len(self.pending)} on NVMe)"
+
+
+class StatesToMove(Mapping):
+    """A state dict's ``state`` on its way from one engine to the next (``UnitOptimizers.hand_over``):
+    index -> a parameter's states, each handed over once and let go of as it is (what the next
+    engine keeps elsewhere, on NVMe, is then freed); an NVMe unit's entries are read from its
+    file together when the first of them is taken. So the next engine's ``load_state_dict``, which
+    takes them unit by unit, holds one unit's states at a time beyond its own."""
+
+    def __init__(self) -> None:
+        self.ready: dict[int, dict[str, Any]] = {}
+        self.pending: dict[int, Callable[[], None]] = {}  # index -> its unit's read
+
+    def add(self, index: int, values: dict[str, Any]) -> None:
+        self.ready[index] = values
+
+    def defer(self, indices: Sequence[int], states: Callable[[], dict[int, dict[str, Any]]], now: bool = False) -> None:
+        """``indices`` take their values from ``states()``, called once, when the first is taken (``now``: at once)."""
+
+        def bring() -> None:
+            for index, values in states().items():
+                if self.pending.pop(index, None) is not None:
+                    self.ready[index] = values
+
+        for index in indices:
+            self.pending[index] = bring
+        if now and indices:
+            bring()
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        bring = self.pending.get(index)
+        if bring is not None:
+            bring()
+        return self.ready.pop(index)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self.ready or index in self.pending
+
+    def __iter__(self) -> Iterator[int]:
+        yield from list(self.ready)
+        yield from list(self.pending)
+
+    def __len__(self) -> int:
+        return len(self.ready) + len(self.pending)
+
+    def __repr__(self) -> str:
+        return f"StatesToMove({len(self.ready)} parameters' states in memory, {len(self.pending)} to read)"
 
 
 class LiveState(MutableMapping):
