@@ -110,8 +110,10 @@ def test_a_swapped_run_holds_in_host_memory_what_it_swaps_there_and_trains_as_pl
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
     for held_bytes, slab_bytes, host_copies, nvme_copies, in_slab, nvme_holds_host in seen.seen[1:]:
-        assert host_copies > 0 and in_slab and not nvme_holds_host and held_bytes == slab_bytes, seen.seen
+        assert host_copies > 0 and in_slab and not nvme_holds_host, seen.seen
         if "swap_nvme" in layout:
-            assert host_copies <= slab_bytes < host_copies + nvme_copies, seen.seen
+            # NVMe writes are queued behind their copies: one still in flight when the slab is full
+            # borrows a buffer of its own for a moment, always less than the NVMe swaps themselves
+            assert host_copies <= slab_bytes <= held_bytes < host_copies + nvme_copies, seen.seen
         else:
-            assert slab_bytes == host_copies, seen.seen
+            assert slab_bytes == host_copies == held_bytes, seen.seen

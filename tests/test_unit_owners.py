@@ -132,7 +132,7 @@ def test_the_owners_are_those_the_architecture_names():
     owner = {f"{kind}.{name}": sorted(modules) for (kind, name), modules in writers().items()}
     expected = {
         "UnitState.device_slot": ["runtime.params.cache"], "UnitState.fetch": ["runtime.params.cache"],
-        "UnitState.host_copy": ["runtime.params.cache"], "UnitState.host_copy_read": ["runtime.params.cache"],
+        "UnitState.host_copy": ["runtime.params.cache"], "UnitState.host_copy_read": ["runtime.params.cache"], "UnitState.home_read": ["runtime.params.cache"],
         "UnitState.pins": ["runtime.params.cache"], "UnitState.bound": ["runtime.params.cache"],
         "UnitState.bound_to": ["runtime.params.cache"], "UnitState.bound_versions": ["runtime.params.cache"],
         "UnitState.written": ["runtime.params.cache"], "UnitState.handed_out": ["runtime.params.cache"],

@@ -616,7 +616,8 @@ class TieredCore:
         kept = cuda_gpu_margin(root).share if root.type == "cuda" else 0
         measured = self.ranks.largest_on_every_rank(engine.device.reserved_beyond_allocated())
         gpu, line = gpu_after_profiling(budgets.gpu, kept, measured, str(root) if root.type == "cuda" else "the emulated GPU tier")
-        self.context.budgets = planner.budgets = dataclasses.replace(budgets, gpu=gpu)
+        self.context.budgets = dataclasses.replace(budgets, gpu=gpu)
+        planner.settle_gpu_budget(gpu)
         rank_zero_info(line)
 
     def resolve_budgets(self) -> TierBudgets:

@@ -18,6 +18,8 @@ Pure: no torch state. Errors say what does not fit, the numbers, and what to do.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 from collections.abc import Hashable, Mapping, Sequence
@@ -147,6 +149,11 @@ class Planner:
         if self.model is None:
             raise RuntimeError("the planner knows no model yet: place() it first.")
         return self.model
+
+    def settle_gpu_budget(self, gpu: int) -> None:
+        """The GPU tier once the profiled steps measured what the allocator holds beyond it
+        (``session/budgets.py::gpu_after_profiling``), before the plan that follows them."""
+        self.budgets = dataclasses.replace(self.budgets, gpu=gpu)
 
     def gpu_beside(self, taken: int) -> int:
         """The GPU tier left beside ``taken`` bytes of it: the parameters' share beside the

@@ -46,6 +46,7 @@ class UnitState:
     fetch: Optional[Fetch] = None
     host_copy: Optional[Slot] = None  # NVMe units: a current copy kept in a staging buffer (10Cache's GPU-designated CPU buffer)
     host_copy_read: Optional[Event] = None  # the last copy out of it into the GPU tier, until the host has waited for it
+    home_read: Optional[Event] = None  # HOST units: the last copy out of the home into the GPU tier, until the host has waited for it
     pins: int = 0
     used_in_backward: bool = False  # this step; with gradients still to come, evicted only if nothing else can be
     grads_arrived: int = 0  # this backward; all arrived: the unit can be updated

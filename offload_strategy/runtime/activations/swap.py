@@ -330,6 +330,8 @@ class ActivationSwap:
         to_device = c.to_device = self.device.copy_to_device(c.back, buffer)
         if staging is not None:
             self.memory.give_back_after(staging, to_device.done, lambda: self.device.host_wait(to_device))
+        else:  # the pageable buffer is freed on return: the copy has read it first (as CUDA's from pageable memory has)
+            self.device.host_wait(to_device)
 
     def _prefetch_below(self, block: int) -> None:
         """Start bringing back the swap block that backward reaches next."""

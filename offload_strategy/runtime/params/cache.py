@@ -216,7 +216,7 @@ class UnitCache:
         fetch = Fetch(slot=slot)
         n = s.unit.nbytes
         if s.home == HOST:
-            fetch.event = ctx.device.copy_to_device(slot.tensor[:n], ctx.home_bytes(s))
+            fetch.event = s.home_read = ctx.device.copy_to_device(slot.tensor[:n], ctx.home_bytes(s))
         elif s.host_copy is not None:
             # The copy kept in host memory is current: no NVMe read (10Cache Alg. 4).
             fetch.event = s.host_copy_read = ctx.device.copy_to_device(slot.tensor[:n], s.host_copy.tensor[:n])
@@ -483,6 +483,14 @@ class UnitCache:
         if s.host_copy_read is not None:
             self.ctx.device.host_wait(s.host_copy_read)
             s.host_copy_read = None
+
+    def settle_home(self, s: UnitState) -> None:
+        """The host waits for the last copy out of a host unit's home into the GPU tier before it
+        writes the home: a unit fetched ahead and evicted unused (a skipped layer, a prefetch the
+        step did not reach) had only a device-side wait, so on CUDA the copy may still be queued."""
+        if s.home_read is not None:
+            self.ctx.device.host_wait(s.home_read)
+            s.home_read = None
 
     def write_home(self, s: UnitState, buffer: torch.Tensor) -> None:
         """An NVMe unit's new bytes go home (and to its kept host copy)."""

@@ -321,6 +321,7 @@ class UnitUpdater:
             params, states, copies, made = self._stage_nvme(s, slot, positions, staged, known, on_worker)
         else:
             copies = [s.home_views[i] for i in positions]
+            self.cache.settle_home(s)
             self.ctx.device.check_host_access(self.ctx.home_bytes(s), "updates a host unit at home")
         if speculation is not None:
             _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
