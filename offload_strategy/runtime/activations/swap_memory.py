@@ -28,13 +28,10 @@ import torch
 
 from ...config import format_bytes
 from ...memory.slab import PAGE_BYTES, HostSlab
+from ...planning.placement import align
 
 # every buffer starts at a multiple of this (a cache line: copies in and out run at full speed)
 HELD_ALIGNMENT = 64
-
-
-def _round_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
 
 
 @dataclass
@@ -50,7 +47,7 @@ class _Pending:
 
 
 def _counted(nbytes: int) -> int:
-    return _round_up(nbytes, HELD_ALIGNMENT)
+    return align(nbytes, HELD_ALIGNMENT)
 
 
 class SwapMemory:
@@ -115,7 +112,7 @@ class SwapMemory:
         self._settle_done()
         base = self.slab.tensor.data_ptr() if self.slab.nbytes else 0
         for i, (lo, hi) in enumerate(self._free):
-            start = _round_up(base + lo, alignment) - base
+            start = align(base + lo, alignment) - base
             end = start + _counted(nbytes)
             if end <= hi:
                 self._free[i : i + 1] = [gap for gap in ((lo, start), (end, hi)) if gap[1] > gap[0]]
