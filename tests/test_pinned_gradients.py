@@ -178,3 +178,15 @@ def test_an_engine_without_a_budget_takes_late_homes_without_a_bound():
     assert taken.numel() == 1 << 20 and overflow.contains(taken) and not overflow.contains(torch.empty(4))
     assert overflow.give_back(taken) and not overflow.give_back(torch.empty(4))
     overflow.close()
+
+
+def test_the_overflows_room_may_count_what_the_overflow_holds():
+    """The core's room reads the host left to the activations' swaps, which counts the engine's
+    host bytes, the overflow's among them: it is asked outside the overflow's lock."""
+    overflow = GradientOverflow(pin=False)
+    overflow.room = lambda: 3 * 4096 - overflow.nbytes
+    first = overflow.take(4096, "a test's gradients")
+    with pytest.raises(PlacementError, match=r"need 8\.00 KiB .* beside 4\.00 KiB already taken so; host_memory leaves 8\.00 KiB"):
+        overflow.take(8192, "a test's gradients")
+    assert overflow.contains(first) and overflow.nbytes == 4096
+    overflow.close()

@@ -48,19 +48,25 @@ class GradientOverflow:
         """``nbytes`` of pinned host memory (1-D uint8) for ``what`` (said in an error); within
         ``room`` where ``bounded``."""
         with self._lock:
-            fitting = [slab for slab in self._free if slab.nbytes >= nbytes]
-            if fitting:
-                slab = min(fitting, key=lambda s: s.nbytes)
-                self._free.remove(slab)
-            else:
-                if bounded:
-                    self._check_room(nbytes, what)
+            slab = self._reuse(nbytes)
+        if slab is None:
+            room = self.room() if bounded else None  # outside the lock: it may read ``nbytes`` (the host bytes held)
+            with self._lock:
+                self._check_room(nbytes, what, room)
                 slab = HostSlab(nbytes, pin=self.pin)
                 self._slabs[slab.tensor.data_ptr()] = slab
         return slab.tensor[:nbytes]
 
-    def _check_room(self, nbytes: int, what: str) -> None:
-        room = self.room()
+    def _reuse(self, nbytes: int) -> Optional[HostSlab]:
+        """The smallest slab given back that holds ``nbytes``, taken off the free list."""
+        fitting = [slab for slab in self._free if slab.nbytes >= nbytes]
+        if not fitting:
+            return None
+        slab = min(fitting, key=lambda s: s.nbytes)
+        self._free.remove(slab)
+        return slab
+
+    def _check_room(self, nbytes: int, what: str, room: Optional[int]) -> None:
         held = sum(slab.nbytes for slab in self._slabs.values())
         if room is None or held + nbytes <= room:
             return
