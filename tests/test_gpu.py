@@ -278,3 +278,28 @@ def test_the_chunked_loss_on_a_gpu_trains_as_plain_and_holds_less(tmp_path):
         losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=model(8), accelerator="gpu")
         assert losses == pytest.approx(plain_losses, rel=1e-5)
         _weight_differences(weights, plain_weights, 1e-4, 1e-5, steps=len(losses), lr=1e-2)
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_gradients_of_parameters_unfrozen_inside_a_step_land_in_pinned_memory_on_a_gpu(tmp_path, placement):
+    """The gradient homes of a weight unfrozen beside its trainable bias and of a block frozen whole
+    at set-up are pinned (the slab's, the overflow's), so their copies out of the GPU tier are
+    asynchronous; training matches plain on the same GPU (``tests/test_pinned_gradients.py``)."""
+    import lightning as L
+
+    from offload_strategy.planning.placement import GPU
+    from tests import test_recipes as recipes
+    from tests.test_pinned_gradients import UnfreezeInStep
+
+    homes: list[bool] = []
+
+    class Homes(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            engine = trainer.strategy.engine
+            if batch_idx == 2:  # the step that unfroze them, before the model is placed again
+                homes.extend(r.home.is_pinned() for s in engine.states if s.home != GPU for r in s.grads if r.home is not None)
+
+    plain_losses, _, _ = recipes.fit("auto", tmp_path / "plain", UnfreezeInStep, steps=4, accelerator="gpu")
+    losses, _, _ = recipes.fit(recipes.tiered(placement, tmp_path), tmp_path / "tiered", UnfreezeInStep, steps=4, callbacks=(Homes(),), accelerator="gpu")
+    assert homes and all(homes), homes
+    assert losses == pytest.approx(plain_losses, rel=1e-5)

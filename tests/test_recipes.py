@@ -415,11 +415,7 @@ class UnfreezeInStep(Net):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_layer_unfrozen_inside_a_training_step_is_trained(tmp_path, placement):
-    plain, model = assert_like_plain(tmp_path, placement, UnfreezeInStep)
-    L.seed_everything(7, verbose=False)
-    assert not torch.equal(model.blocks[1].weight, UnfreezeInStep().blocks[1].weight)
+# layers unfrozen inside a training step, in both placements: tests/test_pinned_gradients.py
 
 
 class Finetune(BaseFinetuning):

@@ -387,6 +387,9 @@ class TieredCore:
             device.close()
             raise
         engine.updater.freed.limit = self._freed_memory_limit(engine)
+        # gradients the placement did not plan (late-unfrozen parameters' homes) take pinned memory within the host budget
+        placed, speculation = engine.placement.host_bytes, engine.speculation  # not the engine: no cycle through it
+        engine.gradients.buffers.overflow.room = lambda: self._host_room(placed) - speculation.held_bytes
         self._share_optimizer_attributes()
         rank_zero_info(self.session.describe(plan))
         self.session.say_when_updates_wait(recipe, plan)
@@ -447,8 +450,7 @@ class TieredCore:
             with _torch_func_explained(), self.activations.counting_saved():
                 return run()
         speculate = rules.updates_may_run_ahead_of_clipping()
-        assert self.budgets is not None  # what the plan and the activations' swaps leave of the host budget
-        room = self.budgets.host - engine.placement.host_bytes - self.activations.host_swap_bytes() if speculate else 0
+        room = self._host_room(engine.placement.host_bytes) if speculate else 0
         engine.begin_step(
             profile=self.session.takes_order_profile(), update_in_backward=rules.updates_can_start_in_backward(), clip_value=rules.clip_value(),
             reduce=self.ranks.gradient_reduction(rules.accumulating(), not rules.reductions_may_go_to_owners()), norms_wanted=self.clips_norm_first(rules),
@@ -505,6 +507,12 @@ class TieredCore:
                 engine.exposure.expose()  # reduced first under data parallelism, as DDP's backward leaves them
             if expose or self._batch_ends_with_backward:  # user code runs next (the batch's end, or its own step)
                 engine.fence_host_memory()
+
+    def _host_room(self, placed_host_bytes: int) -> int:
+        """What the host budget leaves beside a placement's host bytes and the activations' swaps,
+        which speculative updates' saved values and gradients the placement did not plan share."""
+        assert self.budgets is not None
+        return self.budgets.host - placed_host_bytes - self.activations.host_swap_bytes()
 
     def _freed_memory_limit(self, engine: TieredEngine) -> int:
         """The resident set above which the steps give freed memory back: what the process held at

@@ -47,6 +47,7 @@ from .grads.exchange import DataParallel, GradientExchange, Reduction
 from .params.forwards import ForwardsBetweenSteps
 from .grads.buffers import GradientBuffers
 from .grads.exposure import GradientExposure
+from .grads.overflow import GradientOverflow
 from .activations.saved_tensors import SavedTensors
 from .params.hooks import ModuleHooks
 from .grads.hooks import GradientHooks
@@ -148,7 +149,9 @@ class TieredEngine:
         self.ctx = ctx
         self.cache = UnitCache(ctx, prefetch)
         worker = UpdateWorker()  # the updates, and the host's share of the gradients' way home
-        self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, GradientBuffers(self.memory.gradient_slots), worker)
+        # gradients the placement did not plan (late-unfrozen parameters, buffers beyond the pool) in pinned memory too
+        buffers = GradientBuffers(self.memory.gradient_slots, GradientOverflow(pin=self.device.compute.type == "cuda"))
+        self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, buffers, worker)
         self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, owned, worker)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)
         self.timer = StepTimer(ctx.step, self.device, [s.unit.name for s in states], [s.unit.nbytes for s in states])
@@ -184,12 +187,13 @@ class TieredEngine:
     # -- what the strategy reads (the tools and the tests read the collaborators: cache, memory, timer, updater...)
 
     def host_bytes_held(self) -> int:
-        """Host memory this process's tiers hold: its slab and fp32 masters, and its share of the
-        host homes the machine's ranks share."""
+        """Host memory this process's tiers hold: its slab and fp32 masters, its share of the
+        host homes the machine's ranks share, and the pinned overflow's gradients the placement
+        did not plan (``runtime/grads/overflow.py``)."""
         memory = self.memory
         dp = self.data_parallel
         shared = memory.shared_slab.nbytes // dp.ranks_per_machine if memory.shared_slab is not None and dp is not None else 0
-        return memory.slab.nbytes + memory.master_region.numel() + shared
+        return memory.slab.nbytes + memory.master_region.numel() + shared + self.gradients.buffers.overflow.nbytes
 
     def trainable_grew(self) -> bool:
         """Some parameter is trainable now that the placement planned no gradient or state for."""
@@ -284,8 +288,6 @@ class TieredEngine:
         self.ctx.step.begin(update_in_backward and len(self.updater.optimizers) == 1, clip_value, norms_wanted)
         self.cache.new_step()
         self.saved_tensors.new_step()
-        if speculate:
-            self.speculation.room = speculation_room
         self.speculation.begin_step(speculate and train and len(self.updater.optimizers) == 1 and self.exchange is None)
         self.updater.log = []
         if self.exchange is not None:
@@ -296,6 +298,8 @@ class TieredEngine:
             self.sync_trainable()
             for unit_optimizers in self.updater.optimizers.values():
                 unit_optimizers.adopt_replaced_state()  # before backward's updates use the states
+        if speculate:  # less what gradients the placement did not plan hold of the same room (made by the sync)
+            self.speculation.room = max(speculation_room - self.gradients.buffers.overflow.nbytes, 0)
         if profile:
             self.ctx.table.start_recording()
         else:
@@ -489,6 +493,7 @@ class TieredEngine:
             self.store.close if self.store is not None and not left else None,
             memory.slab.close if memory is not None else None,
             gradients.staging.close if gradients is not None else None,
+            gradients.buffers.overflow.close if gradients is not None else None,
             memory.shared_slab.close if memory is not None and memory.shared_slab is not None else None,
         ])
         if errors and raise_errors:

@@ -5,7 +5,8 @@ in flight between backward and the update worker, not of the model: a unit takes
 first gradient arrives and gives it back once updated. With every buffer taken, backward waits for
 the worker to finish an update; if nothing submitted holds one (a step that does not update in
 backward), or the worker failed (and skips the updates that would give buffers back), a buffer of
-its own is made and freed after the update, so the step is never stuck.
+its own is taken from the pinned overflow (``runtime/grads/overflow.py``, within the host budget)
+and given back there after the update, so the step is never stuck.
 
 Under data parallelism with sharded states, the gradients of a unit another rank owns pass
 through a buffer too: it goes back once the reduction has sent them to the owner.
@@ -18,12 +19,13 @@ buffer for the next micro-batch to add to, or for the update (``GradientPath.spi
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from ...planning.placement import HOST_SLOT_ALIGNMENT, align
 from ..state import UnitState
+from .overflow import GradientOverflow
 
 
 def gradient_bytes(s: UnitState) -> int:
@@ -34,11 +36,15 @@ def gradient_bytes(s: UnitState) -> int:
 
 class GradientBuffers:
     """The buffers, and which unit holds which; the units' gradient records pointing into them are
-    the gradient path's (``GradientPath.take_buffer``, ``release_buffer``)."""
+    the gradient path's (``GradientPath.take_buffer``, ``release_buffer``). ``overflow``: where
+    buffers beyond the pool come from (pinned, counted in the host budget); an unpinned one
+    without a bound where not given."""
 
-    def __init__(self, slots: list[torch.Tensor]) -> None:
+    def __init__(self, slots: list[torch.Tensor], overflow: Optional[GradientOverflow] = None) -> None:
         self.free = list(slots)
         self.pooled = {t.data_ptr() for t in slots}
+        self.slot_bytes = max((t.numel() for t in slots), default=0)
+        self.overflow = overflow if overflow is not None else GradientOverflow(pin=False)
         self.held: dict[int, torch.Tensor] = {}  # unit index -> its buffer
         self.submitted: set[int] = set()  # units holding a buffer whose update is on the worker
         self.sending: dict[int, UnitState] = {}  # another rank's units holding a buffer until their reductions end
@@ -55,8 +61,9 @@ class GradientBuffers:
                 self.changed.wait(timeout=0.05)
             if self.free:
                 buffer = self.free.pop()
-            else:
-                buffer = torch.empty(gradient_bytes(s), dtype=torch.uint8)
+            else:  # as large as the pool's, so that any unit can take it once given back
+                what = f"a gradient buffer beyond the plan's {len(self.pooled)} (for {s.unit.name!r})"
+                buffer = self.overflow.take(max(gradient_bytes(s), self.slot_bytes), what, bounded=not self.worker_failed())
                 self.extra += 1
             self.held[s.unit.index] = buffer
             self.most_held = max(self.most_held, len(self.held))
@@ -116,4 +123,6 @@ class GradientBuffers:
             self.submitted.discard(s.unit.index)
             if buffer is not None and buffer.data_ptr() in self.pooled:
                 self.free.append(buffer)
+            elif buffer is not None:
+                self.overflow.give_back(buffer)
             self.changed.notify_all()

@@ -17,7 +17,7 @@ from ...memory.dha import can_view, device_view
 from ...planning.placement import GPU, HOST_SLOT_ALIGNMENT, NVME, align
 from ..context import EngineContext
 from .clipping import tensor_norms
-from .buffers import GradientBuffers
+from .buffers import GradientBuffers, gradient_bytes
 from ..updates.optimizers import LOOSE, UnitOptimizers
 from ..state import Landing, UnitState, one_element
 from ..units import PARAM_ALIGNMENT, master_dtype
@@ -126,6 +126,8 @@ class GradientPath:
         self.counts_persistent = data_parallel  # every persistent gradient is counted for its reduction
         self.state_factor = state_factor  # optimizer-state bytes per master byte, for states the placement did not plan
         self.persistent: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient of a 16-bit persistent parameter
+        # unit index -> the gradient home of a unit wholly frozen at set-up, from the pinned overflow (``_late_home``)
+        self.late_homes: dict[int, torch.Tensor] = {}
         for s in ctx.states:
             if s.home != GPU:
                 s.grads = [GradientRecord() for _ in s.unit.params]
@@ -460,8 +462,8 @@ class GradientPath:
         self.done_with(s)
 
     def start(self, s: UnitState, i: int, p: torch.Tensor) -> None:
-        """A parameter became trainable during training: its gradient home (outside the slab, for
-        one frozen at set-up), and a gradient autograd already left in ``.grad`` moved there."""
+        """A parameter became trainable during training: its gradient home (pinned, see
+        :meth:`_late_home`), and a gradient autograd already left in ``.grad`` moved there."""
         if master_dtype(p, self.ctx.fp32_masters) != s.master_dtypes[i]:
             raise RuntimeError(
                 f"parameter {s.unit.param_names[i]!r} became trainable during training, but under this precision it needs an "
@@ -472,14 +474,12 @@ class GradientPath:
             return
         record = s.grads[i]
         if record.home is None:
-            record.bind(torch.zeros(p.shape, dtype=s.master_dtypes[i]), record.landing)
-            if s.home == NVME:  # room for the optimizer states the placement did not plan for a frozen parameter
-                nbytes, store = p.numel() * s.master_dtypes[i].itemsize, self.ctx.store
-                assert store is not None, "NVMe units have the store"
-                store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)
-        home = record.home
-        assert home is not None  # bound above
+            self._late_home(s, i, p)
         if p.grad is not None:
+            if s.transient_gradients:
+                self.take_buffer(s)  # binds the record
+            home = record.home
+            assert home is not None, "a late gradient home was bound above, or with the unit's buffer"
             record.wait()
             if record.fresh:
                 home.add_(p.grad.to(home.device))
@@ -487,3 +487,27 @@ class GradientPath:
                 home.copy_(p.grad)
             record.fresh = True
             p.grad = None
+
+    def _late_home(self, s: UnitState, i: int, p: torch.Tensor) -> None:
+        """Where a parameter unfrozen since set-up keeps its gradient, in pinned memory as every
+        planned gradient is (a copy into pageable memory would wait for everything queued on the
+        GPU): its place in the unit's gradient memory, which the plan lays out for every
+        parameter (the slab's gradient home of a unit partly trainable at set-up, or the buffer a
+        transient unit holds: else bound when it takes one); for a unit wholly frozen at set-up, a
+        home of its own from the pinned overflow, within the host budget (``overflow.py``)."""
+        index = s.unit.index
+        if s.transient_gradients:
+            region = self.buffers.buffer_of(s) if self.buffers.holds(s) else None
+        else:
+            region = self.ctx.memory.gradient_homes.get(index, self.late_homes.get(index))
+            if region is None:
+                what = f"the gradients of unit {s.unit.name!r}, unfrozen after set-up,"
+                region = self.late_homes[index] = self.buffers.overflow.take(gradient_bytes(s), what)
+        if region is not None:
+            size = align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT)
+            record = s.grads[i]
+            record.bind(s.unit.typed_views(region[:size], s.master_dtypes)[i], None)
+        if s.home == NVME:  # room for the optimizer states the placement did not plan for a frozen parameter
+            nbytes, store = p.numel() * s.master_dtypes[i].itemsize, self.ctx.store
+            assert store is not None, "NVMe units have the store"
+            store.capacity += align(int(nbytes * self.state_factor) + len(s.unit.params) * PARAM_ALIGNMENT, HOST_SLOT_ALIGNMENT)

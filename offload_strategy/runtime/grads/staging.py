@@ -56,6 +56,14 @@ class AccumulationStaging:
             self.extra += 1
             return torch.empty(self.piece_bytes, dtype=torch.uint8)
 
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in the pieces' slab."""
+        slab = self._slab
+        if slab is None or slab.closed:
+            return False
+        start, base = tensor.data_ptr(), slab.tensor.data_ptr()
+        return base <= start and start + tensor.numel() * tensor.element_size() <= base + slab.nbytes
+
     def release(self, piece: torch.Tensor) -> None:
         with self._changed:
             slab = self._slab
