@@ -106,6 +106,7 @@ def fake_cuda_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(device_module, "gpu_numa_node", lambda index: None)
     return _FakeStream.made
 
 

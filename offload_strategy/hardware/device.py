@@ -47,6 +47,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..config import HardwareSpec, format_bytes
+from .numa import gpu_numa_node
 
 _H2D, _D2H = "host-to-device", "device-to-host"
 RACE_CHECK_ENV = "OFFLOAD_STRATEGY_RACE_CHECK"
@@ -138,6 +139,8 @@ class Device(abc.ABC):
     """
 
     is_emulated: bool
+    # the NUMA node host memory for this GPU's copies should come from (None: no preference)
+    numa_node: Optional[int] = None
 
     def __init__(self, compute: torch.device, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -593,6 +596,7 @@ class EmulatedDevice(Device):
         self.streams = streams
         self.race_check = race_check
         self.reserve = 0  # what a caching allocator would hold beyond its allocations (reserved_beyond_allocated)
+        self.numa_node = None  # the emulated GPU's NUMA node: none unless a test gives one
         self._links = {_H2D: streams.to_device, _D2H: streams.to_host}
 
     def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
@@ -655,6 +659,7 @@ class CudaDevice(Device):
         assert isinstance(streams, CudaCopyStreams)
         self.streams = streams
         self._streams = {_H2D: streams.to_device, _D2H: streams.to_host}
+        self.numa_node = gpu_numa_node(device.index if device.index is not None else torch.cuda.current_device())
 
     def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
         stream = self._streams[direction]
