@@ -2,55 +2,25 @@
 builds. Before, each engine's device took two new streams from PyTorch's pool (32 per priority,
 handed out in turn), so after a few re-placements a copy stream could be one NCCL or another
 engine was already using, a false dependency. Both streams also ran at the default priority.
-On the emulated device the pair is its two copy threads."""
+On the emulated device the pair is its two copy threads. A run's engines across two forced
+re-placements copy on the same pair: tests/test_replacement_memory.py (it runs them already)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 
-import lightning as L
 import pytest
 import torch
 
-from offload_strategy import TieredStrategy
 from offload_strategy.hardware import device as device_module
 from offload_strategy.hardware.device import (
     CudaCopyStreams, CudaDevice, EmulatedCopyStreams, EmulatedDevice, make_copy_streams, make_device,
 )
-from tests.helpers import PARAMETERS_ONLY, train
-
-
-class _ReplaceAtSteps(L.Callback):
-    """Places the parameters again after steps 2 and 3, recording each engine's device."""
-
-    def __init__(self) -> None:
-        self.devices: list = []
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        core = trainer.strategy.tiered
-        if not self.devices or self.devices[-1] is not core.engine.device:
-            self.devices.append(core.engine.device)
-        if trainer.global_step in (2, 3):
-            core._replace_engine(core.recipe(trainer), gpu_bytes=core.context.budgets.gpu)
-            self.devices.append(core.engine.device)
 
 
 def _copy_threads(device) -> tuple[threading.Thread, ...]:
     return tuple(link.thread for link in device._links.values())
-
-
-def test_every_engine_of_a_run_copies_on_the_same_two_streams(tmp_path):
-    watch = _ReplaceAtSteps()
-    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", policy=PARAMETERS_ONLY)
-    train(strategy, tmp_path, epochs=1, max_steps=5, extra_callbacks=(watch,))
-    devices = watch.devices
-    assert len(devices) == 3 and len({id(d) for d in devices}) == 3  # two forced re-placements, a device each
-    first = _copy_threads(devices[0])
-    assert all(_copy_threads(d) == first for d in devices[1:])  # the same two copy threads, not two new ones per engine
-    streams = devices[0].streams
-    assert isinstance(streams, EmulatedCopyStreams) and all(d.streams is streams for d in devices)
-    assert streams.closed and not any(t.is_alive() for t in first)  # the run's teardown closed them
 
 
 def test_a_device_closes_only_the_streams_it_made():
