@@ -25,15 +25,19 @@ class _ReplaceAtSteps(L.Callback):
 
 
 def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, monkeypatch):
+    """Also: every engine copies on the run's two copy streams (tests/test_copy_streams.py), here
+    the emulated device's two copy threads, not two new ones per engine."""
     freed: list[list[bool]] = []  # per engine built: [arena freed, slab freed, engine gone]
     engines: list[weakref.ref] = []
     seen_at_build: list[list[list[bool]]] = []
+    copy_threads: list[tuple] = []  # per engine built: its device's copy threads and streams
     build = TieredCore._build_engine
 
     def watched(self, *args, **kwargs):
         seen_at_build.append([list(f) for f in freed])
         engine = build(self, *args, **kwargs)
         if engine is not None:
+            copy_threads.append((*(link.thread for link in engine.device._links.values()), engine.device.streams))
             flags = [False, False, False]
             weakref.finalize(engine.memory.arena.untyped_storage(), flags.__setitem__, 0, True)
             weakref.finalize(engine.memory.slab.tensor.untyped_storage(), flags.__setitem__, 1, True)
@@ -55,6 +59,9 @@ def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, 
     # at each re-placement, every earlier engine's arena and slab are gone already
     assert seen_at_build[1] == [[True, True, True]]
     assert seen_at_build[2] == [[True, True, True], [True, True, True]]
+    assert len(copy_threads) == 3 and copy_threads[1] == copy_threads[0] and copy_threads[2] == copy_threads[0]
+    streams = copy_threads[0][-1]
+    assert streams.closed and not any(t.is_alive() for t in copy_threads[0][:-1])  # the run's teardown closed them
 
 
 def test_persistent_units_keep_their_gpu_tier_memory_when_the_engine_closes(tmp_path):

@@ -82,7 +82,8 @@ per_test=()
 case $PART in all|tests)  # every preset against plain Lightning on CUDA, fp32 and bf16-mixed; Fabric; pinned slabs; DHA views
     # the files that hold gpu tests, named: collecting the whole suite stops at any file whose imports the image lacks
     run gpu-tests 140 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA --continue-on-collection-errors "${per_test[@]}" \
-        --junitxml="$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_dha.py tests/test_device.py tests/test_device_timing.py tests/test_gpu_margin.py tests/test_gpu_margin_measured.py tests/test_pools.py tests/test_hydra_configs.py
+        --junitxml="$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_dha.py tests/test_device.py tests/test_device_timing.py tests/test_gpu_margin.py tests/test_gpu_margin_measured.py tests/test_pools.py tests/test_hydra_configs.py \
+        tests/test_copy_streams.py tests/test_numa.py
     run equivalence 60 "$PY" tools/gpu_equivalence.py
     # what CUDA holds beside the tensors, then the GPU tier step by step against the plan (one log: eight files at most)
     run tier-use 40 bash -c "\"$PY\" tools/cuda_reserve.py && \"$PY\" tools/tier_use.py --gpu-memory 16MiB" ;;

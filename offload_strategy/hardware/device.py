@@ -7,6 +7,14 @@ The runtime talks to one :class:`Device` and never asks which kind it has:
   host memory, and one copy thread per direction makes transfers truly asynchronous (optionally
   throttled to a link's bandwidth), so every scheduling path, race and metric runs in CI.
 
+The two copy streams (CUDA streams, or the emulated device's copy threads) are a
+:class:`CopyStreams`, made once by its owner (the strategy makes them at set-up,
+``make_copy_streams``) and handed to every device built for the same GPU: the engines a
+re-placement builds copy on the same pair, and do not take new streams from PyTorch's pool
+(32 streams per priority, handed out in turn), where a later stream can be one NCCL or another
+engine already copies on. On CUDA the host-to-GPU stream has the highest priority there is.
+A device built without a pair makes its own and releases it when it closes.
+
 On CUDA, :meth:`Device.wait` orders later compute after a copy but lets the host run on: host
 code may write, read or give back a copy's buffers only after waiting for its event on the host
 (:meth:`Device.host_wait`, ``Event.wait``, :meth:`Device.synchronize`). The emulated device's
@@ -39,6 +47,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..config import HardwareSpec, format_bytes
+from .numa import gpu_numa_node
 
 _H2D, _D2H = "host-to-device", "device-to-host"
 RACE_CHECK_ENV = "OFFLOAD_STRATEGY_RACE_CHECK"
@@ -130,6 +139,8 @@ class Device(abc.ABC):
     """
 
     is_emulated: bool
+    # the NUMA node host memory for this GPU's copies should come from (None: no preference)
+    numa_node: Optional[int] = None
 
     def __init__(self, compute: torch.device, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -285,15 +296,17 @@ class _Link:
         self._issued = 0  # copies put on the link
         self._hurried = 0  # copies up to this one land without their delay
         self._waited = threading.Condition()
+        self._putting = threading.Lock()
         self.failure: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._serve, name=f"offload-{name}", daemon=True)
         self.thread.start()
 
     def put(self, event: Event, dst: torch.Tensor, src: torch.Tensor, delay: float = 0.0) -> None:
-        self._last = event
-        self._issued += 1
-        event.hurry = functools.partial(self.hurry, self._issued)
-        self._queue.put((event, dst, src, delay, self._issued))
+        with self._putting:  # two devices may share the link (CopyStreams): their copies numbered in one order
+            self._last = event
+            self._issued += 1
+            event.hurry = functools.partial(self.hurry, self._issued)
+            self._queue.put((event, dst, src, delay, self._issued))
 
     def hurry(self, through: int) -> None:
         """Copies up to the ``through``-th land as soon as the link reaches them (someone waits)."""
@@ -322,10 +335,15 @@ class _Link:
         time.sleep(max(0.0, event.nbytes * self._seconds_per_byte - (time.perf_counter() - start)))
         event._finish(None)
 
-    def drain(self) -> None:
+    def settle(self) -> None:
+        """Return once every copy queued so far has completed (failed ones included)."""
         last = self._last
         if last is not None:
             last._block()
+
+    def drain(self) -> None:
+        """Settle, then raise the first copy's failure since the last drain."""
+        self.settle()
         failure, self.failure = self.failure, None
         if failure is not None:
             raise failure
@@ -340,6 +358,102 @@ class _Link:
 def _stop_links(links: tuple[_Link, ...]) -> None:
     for link in links:
         link.stop()
+
+
+@dataclass(frozen=True)
+class StreamPriorities:
+    """The priorities of the two copy streams, as CUDA numbers them: lower runs first."""
+
+    to_device: int
+    to_host: int
+
+
+DEFAULT_STREAM_PRIORITY = 0  # CUDA's default, and the least priority there is
+
+
+class CopyStreams(abc.ABC):
+    """The two copy streams of one process on one GPU (see the module docstring): made once by
+    :func:`make_copy_streams` and handed to every :class:`Device` built for that GPU. Whoever made
+    them closes them once no device copies on them any more; a device's close only waits for
+    the copies queued on them."""
+
+    device: torch.device
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish the copies queued on them and release them. Idempotent."""
+
+
+class CudaCopyStreams(CopyStreams):
+    """Two CUDA streams, each taken once from PyTorch's pool: host-to-GPU at the greatest
+    priority the GPU offers (``torch.cuda.Stream.priority_range()``: a copy into the GPU tier
+    is what the compute waits for next), GPU-to-host at the default (a gradient's copy out can
+    wait). A high-priority stream comes from the pool's high-priority streams, which NCCL
+    does not use unless its process group asks for them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = _cuda_device(device)
+        with torch.cuda.device(self.device):
+            least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # static at run time; the stub says method
+        self.priorities = StreamPriorities(to_device=min(least, greatest), to_host=DEFAULT_STREAM_PRIORITY)
+        self.to_device = torch.cuda.Stream(self.device, priority=self.priorities.to_device)
+        self.to_host = torch.cuda.Stream(self.device, priority=self.priorities.to_host)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if not self._closed:  # a pool's streams are never destroyed: nothing to give back but the wait
+            self.to_device.synchronize()
+            self.to_host.synchronize()
+            self._closed = True
+
+
+class EmulatedCopyStreams(CopyStreams):
+    """The emulated device's two links, a copy thread each (optionally throttled to
+    ``h2d_gbps``/``d2h_gbps``), shared like CUDA streams: the devices built on them copy on the
+    same two threads, in one order per direction. No priorities: the host's scheduler runs both."""
+
+    def __init__(self, h2d_gbps: Optional[float] = None, d2h_gbps: Optional[float] = None) -> None:
+        for name, gbps in (("h2d_gbps", h2d_gbps), ("d2h_gbps", d2h_gbps)):
+            if gbps is not None and not gbps > 0:
+                raise ValueError(f"{name}={gbps!r} must be > 0 GB/s, or None for an unthrottled link.")
+        self.device = torch.device("cpu")
+        self.to_device = _Link("h2d", h2d_gbps)
+        self.to_host = _Link("d2h", d2h_gbps)
+        # the threads stop with the streams, closed or dropped: the links hold no reference back
+        self._stop = weakref.finalize(self, _stop_links, (self.to_device, self.to_host))
+
+    @property
+    def closed(self) -> bool:
+        return not self._stop.alive
+
+    def close(self) -> None:
+        self._stop()  # runs once, however often it is called
+
+
+def _cuda_device(device: torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"CudaDevice needs a cuda device, got {device}; use EmulatedDevice (or make_device).")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _open_streams(kind: type, streams: CopyStreams, device: torch.device) -> None:
+    """Refuse streams a device cannot copy on: of another kind, of another GPU, or closed."""
+    if not isinstance(streams, kind) or streams.device != device:
+        raise ValueError(
+            f"copy streams {type(streams).__name__} on {streams.device} given to a device on {device}: make them for that "
+            f"device (make_copy_streams(root) with the device's own root)."
+        )
+    if streams.closed:
+        raise ValueError(f"the copy streams on {device} are closed: make new ones (make_copy_streams) for a device built after their close.")
 
 
 class CopyRaceError(RuntimeError):
@@ -468,15 +582,22 @@ class EmulatedDevice(Device):
     is_emulated = True
 
     def __init__(self, capacity: int, h2d_gbps: Optional[float] = None, d2h_gbps: Optional[float] = None,
-                 race_check: Optional[RaceCheck] = None) -> None:
-        for name, gbps in (("h2d_gbps", h2d_gbps), ("d2h_gbps", d2h_gbps)):
-            if gbps is not None and not gbps > 0:
-                raise ValueError(f"{name}={gbps!r} must be > 0 GB/s, or None for an unthrottled link.")
+                 race_check: Optional[RaceCheck] = None, streams: Optional[CopyStreams] = None) -> None:
+        """``streams``: the links to copy on (:class:`EmulatedCopyStreams`, their bandwidths
+        their own); without them the device makes its own from ``h2d_gbps``/``d2h_gbps``."""
         super().__init__(torch.device("cpu"), capacity)
+        self._owns_streams = streams is None
+        if streams is None:
+            streams = EmulatedCopyStreams(h2d_gbps, d2h_gbps)
+        elif h2d_gbps is not None or d2h_gbps is not None:
+            raise ValueError("EmulatedDevice: h2d_gbps/d2h_gbps given with streams; the streams' links have their bandwidths already.")
+        _open_streams(EmulatedCopyStreams, streams, self.compute)
+        assert isinstance(streams, EmulatedCopyStreams)
+        self.streams = streams
         self.race_check = race_check
         self.reserve = 0  # what a caching allocator would hold beyond its allocations (reserved_beyond_allocated)
-        self._links = {_H2D: _Link("h2d", h2d_gbps), _D2H: _Link("d2h", d2h_gbps)}
-        self._stop = weakref.finalize(self, _stop_links, tuple(self._links.values()))
+        self.numa_node = None  # the emulated GPU's NUMA node: none unless a test gives one
+        self._links = {_H2D: streams.to_device, _D2H: streams.to_host}
 
     def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
         event = Event(src.numel())
@@ -514,7 +635,11 @@ class EmulatedDevice(Device):
             self.race_check.all_waited()
 
     def _release(self) -> None:
-        self._stop()  # runs once, however often it is called
+        if self._owns_streams:
+            self.streams.close()
+            return
+        for link in self._links.values():  # shared: the next device copies on them
+            link.settle()
 
 
 class CudaDevice(Device):
@@ -522,14 +647,19 @@ class CudaDevice(Device):
 
     is_emulated = False
 
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"CudaDevice needs a cuda device, got {device}; use EmulatedDevice (or make_device).")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    def __init__(self, device: torch.device, capacity: int, streams: Optional[CopyStreams] = None) -> None:
+        """``streams``: the process's copy streams on this GPU (:class:`CudaCopyStreams`); without
+        them the device takes its own pair from PyTorch's pool."""
+        device = _cuda_device(device)
         super().__init__(device, capacity)
-        self._streams = {direction: torch.cuda.Stream(device) for direction in (_H2D, _D2H)}
+        self._owns_streams = streams is None
+        if streams is None:
+            streams = CudaCopyStreams(device)
+        _open_streams(CudaCopyStreams, streams, device)
+        assert isinstance(streams, CudaCopyStreams)
+        self.streams = streams
+        self._streams = {_H2D: streams.to_device, _D2H: streams.to_host}
+        self.numa_node = gpu_numa_node(device.index if device.index is not None else torch.cuda.current_device())
 
     def _issue(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> Event:
         stream = self._streams[direction]
@@ -578,19 +708,40 @@ class CudaDevice(Device):
 
     def _release(self) -> None:
         self.synchronize()
+        if self._owns_streams:
+            self.streams.close()
 
 
-def make_device(root: torch.device, capacity: int, spec: Optional[HardwareSpec] = None, throttle: bool = False) -> Device:
+def make_copy_streams(root: torch.device, spec: Optional[HardwareSpec] = None, throttle: bool = False) -> CopyStreams:
+    """The copy streams for devices on ``root``: a CUDA stream per direction on cuda, an emulated
+    link (a copy thread) per direction anywhere else, throttled to the spec's bandwidths with
+    ``throttle`` (as :func:`make_device` throttles). The caller owns them: close them once no
+    device copies on them."""
+    root = torch.device(root)
+    if root.type == "cuda":
+        return CudaCopyStreams(root)
+    if throttle and spec is not None:
+        return EmulatedCopyStreams(h2d_gbps=spec.h2d_gbps, d2h_gbps=spec.d2h_gbps)
+    return EmulatedCopyStreams()
+
+
+def make_device(
+    root: torch.device, capacity: int, spec: Optional[HardwareSpec] = None, throttle: bool = False, streams: Optional[CopyStreams] = None,
+) -> Device:
     """The device for ``root``: a CudaDevice on cuda, an EmulatedDevice anywhere else.
 
-    With ``throttle`` and a ``spec``, the emulated links run at the spec's H2D/D2H bandwidths
-    (a bandwidth the spec leaves unknown stays unthrottled). ``OFFLOAD_STRATEGY_RACE_CHECK=<seed>``
-    in the environment (any whole number but 0) gives the emulated device a :class:`RaceCheck`.
+    ``streams``: the copy streams it copies on (:func:`make_copy_streams`, their links' bandwidths
+    set there); without them it makes its own, and with ``throttle`` and a ``spec`` the emulated
+    links run at the spec's H2D/D2H bandwidths (a bandwidth the spec leaves unknown stays
+    unthrottled). ``OFFLOAD_STRATEGY_RACE_CHECK=<seed>`` in the environment (any whole number
+    but 0) gives the emulated device a :class:`RaceCheck`.
     """
     root = torch.device(root)
     if root.type == "cuda":
-        return CudaDevice(root, capacity)
+        return CudaDevice(root, capacity, streams=streams)
     race_check = RaceCheck(seed=int(os.environ[RACE_CHECK_ENV])) if os.environ.get(RACE_CHECK_ENV, "0") not in ("", "0") else None
+    if streams is not None:
+        return EmulatedDevice(capacity, race_check=race_check, streams=streams)
     if throttle and spec is not None:
         return EmulatedDevice(capacity, h2d_gbps=spec.h2d_gbps, d2h_gbps=spec.d2h_gbps, race_check=race_check)
     return EmulatedDevice(capacity, race_check=race_check)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 
+    from ..hardware.device import CopyStreams
     from ..planning.planner import Planner, TierBudgets
     from ..runtime.engine import TieredEngine
 
@@ -115,6 +116,9 @@ class TieredContext:
     budgets: Optional["TierBudgets"] = None
     planner: Optional["Planner"] = None
     engine: Optional["TieredEngine"] = None
+    # the copy streams every device of the run copies on (made at set-up, closed at teardown):
+    # each engine a re-placement builds takes the same pair (hardware/device.py)
+    copy_streams: Optional["CopyStreams"] = None
 
     @property
     def policy(self) -> PolicyConfig:

@@ -34,7 +34,7 @@ from ..checkpoint.states import CheckpointStates, LeftOnNvme, half_host_availabl
 from ..config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes
 from ..construction.deferred import DeferredParameters
 from ..hardware import cuda_gpu_margin, disk_free, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
-from ..hardware.device import make_device
+from ..hardware.device import make_copy_streams, make_device
 from ..memory.nvme import make_private_directory
 from ..planning.auto import AutoPlan
 from ..planning.cost_model import Machine, StepPrediction
@@ -295,6 +295,8 @@ class TieredCore:
         root = self.lightning.root_device
         if root.type == "cuda":
             torch.cuda.reset_peak_memory_stats(root)
+        if context.copy_streams is None or context.copy_streams.closed:  # one pair for every engine of the run
+            context.copy_streams = make_copy_streams(root, spec=context.hardware, throttle=self.policy.throttle)
 
     def place_module(self, recipe: Rules) -> None:
         """The module's blocks, the planner and, unless the policy is ``none``, the engine with the
@@ -374,7 +376,9 @@ class TieredCore:
     def _start_engine(self, plan: Plan, recipe: Rules) -> TieredEngine:
         budgets, lightning = self.context.budgets, self.lightning
         assert budgets is not None
-        device = make_device(lightning.root_device, capacity=budgets.gpu, spec=self.hardware, throttle=self.policy.throttle)
+        device = make_device(
+            lightning.root_device, capacity=budgets.gpu, spec=self.hardware, throttle=self.policy.throttle, streams=self.context.copy_streams,
+        )
         nvme_path, sizes = self.options.nvme_path, plan.model.sizes
         try:
             engine = TieredEngine(
@@ -581,12 +585,19 @@ class TieredCore:
                 self.checkpoints.settle_after_training(left, failing=sys.exc_info()[0] is not None)
         finally:
             _remove_if_empty(self._created_directories)
+            self._close_copy_streams()
         release_freed_host_memory()  # what training freed leaves the process with it
         with contextlib.ExitStack() as unread:
             for optimizer in self.lightning.optimizers:
                 if isinstance(optimizer.state, StatesReadOnUse):
                     unread.enter_context(optimizer.state.unread())
             plain()
+
+    def _close_copy_streams(self) -> None:
+        """Once no device copies on them: the engine's and the swap's are closed."""
+        streams, self.context.copy_streams = self.context.copy_streams, None
+        if streams is not None:
+            streams.close()
 
     def _close_engine(
         self, leave: Callable[[TieredEngine], bool] = lambda engine: True, hand_over: frozenset[int] = frozenset(),

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..config import format_bytes
+from ..hardware.numa import prefer_node
 
 PAGE_BYTES = mmap.PAGESIZE
 
@@ -58,6 +59,28 @@ def _not_inherited(mapping: mmap.mmap) -> None:
         pass
 
 
+def _map(nbytes: int, shared_fd: Optional[int]) -> _Mapping:
+    """The slab's mapping: anonymous, or of the file ``shared_fd``; huge pages asked for, not
+    inherited at fork, no page touched yet."""
+    try:
+        if shared_fd is None:
+            mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            mapping = _Mapping(shared_fd, nbytes, flags=mmap.MAP_SHARED)
+    except OSError as err:
+        raise MemoryError(
+            f"HostSlab could not map {format_bytes(nbytes)} ({nbytes} bytes) of host memory: {err}. "
+            f"Lower the host budget or free host memory."
+        ) from err
+    try:
+        # Fewer, larger pages: faster to fault in and to register, fewer TLB misses.
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no transparent huge pages here: 4 KiB pages work too
+        pass
+    _not_inherited(mapping)
+    return mapping
+
+
 class HostSlab:
     """One page-aligned host allocation of exactly ``nbytes`` (anonymous mmap), pinned with
     ``torch.cuda.cudart().cudaHostRegister`` where CUDA exists — never PyTorch's power-of-two
@@ -66,8 +89,10 @@ class HostSlab:
     Processes forked after it is made do not inherit it (``MADV_DONTFORK``).
 
     Every page is faulted in at creation, in parallel over torch's intra-op threads, so that
-    training never waits on the OS for a first touch. ``pin=False``, a build without CUDA, or
-    ``nbytes == 0`` give an unpinned slab (``pinned`` is False); code that needs pinned memory
+    training never waits on the OS for a first touch. Given the GPU's NUMA node (``numa_node``),
+    the mapping prefers that node before the first touch (``hardware/numa.py``), so the pages do
+    not land on whichever socket a faulting thread runs; ``bound_node`` says whether that worked.
+    ``pin=False``, a build without CUDA, or ``nbytes == 0`` give an unpinned slab (``pinned`` is False); code that needs pinned memory
     checks ``pinned``.
 
     ``close()`` (or leaving a ``with`` block) unregisters the memory and drops the slab's hold
@@ -76,51 +101,47 @@ class HostSlab:
     Fence outstanding asynchronous copies before closing.
     """
 
-    def __init__(self, nbytes: int, pin: bool = True, shared_fd: Optional[int] = None, fault_in: bool = True) -> None:
+    def __init__(
+        self, nbytes: int, pin: bool = True, shared_fd: Optional[int] = None, fault_in: bool = True, numa_node: Optional[int] = None,
+    ) -> None:
         """``shared_fd``: map this file (every process mapping it sees the same bytes) instead of
-        anonymous memory; ``fault_in``: back every page now (the file's first mapper does)."""
+        anonymous memory; ``fault_in``: back every page now (the file's first mapper does);
+        ``numa_node``: the node the pages should come from (None or -1: no preference)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"HostSlab(nbytes={nbytes!r}): give a whole number of bytes >= 0.")
+        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < -1):
+            raise ValueError(f"HostSlab(numa_node={numa_node!r}): give a NUMA node number >= 0, or None (or -1) for no preference.")
         self.nbytes = nbytes
         self.pinned = False
+        self.bound_node: Optional[int] = None  # the node the mapping prefers, where binding it worked
         self._closed = False
         self._shared = shared_fd is not None
         self._mapping: Optional[_Mapping] = None
         if nbytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
             return
-        try:
-            if shared_fd is None:
-                mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            else:
-                mapping = _Mapping(shared_fd, nbytes, flags=mmap.MAP_SHARED)
-        except OSError as err:
-            raise MemoryError(
-                f"HostSlab could not map {format_bytes(nbytes)} ({nbytes} bytes) of host memory: {err}. "
-                f"Lower the host budget or free host memory."
-            ) from err
-        try:
-            # Fewer, larger pages: faster to fault in and to register, fewer TLB misses.
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):  # no transparent huge pages here: 4 KiB pages work too
-            pass
-        _not_inherited(mapping)
+        mapping = _map(nbytes, shared_fd)
         self._mapping = mapping
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        if numa_node is not None and numa_node >= 0 and prefer_node(self.tensor.data_ptr(), nbytes, numa_node):
+            self.bound_node = numa_node  # before any page is touched: a page keeps the node it first landed on
         if fault_in:  # a write to one byte per page makes the kernel back every page now
             self.tensor[::PAGE_BYTES].fill_(0)
         if pin and torch.cuda.is_available():
-            ptr = self.tensor.data_ptr()
-            status = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS))
-            if status != 0:
-                self.close()
-                raise RuntimeError(
-                    f"cudaHostRegister of {format_bytes(nbytes)} ({nbytes} bytes) at {ptr:#x} failed with "
-                    f"cudaError {status}. The pinned-memory limit (ulimit -l) or host memory may be too small: "
-                    f"lower the host budget, or pass pin=False to use pageable memory."
-                )
-            mapping.registered_ptr = ptr
-            self.pinned = True
+            self._register(mapping)
+
+    def _register(self, mapping: _Mapping) -> None:
+        ptr, nbytes = self.tensor.data_ptr(), self.nbytes
+        status = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS))
+        if status != 0:
+            self.close()
+            raise RuntimeError(
+                f"cudaHostRegister of {format_bytes(nbytes)} ({nbytes} bytes) at {ptr:#x} failed with "
+                f"cudaError {status}. The pinned-memory limit (ulimit -l) or host memory may be too small: "
+                f"lower the host budget, or pass pin=False to use pageable memory."
+            )
+        mapping.registered_ptr = ptr
+        self.pinned = True
 
     def release(self, view: torch.Tensor) -> int:
         """Give the pages that lie wholly inside ``view`` (a view of this slab) back to the system,

@@ -125,7 +125,8 @@ def _host_tier(states: list[UnitState], placement: Placement, device: Device, sh
     update_classes = [SizeClass(slot_bytes=c.slot_bytes, count=update_buffers) for c in staging_classes[:1]]
     staging_classes = [SizeClass(c.slot_bytes, c.count - (update_buffers if k == 0 else 0)) for k, c in enumerate(staging_classes)]
     pin = device.compute.type == "cuda"
-    slab = HostSlab(own_homes + grad_bytes + gradient_slot * gradient_count + staging_bytes, pin=pin)
+    # its pages from the GPU's NUMA node: copies from the other socket's memory cross the link between sockets
+    slab = HostSlab(own_homes + grad_bytes + gradient_slot * gradient_count + staging_bytes, pin=pin, numa_node=device.numa_node)
     host = slab.tensor
     shared_slab = shared_homes(home_bytes, layout) if shared_homes is not None else None
     home_region = host[:home_bytes] if shared_slab is None else shared_slab.tensor

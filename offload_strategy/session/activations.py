@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 import torch
 
 from ..config import BlockPolicy, HardwareSpec, PolicyConfig, format_bytes
-from ..hardware.device import Device, make_device
+from ..hardware.device import CopyStreams, Device, make_device
 from ..hardware.probe import disk_free
 from ..memory.nvme import NvmeStore
 from ..planning.activations import ActivationPlan, BesideBlocks, BlockCost, Links, nvme_swapped_bytes
@@ -43,6 +43,7 @@ class SessionContext(Protocol):
     budgets: Optional["TierBudgets"]
     planner: Optional["Planner"]
     engine: Optional["TieredEngine"]
+    copy_streams: Optional[CopyStreams]  # the run's copy streams, for a swap device of its own
 
     @property
     def policy(self) -> PolicyConfig: ...
@@ -519,7 +520,7 @@ class ActivationControl:
         if engine is not None:
             device = engine.device
         else:
-            device = make_device(context.root_device, capacity=0, spec=context.hardware, throttle=context.policy.throttle)
+            device = make_device(context.root_device, capacity=0, spec=context.hardware, throttle=context.policy.throttle, streams=context.copy_streams)
             self._swap_device = device
         store = None
         if context.nvme_path is not None:  # swap_nvme blocks, and swap_host tensors beyond host memory

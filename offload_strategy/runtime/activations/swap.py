@@ -143,7 +143,7 @@ class ActivationSwap:
         self.device = device
         self.store = store
         self.host_limit = host_limit
-        self.memory = SwapMemory(host_limit, host_capacity, pin=device.compute.type == "cuda")
+        self.memory = SwapMemory(host_limit, host_capacity, pin=device.compute.type == "cuda", numa_node=device.numa_node)
         self.is_parameter = is_parameter
         self.outer: Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
         self.stats = SwapStats()

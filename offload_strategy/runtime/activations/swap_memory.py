@@ -53,14 +53,16 @@ def _counted(nbytes: int) -> int:
 class SwapMemory:
     """See the module docstring. ``limit``: the most host memory the swap may hold (None: no bound);
     ``capacity``: the slab's first size (the layout's swapped bytes where known, else 0: the first
-    step measures them); ``pin``: register the slabs for the GPU's copies."""
+    step measures them); ``pin``: register the slabs for the GPU's copies; ``numa_node``: the
+    GPU's NUMA node, which the slabs' pages come from (None: no preference)."""
 
-    def __init__(self, limit: Optional[int], capacity: int = 0, pin: bool = False) -> None:
+    def __init__(self, limit: Optional[int], capacity: int = 0, pin: bool = False, numa_node: Optional[int] = None) -> None:
         if limit is not None and limit < 0:
             raise ValueError(f"SwapMemory: limit={limit} must be a number of bytes >= 0, or None for no bound.")
         self.limit = limit
         self.pin = pin
-        self.slab = HostSlab(self._bounded(max(capacity, 0)), pin=pin)
+        self.numa_node = numa_node
+        self.slab = HostSlab(self._bounded(max(capacity, 0)), pin=pin, numa_node=numa_node)
         self._free: list[tuple[int, int]] = [(0, self.slab.nbytes)] if self.slab.nbytes else []  # sorted gaps [start, end)
         self._pending: deque[_Pending] = deque()
         self._extra: dict[int, HostSlab] = {}  # slabs of their own for what the slab could not hold, by address
@@ -101,7 +103,7 @@ class SwapMemory:
         elif self.limit is not None and self.held_bytes + nbytes > self.limit:
             return None
         else:
-            extra = HostSlab(nbytes, pin=self.pin)
+            extra = HostSlab(nbytes, pin=self.pin, numa_node=self.numa_node)
             self._extra[extra.tensor.data_ptr()] = extra
             buffer = extra.tensor
         self.peak = max(self.peak, self._high + sum(_counted(s.nbytes) for s in self._extra.values()))
@@ -160,7 +162,7 @@ class SwapMemory:
         need = self._bounded(self.peak)
         if need > self.slab.nbytes:
             self.slab.close()
-            self.slab = HostSlab(need, pin=self.pin)
+            self.slab = HostSlab(need, pin=self.pin, numa_node=self.numa_node)
         self._free = [(0, self.slab.nbytes)] if self.slab.nbytes else []
         self._high = 0
 
