@@ -152,3 +152,24 @@ def test_a_pinned_slab_on_the_gpus_node():
                 assert _pages_on(slab.tensor.data_ptr(), device.numa_node) > 0
     finally:
         device.close()
+
+
+@needs_numa_maps
+def test_the_gradient_slabs_beyond_the_plan_prefer_the_node_too():
+    """The overflow's slabs (late-unfrozen homes, buffers beyond the pool) and accumulation's
+    staging pieces carry gradients to the host as the tiers' slab does: the same node."""
+    from offload_strategy.runtime.grads.overflow import GradientOverflow
+    from offload_strategy.runtime.grads.staging import AccumulationStaging
+
+    overflow = GradientOverflow(pin=False, numa_node=0)
+    home = overflow.take(1 << 20, "a late-unfrozen home", bounded=False)
+    staging = AccumulationStaging(1 << 20, pin=False, numa_node=0)
+    piece = staging.acquire()
+    slabs = [*overflow._slabs.values(), staging._slab]
+    for slab in slabs:
+        _bound_or_skip(slab)
+    assert [_policy(s.tensor.data_ptr()) for s in slabs] == ["prefer:0", "prefer:0"]
+    assert home.data_ptr() == slabs[0].tensor.data_ptr() and piece.numel() == staging.piece_bytes
+    staging.release(piece)
+    staging.close()
+    overflow.close()

@@ -150,7 +150,7 @@ class TieredEngine:
         self.cache = UnitCache(ctx, prefetch)
         worker = UpdateWorker()  # the updates, and the host's share of the gradients' way home
         # gradients the placement did not plan (late-unfrozen parameters, buffers beyond the pool) in pinned memory too
-        buffers = GradientBuffers(self.memory.gradient_slots, GradientOverflow(pin=self.device.compute.type == "cuda"))
+        buffers = GradientBuffers(self.memory.gradient_slots, GradientOverflow(pin=self.device.compute.type == "cuda", numa_node=self.device.numa_node))
         self.gradients = GradientPath(ctx, direct_gradients, self.data_parallel is not None, state_factor, buffers, worker)
         self.updater = UnitUpdater(ctx, self.cache, self.gradients, nvme_states, owned, worker)
         self.lending = Lending(ctx, self.cache, self.updater, nvme_states)

@@ -29,10 +29,12 @@ from ...planning.placement import HOST, PlacementError
 
 
 class GradientOverflow:
-    """See the module docstring. ``pin``: register the slabs for the GPU's copies."""
+    """See the module docstring. ``pin``: register the slabs for the GPU's copies; ``numa_node``:
+    the node their pages come from (the GPU's; None for no preference)."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, numa_node: Optional[int] = None) -> None:
         self.pin = pin
+        self.numa_node = numa_node
         self.room: Callable[[], Optional[int]] = lambda: None
         self._slabs: dict[int, HostSlab] = {}  # address -> slab, every one held
         self._free: list[HostSlab] = []  # given back, for the next request they hold
@@ -53,7 +55,7 @@ class GradientOverflow:
             room = self.room() if bounded else None  # outside the lock: it may read ``nbytes`` (the host bytes held)
             with self._lock:
                 self._check_room(nbytes, what, room)
-                slab = HostSlab(nbytes, pin=self.pin)
+                slab = HostSlab(nbytes, pin=self.pin, numa_node=self.numa_node)
                 self._slabs[slab.tensor.data_ptr()] = slab
         return slab.tensor[:nbytes]
 

@@ -135,7 +135,7 @@ class GradientPath:
                 if home is not None:
                     bind_gradients(s, home)
         largest = max((p.numel() * d.itemsize for s in ctx.states if s.home != GPU for p, d in zip(s.unit.params, s.master_dtypes)), default=0)
-        self.staging = AccumulationStaging(largest, pin=ctx.device.compute.type == "cuda")
+        self.staging = AccumulationStaging(largest, pin=ctx.device.compute.type == "cuda", numa_node=ctx.device.numa_node)
         self.staging.worker_failed = lambda: worker.failed
 
     def new_backward(self) -> None:

@@ -28,9 +28,11 @@ PIECES = 4
 
 
 class AccumulationStaging:
-    """The pieces, for gradients of at most ``largest`` bytes (in pinned memory where ``pin``)."""
+    """The pieces, for gradients of at most ``largest`` bytes (in pinned memory where ``pin``, on
+    ``numa_node`` where given)."""
 
-    def __init__(self, largest: int, pin: bool) -> None:
+    def __init__(self, largest: int, pin: bool, numa_node: Optional[int] = None) -> None:
+        self.numa_node = numa_node
         self.piece_bytes = align(max(1, min(largest, PIECE_BYTES)), HOST_SLOT_ALIGNMENT)
         self.pin = pin
         self._slab: Optional[HostSlab] = None
@@ -47,7 +49,7 @@ class AccumulationStaging:
         """A free piece (1-D uint8 of ``piece_bytes``); waits while the worker holds every one."""
         with self._changed:
             if self._slab is None:
-                self._slab = HostSlab(self.piece_bytes * PIECES, pin=self.pin)
+                self._slab = HostSlab(self.piece_bytes * PIECES, pin=self.pin, numa_node=self.numa_node)
                 self._free = [self._slab.tensor[k * self.piece_bytes : (k + 1) * self.piece_bytes] for k in range(PIECES)]
             while not self._free and not self.worker_failed():
                 self._changed.wait(timeout=0.05)
