@@ -137,16 +137,16 @@ class Metrics(L.Callback):
 
 
 class LargestCollective:
-    """The most bytes one collective of ``torch.distributed`` brought to this rank while it is
-    entered: an object collective's objects, pickled (every rank's for a gather), a tensor
-    collective's tensor."""
+    """The most bytes one call of ``torch.distributed`` carried to or from this rank while it is
+    entered: an object collective's objects, pickled (every rank's for an all-gather), a
+    broadcast's or a message's tensor."""
 
-    NAMES = ("all_gather_object", "gather_object", "broadcast_object_list", "broadcast", "all_gather", "send", "recv")
+    NAMES = ("all_gather_object", "broadcast_object_list", "broadcast", "send", "recv")
 
     def __init__(self) -> None:
         self.largest = 0
 
-    def _wrap(self, name: str, call: Any) -> Any:
+    def _wrap(self, call: Any) -> Any:
         def measured(*args: Any, **kwargs: Any) -> Any:
             out = call(*args, **kwargs)
             first = args[0] if args else next(iter(kwargs.values()))
@@ -159,7 +159,7 @@ class LargestCollective:
     def __enter__(self) -> "LargestCollective":
         self.calls = {name: getattr(dist, name) for name in self.NAMES}
         for name, call in self.calls.items():
-            setattr(dist, name, self._wrap(name, call))
+            setattr(dist, name, self._wrap(call))
         return self
 
     def __exit__(self, *exc: Any) -> None:
