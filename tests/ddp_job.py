@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ warnings.filterwarnings("ignore")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import offload_strategy  # noqa: E402,F401  (registers "tiered_ddp")
 from offload_strategy.demos import CausalLM  # noqa: E402
@@ -125,13 +127,85 @@ class Metrics(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         metrics = getattr(trainer.strategy, "metrics", None)
         if metrics is not None:
-            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/", "gradients/", "tier/", "link/collective"))}
+            self.last = {k: v for k, v in metrics().items() if k.startswith(("optimizer/", "units/", "budget/", "gradients/", "tier/", "link/collective", "link/states"))}
         engine = getattr(getattr(trainer.strategy, "tiered", None), "engine", None)
         if engine is not None:  # fp32 masters of every host unit with 16-bit parameters, whoever owns it
             self.last["all_host_masters_bytes"] = float(sum(
                 align(s.unit.layout_nbytes(s.master_dtypes), HOST_SLOT_ALIGNMENT) for s in engine.states if s.home == HOST and s.widened
             ))
             self.last["race_checked"] = float(getattr(engine.device, "race_check", None) is not None)  # the suite's (tests/conftest.py)
+
+
+class LargestCollective:
+    """The most bytes one call of ``torch.distributed`` carried to or from this rank while it is
+    entered: an object collective's objects, pickled (every rank's for an all-gather), a
+    broadcast's or a message's tensor."""
+
+    NAMES = ("all_gather_object", "broadcast_object_list", "broadcast", "send", "recv")
+
+    def __init__(self) -> None:
+        self.largest = 0
+
+    def _wrap(self, call: Any) -> Any:
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            out = call(*args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()))
+            carried = first.nbytes if torch.is_tensor(first) else len(pickle.dumps(first))
+            self.largest = max(self.largest, carried)
+            return out
+
+        return measured
+
+    def __enter__(self) -> "LargestCollective":
+        self.calls = {name: getattr(dist, name) for name in self.NAMES}
+        for name, call in self.calls.items():
+            setattr(dist, name, self._wrap(call))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, call in self.calls.items():
+            setattr(dist, name, call)
+
+
+class PlaceAgain(L.Callback):
+    """Places the units again after each step of ``at``, in ``fraction`` of the GPU tier at the
+    first and all of it at the next (units leave the GPU tier, where every rank keeps their states,
+    then join it again, where each rank needs their owner's). Records, per placement: this rank's
+    optimizer-state bytes before it (in all, on NVMe, its largest unit's); the bytes of tensors
+    made once the new engine is built, alive at once beyond what the placement left alive
+    (``LiveBytes``: what taking the states in passed through memory); the most one collective
+    brought to this rank (``LargestCollective``); and the units in the GPU tier after it."""
+
+    def __init__(self, at: list[int], fraction: float) -> None:
+        self.at, self.fraction = at, fraction
+        self.placements: list[dict[str, int]] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        from offload_strategy.estimate.live_bytes import LiveBytes  # noqa: PLC0415
+
+        if trainer.global_step not in self.at:
+            return
+        core = trainer.strategy.tiered
+        engine, budget = core.engine, core.context.budgets.gpu
+        held = dict(engine.updater.state_bytes)
+        on_nvme = dict(engine.nvme_states.sizes) if engine.nvme_states is not None else {}
+        gpu_bytes = int(self.fraction * budget) if self.at.index(trainer.global_step) % 2 == 0 else budget
+        build = core._build_engine
+
+        def built(*args: Any, **kwargs: Any) -> Any:
+            engine = build(*args, **kwargs)
+            live.reset()
+            return engine
+
+        core._build_engine = built
+        try:
+            with LiveBytes() as live, LargestCollective() as collectives:
+                core._replace_engine(core.recipe(trainer), gpu_bytes=gpu_bytes)
+        finally:
+            del core._build_engine
+        self.placements.append({"loading": live.peak - live.bytes, "collective": collectives.largest, "states": sum(held.values()),
+                                "largest": max(held.values(), default=0), "nvme": sum(on_nvme.values()), "largest_nvme": max(on_nvme.values(), default=0),
+                                "gpu_units": int(core.engine.metrics(reset=False)["units/gpu"])})
 
 
 def record_threads() -> dict[str, list[str]]:
@@ -202,6 +276,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None, help="the strategy's timeout, seconds")
     parser.add_argument("--copied-home", action="store_true", help="gradients copied home (gradient_reserve=1, as on CUDA), no prefetch")
     parser.add_argument("--record-threads", action="store_true", help="report the threads that waited for gradients' copies and launched reductions")
+    parser.add_argument("--place-again", type=int, nargs="+", default=None, metavar="STEP",
+                        help="the units placed again after each STEP, in turn in a part of the GPU tier (--place-again-fraction) and in all of it")
+    parser.add_argument("--place-again-fraction", type=float, default=0.3)
     parser.add_argument("--hang", type=int, nargs=2, default=None, metavar=("RANK", "STEP"), help="RANK stops responding before STEP")
     args = parser.parse_args()
 
@@ -233,6 +310,7 @@ def main() -> None:
     model = kind(family="gpt2", config=config, lr=1e-2, warmup_steps=2, loss_chunk_tokens=args.loss_chunk_tokens)
     recorder, metrics = LossRecorder(), Metrics()
     hang = [Hang(args.out, *args.hang)] if args.hang else []
+    again = [PlaceAgain(args.place_again, args.place_again_fraction)] if args.place_again else []
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -247,7 +325,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=args.out,
-        callbacks=[recorder, metrics, *hang],
+        callbacks=[recorder, metrics, *hang, *again],
         precision=args.precision,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip_norm,
@@ -255,7 +333,8 @@ def main() -> None:
     trainer.fit(model, datamodule=tiny_data(), ckpt_path=args.resume)
     trainer.save_checkpoint(args.out / "last.ckpt")  # every rank takes part; rank 0 writes
     rank = trainer.global_rank
-    report = {"losses": recorder.losses, "metrics": metrics.last, "world_size": trainer.world_size, **({"threads": threads} if threads else {})}
+    report = {"losses": recorder.losses, "metrics": metrics.last, "world_size": trainer.world_size, **({"threads": threads} if threads else {}),
+              **({"placed_again": again[0].placements} if again else {})}
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "weights.pt")

@@ -80,17 +80,36 @@ def test_two_ranks_with_the_default_policy_search_the_same_plan_and_match_ddp(ru
     assert_same_weights(load(plain_dir / "weights.pt"), load(out / "weights.pt"))
 
 
-def test_a_new_placement_that_gives_units_other_owners_keeps_their_optimizer_states(runs, tmp_path):
-    """The placement searched after the profiled steps (activations kept) moves units between the
-    GPU tier and host memory, and so between owners: a unit another rank owned, or one replicated
-    in the GPU tier now, needs the states its old owner kept. Each rank loaded only its own and the
-    others started afresh: the losses left DDP's at the step after the new placement."""
-    plain_dir, plain = runs["ddp"]
-    out = tmp_path / "search"
-    tiered = launch(out, "--strategy", "tiered_ddp", "--default-policy", "--activations", "keep")
+def test_placing_again_hands_each_ranks_states_over_a_unit_at_a_time_and_matches_ddp(tmp_path, plain_ddp):
+    """Placed again in part of the GPU tier, then in all of it: units leave the GPU tier (only
+    their owner keeps their states now) and join it again (every rank needs their owner's). Each
+    rank hands its own states to its next engine a unit at a time, those on NVMe read from the old
+    files as they are taken, and a unit's states go from its owner to the other rank a unit at a
+    time: nothing is gathered, and training goes on as DDP's, bit for bit. Before, every rank
+    gathered every rank's states (here 1 MiB, the whole model's, pickled, in one collective), its
+    own NVMe states read at once beside them."""
+    plain_dir, plain = plain_ddp("--layers", "8", "--epochs", "2")
+    out = tmp_path / "tiered_ddp"
+    tiered = launch(out, "--strategy", "tiered_ddp", "--layers", "8", "--epochs", "2", "--nvme", str(out / "nvme"), "--host-factor", "1.2",
+                    "--gpu-factor", "0.6", "--place-again", "2", "3", "--place-again-fraction", "0.5")
     for rank in (0, 1):
         assert tiered[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
     assert_same_weights(load(plain_dir / "weights.pt"), load(out / "weights.pt"))
+    assert_same_optimizer_states(load(plain_dir / "last.ckpt")["optimizer_states"][0], load(out / "last.ckpt")["optimizer_states"][0])
+    largest = max(placed["largest"] for report in tiered.values() for placed in report["placed_again"])  # one unit's states
+    for rank, report in tiered.items():
+        smaller, whole = report["placed_again"]
+        assert smaller["gpu_units"] < whole["gpu_units"], report["placed_again"]
+        for placed in (smaller, whole):
+            assert placed["nvme"] > 4 * largest, placed  # this rank's NVMe states, read at once, would show
+            # one unit's states read from the old file or received, and the buffer the new engine
+            # writes them to NVMe from
+            assert placed["loading"] <= 3 * largest, (rank, placed, largest)
+            assert placed["collective"] <= largest, (rank, placed, largest)  # no collective carries more than one unit's states
+        # the units that joined the GPU tier: their owner's states went to the other rank, one unit at a time
+        moved = report["metrics"]
+        assert moved["link/states_moved_bytes_total"] > moved["link/states_moved_largest_bytes"] > 0, moved
+        assert moved["link/states_moved_largest_bytes"] <= largest, moved
 
 
 def test_the_models_own_checkpointing_under_the_default_policy_matches_ddp(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload_strategy.planning.sharding import Sharding, assign_owners
+from offload_strategy.planning.sharding import Sharding, StatesMove, assign_owners, states_moves
 
 
 def test_largest_first_to_the_least_loaded_rank():
@@ -34,3 +34,27 @@ def test_a_ranks_sharding_names_every_units_owner():
     sharding = Sharding.balanced([10, 11, 12], [5, 3, 3], world_size=2, rank=1)
     assert sharding.owners == {10: 0, 11: 1, 12: 1} and sharding.owned == {11, 12}
     assert sharding.owns(11) and not sharding.owns(10) and not sharding.gradients_sent
+
+
+def test_a_unit_joining_the_gpu_tier_goes_from_its_owner_to_the_others_and_nothing_else_moves():
+    # unit 0 (indices 0, 1) was rank 0's and is now replicated; unit 1 stays rank 1's; unit 2 left
+    # the GPU tier (both held it, rank 0 keeps it); index 5 was never updated
+    units = [[0, 1], [2, 3], [4], [5]]
+    holds = [frozenset({0, 1, 4}), frozenset({2, 3, 4})]
+    needs = [frozenset({0, 1, 4}), frozenset({0, 1, 2, 3, 5})]
+    assert states_moves(units, holds, needs) == [StatesMove(0, 0, (0, 1), frozenset({1}))]
+
+
+def test_units_that_change_owner_move_each_from_its_old_owner_in_the_units_order():
+    units = [[0, 1], [2], [3]]
+    holds = [frozenset({0, 1}), frozenset({2}), frozenset({3})]
+    needs = [frozenset({2}), frozenset({0, 1, 3}), frozenset()]
+    assert states_moves(units, holds, needs) == [
+        StatesMove(0, 0, (0, 1), frozenset({1})), StatesMove(1, 1, (2,), frozenset({0})), StatesMove(2, 2, (3,), frozenset({1})),
+    ]
+
+
+def test_the_lowest_rank_holding_a_unit_sends_it_to_every_rank_lacking_it():
+    holds = [frozenset(), frozenset({7}), frozenset({7}), frozenset()]
+    needs = [frozenset({7})] * 4
+    assert states_moves([[7]], holds, needs) == [StatesMove(0, 1, (7,), frozenset({0, 3}))]

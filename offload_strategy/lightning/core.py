@@ -106,9 +106,9 @@ class Ranks(Protocol):
     def link_metrics(self) -> dict[str, float]:
         """What ``measure_links`` measured, as metrics."""
 
-    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The optimizers' state dicts with every rank's units in them, for placing the model again
-        (the units' owners may change with the placement)."""
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], engine: Optional[TieredEngine]) -> None:
+        """The units placed again (``engine``, the new one): ``optimizer`` loads the state dict this
+        process's old engine handed over, with what the new placement needs of other ranks' units."""
 
 
 class OneProcess:
@@ -143,8 +143,8 @@ class OneProcess:
     def link_metrics(self) -> dict[str, float]:
         return {}
 
-    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return states
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], engine: Optional[TieredEngine]) -> None:
+        optimizer.load_state_dict(state)
 
 
 class TieredCore:
@@ -324,8 +324,8 @@ class TieredCore:
         left, handed = self._close_engine(leave=self._left_while_placing_again, hand_over=frozenset(map(id, optimizers)))
         try:
             # exact, in the engine's format; those of units left on NVMe are read from the old files
-            # as the new engine takes them, one unit at a time; with sharded states, each rank's units' too
-            states = self.ranks.every_ranks_states([handed[id(o)] if id(o) in handed else o.state_dict() for o in optimizers])
+            # as the new engine takes them, one unit at a time; with sharded states, each rank's own
+            states = [handed[id(o)] if id(o) in handed else o.state_dict() for o in optimizers]
             self._free_closed_engine()
             self.context.engine = self._build_engine(recipe, gpu_bytes=gpu_bytes, block_policies=block_policies)
             if self.context.engine is None and not may_fit:
@@ -333,7 +333,7 @@ class TieredCore:
             if left is not None:
                 self.deferred.materialize_all(self.lightning.root_device)  # none when the new engine placed them all
             for optimizer, state in zip(optimizers, states):
-                optimizer.load_state_dict(state)
+                self.ranks.load_optimizer_state(optimizer, state, self.context.engine)
             del states
         finally:
             if left is not None:

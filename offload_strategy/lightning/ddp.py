@@ -35,7 +35,9 @@ from ..planning.cost_model import Machine
 from ..planning.placement import UnitSize
 from ..planning.planner import TierBudgets
 from ..planning.sharding import Sharding, assign_owners
+from ..runtime.engine import TieredEngine
 from ..runtime.grads.exchange import DataParallel, Reduction, collective_latency, collective_rate
+from ..runtime.updates.rank_states import StatesMoved, load_across_ranks, state_indices
 from ..runtime.shared_homes import SHARED_MEMORY_DIR, shared_memory_unavailable
 from .context import TieredOptions
 from .core import TieredCore
@@ -192,6 +194,7 @@ class DataParallelRanks:
         self._machine_groups: Optional[tuple[Any, Any, tuple[int, ...], tuple[int, ...]]] = None
         # collectives: bytes/s on host memory's group (gloo) and the GPU tier's, seconds per call on the host's
         self._rates: Optional[tuple[float, float, float]] = None
+        self.states_moved = StatesMoved()  # optimizer states sent and received when the units are placed again
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         host, device, control = self.process_groups()
@@ -293,10 +296,11 @@ class DataParallelRanks:
                        replicated_persistent=self.shard_states)
 
     def link_metrics(self) -> dict[str, float]:
+        moved = {"link/states_moved_bytes_total": float(self.states_moved.total), "link/states_moved_largest_bytes": float(self.states_moved.largest)}
         if self._rates is None:
-            return {}
+            return moved
         return {"link/collectives_host_gbps": self._rates[0] / 1e9, "link/collectives_gpu_gbps": self._rates[1] / 1e9,
-                "link/collective_latency_ms": self._rates[2] * 1e3}
+                "link/collective_latency_ms": self._rates[2] * 1e3, **moved}
 
     def process_groups(self) -> tuple[Any, Any, Any]:
         """(host, device, control) groups, created once and in the same order on every rank: gloo
@@ -323,26 +327,20 @@ class DataParallelRanks:
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.process_groups()[2])
         return int(largest.item())
 
-    def every_ranks_states(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Under sharded states each rank's optimizers hold its own units' states only, and a new
-        placement may give a unit another owner, or replicate it in the GPU tier on every rank:
-        every rank gets every rank's host-side states (a unit in the GPU tier is replicated, so each
-        rank keeps its own copy of those), and loads what it now holds. Every state passes through
-        every rank's host memory once, at a re-placement (after the profiled steps)."""
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], engine: Optional[TieredEngine]) -> None:
+        """Under sharded states each rank's old engine handed over its own units' states only, and
+        a new placement may give a unit another owner, or replicate it in the GPU tier on every
+        rank: each rank loads its own, and a unit's states that a rank now needs and did not keep
+        come from a rank that kept them, a unit at a time as its load reaches them
+        (``runtime/updates/rank_states.py``). Nothing is gathered: beyond its own, a rank holds a
+        few units' states at once."""
         if not self.shard_states or self.strategy.world_size == 1 or not dist.is_initialized():
-            return states
-        states = [{**s, "state": dict(s["state"])} for s in states]  # read once: a handed-over state is taken as it is read
-        mine = [{i: v for i, v in s["state"].items() if all(not torch.is_tensor(t) or t.device.type == "cpu" for t in v.values())} for s in states]
-        gathered: list[Any] = [None] * self.strategy.world_size
-        dist.all_gather_object(gathered, mine, group=self.process_groups()[2])
-        merged = []
-        for position, own in enumerate(states):
-            every: dict[Any, Any] = {}
-            for part in gathered:
-                every.update(part[position])
-            every.update(own["state"])  # this rank's copies of replicated units, on its own device
-            merged.append({"state": every, "param_groups": own["param_groups"]})
-        return merged
+            optimizer.load_state_dict(state)
+            return
+        units = [s.unit.params for s in engine.states] if engine is not None else []
+        taken = engine.updater.optimizers.get(id(optimizer)) if engine is not None else None
+        groups, needs = state_indices(optimizer, units, taken)
+        load_across_ranks(optimizer, state, groups, needs, self.process_groups()[2], self.states_moved)
 
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         """``needs_all_gradients``: something other than the engine's clipping by norm reads every

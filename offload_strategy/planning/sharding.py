@@ -80,3 +80,34 @@ class Sharding:
     @property
     def owned(self) -> frozenset[int]:
         return frozenset(i for i, r in self.owners.items() if r == self.rank)
+
+
+@dataclass(frozen=True)
+class StatesMove:
+    """One unit's optimizer states sent, when the units are placed again, from a rank that kept
+    them to the ranks the new placement needs them on and that did not keep them."""
+
+    unit: int  # the unit's position in the units given to ``states_moves``
+    source: int
+    indices: tuple[int, ...]  # the optimizer's state-dict indices moved
+    receivers: frozenset[int]
+
+
+def states_moves(units: Sequence[Sequence[int]], holds: Sequence[frozenset[int]], needs: Sequence[frozenset[int]]) -> list[StatesMove]:
+    """The moves that give each rank ``r`` the states it needs (``needs[r]``, state-dict indices)
+    from those the ranks hold (``holds[r]``): a unit (its indices in ``units``) at a time, in the
+    units' order, each index from the lowest rank holding it to every rank that needs it without
+    holding it. An index no rank holds (a parameter never updated) moves nowhere. Pure and
+    deterministic, so every rank computes the same moves from the same lists."""
+    moves = []
+    for position, indices in enumerate(units):
+        by_source: dict[int, tuple[list[int], set[int]]] = {}
+        for index in indices:
+            wanting = {r for r, need in enumerate(needs) if index in need and index not in holds[r]}
+            holders = [r for r, held in enumerate(holds) if index in held]
+            if wanting and holders:
+                moved, receivers = by_source.setdefault(holders[0], ([], set()))
+                moved.append(index)
+                receivers.update(wanting)
+        moves += [StatesMove(position, source, tuple(moved), frozenset(receivers)) for source, (moved, receivers) in sorted(by_source.items())]
+    return moves
