@@ -376,6 +376,7 @@ class ActivationPolicies:
     def end_forward(self) -> None:
         """The profiled forward ended: a later one's calls of the blocks are not this one's, and
         where it ran a block the profile is complete (the blocks it skipped are taken as alike)."""
+        self._measured_saved = None  # what was not swapped stays with autograd's graph alone
         if self.profile is not None:
             self.profile.reading_blocks = False
             self.profile.complete = self.profile.measured is not None
