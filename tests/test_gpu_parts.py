@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from offload_strategy.config import parse_size
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT2 = ["--layers", "2", "--width", "64", "--seq-len", "32", "--batch-size", "4"]
 
@@ -68,4 +70,9 @@ def test_the_memory_part_counts_each_step_under_both_precisions_across_a_replace
     steps = [row for row in rows if row[1] != "placed again"]
     assert all(row[2:5] == ["-", "-", "-"] for row in steps), steps  # no CUDA allocator on the CPU
     assert {row[5] for row in steps} == {steps[0][5]} != "0.00 B", steps  # each engine's arena, the same after the re-placement
+    # every block checkpointed is a layout the user fixed: gpu_memory budgets the parameters alone
+    # (the plan within it), the blocks' inputs and the head's activations are kept beside it
+    for row in steps:
+        parameters, planned, plan, budget, beside = (parse_size(cell) for cell in row[6:11])
+        assert planned == 0 and plan == parameters <= budget == parse_size("600KiB") < plan + beside, row
     assert lines[-1].startswith("memory: 32-true peak - allocated") and "; bf16-mixed peak" in lines[-1], lines[-1]

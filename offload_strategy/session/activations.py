@@ -295,13 +295,17 @@ class ActivationControl:
             beside = BesideBlocks(activations.profile.saved_before_blocks, 2 * self._counter().largest)
             costs = activations.first_block_costs()
             self._profile_from_host_if_needed(costs, beside)
+            activations.move_measured_out()  # where the profiling layout swaps the block it measured kept
             self._refuse_if_unfitting(costs, measured, beside)
 
     def _profile_from_host_if_needed(self, costs: list[BlockCost], beside: BesideBlocks) -> None:
         """The profiling steps' layout (the first block kept, the others recomputed) with the
-        recomputed blocks' inputs in host memory, where in the GPU tier they would not fit beside
-        the parameters' smallest share and out of it (host memory, then the NVMe tier) they would. The blocks after the first
-        have not run yet: they run so from this step on, as the planner may have them run."""
+        recomputed blocks' inputs in host memory, then the measured block swapped there too, where
+        in the GPU tier they would not fit beside the parameters' smallest share and out of it
+        (host memory, then the NVMe tier) they would (``sequence.profiling_layout``). The blocks
+        after the first have not run yet: they run so from this step on, as the planner may have
+        them run; the measured block's saved tensors are swapped out as soon as it is chosen
+        (``ActivationPolicies.move_measured_out``)."""
         activations, planner, budgets = self.policies_in_use, self.context.planner, self.context.budgets
         if activations is None or planner is None or budgets is None or not activations.auto or self.context.policy.name == "none":
             return

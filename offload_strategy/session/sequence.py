@@ -93,17 +93,28 @@ def profiling_share(planner: Planner, placement: Placement, together: list[list[
 
 
 def profiling_layout(planner: Planner, costs: Sequence[BlockCost], beside: BesideBlocks, running: Sequence[str], room: int) -> Sequence[str]:
-    """The profiling steps' layout (the first block kept, the others recomputed) with the
-    recomputed blocks' inputs in host memory, where in the GPU tier they would not fit beside the
-    parameters' smallest share and out of it they would: ``room``, what host memory and the NVMe
-    tier leave beside the placement in use (the swap puts what host memory does not hold on NVMe,
-    as the planner counts the room for moved-out activations); ``running`` otherwise."""
+    """The profiling steps' layout (the first block kept, the others recomputed) moved out of the
+    GPU tier as far as it must be to fit beside the parameters' smallest share: the recomputed
+    blocks' inputs in host memory; else the kept block, the one the profile measures, swapped
+    there after its forward (kept, it is held while every later block is recomputed: two blocks'
+    activations at once, where the layouts searched after it hold one); else both. The first of
+    these that fits there whose moved bytes fit in ``room``, what host memory and the NVMe tier
+    leave beside the placement in use (the swap puts what host memory does not hold on NVMe, as
+    the planner counts the room for moved-out activations); ``running`` where it fits as it is
+    or none of them does."""
     left = planner.gpu_beside(planner.smallest_parameter_share(running) + beside.in_blocks)
-    if BlockPolicy.CHECKPOINT not in running or peak_bytes(costs, running, beside.head) <= left:
+    if peak_bytes(costs, running, beside.head) <= left:
         return running
-    from_host = [BlockPolicy.CHECKPOINT_HOST if p == BlockPolicy.CHECKPOINT else p for p in running]
-    inputs = sum(c.host_bytes(p) for c, p in zip(costs, from_host))
-    return from_host if peak_bytes(costs, from_host, beside.head) <= left and inputs <= room else running
+    from_host = _moved(running, BlockPolicy.CHECKPOINT, BlockPolicy.CHECKPOINT_HOST)
+    for layout in (from_host, _moved(running, BlockPolicy.KEEP, BlockPolicy.SWAP_HOST), _moved(from_host, BlockPolicy.KEEP, BlockPolicy.SWAP_HOST)):
+        moved = sum(c.host_bytes(p) for c, p in zip(costs, layout))
+        if layout != list(running) and peak_bytes(costs, layout, beside.head) <= left and moved <= room:
+            return layout
+    return running
+
+
+def _moved(layout: Sequence[str], policy: str, to: str) -> list[str]:
+    return [to if p == policy else p for p in layout]
 
 
 def searched_share(planner: Planner, order: list[int], count: int, layout: Optional[ActivationPlan], current: Placement,

@@ -179,6 +179,7 @@ class ActivationPolicies:
         # the saved-tensor hooks that block hooks stand in for (the engine's), or None
         self.outer: Optional[tuple[Any, Any]] = None
         self.profile: Optional[BlockProfile] = None
+        self._measured_saved: Optional[_MeasuredSaved] = None  # what the measured block's last forward saved
         # A block may be called several times in one forward (ALBERT applies one layer N times):
         # each call runs under the block's policy (a checkpoint per call, recomputed on its own),
         # and the block's costs are its calls' (``block_costs``). The most calls one training
@@ -375,6 +376,7 @@ class ActivationPolicies:
     def end_forward(self) -> None:
         """The profiled forward ended: a later one's calls of the blocks are not this one's, and
         where it ran a block the profile is complete (the blocks it skipped are taken as alike)."""
+        self._measured_saved = None  # what was not swapped stays with autograd's graph alone
         if self.profile is not None:
             self.profile.reading_blocks = False
             self.profile.complete = self.profile.measured is not None
@@ -394,23 +396,40 @@ class ActivationPolicies:
         return profile.measured == index and index not in self._done
 
     def _counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        """The measured block's forward, every tensor it saves counted and held where
+        :meth:`move_measured_out` can swap it out once its cost is known."""
         if self._under_users_hooks():
             return forward(*args, **kwargs)  # (under the user's hooks the block keeps nothing of its own to count)
-        outer, counted = self.outer, SavedBytes()
+        outer, counted, held = self.outer, SavedBytes(), _MeasuredSaved()
 
         def pack(t: torch.Tensor) -> Any:
             if not self.is_parameter(t):
                 counted.add(t)
-            return outer[0](t) if outer else t
+            packed = outer[0](t) if outer else t
+            return held.hold(packed) if packed is t and not self.is_parameter(t) else packed
 
         def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, _Held):
+                return held.unpack(packed)
             return outer[1](packed) if outer else packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = forward(*args, **kwargs)
         assert self.profile is not None, "a block is counted only while profiled (``_measures``)"
         self.profile.activation_bytes += counted.bytes
+        self._measured_saved = held
         return out
+
+    def move_measured_out(self) -> None:
+        """After the measured block's forward and the profiling layout's choice: where that layout
+        swaps the measured block (``sequence.profiling_layout``: kept, it would not fit beside the
+        blocks recomputed after it), what its forward saved is swapped out now, as a swap block's
+        forward would have done, and brought back for its backward."""
+        held, self._measured_saved = self._measured_saved, None
+        measured = self.profile.measured if self.profile is not None else None
+        if held is None or measured is None or self.swap is None or self.policies[measured] not in (SWAP_HOST, SWAP_NVME):
+            return
+        held.move_out(self.swap, measured, self.policies[measured])
 
     def first_block_costs(self) -> list[BlockCost]:
         """Every block's memory as the measured one (the first that ran) saw it, before the
@@ -462,6 +481,41 @@ class ActivationPolicies:
         for hook in self._call_hooks:
             hook.remove()
         self._call_hooks = []
+
+
+class _Held:
+    """A tensor the measured block saved: as saved, or swapped out after its forward."""
+
+    __slots__ = ("packed", "swapped")
+
+    def __init__(self, packed: Any) -> None:
+        self.packed, self.swapped = packed, False
+
+
+class _MeasuredSaved:
+    """The tensors the measured block's forward saved (parameters and what the outer hooks
+    stand in for aside), which may be swapped out once the forward has ended."""
+
+    def __init__(self) -> None:
+        self.held: list[_Held] = []
+        self.swap: Optional[ActivationSwap] = None
+
+    def hold(self, t: torch.Tensor) -> _Held:
+        held = _Held(t)
+        self.held.append(held)
+        return held
+
+    def move_out(self, swap: ActivationSwap, block: int, destination: str) -> None:
+        self.swap = swap
+        for held, packed in zip(self.held, swap.pack_after_forward(block, destination, [h.packed for h in self.held])):
+            held.packed, held.swapped = packed, True
+        self.held = []  # the swap holds them now
+
+    def unpack(self, held: _Held) -> torch.Tensor:
+        if held.swapped:
+            assert self.swap is not None, "swapped by move_out"
+            return self.swap.unpack(held.packed)
+        return held.packed
 
 
 def _times(cost: BlockCost, calls: int) -> BlockCost:

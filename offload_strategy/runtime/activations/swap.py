@@ -180,6 +180,16 @@ class ActivationSwap:
                 copy.source = None
             self._storages.clear()
 
+    def pack_after_forward(self, block: int, destination: str, tensors: list[torch.Tensor]) -> list[Any]:
+        """``tensors`` a block's forward saved, swapped out after it ended (the profiled block,
+        measured kept, whose layout is chosen from what it saved): as its hooks would have packed
+        them, in the order saved; :meth:`unpack` brings each back."""
+        with self.hooks(block, destination):
+            return [self._pack(block, destination, t) for t in tensors]
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        return self._unpack(packed)
+
     # -- forward ------------------------------------------------------------------------------------
 
     def _pack(self, block: int, destination: str, t: torch.Tensor) -> Any:
