@@ -163,6 +163,8 @@ class ActivationSwap:
         self._storages: dict[tuple[int, int], _Copy] = {}
         self._queued: deque[_Copy] = deque()  # NVMe copies whose reads wait for room, in backward order
         self._reading: list[_Copy] = []  # NVMe copies being read ahead, not yet copied into the GPU tier
+        self._reading_bytes = 0  # their bytes
+        self._nvme_bytes: dict[int, int] = {}  # bytes each block swapped to NVMe this step: the largest is the read-ahead window
 
     def begin_forward(self) -> None:
         """A training forward starts: what the last step swapped is gone (its backward consumed it)."""
@@ -176,7 +178,7 @@ class ActivationSwap:
         self.stats = SwapStats()
         self._order = []
         self._queued.clear()
-        self._reading = []
+        self._reading, self._reading_bytes, self._nvme_bytes = [], 0, {}
 
     @contextlib.contextmanager
     def hooks(self, block: int, destination: str) -> Iterator[None]:
@@ -282,6 +284,7 @@ class ActivationSwap:
             written.exception()  # the pageable buffer beyond the limit: one at a time
         copy.written, copy.key = written, key
         self.stats.nvme_bytes += copy.nbytes
+        self._nvme_bytes[copy.block] = self._nvme_bytes.get(copy.block, 0) + copy.nbytes
         return True
 
     # -- backward -----------------------------------------------------------------------------------
@@ -338,9 +341,12 @@ class ActivationSwap:
 
     def _read_ahead(self) -> None:
         """Queue the waiting NVMe reads, in backward order, each into a staging buffer of the
-        swap's host memory while it has room without a wait (the read-ahead window: what is
-        left of the host limit); the rest wait for a later unpack, or are read by their own."""
-        while self._queued:
+        swap's host memory, while the reads not yet copied into the GPU tier hold less than the
+        read-ahead window (the most one block swapped to NVMe: the block after the one backward
+        is in, while it runs) and the swap's host memory has room without a wait, within its
+        limit; the rest wait for a later unpack, or are read by their own."""
+        window = max(self._nvme_bytes.values(), default=0)
+        while self._queued and (not self._reading or self._reading_bytes + self._queued[0].nbytes <= window):
             staging = self.memory.take(self._queued[0].nbytes, staging=True, wait=False)
             if staging is None:
                 return
@@ -355,13 +361,13 @@ class ActivationSwap:
         c.queued, c.staging = False, buffer
         c.read = self.store.read(c.key, buffer, after=c.written.result)
         self._reading.append(c)
+        self._reading_bytes += c.nbytes
 
     def _launch_landed(self) -> None:
         """Copy into the GPU tier what the reads ahead have finished reading, without waiting
         for the others (a failed read's error is raised by its tensor's unpack)."""
         landed = [c for c in self._reading if c.read is not None and c.read.done()]
         for c in landed:
-            self._reading.remove(c)
             self._launch(c)
 
     def _land(self, c: _Copy) -> None:
@@ -373,7 +379,6 @@ class ActivationSwap:
                 self._issue_read(c, self._staging_now(c.nbytes))
             assert c.read is not None, "an NVMe copy not back is queued or being read (``_bring_back``)"
             c.read.result()
-            self._reading.remove(c)
             self._launch(c)
         if c.read is not None:
             read, c.read = c.read, None
@@ -390,6 +395,8 @@ class ActivationSwap:
         once that copy is done."""
         buffer, c.staging = c.staging, None
         assert buffer is not None, "a copy launched has been read into a staging buffer (``_issue_read``)"
+        self._reading.remove(c)
+        self._reading_bytes -= c.nbytes
         c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
         to_device = c.to_device = self.device.copy_to_device(c.back, buffer)
         if self.memory.owns(buffer):
