@@ -93,6 +93,26 @@ class ReadBooks:
         assert ahead >= 1, f"none of the {len(self.issued)} reads was issued before its tensor's unpack"
 
 
+def test_a_read_given_a_call_runs_it_on_the_stores_threads_first_and_fails_with_its_error(tmp_path):
+    """``NvmeStore.read(after=)``: the caller queues a read behind a write still under way."""
+    src, dst = torch.arange(8192, dtype=torch.int32).view(torch.uint8), torch.zeros(32768, dtype=torch.uint8)
+    gate, threads = threading.Event(), []
+    with NvmeStore(tmp_path, capacity=1 << 20) as store:
+        written = store.write("k", src, after=gate.wait)
+
+        def after_the_write() -> None:
+            threads.append(threading.current_thread().name)
+            written.result()
+
+        read = store.read("k", dst, after=after_the_write)
+        assert not read.done()  # the write waits for the gate, the read for the write
+        gate.set()
+        read.result()
+        assert torch.equal(dst, src) and threads and all(name.startswith("nvme") for name in threads), threads
+        with pytest.raises(ZeroDivisionError):
+            store.read("k", dst, after=lambda: 1 / 0).result()
+
+
 def test_an_unpack_by_hand_waits_only_for_its_own_read_issued_when_backward_reached_the_block_before(tmp_path, monkeypatch):
     """Three swap_nvme blocks of two tensors, unpacked in backward order: the first block backward
     reaches reads its own tensors at its first unpack, and from then on each block's reads are

@@ -307,12 +307,12 @@ class ActivationSwap:
         self._launch_landed()
         self._read_ahead()
         self._land(copy)
+        self.device.wait(_coming_back(copy))
         if ahead:
             self.stats.prefetched += 1
         else:
             self.stats.waited += 1
             self.stats.wait_seconds += time.perf_counter() - start
-        self.device.wait(_coming_back(copy))
         view = packed.view()
         if packed.round != copy.round:  # a node reading its saved tensors twice unpacks them twice: counted once
             packed.round = copy.round
