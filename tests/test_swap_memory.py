@@ -34,6 +34,24 @@ def test_the_slab_becomes_what_a_step_held_and_never_more_than_the_limit():
     memory.close()
 
 
+def test_a_read_ahead_takes_no_buffer_of_its_own_while_staging_buffers_will_make_room():
+    """``take(wait=False)``: no wait for a staging buffer in use, and no slab of its own beside it
+    (it will make room); once none is in use, a slab of its own within the limit as ``take``."""
+    memory = SwapMemory(limit=3 * 4096, capacity=4096)
+    done = {"first": False}
+    a = memory.take(4096, staging=True)
+    assert a is not None
+    memory.give_back_after(a, lambda: done["first"], lambda: None)
+    assert memory.take(4096, staging=True, wait=False) is None and memory.held_bytes == 4096
+    done["first"] = True
+    b = memory.take(4096, staging=True, wait=False)  # given back now: the slab again
+    assert b is not None and b.data_ptr() == a.data_ptr()
+    c = memory.take(8192, staging=True, wait=False)  # nothing in use to wait for: a slab of its own
+    assert c is not None and not memory.contains(c) and memory.held_bytes == 3 * 4096
+    assert memory.take(4096, staging=True, wait=False) is None  # the limit
+    memory.close()
+
+
 def test_staging_buffers_are_reused_once_their_write_is_done():
     memory = SwapMemory(limit=None, capacity=8192)
     done = {"first": False}
@@ -93,15 +111,17 @@ class SwapSeen(L.Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("swap_host",) * 4, ("swap_host", "checkpoint", "swap_nvme", "swap_host")], ids=["host", "host_and_nvme"])
+@pytest.mark.parametrize("layout", [("swap_host",) * 4, ("swap_nvme", "swap_host", "checkpoint", "swap_nvme")], ids=["host", "host_and_nvme"])
 def test_a_swapped_run_holds_in_host_memory_what_it_swaps_there_and_trains_as_plain(tmp_path, monkeypatch, layout):
     """Every step the same batch shape: from the second step the swap holds one slab, each host
     copy a view of it; where every swap goes to host memory the slab is as large as the host
     copies together (at 64-byte alignment), and beside NVMe swaps it holds besides only what is
     being written there (less than they swap); an NVMe copy holds no host memory once written.
     Before, each copy was a buffer of its own (on a GPU, a power of two of PyTorch's pinned
-    allocator), and an NVMe copy's stayed until the next step. Under the race check: no buffer is
-    reused, read from NVMe into or given back while a copy may still use it."""
+    allocator), and an NVMe copy's stayed until the next step. Backward reads an NVMe block ahead
+    into buffers of the slab, at most the block it reaches next (here one of the two: less than
+    they swap). Under the race check: no buffer is reused, read from NVMe into or given back
+    while a copy may still use it."""
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2)
     monkeypatch.setenv(RACE_CHECK_ENV, "6")
     seen = SwapSeen()
@@ -113,7 +133,8 @@ def test_a_swapped_run_holds_in_host_memory_what_it_swaps_there_and_trains_as_pl
         assert host_copies > 0 and in_slab and not nvme_holds_host, seen.seen
         if "swap_nvme" in layout:
             # NVMe writes are queued behind their copies: one still in flight when the slab is full
-            # borrows a buffer of its own for a moment, always less than the NVMe swaps themselves
+            # borrows a buffer of its own for a moment; backward's reads ahead hold one NVMe block
+            # at most: always less than the NVMe swaps themselves
             assert host_copies <= slab_bytes <= held_bytes < host_copies + nvme_copies, seen.seen
         else:
             assert slab_bytes == host_copies == held_bytes, seen.seen

@@ -352,10 +352,13 @@ class NvmeStore:
         flags = os.O_CREAT | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
         return self._transfer(_Request(_Op.WRITE, key, entry, flags, data, _round_up(n) if self.direct else n), after)
 
-    def read(self, key: str, dst: torch.Tensor) -> Future:
+    def read(self, key: str, dst: torch.Tensor, after: Optional[Callable[[], object]] = None) -> Future:
         """Fill ``dst`` with the bytes stored under ``key``; the sizes must match exactly. With
         checksums on, the future fails with :class:`NvmeChecksumError` where they differ from
-        what the last write of ``key`` wrote."""
+        what the last write of ``key`` wrote. ``after``: called on the store's threads before they
+        read (a wait for the key's write still under way), so that the caller queues the read
+        without waiting; its error fails the future. The key's write must have been queued
+        before the read (its chunks then run first: the threads take them in order)."""
         data = _bytes_of(dst, "dst")
         with self._lock:
             self._check_open()
@@ -370,7 +373,7 @@ class NvmeStore:
             failed: Future = Future()
             failed.set_exception(entry.failed)
             return failed
-        return self._transfer(_Request(_Op.READ, key, entry, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None))
+        return self._transfer(_Request(_Op.READ, key, entry, os.O_RDONLY | (os.O_DIRECT if self.direct else 0), data, None), after)
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -21,7 +21,12 @@ or in backward its read and copy into the GPU tier, is under way.
 Backward unpacks a block's tensors in reverse order. The first unpack of a block brings back all of
 that block's tensors (unless they were brought back ahead) and starts bringing back the next swap
 block's (prefetch by block order), so later unpacks, and the next block's, find their tensors
-already in the GPU tier.
+already in the GPU tier, or on their way. A copy in host memory is copied into the GPU tier at
+once; one on NVMe is read ahead: its read is queued on the store's threads (which first wait for
+its write) into a staging buffer of the swap's host memory, in backward order while that memory
+has room without a wait, and each unpack copies into the GPU tier what has been read by then. An
+unpack waits on autograd's thread only for its own tensor's read, already issued unless the
+window had no room for it.
 
 A swapped run computes exactly what a kept run computes: values are copied bit for bit, and each
 tensor comes back with its own strides, since CPU and GPU kernels may add up in another order for
@@ -38,7 +43,9 @@ import contextlib
 import functools
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -70,6 +77,9 @@ class _Copy:
     source: Optional[torch.Tensor] = None  # a view of the storage, held until its block's forward ends
     views: int = 0  # saved tensors that lie in it
     unpacked: int = 0  # of them, unpacked in this round (once each, however often a node reads them)
+    staging: Optional[torch.Tensor] = None  # an NVMe copy's host buffer its read in backward fills
+    read: Optional[Future] = None  # that read, until its tensor's unpack has seen it end
+    queued: bool = False  # its read waits for room in the swap's host memory (``_read_ahead``)
     consumed: bool = False  # every view unpacked: its GPU-tier bytes are autograd's alone
     round: int = 0  # rounds of unpacks before this one (a later backward through a kept graph starts one)
 
@@ -151,6 +161,10 @@ class ActivationSwap:
         self._order: list[int] = []  # swap blocks in the order forward ran them
         # the storages of views with gaps copied in the running block's forward, by address
         self._storages: dict[tuple[int, int], _Copy] = {}
+        self._queued: deque[_Copy] = deque()  # NVMe copies whose reads wait for room, in backward order
+        self._reading: list[_Copy] = []  # NVMe copies being read ahead, not yet copied into the GPU tier
+        self._reading_bytes = 0  # their bytes
+        self._nvme_bytes: dict[int, int] = {}  # bytes each block swapped to NVMe this step: the largest is the read-ahead window
 
     def begin_forward(self) -> None:
         """A training forward starts: what the last step swapped is gone (its backward consumed it)."""
@@ -163,6 +177,8 @@ class ActivationSwap:
                 self._forget(c)
         self.stats = SwapStats()
         self._order = []
+        self._queued.clear()
+        self._reading, self._reading_bytes, self._nvme_bytes = [], 0, {}
 
     @contextlib.contextmanager
     def hooks(self, block: int, destination: str) -> Iterator[None]:
@@ -278,6 +294,7 @@ class ActivationSwap:
             written.exception()  # the pageable buffer beyond the limit: one at a time
         copy.written, copy.key = written, key
         self.stats.nvme_bytes += copy.nbytes
+        self._nvme_bytes[copy.block] = self._nvme_bytes.get(copy.block, 0) + copy.nbytes
         return True
 
     # -- backward -----------------------------------------------------------------------------------
@@ -291,18 +308,21 @@ class ActivationSwap:
         copy = packed.copy
         if copy.consumed:  # every view was unpacked: a later backward through a kept graph (or a node reading again) fetches it again
             copy.consumed, copy.unpacked, copy.round = False, 0, copy.round + 1
-        if copy.back is None:
-            start = time.perf_counter()
-            self._bring_back(packed.block)
-            self.stats.waited += 1
-            self._prefetch_below(packed.block)
-            self.device.wait(_coming_back(copy))
-            self.stats.wait_seconds += time.perf_counter() - start
-        else:
+        ahead = copy.back is not None or copy.queued or copy.read is not None
+        start = time.perf_counter()
+        # this block and the next one backward reaches: idempotent, so the first unpack of a
+        # block brought back ahead starts the next one's, as a waited one's does
+        self._bring_back(packed.block)
+        self._prefetch_below(packed.block)
+        self._launch_landed()
+        self._read_ahead()
+        self._land(copy)
+        self.device.wait(_coming_back(copy))
+        if ahead:
             self.stats.prefetched += 1
-            if copy.unpacked == 0:  # a block brought back ahead: its first unpack starts the next one's, as a waited one's does
-                self._prefetch_below(packed.block)
-            self.device.wait(_coming_back(copy))
+        else:
+            self.stats.waited += 1
+            self.stats.wait_seconds += time.perf_counter() - start
         view = packed.view()
         if packed.round != copy.round:  # a node reading its saved tensors twice unpacks them twice: counted once
             packed.round = copy.round
@@ -313,33 +333,84 @@ class ActivationSwap:
         return view
 
     def _bring_back(self, block: int) -> None:
-        for c in self.stats.blocks.get(block, []):
-            if c.back is not None or c.consumed:
+        """Start bringing ``block``'s copies back: those in host memory are copied into the GPU
+        tier now, those on NVMe join the reads ahead (in backward order: last saved first)."""
+        for c in reversed(self.stats.blocks.get(block, [])):
+            if c.back is not None or c.consumed or c.queued or c.read is not None:
+                continue
+            if c.key is not None:
+                c.queued = True
+                self._queued.append(c)
                 continue
             c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
-            if c.key is not None:
-                self._bring_back_from_nvme(c)
-                continue
             if c.to_host is not None:
                 self.device.host_wait(c.to_host)
                 c.to_host = None
             assert c.host is not None, "a copy loses its host bytes only when forgotten (``begin_forward``), after which no block lists it"
             c.to_device = c.out_of_host = self.device.copy_to_device(c.back, c.host)
 
-    def _bring_back_from_nvme(self, c: _Copy) -> None:
-        """From NVMe into a staging buffer, then into the GPU tier; the buffer is given back once
-        that copy is done. The key stays until the next forward: a backward through a kept graph
-        reads it again."""
-        assert self.store is not None and c.key is not None and c.back is not None, "a key is given only where there is a store (``_write_out``)"
-        c.written.result()
-        # beyond the limit (held swap_host copies fill it) a pageable buffer: bringing back cannot wait
-        staging = self.memory.take(c.nbytes, staging=True)
-        buffer = staging if staging is not None else torch.empty(c.nbytes, dtype=torch.uint8)
+    def _read_ahead(self) -> None:
+        """Queue the waiting NVMe reads, in backward order, each into a staging buffer of the
+        swap's host memory, while the reads not yet copied into the GPU tier hold less than the
+        read-ahead window (the most one block swapped to NVMe: the block after the one backward
+        is in, while it runs) and the swap's host memory has room without a wait, within its
+        limit; the rest wait for a later unpack, or are read by their own."""
+        window = max(self._nvme_bytes.values(), default=0)
+        while self._queued and (not self._reading or self._reading_bytes + self._queued[0].nbytes <= window):
+            staging = self.memory.take(self._queued[0].nbytes, staging=True, wait=False)
+            if staging is None:
+                return
+            self._issue_read(self._queued.popleft(), staging)
+
+    def _issue_read(self, c: _Copy, buffer: torch.Tensor) -> None:
+        """The store's threads wait for ``c``'s write, then read it into ``buffer``; the caller
+        only queues both (the key stays until the next forward: a backward through a kept graph
+        reads it again)."""
+        assert self.store is not None and c.key is not None and c.written is not None, "a key is given only where there is a store (``_write_out``)"
         self.device.check_host_access(buffer, "reads a swapped activation from NVMe into a staging buffer")
-        self.store.read(c.key, buffer).result()
+        c.queued, c.staging = False, buffer
+        c.read = self.store.read(c.key, buffer, after=c.written.result)
+        self._reading.append(c)
+        self._reading_bytes += c.nbytes
+
+    def _launch_landed(self) -> None:
+        """Copy into the GPU tier what the reads ahead have finished reading, without waiting
+        for the others (a failed read's error is raised by its tensor's unpack)."""
+        landed = [c for c in self._reading if c.read is not None and c.read.done()]
+        for c in landed:
+            self._launch(c)
+
+    def _land(self, c: _Copy) -> None:
+        """``c``'s copy into the GPU tier under way: an NVMe copy's read (issued now where the
+        window had no room for it) waited for, its copy launched."""
+        if c.back is None and c.key is not None:
+            if c.queued:
+                self._queued.remove(c)
+                self._issue_read(c, self._staging_now(c.nbytes))
+            assert c.read is not None, "an NVMe copy not back is queued or being read (``_bring_back``)"
+            c.read.result()
+            self._launch(c)
+        if c.read is not None:
+            read, c.read = c.read, None
+            read.result()  # a read launched ahead: raise its error, if any
+
+    def _staging_now(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer for a read its unpack needs now: waiting for room in the swap's host
+        memory, or (held swap_host copies fill the limit) a pageable one, freed once copied."""
+        staging = self.memory.take(nbytes, staging=True)
+        return staging if staging is not None else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _launch(self, c: _Copy) -> None:
+        """The copy of ``c``'s read bytes into the GPU tier; its staging buffer is given back
+        once that copy is done."""
+        buffer, c.staging = c.staging, None
+        assert buffer is not None, "a copy launched has been read into a staging buffer (``_issue_read``)"
+        self._reading.remove(c)
+        self._reading_bytes -= c.nbytes
+        c.back = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device.compute)
         to_device = c.to_device = self.device.copy_to_device(c.back, buffer)
-        if staging is not None:
-            self.memory.give_back_after(staging, to_device.done, lambda: self.device.host_wait(to_device))
+        if self.memory.owns(buffer):
+            self.memory.give_back_after(buffer, to_device.done, lambda: self.device.host_wait(to_device))
         else:  # the pageable buffer is freed on return: the copy has read it first (as CUDA's from pageable memory has)
             self.device.host_wait(to_device)
 
@@ -350,6 +421,9 @@ class ActivationSwap:
             self._bring_back(self._order[position - 1])
 
     def _forget(self, c: _Copy) -> None:
+        if c.read is not None:
+            c.read.exception()  # the read may still write its staging buffer, which the next step reuses
+        c.read, c.staging, c.queued = None, None, False
         if c.key is not None and self.store is not None:
             if c.written is not None:
                 c.written.exception()  # wait; a failed write is moot once the tensor is not needed

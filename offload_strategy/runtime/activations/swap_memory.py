@@ -88,19 +88,21 @@ class SwapMemory:
 
     # -- handing out -----------------------------------------------------------------------------------
 
-    def take(self, nbytes: int, staging: bool = False) -> Optional[torch.Tensor]:
+    def take(self, nbytes: int, staging: bool = False, wait: bool = True) -> Optional[torch.Tensor]:
         """A uint8 buffer of ``nbytes``: from the slab (waiting for staging buffers still in use
         where that makes room), else a slab of its own within the limit; None beyond the limit.
-        ``staging``: page-aligned, for NVMe's direct reads and writes."""
+        ``staging``: page-aligned, for NVMe's direct reads and writes. ``wait=False`` (a read
+        ahead): no wait, and while staging buffers are still in use no slab of its own either
+        (they will make room): None, to ask again later."""
         alignment = PAGE_BYTES if staging else HELD_ALIGNMENT
         start = self._fit(nbytes, alignment)
-        while start is None and self._pending:
+        while start is None and wait and self._pending:
             self._settle(self._pending.popleft())
             start = self._fit(nbytes, alignment)
         if start is not None:
             self._high = max(self._high, start + _counted(nbytes))
             buffer = self.slab.tensor[start : start + nbytes]
-        elif self.limit is not None and self.held_bytes + nbytes > self.limit:
+        elif (self._pending and not wait) or (self.limit is not None and self.held_bytes + nbytes > self.limit):
             return None
         else:
             extra = HostSlab(nbytes, pin=self.pin, numa_node=self.numa_node)
