@@ -136,9 +136,11 @@ def watch_placing_again(phases: Phases) -> None:
     TieredCore._replace_engine = watched  # type: ignore[method-assign]
 
 
-def policy(placement: str) -> dict[str, Any]:
-    """Every unit on NVMe with its states (``nvme``), or the default policy's search (``search``)."""
-    return {"placement": "nvme", "activations": "keep"} if placement == "nvme" else {"placement": placement}
+def policy(placement: str, activations: Optional[str] = None) -> dict[str, Any]:
+    """Every unit on NVMe with its states (``nvme``; every block's activations kept unless
+    ``activations`` says otherwise), or the default policy's search (``search``)."""
+    chosen = activations or ("keep" if placement == "nvme" else None)
+    return {"placement": placement, **({"activations": chosen} if chosen else {})}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = Model(family="gpt2", config=config, lr=1e-4)
     strategy = TieredStrategy(
-        policy=policy(args.placement), gpu_memory=args.gpu_memory, host_memory=args.host_memory, nvme_memory=args.nvme_memory,
+        policy=policy(args.placement, args.activations), gpu_memory=args.gpu_memory, host_memory=args.host_memory, nvme_memory=args.nvme_memory,
         nvme_path=str(args.nvme_path), hardware="auto", state_dict_type="sharded",
     )
     checkpoint = args.nvme_path / "largest.ckpt" if args.checkpoint else None
@@ -216,6 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gradients-at-home", action="store_true", help="a hook before the step: every offloaded unit keeps a host gradient home")
     parser.add_argument("--probe-bytes", type=int, default=GiB, help="bytes written and read to measure the raw disk")
     parser.add_argument("--placement", default="nvme", help="the policy's placement: nvme (every unit on NVMe) or search (the default policy)")
+    parser.add_argument("--activations", default=None, help="the policy's activations (default: keep under --placement nvme, else the default policy's)")
     parser.add_argument("--after-fit-seconds", type=float, default=1.0, help="how long the resident set is sampled after fit returns")
     parser.add_argument("--skip-probes", action="store_true", help="measure neither the raw disk nor compute alone (the memory table only)")
     args = parser.parse_args(argv)

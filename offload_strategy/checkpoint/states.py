@@ -15,7 +15,7 @@ import contextlib
 import gc
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..config import StateDictType, format_bytes
 from ..construction.deferred import DeferredParameters
-from ..hardware import host_available
+from ..hardware import FreedHostMemory, host_available
 from ..memory.nvme import NvmeStore
 from ..planning.placement import GPU, HOST, NVME
 from ..runtime.engine import TieredEngine
@@ -45,6 +45,9 @@ class LeftOnNvme:
     store: NvmeStore
     units: list[UnitOnNvme]
     room: int
+    # the closed engine's limit on the freed memory glibc keeps: each unit read back is read
+    # into buffers and freed (at 303M, 170 MiB of them kept through teardown, docs/benchmarks.md)
+    freed: FreedHostMemory = field(default_factory=FreedHostMemory)
 
 
 class CheckpointStates:
@@ -162,8 +165,9 @@ class CheckpointStates:
         ``failing``: training's own failure propagates; where a unit cannot be read back then (a
         write the failure cut short), that failure is the one to see and the files go."""
         gc.collect()  # the engine's cycles, and the tiers' memory with them, before anything is read back
+        left.freed.release()  # what the tiers and the steps freed, before the reads
         try:
-            stay = self._bring_back(left.units, left.room)
+            stay = self._bring_back(left.units, left.room, left.freed)
         except Exception:
             left.store.close()
             if failing:
@@ -194,9 +198,10 @@ class CheckpointStates:
         held = sum(int(s.unit.nbytes) + states.get(s.unit.index, 0) for s in engine.states if s.home in homes)
         return max(min(budgets.host + (budgets.gpu if emulated else 0) - held, half_host_available()), 0)
 
-    def _bring_back(self, on_nvme: list[UnitOnNvme], room: int) -> list[UnitOnNvme]:
+    def _bring_back(self, on_nvme: list[UnitOnNvme], room: int, freed: FreedHostMemory) -> list[UnitOnNvme]:
         """Units left on NVMe read back into memory, parameters and optimizer states, in order,
-        as long as they fit in ``room``; the ones that stay."""
+        as long as they fit in ``room``; the ones that stay. What their reads freed is given back
+        past ``freed``'s limit, unit by unit."""
         stay: list[UnitOnNvme] = []
         for params, size in on_nvme:
             if size > room or stay:  # in order: what comes back is a prefix, what stays the rest
@@ -209,6 +214,7 @@ class CheckpointStates:
                 for optimizer in self.context.optimizers:
                     if p in optimizer.state:
                         optimizer.state[p]  # noqa: B018 (read from its file, then held)
+            freed.check()
         return stay
 
 

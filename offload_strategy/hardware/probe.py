@@ -204,6 +204,12 @@ class FreedHostMemory:
     def check(self) -> None:
         if self.limit is None or self._resident() <= max(self.limit, self._floor):
             return
+        self.release()
+
+    def release(self) -> None:
+        """Give freed memory back now, whatever the resident set; checks after it trim again only
+        past the limit and what this left plus the slack (where the steps left a floor above the
+        limit, a phase that frees what they held starts from what it left)."""
         if not self._busy.acquire(blocking=False):
             return  # the other thread is giving it back now
         try:

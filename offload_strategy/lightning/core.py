@@ -612,7 +612,8 @@ class TieredCore:
         self.context.engine = None
         self._final_engine_metrics = engine.metrics()  # what metrics() reports once the run is over
         units = units_on_nvme(engine)
-        left = LeftOnNvme(engine.store, units, self.checkpoints.room_after_training(engine)) if engine.store is not None and units and leave(engine) else None
+        room = self.checkpoints.room_after_training(engine)
+        left = LeftOnNvme(engine.store, units, room, engine.updater.freed) if engine.store is not None and units and leave(engine) else None
         try:
             # while training's own failure propagates (teardown inside Lightning's handler),
             # that failure is the one to see; otherwise a failure to read back is raised

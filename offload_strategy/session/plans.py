@@ -324,25 +324,42 @@ class PlanSession:
 
     def _place_again_when_asked(self, rules: PlanningRules, stepped: bool) -> None:
         """A finetuning callback's unfrozen parameters, or optimizers a callback replaced."""
-        engine, budgets = self.context.engine, self.context.budgets
+        # no local names the engine in use: placing again frees it before the next one allocates
+        placed, budgets = self.context.engine is not None, self.context.budgets
         assert budgets is not None
         # without an engine gradients wait in plain tensors until the step: placed only after it
-        if self.trainable_grew() and (stepped or (engine is not None and not self._order_profiled)):
+        if self.trainable_grew() and (stepped or (placed and not self._order_profiled)):
             self.say("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
-            share = self.in_use.gpu_for_parameters if engine is not None and self.in_use is not None else budgets.gpu
-            self._replace(rules, share, None, engine is None)
-        engine = self.context.engine
-        if stepped and engine is not None and {id(o) for o in self.context.optimizers} != set(engine.updater.optimizers):
+            share = self.in_use.gpu_for_parameters if placed and self.in_use is not None else budgets.gpu
+            self._replace(rules, share, None, not placed)
+        if stepped and self._optimizers_replaced():
             # a callback gave the trainer other optimizers (``trainer.optimizers = [...]``): their
             # states may take another size, and the old ones' units must not step again
             self.say("tiered: the trainer's optimizers were replaced; placing the model again with the new ones' states")
             assert self.in_use is not None  # the engine's placement
             self._replace(rules, self.in_use.gpu_for_parameters, None, False)
 
+    def _optimizers_replaced(self) -> bool:
+        """A callback gave the trainer optimizers other than those the engine in use updates."""
+        engine = self.context.engine
+        return engine is not None and {id(o) for o in self.context.optimizers} != set(engine.updater.optimizers)
+
     def _search_placement(self, rules: PlanningRules) -> None:
         """``placement="search"``, after the profiled first step: the planner's search (jointly with
         the activation layout under ``activations="auto"``); the fastest is put in place between
         two steps (the optimizer states move through their state dicts, exactly)."""
+        # the search's frame is gone when placing again starts: a local naming the engine in use
+        # would keep its tiers (the pinned slab, the GPU tier) past the collection that frees them
+        searched = self._search(rules)
+        if searched is None:
+            return
+        seconds, gpu_bytes, layout = searched
+        self._replace(rules, gpu_bytes, layout, self.profiling_placement)
+        self._priced(seconds)
+
+    def _search(self, rules: PlanningRules) -> Optional[tuple[float, int, Optional[Sequence[str]]]]:
+        """The search's placement: its predicted seconds, its share of the GPU tier and the layout
+        searched with it; None where the profiling placement stays."""
         engine, planner = self.context.engine, self.planner
         assert engine is not None and planner is not None and self.in_use is not None
         self.phase = SessionPhase.SEARCHED
@@ -367,7 +384,7 @@ class PlanSession:
             # the search's smallest split is conservative; the first-use placement (and the
             # activation planner's own fallback) may still fit
             self.say(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
-            return
+            return None
         count = self.ranks.same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
         layout = self.ranks.same_on_every_rank(plan.activations)
         activations.searched_with_placement(layout)
@@ -375,9 +392,10 @@ class PlanSession:
         self.prediction.planned(plan.seconds, "placement search")
         # rank 0's layout: each rank's own search may have chosen another, with another peak
         resident = sequence.searched_share(planner, order, count, layout, self.in_use.placement, self.profiling_placement)
-        if resident is not None:  # beside the layout searched with it, not the profiling step's
-            self._replace(rules, resident.gpu_bytes, layout.layout if layout is not None else None, self.profiling_placement)
-            self._priced(plan.seconds)
+        if resident is None:
+            return None
+        # beside the layout searched with it, not the profiling step's
+        return plan.seconds, resident.gpu_bytes, layout.layout if layout is not None else None
 
     def _beside(self) -> BesideBlocks:
         """The most activations a profiled forward kept outside the blocks, and the most backward
