@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch
 
 from ..config import BlockPolicy, PolicyConfig, Tier, format_bytes
-from ..planning.activations import RECOMPUTED, BesideBlocks, BlockCost
+from ..planning.activations import RECOMPUTED, ActivationPlan, BesideBlocks, BlockCost
 from ..planning.cost_model import Machine, StepPrediction, costs_from_timing, machine_from_spec, outside_units, simulate_step
 from ..planning.searches.access_modes import gradient_offload_plan
 from ..planning.placement import GPU, HOST, NVME, Placement, PlacementError, UnitSize
 from ..planning.plan_file import PlanFile, PlannedUnit, check_plan, prediction_record
-from ..planning.planner import ModelUnits, Planner
+from ..planning.planner import ModelUnits, Planner, Resident
 from ..planning.sharding import Sharding
 from ..planning.profile import StepProfile, fastest_timing
 from ..runtime.activations.policies import find_blocks
@@ -324,25 +324,42 @@ class PlanSession:
 
     def _place_again_when_asked(self, rules: PlanningRules, stepped: bool) -> None:
         """A finetuning callback's unfrozen parameters, or optimizers a callback replaced."""
-        engine, budgets = self.context.engine, self.context.budgets
+        budgets = self.context.budgets
         assert budgets is not None
+        # no local names the engine while it is replaced: its tiers' memory goes before the next's is taken
+        running = self.context.engine is not None
         # without an engine gradients wait in plain tensors until the step: placed only after it
-        if self.trainable_grew() and (stepped or (engine is not None and not self._order_profiled)):
+        if self.trainable_grew() and (stepped or (running and not self._order_profiled)):
             self.say("tiered: parameters became trainable; placing the model again with their gradients and optimizer states")
-            share = self.in_use.gpu_for_parameters if engine is not None and self.in_use is not None else budgets.gpu
-            self._replace(rules, share, None, engine is None)
-        engine = self.context.engine
-        if stepped and engine is not None and {id(o) for o in self.context.optimizers} != set(engine.updater.optimizers):
+            share = self.in_use.gpu_for_parameters if running and self.in_use is not None else budgets.gpu
+            self._replace(rules, share, None, not running)
+        if stepped and self._optimizers_replaced():
             # a callback gave the trainer other optimizers (``trainer.optimizers = [...]``): their
             # states may take another size, and the old ones' units must not step again
             self.say("tiered: the trainer's optimizers were replaced; placing the model again with the new ones' states")
             assert self.in_use is not None  # the engine's placement
             self._replace(rules, self.in_use.gpu_for_parameters, None, False)
 
+    def _optimizers_replaced(self) -> bool:
+        """The trainer's optimizers are not those the engine in use updates."""
+        engine = self.context.engine
+        return engine is not None and {id(o) for o in self.context.optimizers} != set(engine.updater.optimizers)
+
     def _search_placement(self, rules: PlanningRules) -> None:
         """``placement="search"``, after the profiled first step: the planner's search (jointly with
         the activation layout under ``activations="auto"``); the fastest is put in place between
         two steps (the optimizer states move through their state dicts, exactly)."""
+        searched = self._searched_placement(rules)
+        if searched is not None:  # beside the layout searched with it, not the profiling step's
+            resident, layout, seconds = searched
+            self._replace(rules, resident.gpu_bytes, layout.layout if layout is not None else None, self.profiling_placement)
+            self._priced(seconds)
+
+    def _searched_placement(self, rules: PlanningRules) -> Optional[tuple[Resident, Optional[ActivationPlan], float]]:
+        """The search's share of the GPU tier for the parameters, the layout searched with it and
+        its predicted step; None where it keeps the placement in use. Apart from the replacement
+        itself, so that no frame holds the engine in use while it is replaced (its slab and GPU
+        arena would stay beside the next engine's)."""
         engine, planner = self.context.engine, self.planner
         assert engine is not None and planner is not None and self.in_use is not None
         self.phase = SessionPhase.SEARCHED
@@ -367,7 +384,7 @@ class PlanSession:
             # the search's smallest split is conservative; the first-use placement (and the
             # activation planner's own fallback) may still fit
             self.say(f"tiered: placement search found no split of the GPU tier, keeping the first-use placement: {error}")
-            return
+            return None
         count = self.ranks.same_on_every_rank(plan.parameters.persistent)  # measured times differ between ranks
         layout = self.ranks.same_on_every_rank(plan.activations)
         activations.searched_with_placement(layout)
@@ -375,9 +392,7 @@ class PlanSession:
         self.prediction.planned(plan.seconds, "placement search")
         # rank 0's layout: each rank's own search may have chosen another, with another peak
         resident = sequence.searched_share(planner, order, count, layout, self.in_use.placement, self.profiling_placement)
-        if resident is not None:  # beside the layout searched with it, not the profiling step's
-            self._replace(rules, resident.gpu_bytes, layout.layout if layout is not None else None, self.profiling_placement)
-            self._priced(plan.seconds)
+        return (resident, layout, plan.seconds) if resident is not None else None
 
     def _beside(self) -> BesideBlocks:
         """The most activations a profiled forward kept outside the blocks, and the most backward
