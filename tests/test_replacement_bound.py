@@ -86,3 +86,24 @@ def test_every_replacement_frees_the_old_tiers_before_the_new_are_taken_and_trai
     assert_same_weights(plain_weights, weights)
     assert_same_optimizer_states(plain.trainer.optimizers[0].state_dict(), model.trainer.optimizers[0].state_dict())
     assert not any((tmp_path / "nvme").rglob("*.partial"))  # nothing left half-written
+
+
+def test_a_parameter_left_on_nvme_is_read_through_one_buffer_of_its_unit(tmp_path):
+    """What reads each parameter of a unit left on NVMe (the next engine's move into its homes,
+    where the units are read from the old files, and any use after ``fit``) holds the unit's
+    buffer and the value it is read into, no copy between: before, a copy of the parameter's
+    bytes besides, at every parameter of every unit the re-placement moved."""
+    from offload_strategy.estimate.live_bytes import LiveBytes
+    from offload_strategy.planning.placement import HOST_SLOT_ALIGNMENT, align
+    from tests.test_host_bound import budgeted, fit_leaving_weights
+
+    strategy = budgeted(tmp_path)
+    _, model = fit_leaving_weights(strategy, tmp_path / "tiered")
+    deferred = strategy.deferred
+    blocks = {id(p): block for block in model.blocks for p in block.parameters()}
+    weight = next(p for p in deferred.params.values() if id(p) in blocks and p.dim() == 2)
+    unit_bytes = align(sum(q.numel() * q.element_size() for q in blocks[id(weight)].parameters()), HOST_SLOT_ALIGNMENT)
+    with LiveBytes() as live:
+        value = deferred.value(weight)
+    assert value.shape == weight.shape and bool(value.isfinite().all())
+    assert live.peak <= unit_bytes + value.nbytes, (live.peak, unit_bytes, value.nbytes)
