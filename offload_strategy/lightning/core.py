@@ -34,7 +34,7 @@ from ..checkpoint.states import CheckpointStates, LeftOnNvme, half_host_availabl
 from ..config import RUNTIME_HOST_ALLOWANCE, Budget, HardwareSpec, PolicyConfig, format_bytes
 from ..construction.deferred import DeferredParameters
 from ..hardware import cuda_gpu_margin, disk_free, process_peak_rss, release_freed_host_memory, resident_anonymous, resolve_hardware
-from ..hardware.device import make_copy_streams, make_device
+from ..hardware.device import Device, make_copy_streams, make_device
 from ..memory.nvme import make_private_directory
 from ..planning.auto import AutoPlan
 from ..planning.cost_model import Machine, StepPrediction
@@ -386,11 +386,11 @@ class TieredCore:
                 optimizers=lightning.optimizers, direct_gradients=plan.direct_gradients,
                 checksums=self.policy.checksums, fp32_masters=self.keeps_fp32_masters(), data_parallel=self.ranks.data_parallel(sizes),
                 prefetch=self.policy.prefetch, state_factor=plan.model.state_factor, initial_value=self.deferred.fill,
+                freed_limit=self._freed_memory_limit(device),
             )
         except BaseException:
             device.close()
             raise
-        engine.updater.freed.limit = self._freed_memory_limit(engine)
         # gradients the placement did not plan (late-unfrozen parameters' homes) take pinned memory within the host budget
         placed, speculation = engine.placement.host_bytes, engine.speculation  # not the engine: no cycle through it
         engine.gradients.buffers.overflow.room = lambda: self._host_room(placed) - speculation.held_bytes
@@ -518,14 +518,15 @@ class TieredCore:
         assert self.budgets is not None
         return self.budgets.host - placed_host_bytes - self.activations.host_swap_bytes()
 
-    def _freed_memory_limit(self, engine: TieredEngine) -> int:
-        """The resident set above which the steps give freed memory back: what the process held at
-        set-up, the host budget, the emulated GPU tier's and a quarter of the runtime's allowance: the
-        rest is for what is made between two checks (a unit's gradients in backward while the worker
-        updates another) and what a trim leaves above the limit (``FREED_MEMORY_SLACK``)."""
+    def _freed_memory_limit(self, device: Device) -> int:
+        """The resident set above which the steps (and the move of the values into an engine's
+        homes) give freed memory back: what the process held at set-up, the host budget, the
+        emulated GPU tier's and a quarter of the runtime's allowance: the rest is for what is made
+        between two checks (a unit's gradients in backward while the worker updates another) and
+        what a trim leaves above the limit (``FREED_MEMORY_SLACK``)."""
         assert self.context.budgets is not None
         budgets = self.context.budgets
-        emulated = budgets.gpu if engine.device.is_emulated else 0
+        emulated = budgets.gpu if device.is_emulated else 0
         return self._resident_before + budgets.host + emulated + RUNTIME_HOST_ALLOWANCE // 4
 
     def take_back_exposed(self) -> None:

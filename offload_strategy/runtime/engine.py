@@ -94,7 +94,10 @@ class TieredEngine:
         prefetch: bool = True,
         state_factor: float = 2.0,
         initial_value: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None,
+        freed_limit: Optional[int] = None,
     ) -> None:
+        """``freed_limit``: the resident set above which freed memory is given back (``FreedHostMemory``),
+        from the move of the values into their homes on."""
         self.model = model
         # writes a parameter built without memory into its home (construction/deferred.py); False for the others
         self._initial_value = initial_value or (lambda p, target: False)
@@ -117,6 +120,7 @@ class TieredEngine:
         self.nvme_states: Optional[NvmeOptimizerStates] = None
         try:
             self._build(states, nvme_path, checksums, fp32_masters, direct_gradients, prefetch, state_factor)
+            self.updater.freed.limit = freed_limit
             self._move_to_homes()
             self._install_hooks(users)
             for optimizer in optimizers:
@@ -206,6 +210,9 @@ class TieredEngine:
         for p, target in zip(s.unit.params, targets):
             if not self._initial_value(p, target):
                 target.copy_(p.data)
+        # what reading or computing the values made and freed (a unit read from the old engine's
+        # files, at a re-placement) goes back before the next unit's, where over the budgets
+        self.updater.freed.check()
 
     def _move_to_homes(self) -> None:
         self.cache.move_to_homes(self._write_values, self._writes_host_homes())

@@ -223,7 +223,9 @@ class Lending:
             read, unit = _file_reader(self.ctx.store, self.ctx.key(s), s.unit.nbytes), s.unit
             for i, p in enumerate(s.unit.params):
                 mark_present(p)
-                leave_on_nvme(p, s.unit.param_names[i], lambda i=i: unit.views(read())[i].clone())
+                # a view of the unit's buffer, no copy of its own: the reader's caller copies it where
+                # it goes (``Recipe.compute_into``: the next engine's home, or a tensor of its own)
+                leave_on_nvme(p, s.unit.param_names[i], lambda i=i: unit.views(read())[i])
         elif s.home == NVME and self.ctx.store is not None and s.placeholders:
             self.cache.bind(s, [v.clone() for v in s.unit.views(self.ctx.read_home(s))])
 
