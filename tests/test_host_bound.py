@@ -35,7 +35,7 @@ class Deep(Net):
 
 def budgeted(root: Path) -> TieredStrategy:
     return TieredStrategy(
-        policy={"placement": "nvme", "activations": "keep"}, gpu_memory="128KiB", host_memory="448KiB",
+        policy={"placement": "nvme", "activations": "swap_nvme"}, gpu_memory="320KiB", host_memory="448KiB",
         nvme_path=str(root / "nvme"), nvme_memory="64MiB",
     )
 
