@@ -571,6 +571,7 @@ class TieredCore:
             left, _ = self._close_engine()
             if left is not None:
                 self.checkpoints.settle_after_training(left, failing=sys.exc_info()[0] is not None)
+                left.store.release_buffers()  # the store stays open for the units left on NVMe
         finally:
             _remove_if_empty(self._created_directories)
         release_freed_host_memory()  # what training freed leaves the process with it

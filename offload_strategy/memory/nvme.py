@@ -381,6 +381,15 @@ class NvmeStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.name, dir_fd=self._run.fd)  # in-flight I/O keeps the inode until its fd closes
 
+    def release_buffers(self) -> None:
+        """Give the OS back the pages of the worker threads' bounce buffers (``CHUNK`` each, one
+        per thread that did unaligned I/O): a store left open after training, for units read when
+        used, would otherwise keep them resident for the life of the process. The mappings stay;
+        the next request through one faults its pages in afresh. Call with no request under way."""
+        with self._lock:
+            for bounce in self._bounces:
+                bounce.madvise(mmap.MADV_REMOVE)  # (shared anonymous memory: DONTNEED would keep its pages)
+
     def close(self) -> None:
         """Wait for pending I/O, stop the threads and remove the directory. Safe to call twice."""
         with self._lock:
