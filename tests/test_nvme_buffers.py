@@ -24,9 +24,9 @@ def test_the_bounce_buffers_pages_are_given_back_and_the_store_still_reads(tmp_p
         assert torch.equal(back, values)
         touched = len(store._bounces) * CHUNK
         assert touched >= CHUNK
-        held = proc_status("RssAnon")
+        held = proc_status("VmRSS")  # (the buffers are shared anonymous memory: RssShmem, not RssAnon)
         store.release_buffers()
-        given_back = held - proc_status("RssAnon")
+        given_back = held - proc_status("VmRSS")
         assert given_back >= touched * 3 // 4, f"{given_back / 2**20:.1f} MiB given back of {touched / 2**20:.0f} MiB of bounce buffers"
         again = torch.zeros_like(values)
         store.read("unit", again).result()  # through the same mappings, their pages faulted in afresh
