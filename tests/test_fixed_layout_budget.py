@@ -11,10 +11,12 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from offload_strategy import TieredStrategy
 from tests.helpers import assert_same_weights
-from tests.test_activation_budget import GPU_TIER, fit
+from tests.test_activation_budget import GPU_TIER, Stack, fit
 
 KiB = 1024
 
@@ -89,3 +91,28 @@ def test_parameters_filling_the_tier_are_placed_again_beside_a_kept_layout(tmp_p
     (first, peak), *later = share.steps
     assert first + peak > GPU_TIER, "the first step ran beside the tier filled"
     assert later and all(parameters + peak <= GPU_TIER for parameters, _ in later), share.steps
+
+
+def accumulated(strategy: Any, root: Path) -> tuple[list[float], dict]:
+    """Stack at batch 8, two micro-batches a step, three steps."""
+    L.seed_everything(3, verbose=False)
+    model = Stack()
+    model.losses = []
+    data = DataLoader(TensorDataset(torch.randn(48, 64), torch.randn(48, 1)), batch_size=8)
+    L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+    ).fit(model, data)
+    return model.losses, model.state_dict()
+
+
+def test_under_accumulation_the_parameters_are_placed_again_only_after_the_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The first micro-batch measures the kept layout; its gradients wait at home for the second,
+    so the parameters are placed again after the optimizer step, not between the two."""
+    plain_losses, plain_weights = accumulated("auto", tmp_path / "plain")
+    losses, weights = accumulated(TieredStrategy(policy="fill", gpu_memory=GPU_TIER, host_memory="256MiB"), tmp_path / "tiered")
+    assert losses == plain_losses
+    assert_same_weights(plain_weights, weights)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered:")]
+    placed_again = [i for i, m in enumerate(said) if m.startswith("tiered: the activation layout policy.activations fixes")]
+    assert len(placed_again) == 1, said

@@ -447,22 +447,24 @@ class Planner:
             f"Raise gpu_memory to that, or {shrink}."
         )
 
-    def refuse_unfitting_fixed_layout(
-        self, costs: Sequence[BlockCost], layout: Sequence[str], measured: str, beside: BesideBlocks, placed: int,
-    ) -> int:
-        """A layout the user fixed, counted in the GPU tier as a planned one is: its peak
-        (:func:`peak_bytes` of the measured ``costs``, with the bytes ``beside`` the blocks),
-        returned where it fits beside the least share of the tier the parameters can be placed in
-        for it (their units used together, each recomputed block's too); refused otherwise, with
-        what it holds, what the tier leaves it, and what to do. ``placed``: the parameters' bytes
-        in the tier as placed now (said, not decided on: they may be placed again in less)."""
-        peak = beside.in_blocks + peak_bytes(costs, layout, beside.head)
+    @staticmethod
+    def fixed_layout_peak(costs: Sequence[BlockCost], layout: Sequence[str], beside: BesideBlocks) -> int:
+        """A layout the user fixed, counted in the GPU tier as a planned one is: the peak
+        (:func:`peak_bytes`) of the measured ``costs``, with the bytes ``beside`` the blocks."""
+        return beside.in_blocks + peak_bytes(costs, layout, beside.head)
+
+    def refuse_unfitting_fixed_layout(self, peak: int, layout: Sequence[str], measured: str, beside: BesideBlocks, placed: int) -> None:
+        """A layout the user fixed whose ``peak`` (:meth:`fixed_layout_peak`) does not fit beside
+        the least share of the GPU tier the parameters can be placed in for it (their units used
+        together, each recomputed block's too) is refused, with what it holds, what the tier
+        leaves it, and what to do. ``placed``: the parameters' bytes in the tier as placed now
+        (said, not decided on: they may be placed again in less)."""
         least = self.least_parameter_share(self.working_groups(layout)) if self.model is not None and self.model.sizes else 0
         left = self.gpu_beside(least)
         if peak <= left:
-            return peak
+            return
         counts = ", ".join(f"{layout.count(p)} {p}" for p in sorted(set(layout)))
-        blocks = peak - beside.in_blocks - beside.head
+        blocks = max(peak - beside.in_blocks - beside.head, 0)
         raise ValueError(
             f"the activation layout policy.activations fixes ({counts}, {len(layout)} blocks) holds {format_bytes(peak)} of activations "
             f"in the GPU tier at its peak ({measured}): {format_bytes(blocks)} in the blocks{beside.note(', ')}. gpu_memory="

@@ -343,8 +343,9 @@ class ActivationControl:
         costs, beside = _scaled(activations.block_costs(), growth), self.measured_beside.scaled(growth)
         activations.stop_observing()
         measured = "measured in the first training step before any update" + (f", scaled {growth:.2f}x to max_batch" if growth > 1 else "")
-        peak = planner.refuse_unfitting_fixed_layout(costs, activations.policies, measured, beside, self.gpu_parameter_bytes())
-        peak = self._largest_on_every_rank(peak)  # one decision on every rank
+        # one decision on every rank (each measured its own batch), before any refuses
+        peak = self._largest_on_every_rank(planner.fixed_layout_peak(costs, activations.policies, beside))
+        planner.refuse_unfitting_fixed_layout(peak, activations.policies, measured, beside, self.gpu_parameter_bytes())
         self.costs, self.beside = costs, beside
         self.fixed = ActivationPlan(tuple(activations.policies), 0.0, peak)
         self._fixed_unplaced = peak > planner.gpu_beside(self.gpu_parameter_bytes())

@@ -305,7 +305,8 @@ class PlanSession:
         if warm and self.steps_done == WARM_UP_STEPS + TIMED_STEPS:
             self._before_planning()
         self._note_blocks_the_model_recomputes()
-        self._place_beside_fixed_layout(rules)
+        if stepped:  # no gradient waits at home
+            self._place_beside_fixed_layout(rules)
         self._plan_when_warm(rules, warm)
         self._place_again_when_asked(rules, stepped)
         if warm and self.prediction.predicted_seconds is None:
