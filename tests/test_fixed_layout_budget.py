@@ -116,3 +116,20 @@ def test_under_accumulation_the_parameters_are_placed_again_only_after_the_step(
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered:")]
     placed_again = [i for i, m in enumerate(said) if m.startswith("tiered: the activation layout policy.activations fixes")]
     assert len(placed_again) == 1, said
+
+
+def test_a_mixed_fixed_layout_is_measured_as_it_runs_and_trains_like_plain(tmp_path: Path) -> None:
+    """Recomputed, swapped and kept blocks measured under their own policies (each block's
+    forward counted on its way to the checkpoint's or the swap's hooks): nothing they compute
+    changes, and what the kept layout would hold is more than this one holds."""
+    mixed = ["checkpoint", "swap_host", "keep", "checkpoint", "swap_host", "keep", "checkpoint", "keep"]
+    plain = fit("auto", tmp_path / "plain", batch=8, steps=3)
+    peaks = {}
+    for name, layout in (("mixed", mixed), ("kept", "keep")):
+        share = Parameters()
+        tiered = fit(TieredStrategy(policy={"placement": "host", "activations": layout}, gpu_memory=4 * GPU_TIER, host_memory="256MiB"),
+                     tmp_path / name, batch=8, steps=3, callbacks=(share,))
+        assert tiered.losses == plain.losses
+        assert_same_weights(plain.state_dict(), tiered.state_dict())
+        peaks[name] = share.steps[-1][1]
+    assert 0 < peaks["mixed"] < peaks["kept"], peaks
