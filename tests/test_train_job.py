@@ -85,7 +85,7 @@ def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
         cwd=tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
-    assert metrics["offload/tier/gpu_reserved_bytes"] <= 8 * 2**20  # what the recomputed blocks' 66 MiB leave of the 72 MiB tier
+    assert metrics["offload/tier/gpu_reserved_bytes"] <= 10 * 2**20  # what the kept blocks' 246 MiB leave of the 256 MiB tier
     assert metrics["offload/link/nvme_read_bytes_total"] > 0
     assert 0.0 <= metrics["offload/cache/hit_rate"] <= 1.0 and "offload/cache/wait_p99_ms" in metrics
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
