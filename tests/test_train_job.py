@@ -192,7 +192,7 @@ def test_a_sweep_over_every_policy_preset_runs(tmp_path):
     sweep = tmp_path / "sweep"
     run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", "policy=glob(*)", "logger=csv", "data=synthetic",
          "data.num_tokens=40000", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=16MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=32MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     jobs = sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     assert len(jobs) == len(presets)
     for job, name in zip(jobs, presets):
