@@ -167,7 +167,7 @@ def kept_activations(config: dict[str, Any], run: argparse.Namespace, root: str)
     """The kept blocks' activations at their peak, as the first training step measures them (in a
     step of their own, nothing offloaded): the GPU tier counts them beside the parameters, whose
     share is then the fraction asked (they are placed again in it after the first step)."""
-    strategy = TieredStrategy(host_memory="4GiB", policy=PARAMETERS_ONLY)
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY)
     fit(strategy, config, run, root, StepTimer(), 1)
     fixed = strategy.tiered.activations.fixed
     assert fixed is not None, "the first training step measures a kept layout"
