@@ -85,7 +85,7 @@ def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
         cwd=tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
-    assert metrics["offload/tier/gpu_reserved_bytes"] <= 3_300_000
+    assert metrics["offload/tier/gpu_reserved_bytes"] <= 10 * 2**20  # what the kept blocks' 246 MiB leave of the 256 MiB tier
     assert metrics["offload/link/nvme_read_bytes_total"] > 0
     assert 0.0 <= metrics["offload/cache/hit_rate"] <= 1.0 and "offload/cache/wait_p99_ms" in metrics
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
@@ -192,7 +192,7 @@ def test_a_sweep_over_every_policy_preset_runs(tmp_path):
     sweep = tmp_path / "sweep"
     run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", "policy=glob(*)", "logger=csv", "data=synthetic",
          "data.num_tokens=40000", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=16MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=32MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     jobs = sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     assert len(jobs) == len(presets)
     for job, name in zip(jobs, presets):

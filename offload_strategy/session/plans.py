@@ -305,11 +305,29 @@ class PlanSession:
         if warm and self.steps_done == WARM_UP_STEPS + TIMED_STEPS:
             self._before_planning()
         self._note_blocks_the_model_recomputes()
+        if stepped:  # no gradient waits at home
+            self._place_beside_fixed_layout(rules)
         self._plan_when_warm(rules, warm)
         self._place_again_when_asked(rules, stepped)
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
         return self.in_use if self.in_use is not before else None
+
+    def _place_beside_fixed_layout(self, rules: PlanningRules) -> None:
+        """A layout the user fixed, measured by the first training forward, that the parameters
+        as placed leave too little of the GPU tier: they are placed again in what its peak leaves
+        (as for a layout the planner chose; the optimizer states move exactly)."""
+        peak = self.activations.take_fixed_unplaced()
+        budgets = self.context.budgets
+        if peak is None or budgets is None:
+            return
+        share = self.gpu_for_parameters(peak)
+        self.say(
+            f"tiered: the activation layout policy.activations fixes holds {format_bytes(peak)} of the GPU tier at its peak (measured "
+            f"in the first training step), more than the parameters leave of gpu_memory={format_bytes(budgets.gpu)}: they are "
+            f"placed again in {format_bytes(share)} of it."
+        )
+        self._replace(rules, share, None, self.context.engine is None)
 
     def _plan_when_warm(self, rules: PlanningRules, warm: bool) -> None:
         planner = self.planner
@@ -368,6 +386,8 @@ class PlanSession:
             timing = replace(timing, order=list(engine.timer.profile.order))
         activations = self.activations
         joint = activations.joint_search
+        # a layout the user fixed takes its measured peak of the tier, beside which the search places the parameters
+        fixed = BesideBlocks(outside=activations.fixed.peak_bytes) if activations.fixed is not None else BesideBlocks()
         # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
         trainable, direct = [bool(s.unit.trainable) for s in engine.states], engine.device.is_emulated and not self.policy.gradient_reserve
         profiled = activations.profiled
@@ -378,7 +398,7 @@ class PlanSession:
             plan, order = planner.search(
                 timing, trainable, self._machine(), direct_gradients=direct, blocks=self.profile.blocks if joint else (),
                 links=activations.links() if joint else None, activation_host_bytes=activations.host_left(),
-                beside=self.profile.beside if joint else BesideBlocks(),
+                beside=self.profile.beside if joint else fixed,
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
@@ -391,7 +411,8 @@ class PlanSession:
         self.say(searched_placement_line(count, len(engine.states), plan.parameters.buffers, plan.seconds))
         self.prediction.planned(plan.seconds, "placement search")
         # rank 0's layout: each rank's own search may have chosen another, with another peak
-        resident = sequence.searched_share(planner, order, count, layout, self.in_use.placement, self.profiling_placement)
+        kept = layout if layout is not None else activations.fixed
+        resident = sequence.searched_share(planner, order, count, kept, self.in_use.placement, self.profiling_placement)
         if resident is None:
             return None
         # beside the layout searched with it, not the profiling step's
@@ -530,7 +551,7 @@ class PlanSession:
         budgets = self.context.budgets
         if budgets is None:
             return None
-        plan = self.activations.plan
+        plan = self.activations.plan if self.activations.plan is not None else self.activations.fixed
         return PlannedUse(budgets.gpu, self.activations.gpu_parameter_bytes(), plan.peak_bytes if plan is not None else None, self.activations.beside)
 
     # -- the plan as a file -------------------------------------------------------------------------
