@@ -211,6 +211,8 @@ def plan_from_profile(
     together = planner.working_groups(running, model=model)
     first = planner.place(model, budgets.gpu, together, activations_auto=layout_planner is not None)
     run = _Run(planner, layout_planner is not None, running, first, budgets.gpu)
+    if layout_planner is None and profile.blocks and planner.policy.name != "none":
+        _count_fixed_layout(run, profile, measured)
     if measuring:
         assert layout_planner is not None
         run.placement, run.profiling = profiling_share(planner, first, together, budgets.gpu)
@@ -221,6 +223,18 @@ def plan_from_profile(
     searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if search and planner.searching and first.offloaded else None
     layout = _lay_out(run, profile, machine, searched, layout_planner) if measuring and layout_planner is not None else None
     return SequencePlan(run.placement, layout, run.gpu_for_parameters, profiled, searched)
+
+
+def _count_fixed_layout(run: _Run, profile: Profile, measured: str) -> None:
+    """A layout the user fixed, counted in the GPU tier as the session counts it once the first
+    forward measured it (``ActivationControl._count_fixed_layout``): refused where its peak does
+    not fit beside the parameters' least share, the parameters placed again beside it where they
+    take too much (``PlanSession._place_beside_fixed_layout``)."""
+    planner = run.planner
+    peak = Planner.fixed_layout_peak(profile.blocks, run.running, profile.beside)
+    planner.refuse_unfitting_fixed_layout(peak, run.running, measured, profile.beside, run.placement.gpu_bytes)
+    if peak > planner.gpu_beside(run.placement.gpu_bytes):
+        run.place(planner.gpu_beside(peak))
 
 
 def _search(run: _Run, profile: Profile, machine: Machine, joint: bool) -> Optional[AutoPlan]:
