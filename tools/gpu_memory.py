@@ -114,7 +114,11 @@ class MemoryRows(L.Callback):
               f"{_over(row.peak, row.plan)} | {_over(row.peak, row.budget)} |", flush=True)
         if trainer.global_step == self.replace_after:
             before = _allocated(self.cuda)
-            core._replace_engine(core.recipe(trainer), gpu_bytes=core.context.budgets.gpu)  # as a growth of the batch's shapes does
+            # as a growth of the batch's shapes does, in the share the plan in use gives the parameters
+            # (beside the fixed layout's measured peak)
+            in_use = core.session.in_use
+            share = in_use.gpu_for_parameters if in_use is not None else core.context.budgets.gpu
+            core._replace_engine(core.recipe(trainer), gpu_bytes=share)
             self.replaced = (before, _allocated(self.cuda))
             print(f"| {self.precision} | placed again | {_size(before)} -> {_size(self.replaced[1])} allocated | | | | | | | | | |", flush=True)
 
