@@ -614,10 +614,18 @@ class WrappedForward:
         return self.forward.__reduce_ex__(protocol)
 
 
+def _block_of(forward: Any) -> Any:
+    """The module whose bound forward runs, through the partial an observed layout counts it in
+    (``_counted_under_policy``): its buffers and key-value caches are replayed in recomputation."""
+    while isinstance(forward, functools.partial):
+        forward = forward.args[-1]
+    return getattr(forward, "__self__", None)
+
+
 def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)  # evaluation: nothing to save or recompute
-    block = getattr(forward, "__self__", None)
+    block = _block_of(forward)
     if not isinstance(block, nn.Module):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     tensors = _module_tensors(block)
