@@ -23,10 +23,10 @@ from tests.helpers import assert_same_weights, tiny_data
 PLACEMENTS = ("host", "nvme")
 
 
-def tiered(placement: str, root: Path, **policy: Any) -> TieredStrategy:
+def tiered(placement: str, root: Path, gpu_memory: str = "1MiB", **policy: Any) -> TieredStrategy:
     """Every unit streamed through a 1 MiB GPU tier from its home: host memory or NVMe."""
     nvme = {"nvme_path": str(root / "nvme"), "nvme_memory": "1GiB"} if placement == "nvme" else {}
-    return TieredStrategy(policy={"placement": placement, "activations": "keep", **policy}, gpu_memory="1MiB", host_memory="1GiB", **nvme)
+    return TieredStrategy(policy={"placement": placement, "activations": "keep", **policy}, gpu_memory=gpu_memory, host_memory="1GiB", **nvme)
 
 
 PLACEMENTS_16_BIT = {"host": lambda root: tiered("host", root), "nvme": lambda root: tiered("nvme", root),
