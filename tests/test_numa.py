@@ -162,7 +162,7 @@ def test_the_gradient_slabs_beyond_the_plan_prefer_the_node_too():
     from offload_strategy.runtime.grads.staging import AccumulationStaging
 
     overflow = GradientOverflow(pin=False, numa_node=0)
-    home = overflow.take(1 << 20, "a late-unfrozen home", bounded=False)
+    home = overflow.take(1 << 20, "a late-unfrozen home")  # no room set: no budget to check
     staging = AccumulationStaging(1 << 20, pin=False, numa_node=0)
     piece = staging.acquire()
     slabs = [*overflow._slabs.values(), staging._slab]

@@ -25,7 +25,7 @@ import torch
 
 from ...planning.placement import HOST_SLOT_ALIGNMENT, align
 from ..state import UnitState
-from .overflow import GradientOverflow
+from .overflow import GradientOverflow, PastRoom
 
 
 def gradient_bytes(s: UnitState) -> int:
@@ -63,7 +63,8 @@ class GradientBuffers:
                 buffer = self.free.pop()
             else:  # as large as the pool's, so that any unit can take it once given back
                 what = f"a gradient buffer beyond the plan's {len(self.pooled)} (for {s.unit.name!r})"
-                buffer = self.overflow.take(max(gradient_bytes(s), self.slot_bytes), what, bounded=not self.worker_failed())
+                past_room = PastRoom.IGNORE if self.worker_failed() else PastRoom.WARN
+                buffer = self.overflow.take(max(gradient_bytes(s), self.slot_bytes), what, past_room)
                 self.extra += 1
             self.held[s.unit.index] = buffer
             self.most_held = max(self.most_held, len(self.held))

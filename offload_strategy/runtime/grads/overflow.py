@@ -18,6 +18,8 @@ followed by a placement that plans their gradients in the slab (``PlanSession.af
 
 from __future__ import annotations
 
+import enum
+import logging
 import threading
 from typing import Callable, Optional
 
@@ -26,6 +28,16 @@ import torch
 from ...config import format_bytes
 from ...memory.slab import HostSlab
 from ...planning.placement import HOST, PlacementError
+
+log = logging.getLogger(__name__)
+
+
+class PastRoom(enum.Enum):
+    """What a request past the host budget's room does."""
+
+    REFUSE = enum.auto()  # a late-unfrozen home: the user can unfreeze before fit instead
+    WARN = enum.auto()  # a buffer beyond the pool: gradients waiting for their reductions must land somewhere
+    IGNORE = enum.auto()  # the update worker failed: the run is stopping
 
 
 class GradientOverflow:
@@ -39,6 +51,7 @@ class GradientOverflow:
         self._slabs: dict[int, HostSlab] = {}  # address -> slab, every one held
         self._free: list[HostSlab] = []  # given back, for the next request they hold
         self._lock = threading.Lock()
+        self._warned = False  # past the room once already (buffers beyond the pool): said once
 
     @property
     def nbytes(self) -> int:
@@ -46,15 +59,15 @@ class GradientOverflow:
         with self._lock:
             return sum(slab.nbytes for slab in self._slabs.values())
 
-    def take(self, nbytes: int, what: str, bounded: bool = True) -> torch.Tensor:
-        """``nbytes`` of pinned host memory (1-D uint8) for ``what`` (said in an error); within
-        ``room`` where ``bounded``."""
+    def take(self, nbytes: int, what: str, past_room: PastRoom = PastRoom.REFUSE) -> torch.Tensor:
+        """``nbytes`` of pinned host memory (1-D uint8) for ``what`` (said in an error or a
+        warning); past ``room``, as ``past_room`` says."""
         with self._lock:
             slab = self._reuse(nbytes)
         if slab is None:
-            room = self.room() if bounded else None  # outside the lock: it may read ``nbytes`` (the host bytes held)
+            room = self.room() if past_room is not PastRoom.IGNORE else None  # outside the lock: it may read ``nbytes``
             with self._lock:
-                self._check_room(nbytes, what, room)
+                self._check_room(nbytes, what, room, past_room)
                 slab = HostSlab(nbytes, pin=self.pin, numa_node=self.numa_node)
                 self._slabs[slab.tensor.data_ptr()] = slab
         return slab.tensor[:nbytes]
@@ -68,17 +81,21 @@ class GradientOverflow:
         self._free.remove(slab)
         return slab
 
-    def _check_room(self, nbytes: int, what: str, room: Optional[int]) -> None:
+    def _check_room(self, nbytes: int, what: str, room: Optional[int], past_room: PastRoom) -> None:
         held = sum(slab.nbytes for slab in self._slabs.values())
         if room is None or held + nbytes <= room:
             return
-        raise PlacementError(
+        said = (
             f"{what} need {format_bytes(nbytes)} of pinned host memory the placement did not plan, beside "
             f"{format_bytes(held)} already taken so; host_memory leaves {format_bytes(max(room, 0))} beside the placement, the "
             f"activations' swaps and speculative updates' saved values. Raise host_memory by at least "
-            f"{format_bytes(held + nbytes - room)}, or make the parameters trainable before fit (the placement then plans their gradients).",
-            tier=HOST,
+            f"{format_bytes(held + nbytes - room)}"
         )
+        if past_room is PastRoom.REFUSE:
+            raise PlacementError(f"{said}, or make the parameters trainable before fit (the placement then plans their gradients).", tier=HOST)
+        if not self._warned:
+            self._warned = True
+            log.warning("tiered: %s to keep the process within it; taken all the same (gradients waiting for their reductions).", said)
 
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in memory taken from here."""
