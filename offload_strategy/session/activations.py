@@ -100,7 +100,7 @@ class ActivationControl:
         self._in_training_step = False
         self.profiled_elements: Optional[int] = None  # the smallest batch the profiled steps ran, under a max_batch
         self.fixed: Optional[ActivationPlan] = None  # a layout the user fixed, once its first training forward measured its peak
-        self._fixed_unplaced = False  # ... which the parameters as placed leave no room for: they are placed again
+        self._fixed_counted = False  # ... counted, and not yet taken by the session (``take_fixed_peak``)
 
     @property
     def saved_bytes(self) -> int:
@@ -143,6 +143,12 @@ class ActivationControl:
         """The blocks run the profiling layout: their own is chosen from what it measures."""
         activations = self.policies_in_use
         return activations is not None and activations.profile is not None and not activations.profile.fixed
+
+    @property
+    def observing(self) -> bool:
+        """A layout the user fixed that no training forward has measured yet."""
+        activations = self.policies_in_use
+        return activations is not None and activations.profile is not None and activations.profile.fixed
 
     @property
     def observed(self) -> bool:
@@ -340,8 +346,8 @@ class ActivationControl:
         tier, as a planned layout's (:func:`~offload_strategy.planning.activations.peak_bytes`
         beside what the forward keeps outside the blocks and the backward's gradients; scaled to
         ``max_batch``). Refused where it does not fit even beside the parameters' least share;
-        where it does not fit beside them as placed, they are placed again before the next step
-        (``take_fixed_unplaced``)."""
+        else the session places the parameters again beside it before the next step
+        (``take_fixed_peak``)."""
         activations, planner = self.policies_in_use, self.context.planner
         assert activations is not None and planner is not None
         growth = self.growth
@@ -353,13 +359,12 @@ class ActivationControl:
         planner.refuse_unfitting_fixed_layout(peak, activations.policies, measured, beside, self.gpu_parameter_bytes())
         self.costs, self.beside = costs, beside
         self.fixed = ActivationPlan(tuple(activations.policies), 0.0, peak)
-        self._fixed_unplaced = peak > planner.gpu_beside(self.gpu_parameter_bytes())
+        self._fixed_counted = True
 
-    def take_fixed_unplaced(self) -> Optional[int]:
-        """Once: the peak of a layout the user fixed where the parameters as placed leave it too
-        little of the GPU tier (then placed again in what it leaves); None otherwise."""
-        unplaced, self._fixed_unplaced = self._fixed_unplaced, False
-        return self.fixed.peak_bytes if unplaced and self.fixed is not None else None
+    def take_fixed_peak(self) -> Optional[int]:
+        """Once, after the first training forward measured a layout the user fixed: its peak."""
+        counted, self._fixed_counted = self._fixed_counted, False
+        return self.fixed.peak_bytes if counted and self.fixed is not None else None
 
     def _refuse_if_unfitting(self, costs: list[BlockCost], measured: str, beside: BesideBlocks) -> None:
         activations, planner = self.policies_in_use, self.context.planner

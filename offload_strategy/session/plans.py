@@ -256,9 +256,13 @@ class PlanSession:
         Returns the placement and whether it is the profiling one."""
         planner = self.planner
         assert planner is not None
-        if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and self.activations.measuring and self.activations.blocks):
+        activations = self.activations
+        # a layout the user fixed is measured in the first training forward as it runs: until then
+        # the parameters take their least share too, and the session places them after it
+        measuring = activations.measuring or activations.observing
+        if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and measuring and activations.blocks):
             return placement, False
-        return sequence.profiling_share(planner, placement, together, gpu_bytes)
+        return sequence.profiling_share(planner, placement, together, gpu_bytes, placed_after=activations.observing)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
@@ -314,19 +318,26 @@ class PlanSession:
         return self.in_use if self.in_use is not before else None
 
     def _place_beside_fixed_layout(self, rules: PlanningRules) -> None:
-        """A layout the user fixed, measured by the first training forward, that the parameters
-        as placed leave too little of the GPU tier: they are placed again in what its peak leaves
-        (as for a layout the planner chose; the optimizer states move exactly)."""
-        peak = self.activations.take_fixed_unplaced()
+        """A layout the user fixed, measured by the first training forward: the parameters, in
+        their least share while it measured (``_profiling_placement``) or in more than its peak
+        leaves, are placed again in what it leaves (as for a layout the planner chose; the
+        optimizer states move exactly)."""
+        peak = self.activations.take_fixed_peak()
         budgets = self.context.budgets
         if peak is None or budgets is None:
             return
         share = self.gpu_for_parameters(peak)
-        self.say(
-            f"tiered: the activation layout policy.activations fixes holds {format_bytes(peak)} of the GPU tier at its peak (measured "
-            f"in the first training step), more than the parameters leave of gpu_memory={format_bytes(budgets.gpu)}: they are "
-            f"placed again in {format_bytes(share)} of it."
-        )
+        if self.profiling_placement:
+            self.say(f"tiered: the activation layout policy.activations fixes holds {format_bytes(peak)} of gpu_memory={format_bytes(budgets.gpu)} "
+                     f"at its peak (measured in the first training step): the parameters are placed again in the {format_bytes(share)} it leaves.")
+        elif self.activations.gpu_parameter_bytes() > share:
+            self.say(
+                f"tiered: the activation layout policy.activations fixes holds {format_bytes(peak)} of the GPU tier at its peak (measured "
+                f"in the first training step), more than the parameters leave of gpu_memory={format_bytes(budgets.gpu)}: they are "
+                f"placed again in {format_bytes(share)} of it."
+            )
+        else:
+            return
         self._replace(rules, share, None, self.context.engine is None)
 
     def _plan_when_warm(self, rules: PlanningRules, warm: bool) -> None:
@@ -603,7 +614,8 @@ class PlanSession:
         title = "tiered: placement (a unit: parameters that move between tiers as one; optimizer states with their unit's parameters)"
         budgets = self.context.budgets
         if plan.profiling and budgets is not None:
-            title = (f"tiered: placement while the first {WARM_UP_STEPS + TIMED_STEPS} steps measure the activations (fewest buffers: "
+            steps = "step measures" if self.activations.observing else f"{WARM_UP_STEPS + TIMED_STEPS} steps measure"
+            title = (f"tiered: placement while the first {steps} the activations (fewest buffers: "
                      f"{format_bytes(plan.placement.gpu_bytes)} of gpu_memory={format_bytes(budgets.gpu)})")
         lines = [title, *placement_table(tiers)]
         lines.append(f"tiered: gradients {_where_gradients_live(plan.placement, tiers)}")

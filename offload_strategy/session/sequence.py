@@ -70,13 +70,15 @@ class Profile:
 # -- the decisions -----------------------------------------------------------------------------------
 
 
-def profiling_share(planner: Planner, placement: Placement, together: list[list[int]], gpu_bytes: int) -> tuple[Placement, bool]:
+def profiling_share(planner: Planner, placement: Placement, together: list[list[int]], gpu_bytes: int,
+                    placed_after: bool = False) -> tuple[Placement, bool]:
     """The placement the profiled steps run: the parameters in the least share host memory and
     NVMe hold the rest beside (the fewest buffers), ``placement`` (the first-use one in
     ``gpu_bytes``) where that is no smaller or refused; ``placement`` too where nothing is
-    offloaded, the search does not run, or a unit has nothing to train. Returns it and whether it
-    is the profiling one."""
-    if not (placement.offloaded and planner.searching) or any(not size.trainable_bytes for size in planner.units.sizes):
+    offloaded, the search does not run (unless the parameters are ``placed_after`` the profiled
+    step whatever the policy: a layout the user fixed), or a unit has nothing to train. Returns it
+    and whether it is the profiling one."""
+    if not (placement.offloaded and (planner.searching or placed_after)) or any(not size.trainable_bytes for size in planner.units.sizes):
         # a unit with nothing to train that the model's own checkpointing recomputes stays in the
         # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
         # a model's own checkpointing may show itself only in its first backward: the fewest
