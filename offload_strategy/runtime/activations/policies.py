@@ -37,6 +37,7 @@ from ...planning.profile import hold_spikes
 from .swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .buffer_replay import BufferReplay
 from .kv_cache import CacheReplay, caches_in
+from .saved_tensors import SavedTensors
 from ..params.forwards import UnitHook
 from ..params.recompute import RecomputeHolds
 from .saved_bytes import SavedBytes
@@ -429,9 +430,12 @@ class ActivationPolicies:
         counted = SavedBytes()
 
         def pack(t: torch.Tensor) -> Any:
-            if not self.is_parameter(t):
+            packed = top[0](t) if top is not None else t
+            # a streamed weight's 16-bit cast (autocast's) is saved as a reference to its unit and
+            # cast again in backward: it holds nothing in the GPU tier until then
+            if not self.is_parameter(t) and SavedTensors.unit_of(packed) is None:
                 counted.add(t)
-            return top[0](t) if top is not None else t
+            return packed
 
         def unpack(packed: Any) -> torch.Tensor:
             return top[1](packed) if top is not None else packed
