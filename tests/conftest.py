@@ -13,6 +13,7 @@ memory, which the delays would distort) runs without. A seed in the environment 
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -112,3 +113,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         report.sections.append(("race check", f"{RACE_CHECK_ENV}={seed} (this test's own seed; set it in the environment to rerun "
                                                f"every selected test with it, or 0 to turn the check off)"))
     return report
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every module is imported now: what they made moves out of the collector's reach
+    (``gc.freeze``), so that each full collection (pytest's after every test, the strategy's when
+    it frees a closed engine) walks what the tests make, not torch's and Lightning's import-time
+    objects: 0.2 s a collection before, microseconds after."""
+    gc.collect()
+    gc.freeze()
+

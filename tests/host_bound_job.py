@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--host-memory", default="48MiB")
     parser.add_argument("--gpu-memory", default="16MiB")
+    # kept blocks' activations count in the GPU tier: recomputed ones keep only their inputs there
+    parser.add_argument("--activations", default="checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one compute thread: fewer allocator arenas, the same on every machine
     phases = Phases()
@@ -54,7 +56,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     module = Model(family="gpt2", config=gpt2_config(args.layers, args.width, positions=32), lr=1e-4)
     strategy = TieredStrategy(
-        policy={"placement": "nvme", "activations": "keep"}, gpu_memory=args.gpu_memory, host_memory=args.host_memory,
+        policy={"placement": "nvme", "activations": args.activations}, gpu_memory=args.gpu_memory, host_memory=args.host_memory,
         nvme_path=str(args.workdir / "nvme"),
     )
     trainer = L.Trainer(

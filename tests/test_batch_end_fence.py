@@ -13,7 +13,8 @@ import torch
 from offload_strategy import TieredStrategy
 from offload_strategy.hardware.device import RACE_CHECK_ENV
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
-from tests.test_offload import gpt2_4l, param_bytes
+from tests.test_offload import beside_kept, gpt2_4l, param_bytes
+from tests.test_race_check import kept_peak_frozen
 
 
 class WritesAtBatchEnd(L.Callback):
@@ -69,7 +70,8 @@ def test_a_callback_writes_host_homes_at_batch_end_after_every_copy_out_of_them(
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", extra_callbacks=(WritesAtBatchEnd(forward_first),), **kwargs)
     monkeypatch.setenv(RACE_CHECK_ENV, "5")
     total, writes = param_bytes(gpt2_4l), WritesAtBatchEnd(forward_first)
-    strategy = TieredStrategy(policy={**PARAMETERS_ONLY, "placement": "host"}, gpu_memory=int(0.3 * total), host_memory=int(6 * total))
+    strategy = TieredStrategy(policy={**PARAMETERS_ONLY, "placement": "host"}, gpu_memory=beside_kept(0.3, total, kept_peak_frozen(3)),
+                              host_memory=int(6 * total))
     losses, weights, _ = train(strategy, tmp_path / "tiered", extra_callbacks=(writes,), **kwargs)
     assert writes.checked > 0
     assert losses == plain_losses

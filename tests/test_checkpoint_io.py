@@ -50,13 +50,13 @@ def test_the_strategy_writes_checkpoints_atomically(tmp_path):
 def test_checkpoints_hold_each_value_once_not_the_slabs_it_lives_in(tmp_path):
     """Parameters and states view shared slabs (homes, masters, NVMe buffers); torch.save writes
     whole storages, so the strategy hands it views over exactly their own bytes."""
-    from tests.test_offload import gpt2_4l, nvme_strategy, param_bytes
+    from tests.test_offload import beside_kept, gpt2_4l, nvme_strategy, param_bytes
 
     total = param_bytes(gpt2_4l)
     sizes = {}
     for name, strategy in (
         ("plain", "auto"),
-        ("host", TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.5 * total), host_memory="1GiB")),
+        ("host", TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=beside_kept(0.5, total), host_memory="1GiB")),  # half the parameters beside the kept layout
         ("nvme", nvme_strategy(total, tmp_path / "nvme")),
     ):
         train(strategy, tmp_path / name, epochs=1, make_model=gpt2_4l, save_every_epoch=True)

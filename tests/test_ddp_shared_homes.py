@@ -64,8 +64,9 @@ def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, plain_ddp, set
 def test_sharing_host_homes_changes_no_result_under_bf16_true(tmp_path):
     """Under bf16-true each owner writes its units' 16-bit parameters from their fp32 masters into
     the one copy: the run is bit-identical to the ranks keeping a copy each."""
-    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--epochs", "2", "--precision", "bf16-true")
-    shared = launch(tmp_path / "shared", "--strategy", "tiered_ddp", "--epochs", "2", "--precision", "bf16-true", "--share-homes")
+    # one epoch: three steps per rank, each after the first reading what the owners wrote at the last
+    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--epochs", "1", "--precision", "bf16-true")
+    shared = launch(tmp_path / "shared", "--strategy", "tiered_ddp", "--epochs", "1", "--precision", "bf16-true", "--share-homes")
     for rank in (0, 1):
         assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
         assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0 == copies[rank]["metrics"]["tier/host_shared_bytes"]
@@ -117,9 +118,9 @@ def test_machines_sharing_host_homes_with_an_nvme_tier_clipping_and_bf16_true(tm
 def test_machines_sharing_host_homes_resume_a_checkpoint(tmp_path):
     """A one-rank checkpoint resumed on two machines of two sharing host homes: the values each
     machine's copy starts from are the checkpoint's, as on four ranks keeping a copy each."""
-    launch(tmp_path / "tiered", "--strategy", "tiered", "--devices", "1", "--nvme", str(tmp_path / "tiered" / "nvme"))
+    launch(tmp_path / "tiered", "--strategy", "tiered", "--devices", "1", "--nvme", str(tmp_path / "tiered" / "nvme"), "--epochs", "2")
     ckpt = tmp_path / "tiered" / "last.ckpt"
-    resume = ("--epochs", "6", "--resume", str(ckpt), "--host-factor", "2.8")
+    resume = ("--epochs", "4", "--resume", str(ckpt), "--host-factor", "2.8")
     shared = launch_machines(tmp_path / "shared", 2, "--strategy", "tiered_ddp", "--share-homes", "--devices", "2", *resume)
     copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--devices", "4", *resume)
     for rank in range(4):

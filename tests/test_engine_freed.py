@@ -54,10 +54,12 @@ def test_the_engine_the_search_replaces_is_freed_while_placing_again(tmp_path, m
     assert alive == [False]
 
 
-@pytest.mark.parametrize("make, callbacks", [(UnfreezeInStep, ()), (Net, (SwitchToSgd(),))], ids=["unfrozen", "optimizers replaced"])
-def test_the_engine_replaced_for_new_parameters_or_optimizers_is_freed(tmp_path, monkeypatch, make, callbacks):
+# the optimizers replaced after the placement beside the kept layout measured in the first step; the
+# parameters unfrozen in that step placed again once, beside it
+@pytest.mark.parametrize("make, callbacks, placements", [(UnfreezeInStep, (), 1), (Net, (SwitchToSgd(),), 2)], ids=["unfrozen", "optimizers replaced"])
+def test_the_engine_replaced_for_new_parameters_or_optimizers_is_freed(tmp_path, monkeypatch, make, callbacks, placements):
     alive = engines_left_after_placing_again(monkeypatch, lambda: fit(tiered("host", tmp_path), tmp_path / "run", make, steps=4, callbacks=callbacks))
-    assert alive == [False]
+    assert alive == [False] * placements
 
 
 class Wide(Net):

@@ -21,10 +21,18 @@ from lightning.fabric.strategies import SingleDeviceStrategy
 import offload_strategy
 from offload_strategy.demos import build_causal_lm
 from offload_strategy import TieredFabricStrategy
+from offload_strategy.config import parse_size
 from tests.helpers import TINY_GPT2
 from tests.test_offload import GPT2_4L
 
 SEQ, BATCH = 16, 4
+
+
+def beside_kept(share: str, peak: str = "661KiB") -> int:
+    """A GPU tier that leaves the parameters ``share`` beside the fixed layout's ``peak`` of
+    activations (measured in the first step; the tiny GPT-2's two kept blocks in fp32 by default),
+    where they are placed again after that step."""
+    return parse_size(share) + parse_size(peak)
 
 
 def _batches(count: int, seed: int = 3) -> list[torch.Tensor]:
@@ -82,14 +90,14 @@ def assert_same(plain: tuple, tiered: tuple) -> None:
     "recipe", [dict(), dict(max_norm=0.05), dict(clip_val=0.01), dict(accumulate=2, max_norm=0.05)], ids=["plain", "norm", "value", "accumulate"]
 )
 def test_same_losses_and_weights_as_plain_fabric_from_host_memory(recipe):
-    strategy = TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB")
+    strategy = TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB"))
     tiered = fabric_train(strategy, **recipe)
     assert strategy.metrics()["link/h2d_bytes_total"] > 0, "nothing was streamed"
     assert_same(fabric_train("auto", **recipe), tiered)
 
 
 def test_same_losses_and_weights_as_plain_fabric_from_nvme(tmp_path):
-    strategy = TieredFabricStrategy(policy="zero_infinity", gpu_memory="160KiB", nvme_path=tmp_path / "nvme")
+    strategy = TieredFabricStrategy(policy="zero_infinity", gpu_memory=beside_kept("160KiB"), nvme_path=tmp_path / "nvme")
     tiered = fabric_train(strategy, max_norm=0.05)
     assert strategy.metrics()["link/nvme_read_bytes_total"] > 0, "nothing was read from NVMe"
     assert_same(fabric_train("auto", max_norm=0.05), tiered)
@@ -109,7 +117,7 @@ def test_the_default_policy_plans_placement_and_activations_and_stays_exact():
 
 def test_clip_gradients_by_norm_returns_plain_fabrics_total_norm():
     norms = {}
-    for name, strategy in [("plain", "auto"), ("tiered", TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"))]:
+    for name, strategy in [("plain", "auto"), ("tiered", TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB")))]:
         fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
         model, optimizer = fabric.setup(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
         batch = _batches(1)[0]
@@ -120,11 +128,11 @@ def test_clip_gradients_by_norm_returns_plain_fabrics_total_norm():
 
 
 def test_save_and_load_resume_exactly(tmp_path):
-    straight = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=4)
-    fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=2, save=tmp_path / "ckpt.pt")
+    straight = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB")), steps=4)
+    fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB")), steps=2, save=tmp_path / "ckpt.pt")
     checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert checkpoint["step"] == 2 and "transformer.h.0.attn.c_attn.weight" in checkpoint["model"]
-    resumed = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=4, load=tmp_path / "ckpt.pt")
+    resumed = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB")), steps=4, load=tmp_path / "ckpt.pt")
     assert resumed[0] == straight[0][2:]
     for name, value in straight[1].items():
         assert torch.equal(value, resumed[1][name]), name
@@ -134,7 +142,7 @@ def test_save_and_load_resume_exactly(tmp_path):
 
 
 def test_evaluation_without_gradients_reads_the_trained_weights():
-    strategy = TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB")
+    strategy = TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB"))
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
     plain_model = _model()
     model, _ = fabric.setup(_model(), torch.optim.SGD(plain_model.parameters(), lr=0.0))
@@ -171,7 +179,7 @@ def test_refusals_say_what_to_do():
 
 
 def test_bf16_mixed_matches_plain_fabric():
-    tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="160KiB"), steps=3, max_norm=0.05, precision="bf16-mixed")
+    tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("160KiB", "497KiB")), steps=3, max_norm=0.05, precision="bf16-mixed")
     assert_same(fabric_train("auto", steps=3, max_norm=0.05, precision="bf16-mixed"), tiered)
 
 
@@ -196,7 +204,7 @@ def test_bf16_true_updates_fp32_masters_as_a_hand_written_loop_does():
             for p, master in zip(params, masters):
                 p.copy_(master)
     reference = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory="80KiB"), steps=3, precision="bf16-true")
+    tiered = fabric_train(TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("80KiB", "428KiB")), steps=3, precision="bf16-true")
     assert all(v.dtype == torch.bfloat16 for v in tiered[1].values())
     assert_same(reference, tiered)
 
@@ -209,7 +217,7 @@ def test_a_script_that_never_tears_the_strategy_down_still_exits_and_cleans_up(t
         "import torch, lightning as L\n"
         "from offload_strategy import TieredFabricStrategy\n"
         "m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])\n"
-        f"s = TieredFabricStrategy(policy='zero_infinity', gpu_memory='40KiB', nvme_path={str(tmp_path / 'nvme')!r})\n"
+        f"s = TieredFabricStrategy(policy='zero_infinity', gpu_memory='56KiB', nvme_path={str(tmp_path / 'nvme')!r})\n"
         "fabric = L.Fabric(accelerator='cpu', devices=1, strategy=s)\n"
         "model, opt = fabric.setup(m, torch.optim.AdamW(m.parameters(), lr=1e-2))\n"
         "for _ in range(3):\n"
@@ -266,7 +274,7 @@ def _skipping_odd_batches(fabric, model, optimizer, batch, index: int) -> Option
 
 
 def _tiered() -> TieredFabricStrategy:
-    return TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB")
+    return TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("40KiB", "16KiB"))
 
 
 def assert_same_run(plain: tuple, tiered: tuple) -> None:
@@ -279,7 +287,7 @@ def test_two_forwards_before_one_backward_train_as_plain_fabric_does():
 
 
 def test_a_second_model_is_refused_with_how_to_tier_both():
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=TieredFabricStrategy(policy="zero3_offload", gpu_memory="40KiB"))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=TieredFabricStrategy(policy="zero3_offload", gpu_memory=beside_kept("40KiB", "16KiB")))
     first, second = nn.Linear(64, 64), nn.Linear(64, 64)
     fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="one model.*nn.ModuleDict"):
@@ -328,4 +336,4 @@ def test_gradients_the_loop_changes_between_backward_and_the_step(tmp_path, plac
         return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     policy = dict(policy="zero_infinity", nvme_path=tmp_path / "nvme") if placement == "nvme" else dict(policy="zero3_offload")
-    assert_same(train("auto"), train(TieredFabricStrategy(gpu_memory="160KiB", **policy)))
+    assert_same(train("auto"), train(TieredFabricStrategy(gpu_memory=beside_kept("160KiB"), **policy)))

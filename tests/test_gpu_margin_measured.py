@@ -39,7 +39,11 @@ class ReservesBeside(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.before = trainer.strategy.tiered.context.budgets.gpu
-        trainer.strategy.engine.device.reserve = self.reserve
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # each engine's device (the parameters are placed again beside the kept layout after the first step)
+        if trainer.strategy.engine is not None:
+            trainer.strategy.engine.device.reserve = self.reserve
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.after = trainer.strategy.tiered.context.budgets.gpu

@@ -64,15 +64,22 @@ def test_the_timeline_part_times_every_unit_beside_the_profiler_and_finds_the_co
 
 @pytest.mark.slow
 def test_the_memory_part_counts_each_step_under_both_precisions_across_a_replacement(tmp_path):
-    lines = run("gpu_memory.py", *TINY_GPT2, "--gpu-memory", "600KiB", "--steps", "3", "--replace-after", "2", cwd=tmp_path)
+    lines = run("gpu_memory.py", *TINY_GPT2, "--gpu-memory", "1400KiB", "--steps", "3", "--replace-after", "2", cwd=tmp_path)
     rows = table(lines, "precision")
     assert [row[:2] for row in rows] == [[p, s] for p in ("32-true", "bf16-mixed") for s in ("1", "2", "placed again", "3")], rows
     steps = [row for row in rows if row[1] != "placed again"]
     assert all(row[2:5] == ["-", "-", "-"] for row in steps), steps  # no CUDA allocator on the CPU
-    assert {row[5] for row in steps} == {steps[0][5]} != "0.00 B", steps  # each engine's arena, the same after the re-placement
-    # every block checkpointed is a layout the user fixed: gpu_memory budgets the parameters alone
-    # (the plan within it), the blocks' inputs and the head's activations are kept beside it
+    # each engine's arena, the same after the re-placement (from step 2: after step 1 the parameters
+    # may be placed again beside the fixed layout's measured peak)
+    for precision in ("32-true", "bf16-mixed"):
+        arenas = {row[5] for row in steps if row[0] == precision and row[1] != "1"}
+        assert len(arenas) == 1 and "0.00 B" not in arenas, steps
+    # every block checkpointed is a layout the user fixed, counted in gpu_memory as a planned one:
+    # the parameters as placed beside the blocks' inputs, the head's activations and the gradients
     for row in steps:
-        parameters, planned, plan, budget, beside = (parse_size(cell) for cell in row[6:11])
-        assert planned == 0 and plan == parameters <= budget == parse_size("600KiB") < plan + beside, row
+        parameters, activations, plan, budget = (parse_size(cell) for cell in row[6:10])
+        # (each cell rounded to three figures)
+        assert 0 < activations and abs(plan - parameters - activations) <= 0.005 * plan and abs(budget - parse_size("1400KiB")) <= 0.005 * budget, row
+        # within gpu_memory once the first step measured the fixed layout and placed the parameters beside it
+        assert row[1] == "1" or plan <= budget, row
     assert lines[-1].startswith("memory: 32-true peak - allocated") and "; bf16-mixed peak" in lines[-1], lines[-1]

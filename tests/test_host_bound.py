@@ -35,7 +35,7 @@ class Deep(Net):
 
 def budgeted(root: Path) -> TieredStrategy:
     return TieredStrategy(
-        policy={"placement": "nvme", "activations": "keep"}, gpu_memory="128KiB", host_memory="448KiB",
+        policy={"placement": "nvme", "activations": "swap_nvme"}, gpu_memory="320KiB", host_memory="448KiB",
         nvme_path=str(root / "nvme"), nvme_memory="64MiB",
     )
 
@@ -101,9 +101,10 @@ def test_the_resident_set_grows_by_at_most_the_budgets_from_construction_to_afte
     """A 19M-parameter GPT-2 (training state 290 MiB) built in configure_model with 64 MiB of host
     memory and a 16 MiB emulated GPU tier: before, teardown read every parameter and optimizer
     state back (522 MiB of growth where 272 MiB are allowed) because they took less than half of
-    the machine's memory."""
+    the machine's memory. (24 MiB now: its recomputed blocks, whose units a recomputation holds
+    together, and their activations are counted in the tier.)"""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tests/host_bound_job.py"), str(tmp_path), "--host-memory", "64MiB", "--gpu-memory", "16MiB"],
+        [sys.executable, str(ROOT / "tests/host_bound_job.py"), str(tmp_path), "--host-memory", "64MiB", "--gpu-memory", "24MiB"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -67,10 +67,11 @@ def test_the_check_reads_the_resident_set_through_one_descriptor_it_closes():
 def test_the_resident_set_during_the_steps_stays_within_the_bound(tmp_path):
     """A 101M-parameter GPT-2 (8 x 1024; training state 1.5 GiB, 3.4x the bound) at home on NVMe
     with 200 MiB of host memory and a 64 MiB emulated GPU tier: before, the steps grew the process
-    by 1.2-1.4x the bound (freed blocks kept in the update worker's and the main thread's heaps)."""
+    by 1.2-1.4x the bound (freed blocks kept in the update worker's and the main thread's heaps).
+    Its blocks swap to NVMe: kept, their 54 MiB of activations do not fit the tier, and are refused."""
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests/host_bound_job.py"), str(tmp_path), "--layers", "8", "--width", "1024",
-         "--host-memory", "200MiB", "--gpu-memory", "64MiB", "--steps", "3"],
+         "--host-memory", "200MiB", "--gpu-memory", "64MiB", "--steps", "3", "--activations", "swap_nvme"],
         capture_output=True, text=True, cwd=ROOT, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]

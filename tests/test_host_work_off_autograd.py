@@ -20,10 +20,11 @@ from offload_strategy.hardware.device import RACE_CHECK_ENV, Device, Event
 from offload_strategy.runtime.activations.swap import ActivationSwap
 from offload_strategy.runtime.grads.path import GradientPath
 from offload_strategy.runtime.updates.worker import UpdateWorker
+from tests.ddp_job import kept_peak
 from tests.ddp_launch import launch, load
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_activations import Swapped, gpt2
-from tests.test_offload import gpt2_4l, param_bytes
+from tests.test_offload import beside_kept, gpt2_4l, param_bytes
 from tests.test_precision import FP32AccumulatingLM
 
 
@@ -67,13 +68,15 @@ COPIED_HOME = {"gradient_reserve": 1.0, "prefetch": False}
 
 
 def _host_strategy() -> TieredStrategy:
-    return TieredStrategy(policy={**PARAMETERS_ONLY, **COPIED_HOME}, gpu_memory=int(0.3 * param_bytes(gpt2_4l)), host_memory="1GiB")
+    # 0.3 of the parameters in the GPU tier beside the kept layout's peak, the rest at home
+    return TieredStrategy(policy={**PARAMETERS_ONLY, **COPIED_HOME}, gpu_memory=beside_kept(0.3, param_bytes(gpt2_4l)), host_memory="1GiB")
 
 
 def _nvme_strategy(path) -> TieredStrategy:
+    """Under ``bf16-true``: 0.3 of the parameters beside the kept layout's 16-bit peak."""
     total = param_bytes(gpt2_4l)
-    return TieredStrategy(policy={**PARAMETERS_ONLY, **COPIED_HOME}, gpu_memory=int(0.3 * total), host_memory=int(4.2 * total),
-                          nvme_path=path, nvme_memory="64MiB")
+    return TieredStrategy(policy={**PARAMETERS_ONLY, **COPIED_HOME}, gpu_memory=beside_kept(0.3, total, kept_peak(4, "bf16-true")),
+                          host_memory=int(4.2 * total), nvme_path=path, nvme_memory="64MiB")
 
 
 class Pieces(L.Callback):
@@ -83,7 +86,10 @@ class Pieces(L.Callback):
         self.piece_bytes, self.extra = 0, 0
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        staging = trainer.strategy.engine.gradients.staging
+        engine = trainer.strategy.engine
+        if engine is None and trainer.global_step <= 1:
+            return  # everything fits the whole tier while the first step measures the kept layout: offloading starts after it
+        staging = engine.gradients.staging
         self.piece_bytes, self.extra = staging.piece_bytes, staging.extra
 
 

@@ -17,7 +17,7 @@ def test_request_counts_are_ints():
 
 
 def test_strategy_metrics_give_counts_as_ints(tmp_path):
-    strategy = TieredStrategy(policy={"placement": "fill", "activations": "keep"}, gpu_memory="200KiB", host_memory="1GiB")
+    strategy = TieredStrategy(policy={"placement": "fill", "activations": "keep"}, gpu_memory="434KiB", host_memory="1GiB")  # 234 of it the kept blocks'
     fit(strategy, tmp_path, Net, steps=2)
     metrics = strategy.metrics()
     for key in COUNTS:

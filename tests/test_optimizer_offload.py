@@ -48,6 +48,8 @@ class Net(L.LightningModule):
 class Offloaded(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         engine = trainer.strategy.engine
+        if engine is None and trainer.global_step == 1:
+            return  # SGD's parameters, gradients and states fit the whole tier: offloading starts once the kept layout is counted after the first step
         assert engine is not None and any(s.home == "host" for s in engine.states)
 
 
@@ -55,8 +57,16 @@ def param_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in Net().parameters())
 
 
-def offloading(**kwargs) -> TieredStrategy:
-    return TieredStrategy(gpu_memory=int(0.85 * param_bytes()), host_memory="1GiB", **{"policy": PARAMETERS_ONLY, **kwargs})
+# the kept layout's peak in the GPU tier at tiny_data's batch, measured in the first training step
+# (30 KiB in the blocks, 84 KiB outside them, 120 KiB of the backward's gradients); under 16-mixed
+# and for Manual's half batches, measured alike
+KEPT_PEAK, KEPT_PEAK_16_MIXED, KEPT_PEAK_HALF_BATCH = 239_524, 248_228, 119_764
+
+
+def offloading(peak: int = KEPT_PEAK, **kwargs) -> TieredStrategy:
+    """0.85 of the parameters' bytes for them once they are placed again beside the kept layout's
+    ``peak`` after the first step: some units stay on host memory."""
+    return TieredStrategy(gpu_memory=int(0.85 * param_bytes()) + peak, host_memory="1GiB", **{"policy": PARAMETERS_ONLY, **kwargs})
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -160,7 +170,7 @@ def test_fp16_loss_scaling_matches_plain_training(tmp_path):
         return MixedPrecision("16-mixed", "cpu", scaler=scalers[name])
 
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Net, precision=None, plugins=[plugin("plain")])
-    losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Net, precision=None, plugins=[plugin("tiered")],
+    losses, weights, _ = train(offloading(KEPT_PEAK_16_MIXED), tmp_path / "tiered", epochs=2, make_model=Net, precision=None, plugins=[plugin("tiered")],
                                extra_callbacks=(Offloaded(),))
     assert scalers["plain"].get_scale() < 2.0**28, "no step overflowed: the test shows nothing about skipping"
     assert scalers["tiered"].get_scale() == scalers["plain"].get_scale()
@@ -215,7 +225,7 @@ class Manual(Net):
 
 def test_manual_optimization_matches_plain_training(tmp_path):
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=Manual)
-    losses, weights, _ = train(offloading(), tmp_path / "tiered", epochs=2, make_model=Manual, extra_callbacks=(Offloaded(),))
+    losses, weights, _ = train(offloading(KEPT_PEAK_HALF_BATCH), tmp_path / "tiered", epochs=2, make_model=Manual, extra_callbacks=(Offloaded(),))
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
 

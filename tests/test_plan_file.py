@@ -12,6 +12,7 @@ from offload_strategy.estimate.plans import show
 from offload_strategy.planning.placement import PlacementError
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
 from tests.test_activations import gpt2
+from tests.test_activations import STREAMED, streamed
 from tests.test_offload import param_bytes
 
 
@@ -37,7 +38,7 @@ def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     dump = Dump(plan)
     policy = {"name": "auto", "activations": ("checkpoint", "swap_host", "keep", "keep")}
-    first = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", policy=policy)
+    first = TieredStrategy(**streamed(total), policy={**policy, **STREAMED})  # (room for the layout's activations beside)
     train(first, tmp_path / "first", epochs=1, make_model=gpt2, extra_callbacks=(dump,))
     written = json.loads(plan.read_text())
     assert written["version"] == 1 and written["activations"] == list(policy["activations"])
@@ -65,7 +66,7 @@ def test_a_dumped_plan_runs_again_without_planning(tmp_path, capsys):
     plan.write_text(json.dumps(written))
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2)
     seen = Homes()
-    again = TieredStrategy(gpu_memory=int(0.6 * total), host_memory="1GiB", plan_file=plan)
+    again = TieredStrategy(**streamed(total), plan_file=plan)
     losses, weights, _ = train(again, tmp_path / "again", epochs=2, make_model=gpt2, extra_callbacks=(seen,))
     assert seen.homes == [u["home"] for u in written["units"]] and seen.activations == ["checkpoint"] * 4
     assert losses == plain_losses
@@ -81,7 +82,7 @@ def _plan(tmp_path, units, activations=None, version=1):
 def _units_of_gpt2(tmp_path):
     total = param_bytes(gpt2)
     plan = tmp_path / "good.json"
-    train(TieredStrategy(gpu_memory=int(0.5 * total), host_memory="1GiB", policy=PARAMETERS_ONLY), tmp_path / "dump", epochs=1, make_model=gpt2, extra_callbacks=(Dump(plan),))
+    train(TieredStrategy(**streamed(total), policy={**PARAMETERS_ONLY, **STREAMED}), tmp_path / "dump", epochs=1, make_model=gpt2, extra_callbacks=(Dump(plan),))
     return json.loads(plan.read_text())["units"], total
 
 

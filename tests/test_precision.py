@@ -20,12 +20,20 @@ from torch import nn
 from offload_strategy.demos import CausalLM
 from offload_strategy import TieredStrategy
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
-from tests.test_offload import GPT2_4L, gpt2_4l, nvme_strategy, param_bytes
+from tests.test_offload import GPT2_4L, beside_kept, gpt2_4l, param_bytes
+
+# the kept layout's peak in the GPU tier, measured in the first training step, per precision: the
+# tiny GPT-2's (4 x 32-wide blocks, batch 4 x 32) and test_optimizer_offload's Net's
+GPT2_KEPT_PEAK = {"bf16-mixed": 822_916, "bf16-true": 669_060, "16-true": 669_060}
+NET_KEPT_PEAK = {"bf16-mixed": 248_228, "bf16-true": 120_242}
 
 
-def tiers(path: Path):
-    """Some units in the GPU tier, some on host, the rest on NVMe (at fp32 and at bf16)."""
-    return nvme_strategy(param_bytes(gpt2_4l), path)
+def tiers(path: Path, precision: str):
+    """Some units in the GPU tier, some on host, the rest on NVMe (at fp32 and at bf16): 0.3 of the
+    fp32 parameter bytes for the parameters beside the kept layout's peak at ``precision``."""
+    total = param_bytes(gpt2_4l)
+    return TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=beside_kept(0.3, total, GPT2_KEPT_PEAK[precision]), host_memory=int(4.2 * total),
+                          nvme_path=path, nvme_memory="64MiB")
 
 
 class Homes(L.Callback):
@@ -38,6 +46,8 @@ class Homes(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         engine = trainer.strategy.engine
+        if engine is None and trainer.global_step == 1:
+            return  # the first step's tier holds the kept layout's room too: offloading starts after it
         self.homes |= {s.home for s in engine.states}
         for slot in next(iter(engine.updater.optimizers.values())).slots.values():
             self.master_dtypes |= {m.dtype for m in slot.masters}
@@ -78,7 +88,7 @@ class FP32MasterLM(CausalLM):
 def test_true_precision_updates_fp32_masters_off_the_gpu_tier(tmp_path, precision):
     reference_losses, reference_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=FP32MasterLM, precision=precision)
     homes = Homes()
-    losses, weights, _ = train(tiers(tmp_path / "nvme"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,))
+    losses, weights, _ = train(tiers(tmp_path / "nvme", precision), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,))
     low = torch.bfloat16 if precision == "bf16-true" else torch.float16
     assert homes.homes == {"gpu", "host", "nvme"}
     assert homes.param_dtypes == {low} and homes.master_dtypes == {torch.float32}
@@ -104,7 +114,7 @@ def test_true_precision_keeps_fp32_masters_when_everything_fits(tmp_path, precis
 def test_true_precision_differs_from_updating_the_low_precision_copy(tmp_path):
     """The masters matter: updating bf16 parameters directly (plain bf16-true) loses small updates."""
     _, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, precision="bf16-true")
-    _, weights, _ = train(tiers(tmp_path / "nvme"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, precision="bf16-true")
+    _, weights, _ = train(tiers(tmp_path / "nvme", "bf16-true"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, precision="bf16-true")
     assert any(not torch.equal(plain_weights[k], weights[k]) for k in weights)
 
 
@@ -113,15 +123,15 @@ def test_true_precision_differs_from_updating_the_low_precision_copy(tmp_path):
 def test_mixed_precision_matches_plain_training(tmp_path, precision):
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=gpt2_4l, precision=precision)
     homes = Homes()
-    losses, weights, _ = train(tiers(tmp_path / "nvme"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,))
+    losses, weights, _ = train(tiers(tmp_path / "nvme", precision), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,))
     assert {"host", "nvme"} <= homes.homes and homes.master_dtypes == {torch.float32}
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
 
 
 def test_true_precision_resumes_exactly_with_masters_in_the_checkpoint(tmp_path):
-    full_losses, full_weights, _ = train(tiers(tmp_path / "nvme-full"), tmp_path / "full", epochs=2, make_model=gpt2_4l, precision="bf16-true")
-    train(tiers(tmp_path / "nvme-a"), tmp_path / "a", epochs=2, stop_after_epochs=1, save_every_epoch=True, make_model=gpt2_4l, precision="bf16-true")
+    full_losses, full_weights, _ = train(tiers(tmp_path / "nvme-full", "bf16-true"), tmp_path / "full", epochs=2, make_model=gpt2_4l, precision="bf16-true")
+    train(tiers(tmp_path / "nvme-a", "bf16-true"), tmp_path / "a", epochs=2, stop_after_epochs=1, save_every_epoch=True, make_model=gpt2_4l, precision="bf16-true")
     checkpoint = tmp_path / "a" / "ckpt" / "epoch=0.ckpt"
     state = torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["state"]
     masters = [v["master"] for v in state.values()]
@@ -129,7 +139,7 @@ def test_true_precision_resumes_exactly_with_masters_in_the_checkpoint(tmp_path)
     model.configure_model()
     assert len(masters) == len(list(model.parameters())) and all(m.dtype == torch.float32 for m in masters)
     assert all(torch.isfinite(m).all() for m in masters)
-    losses, weights, _ = train(tiers(tmp_path / "nvme-b"), tmp_path / "b", epochs=2, resume=checkpoint, make_model=gpt2_4l, precision="bf16-true")
+    losses, weights, _ = train(tiers(tmp_path / "nvme-b", "bf16-true"), tmp_path / "b", epochs=2, resume=checkpoint, make_model=gpt2_4l, precision="bf16-true")
     assert losses == full_losses[len(full_losses) - len(losses) :]
     assert_same_weights(full_weights, weights)
 
@@ -138,7 +148,7 @@ def test_true_precision_checkpoints_load_into_plain_training_and_back(tmp_path):
     """A tiered bf16-true checkpoint resumes in plain bf16-true (the extra master is ignored there),
     and a plain one resumes in tiered (masters start from the bf16 parameters)."""
     for first, second in (("tiered", "auto"), ("auto", "tiered")):
-        make = lambda kind, tag: tiers(tmp_path / f"nvme-{first}-{tag}") if kind == "tiered" else "auto"  # noqa: E731
+        make = lambda kind, tag: tiers(tmp_path / f"nvme-{first}-{tag}", "bf16-true") if kind == "tiered" else "auto"  # noqa: E731
         root = tmp_path / f"{first}-then-{second}"
         train(make(first, "a"), root / "a", epochs=2, stop_after_epochs=1, save_every_epoch=True, make_model=gpt2_4l, precision="bf16-true")
         checkpoint = root / "a" / "ckpt" / "epoch=0.ckpt"
@@ -176,7 +186,7 @@ def test_every_optimizer_in_every_precision(tmp_path, precision, name):
     reference = (lambda: fp32_master_net(name)) if half else (lambda: Net(name))
     expected_losses, expected_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=reference, precision=precision)
     homes = Homes()
-    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.85 * net_bytes() / (2 if half else 1)), host_memory="1GiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.85 * net_bytes() / (2 if half else 1)) + NET_KEPT_PEAK[precision], host_memory="1GiB")
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=2, make_model=lambda: Net(name), precision=precision, extra_callbacks=(homes,))
     assert "host" in homes.homes and homes.master_dtypes == {torch.float32}
     assert losses == expected_losses
@@ -208,7 +218,7 @@ def test_true_precision_accumulates_and_clips_in_fp32(tmp_path):
     kwargs = dict(precision="bf16-true", accumulate_grad_batches=2, gradient_clip_val=0.05)
     expected_losses, expected_weights, _ = train("auto", tmp_path / "plain", epochs=2, make_model=FP32AccumulatingLM, **kwargs)
     homes = Homes()
-    losses, weights, _ = train(tiers(tmp_path / "nvme"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, extra_callbacks=(homes,), **kwargs)
+    losses, weights, _ = train(tiers(tmp_path / "nvme", "bf16-true"), tmp_path / "tiered", epochs=2, make_model=gpt2_4l, extra_callbacks=(homes,), **kwargs)
     assert homes.homes == {"gpu", "host", "nvme"}
     assert losses == expected_losses
     assert_same_weights(expected_weights, weights)

@@ -16,7 +16,7 @@ from offload_strategy.hardware.device import RACE_CHECK_ENV, EmulatedDevice, Rac
 from offload_strategy.runtime.params.scheduler import PrefetchTable
 from tests import conftest
 from tests.helpers import PARAMETERS_ONLY, assert_same_weights, train
-from tests.test_offload import gpt2_4l, param_bytes
+from tests.test_offload import beside_kept, gpt2_4l, param_bytes
 from tests.test_race_check import Checked
 
 
@@ -67,7 +67,7 @@ def test_accumulated_host_units_are_not_fetched_for_a_forward_after_their_update
     plain_losses, plain_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=gpt2_4l, accumulate_grad_batches=2)
     monkeypatch.setenv(RACE_CHECK_ENV, "5")
     total, checked = param_bytes(gpt2_4l), Checked()
-    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=int(0.3 * total), host_memory="1GiB")
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY, gpu_memory=beside_kept(0.3, total), host_memory="1GiB")
     losses, weights, trainer = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, accumulate_grad_batches=2,
                                      extra_callbacks=(checked,))
     assert checked.race_checked and trainer.strategy.metrics()["units/host"] > 0

@@ -196,6 +196,9 @@ MODELS = {"gpt2": causal_lm("gpt2"), "opt": causal_lm("opt"), "llama": causal_lm
           "running-statistic-blocks": RunningNet, "own-checkpoint-batchnorm": OwnCheckpointBatchNorm}
 
 
+LARGER_TIERS = {"mixtral": "1088KiB"}
+
+
 @pytest.fixture(scope="module")
 def plain_runs(tmp_path_factory) -> PlainRuns:
     """Plain Lightning's run of each model, once for both placements."""
@@ -206,7 +209,8 @@ def plain_runs(tmp_path_factory) -> PlainRuns:
 @pytest.mark.parametrize("model", list(MODELS))
 def test_model_family(tmp_path, plain_runs, model, placement):
     plain_losses, plain_weights, _ = plain_runs(MODELS[model], steps=3)
-    losses, weights, _ = fit(tiered(placement, tmp_path), tmp_path / "tiered", MODELS[model], steps=3)
+    # Mixtral's kept layout (663 KiB measured) leaves its experts' units too little of 1 MiB: the tier the refusal names
+    losses, weights, _ = fit(tiered(placement, tmp_path, gpu_memory=LARGER_TIERS.get(model, "1MiB")), tmp_path / "tiered", MODELS[model], steps=3)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
 
@@ -262,15 +266,23 @@ def test_peft_lora_with_checkpointed_blocks_trains_at_the_minimum_set_up_names(t
     graph reads their weights until the block's backward is done; no gradient of theirs says when,
     so they stayed in the GPU tier until the step ended. At the minimum set-up names (one block's
     units and a prefetch buffer) the second block's recomputation found every buffer held, and
-    backward stopped. They now leave once the gradients of their block's inputs are computed."""
+    backward stopped. They now leave once the gradients of their block's inputs are computed
+    (the steps after the first: the parameters placed there beside the layout's measured peak)."""
     pytest.importorskip("peft")
     policy = {"placement": "host", "activations": "checkpoint"}
+
+    def least(error: BaseException) -> int:
+        number, unit = re.search(r"raise gpu_memory to at least ([\d.]+) (KiB|MiB)", str(error), re.IGNORECASE).groups()
+        return int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit]))
+
     with pytest.raises(ValueError, match=r"raise gpu_memory to at least") as refused:
         fit(TieredStrategy(gpu_memory="8KiB", host_memory="1GiB", policy=policy), tmp_path / "small", LoRA, steps=1)
-    number, unit = re.search(r"raise gpu_memory to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
-    least = int(math.ceil(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit]))
+    # the checkpointed layout is counted in the GPU tier once measured: the parameters are placed
+    # again in set-up's minimum beside its peak after the first step, the tier the refusal names
+    with pytest.raises(ValueError, match=r"the activation layout policy.activations fixes .* Raise gpu_memory to at least") as fixed:
+        fit(TieredStrategy(gpu_memory=least(refused.value), host_memory="1GiB", policy=policy), tmp_path / "parameters", LoRA, steps=1)
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", LoRA, steps=3)
-    losses, weights, _ = fit(TieredStrategy(gpu_memory=least, host_memory="1GiB", policy=policy), tmp_path / "tiered", LoRA, steps=3)
+    losses, weights, _ = fit(TieredStrategy(gpu_memory=least(fixed.value), host_memory="1GiB", policy=policy), tmp_path / "tiered", LoRA, steps=3)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
 

@@ -23,10 +23,10 @@ from tests.helpers import assert_same_weights, tiny_data
 PLACEMENTS = ("host", "nvme")
 
 
-def tiered(placement: str, root: Path, **policy: Any) -> TieredStrategy:
+def tiered(placement: str, root: Path, gpu_memory: str = "1MiB", **policy: Any) -> TieredStrategy:
     """Every unit streamed through a 1 MiB GPU tier from its home: host memory or NVMe."""
     nvme = {"nvme_path": str(root / "nvme"), "nvme_memory": "1GiB"} if placement == "nvme" else {}
-    return TieredStrategy(policy={"placement": placement, "activations": "keep", **policy}, gpu_memory="1MiB", host_memory="1GiB", **nvme)
+    return TieredStrategy(policy={"placement": placement, "activations": "keep", **policy}, gpu_memory=gpu_memory, host_memory="1GiB", **nvme)
 
 
 PLACEMENTS_16_BIT = {"host": lambda root: tiered("host", root), "nvme": lambda root: tiered("nvme", root),
@@ -1222,7 +1222,8 @@ class T5(L.LightningModule):
 @pytest.mark.parametrize("activations", ["keep", "swap_nvme"])
 def test_a_shared_embedding_trains_at_the_smallest_gpu_tier_set_up_accepts(tmp_path, activations):
     """Modules that read the shared embedding's weight as an attribute (the tied head, T5's
-    scaling) must not hold GPU-tier buffers a module needs: the minimum set-up names is enough."""
+    scaling) must not hold GPU-tier buffers a module needs: the minimum the fixed layout's count
+    names (after set-up's for the parameters alone) is enough."""
     import re
 
     from offload_strategy.planning.placement import PlacementError
@@ -1231,12 +1232,17 @@ def test_a_shared_embedding_trains_at_the_smallest_gpu_tier_set_up_accepts(tmp_p
         nvme = {"nvme_path": str(tmp_path / "nvme"), "nvme_memory": "1GiB"} if activations == "swap_nvme" else {}
         return TieredStrategy(policy={"placement": "fill", "activations": activations}, gpu_memory=gpu_memory, host_memory="1GiB", **nvme)
 
+    def minimum(error: BaseException) -> int:
+        number, unit = re.search(r"to at least ([\d.]+) (KiB|MiB)", str(error)).groups()
+        return int(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])
+
     with pytest.raises(PlacementError, match=r"raise gpu_memory to at least") as refused:
         fit(strategy(1024), tmp_path / "small", T5, steps=1)
-    number, unit = re.search(r"to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
-    minimum = int(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])
+    # the layout is fixed: the first forward measures it, and it is counted in the GPU tier beside the parameters' least share
+    with pytest.raises(ValueError, match=r"the activation layout policy.activations fixes .* Raise gpu_memory to at least") as fixed:
+        fit(strategy(int(minimum(refused.value) * 1.05)), tmp_path / "parameters", T5, steps=1)
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", T5, steps=4)
-    losses, weights, _ = fit(strategy(int(minimum * 1.05)), tmp_path / "tiered", T5, steps=4)
+    losses, weights, _ = fit(strategy(minimum(fixed.value)), tmp_path / "tiered", T5, steps=4)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
 
@@ -1278,7 +1284,7 @@ def test_the_default_policy_names_the_minimum_for_parameters_and_then_for_activa
 def test_without_prefetch_the_gpu_tier_needs_no_buffer_for_the_next_unit(tmp_path, make):
     """``prefetch=False`` fetches each unit when a module asks for it: the smallest GPU tier is a
     module's own units, one buffer of the largest unit less than with prefetch, and the model
-    trains there as plain Lightning does (a tied weight read as an attribute included)."""
+    trains beside its kept layout there as plain Lightning does (a tied weight read as an attribute included)."""
     import re
 
     from offload_strategy.planning.placement import PlacementError
@@ -1293,9 +1299,16 @@ def test_without_prefetch_the_gpu_tier_needs_no_buffer_for_the_next_unit(tmp_pat
 
     without, with_prefetch = refused_minimum(False), refused_minimum(True)
     assert without < with_prefetch
+
+    def unprefetched(gpu_memory: int) -> TieredStrategy:
+        return TieredStrategy(policy={"placement": "fill", "activations": "keep", "prefetch": False}, gpu_memory=gpu_memory, host_memory="1GiB")
+
+    # the kept layout is counted in the GPU tier once the first forward measured it: the least it names beside the parameters
+    with pytest.raises(ValueError, match=r"the activation layout policy.activations fixes .* Raise gpu_memory to at least") as fixed:
+        fit(unprefetched(without), tmp_path / "parameters", make, steps=1)
+    number, unit = re.search(r"to at least ([\d.]+) (KiB|MiB)", str(fixed.value)).groups()
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", make, steps=4)
-    losses, weights, _ = fit(TieredStrategy(policy={"placement": "fill", "activations": "keep", "prefetch": False}, gpu_memory=without, host_memory="1GiB"),
-                             tmp_path / "tiered", make, steps=4)
+    losses, weights, _ = fit(unprefetched(int(float(number) * {"KiB": 1024, "MiB": 1024**2}[unit])), tmp_path / "tiered", make, steps=4)
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
 
@@ -1406,10 +1419,12 @@ def test_torch_func_grad_inside_the_training_step_says_what_to_use_instead(tmp_p
 
 
 def streamed(placement: str, root: Path) -> TieredStrategy:
-    """A GPU tier of three buffers for the seven units: every forward evicts units it used."""
+    """A GPU tier that leaves the seven units 110 KiB, three buffers, beside the kept layout's
+    234 KiB of activations (placed again there after the first step): every forward evicts units
+    it used."""
     nvme = {"nvme_path": str(root / "nvme"), "nvme_memory": "1GiB"} if placement == "nvme" else {}
     policy = {"placement": placement, "activations": "keep", **COPIED_HOME}
-    return TieredStrategy(policy=policy, gpu_memory="110KiB", host_memory="1GiB", **nvme)
+    return TieredStrategy(policy=policy, gpu_memory="344KiB", host_memory="1GiB", **nvme)
 
 
 class AdversarialValidation(Net):

@@ -12,7 +12,10 @@ import lightning as L
 from offload_strategy import TieredStrategy
 from offload_strategy.lightning.core import TieredCore
 from offload_strategy.planning.placement import GPU, HOST
+from tests.ddp_job import kept_peak
 from tests.helpers import PARAMETERS_ONLY, train
+
+KEPT_PEAK = kept_peak(2)  # the default model's kept layout's peak in the GPU tier, measured in the first step
 
 
 class _ReplaceAtSteps(L.Callback):
@@ -21,12 +24,14 @@ class _ReplaceAtSteps(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         core = trainer.strategy.tiered
         if trainer.global_step in (2, 3):
-            core._replace_engine(core.recipe(trainer), gpu_bytes=core.context.budgets.gpu)
+            core._replace_engine(core.recipe(trainer), gpu_bytes=core.session.in_use.gpu_for_parameters)  # beside the kept layout
 
 
 def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, monkeypatch):
     """Also: every engine copies on the run's two copy streams (tests/test_copy_streams.py), here
-    the emulated device's two copy threads, not two new ones per engine."""
+    the emulated device's two copy threads, not two new ones per engine. Three engines: none in the
+    first step (everything fits the whole tier while it measures the kept layout), the one placed
+    beside the layout after it, and one after each of steps 2 and 3."""
     freed: list[list[bool]] = []  # per engine built: [arena freed, slab freed, engine gone]
     engines: list[weakref.ref] = []
     seen_at_build: list[list[list[bool]]] = []
@@ -47,7 +52,7 @@ def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, 
         return engine
 
     monkeypatch.setattr(TieredCore, "_build_engine", watched)
-    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", policy=PARAMETERS_ONLY)
+    strategy = TieredStrategy(gpu_memory=80 * 1024 + KEPT_PEAK, host_memory="1GiB", policy=PARAMETERS_ONLY)
     enabled = gc.isenabled()
     gc.disable()  # only what the re-placement itself frees counts
     try:
@@ -55,11 +60,11 @@ def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, 
     finally:
         if enabled:
             gc.enable()
-    assert len(seen_at_build) == 3 and len(freed) == 3
+    assert len(seen_at_build) == 4 and len(freed) == 3  # the first step's placement built none
     # at each re-placement, every earlier engine's arena and slab are gone already
-    assert seen_at_build[1] == [[True, True, True]]
-    assert seen_at_build[2] == [[True, True, True], [True, True, True]]
-    assert len(copy_threads) == 3 and copy_threads[1] == copy_threads[0] and copy_threads[2] == copy_threads[0]
+    for built, seen in enumerate(seen_at_build[1:]):
+        assert seen == [[True, True, True]] * built, built
+    assert len(copy_threads) == 3 and all(threads == copy_threads[0] for threads in copy_threads[1:])
     streams = copy_threads[0][-1]
     assert streams.closed and not any(t.is_alive() for t in copy_threads[0][:-1])  # the run's teardown closed them
 
@@ -80,7 +85,7 @@ def test_persistent_units_keep_their_gpu_tier_memory_when_the_engine_closes(tmp_
                     where.update((id(p), p.data_ptr()) for p in s.unit.params)
             weakref.finalize(engine.memory.arena.untyped_storage(), arena_freed.append, True)
 
-    strategy = TieredStrategy(gpu_memory="200KiB", host_memory="1GiB", policy=PARAMETERS_ONLY)  # some units persistent
+    strategy = TieredStrategy(gpu_memory=200 * 1024 + KEPT_PEAK, host_memory="1GiB", policy=PARAMETERS_ONLY)  # some units persistent
     _, _, trainer = train(strategy, tmp_path, epochs=1, max_steps=2, extra_callbacks=(Watch(),))
     gc.collect()
     persistent = [p for p in trainer.lightning_module.parameters() if id(p) in where]
@@ -121,7 +126,7 @@ def test_host_homes_leave_the_slab_unit_by_unit_when_the_engine_closes(tmp_path,
             # each home starts on a page: its whole pages go
             homes.extend(s.unit.nbytes // PAGE_BYTES * PAGE_BYTES for s in trainer.strategy.tiered.engine.states if s.home == HOST)
 
-    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", policy=PARAMETERS_ONLY)
+    strategy = TieredStrategy(gpu_memory=80 * 1024 + KEPT_PEAK, host_memory="1GiB", policy=PARAMETERS_ONLY)
     train(strategy, tmp_path, epochs=1, max_steps=2, extra_callbacks=(Watch(),))
     assert len(homes) > 10 and sum(homes) > 0
     assert sorted(released) == sorted(homes)

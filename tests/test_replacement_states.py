@@ -46,7 +46,8 @@ class PlaceAgain(L.Callback):
 
 def on_nvme(root: Path, host_memory: str = "448KiB") -> TieredStrategy:
     return TieredStrategy(
-        policy={"placement": "nvme", "activations": "keep"}, gpu_memory="128KiB", host_memory=host_memory,
+        # the blocks swapped to NVMe: kept, their activations would not fit the tier beside the buffers
+        policy={"placement": "nvme", "activations": "swap_nvme"}, gpu_memory="320KiB", host_memory=host_memory,
         nvme_path=str(root / "nvme"), nvme_memory="64MiB",
     )
 

@@ -12,6 +12,7 @@ from offload_strategy import TieredStrategy
 from offload_strategy.hardware import disk_free
 from tests.helpers import assert_same_weights, train
 from tests.test_activations import Swapped, gpt2
+from tests.test_activations import STREAMED, streamed
 from tests.test_offload import param_bytes
 
 
@@ -23,7 +24,7 @@ def test_a_disk_filled_after_set_up_leaves_the_swap_store_room(tmp_path, monkeyp
     nvme.mkdir()
     at_set_up = disk_free(str(nvme))
     strategy = TieredStrategy(
-        policy={"name": "auto", "activations": "swap_host"}, nvme_path=nvme, gpu_memory=int(0.6 * total), host_memory="1GiB",
+        policy={"name": "auto", **STREAMED, "activations": "swap_host"}, nvme_path=nvme, **streamed(total),
     )
     filled = at_set_up // 2  # what other processes leave free once the budgets are read
 

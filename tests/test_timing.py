@@ -55,17 +55,23 @@ class _Timings(Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        self.steps.append(time.perf_counter() - self._start)
         engine = trainer.strategy.engine
+        if engine is None and trainer.global_step == 1:
+            return  # the first step's tier holds the kept layout's room too: offloading starts after it
+        self.steps.append(time.perf_counter() - self._start)
         self.timings.append(engine.timer.last_timing)
         self.homes = [s.home for s in engine.states]
         self.trainable = [bool(s.unit.trainable) for s in engine.states]
 
 
+# the kept layout's peak in the GPU tier at the tiny GPT-2's batch, measured in the first training step
+KEPT_PEAK = 676_484
+
+
 def _timed_run(tmp_path, link_gbps):
     hardware = {"name": "throttled", "gpu": "emulated", "gpu_memory": "1GiB", "gpu_bf16_tflops": None, "gpu_fp16_tflops": None, "h2d_gbps": link_gbps, "d2h_gbps": link_gbps,
                 "host_memory": "16GiB", "cpu_cores": 2}
-    strategy = TieredStrategy(gpu_memory="80KiB", host_memory="1GiB", hardware=hardware, policy={**PARAMETERS_ONLY, "throttle": link_gbps is not None})
+    strategy = TieredStrategy(gpu_memory=80 * 1024 + KEPT_PEAK, host_memory="1GiB", hardware=hardware, policy={**PARAMETERS_ONLY, "throttle": link_gbps is not None})
     probe = _Timings()
     train(strategy, tmp_path, epochs=1, extra_callbacks=(probe,), max_steps=5)
     assert any(home != GPU for home in probe.homes)
@@ -77,14 +83,14 @@ def test_the_engine_times_compute_without_the_waits_for_units(tmp_path):
     # a link slow enough that every step waits ~0.1 s or more for its units
     slow = _timed_run(tmp_path / "slow", 0.0005)
     fast = _timed_run(tmp_path / "fast", None)
-    waits = min(slow.steps[2:]) - min(fast.steps[2:])
+    waits = min(slow.steps[1:]) - min(fast.steps[1:])  # from the third step: the first placed again beside the kept layout is the second
     assert waits > 0.1
 
     def compute(t: StepProfile) -> float:
         return sum(t.forward_seconds.values()) + sum(t.backward_seconds.values()) + t.outside_forward_seconds + t.outside_backward_seconds
 
-    slow_compute = min(compute(t) for t in slow.timings[2:])
-    fast_compute = min(compute(t) for t in fast.timings[2:])
+    slow_compute = min(compute(t) for t in slow.timings[1:])
+    fast_compute = min(compute(t) for t in fast.timings[1:])
     assert slow_compute - fast_compute < 0.3 * waits, (slow_compute, fast_compute, waits)
     timing = slow.timings[-1]
     assert sorted(timing.order) == list(range(len(slow.homes)))  # every unit, persistent ones too, in the order used

@@ -26,12 +26,13 @@ def run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedP
 def test_single_job_trains_and_reports(tmp_path):
     result = run(
         [str(ROOT / "experiments/train.py"), f"hydra.run.dir={tmp_path}", "logger=csv", "data.max_bytes=1000000",
-         "trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "trainer.log_every_n_steps=5", "throughput_window=5"],
+         "trainer.max_steps=20", "trainer.val_check_interval=10", "trainer.limit_val_batches=4", "trainer.log_every_n_steps=5", "throughput_window=5",
+         "model.warmup_steps=5"],  # a short warm-up: the loss falls within the 20 steps
         cwd=tmp_path,
     )
     assert "Run summary" in result.stdout and "tokens/s" in result.stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["steps"] == 40 and metrics["strategy"] == "TieredStrategy"
+    assert metrics["steps"] == 20 and metrics["strategy"] == "TieredStrategy"
     assert metrics["train_loss_last"] < metrics["train_loss_first"] - 0.3, "the loss did not fall"
     assert metrics["tokens_per_sec"] > 0 and metrics["step_time_ms"] > 0
     assert metrics["val_loss"] is not None
@@ -81,11 +82,11 @@ def test_multirun_writes_separate_jobs_and_wandb_runs(tmp_path):
 @pytest.mark.slow
 def test_offload_preset_trains_with_host_and_nvme_tiers(tmp_path):
     run([str(ROOT / "experiments/train.py"), "experiment=offload_cpu", f"hydra.run.dir={tmp_path}", "logger=wandb_offline", "data.max_bytes=1000000",
-         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=3", "throughput_window=3"],
+         "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=3", "throughput_window=3"],
         cwd=tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
-    assert metrics["offload/tier/gpu_reserved_bytes"] <= 3_300_000
+    assert metrics["offload/tier/gpu_reserved_bytes"] <= 10 * 2**20  # what the kept blocks' 246 MiB leave of the 256 MiB tier
     assert metrics["offload/link/nvme_read_bytes_total"] > 0
     assert 0.0 <= metrics["offload/cache/hit_rate"] <= 1.0 and "offload/cache/wait_p99_ms" in metrics
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
@@ -119,7 +120,8 @@ def test_plan_tool_resolves_the_paths_a_job_writes_under_its_output_directory(tm
     Hydra job the plan tool resolves it under the plan's directory."""
     plan = tmp_path / "plans" / "plan.json"
     plan.parent.mkdir()
-    run(["-m", "offload_strategy", "plan", "--out", str(plan), "--steps", "1", "experiment=offload_cpu", "data=synthetic", "data.batch_size=2",
+    # (a GPU tier that leaves the parameters 8.3 MiB beside the kept blocks' 7.7 MiB at this batch)
+    run(["-m", "offload_strategy", "plan", "--out", str(plan), "--steps", "1", "experiment=offload_cpu", "strategy.gpu_memory=16MiB", "data=synthetic", "data.batch_size=2",
          "data.seq_len=32", "data.num_tokens=20000"], cwd=tmp_path)
     assert {u["home"] for u in json.loads(plan.read_text())["units"]} >= {"nvme"}
 
@@ -176,10 +178,10 @@ def test_a_7b_plan_from_shapes_takes_seconds_and_no_memory_for_parameters(tmp_pa
 @pytest.mark.slow
 def test_ddp_preset_trains_two_ranks_and_reports_once(tmp_path):
     run([str(ROOT / "experiments/train.py"), "experiment=ddp_cpu", f"hydra.run.dir={tmp_path}", "logger=csv", "data.max_bytes=1000000",
-         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=3", "throughput_window=3"],
+         "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=3", "throughput_window=3"],
         cwd=tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["strategy"] == "TieredDDPStrategy" and metrics["steps"] == 12
+    assert metrics["strategy"] == "TieredDDPStrategy" and metrics["steps"] == 6
     assert metrics["offload/units/nvme"] > 0 and metrics["offload/units/host"] > 0
     assert metrics["offload/optimizer/host_state_bytes"] > 0
     assert list(tmp_path.glob("metrics*.json")) == [tmp_path / "metrics.json"], "a rank other than 0 wrote a summary"
@@ -192,7 +194,7 @@ def test_a_sweep_over_every_policy_preset_runs(tmp_path):
     sweep = tmp_path / "sweep"
     run([str(ROOT / "experiments/train.py"), "-m", "experiment=offload_cpu", "policy=glob(*)", "logger=csv", "data=synthetic",
          "data.num_tokens=40000", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=16MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+         "data.batch_size=2", "data.seq_len=64", "strategy.gpu_memory=32MiB", "strategy.host_memory=80MiB", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     jobs = sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     assert len(jobs) == len(presets)
     for job, name in zip(jobs, presets):

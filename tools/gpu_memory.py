@@ -7,12 +7,9 @@ blocks are all checkpointed (recomputed in backward), part of it streamed throug
 
 One row per step as it ends: the allocator's allocated bytes at the step's start, its peak
 allocated and peak reserved bytes in the step, the engine's GPU tier arena, the plan's count of
-the tier (the parameters as placed, with their gradients and optimizer states there; where a
-planner laid the blocks out, the activations kept and the backward's gradients as planned),
-the activations a layout the user fixed keeps beside the plan (every block checkpointed here:
-``gpu_memory`` budgets the parameters alone, as ``offload-strategy estimate`` reports such a
-preset's activations beside it), ``gpu_memory``, and the peak over the tier's whole use (plan
-and beside) and over ``gpu_memory``; a line at each re-placement with the allocated bytes before and after it (the
+the tier (the parameters as placed, with their gradients and optimizer states there; the
+activations kept and the backward's gradients as planned), ``gpu_memory``, and the
+peak over each; a line at each re-placement with the allocated bytes before and after it (the
 old engine's arena freed before the new one's is allocated: no rise). The last line sums up
 both precisions. What lies outside every plan (cuBLAS's workspaces, 66 MiB on an H200) is in
 ``tools/cuda_reserve.py``.
@@ -62,17 +59,13 @@ def _over(a: Optional[int], b: int) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
-def tier_count(trainer: L.Trainer) -> tuple[int, int, bool]:
+def tier_count(trainer: L.Trainer) -> tuple[int, int]:
     """The GPU tier as the plan counts it after a step (``tools/tier_use.py``'s sum): the
-    parameters as placed (with their gradients and optimizer states there); the activations the
-    forward kept (checkpointed blocks: their inputs) with the backward's gradients where a planner
-    laid the blocks out; and whether one did. A layout the user fixes is no plan's: the parameters
-    are placed in the whole of ``gpu_memory`` and its activations come beside it (the backward's
-    gradients are measured only for a planner)."""
+    parameters as placed (with their gradients and optimizer states there), and the activations
+    the forward kept (checkpointed blocks: their inputs) with the backward's gradients as planned."""
     activations = trainer.strategy.tiered.activations
     saved = int(trainer.strategy.metrics(reset=False).get("activations/saved_bytes", 0))
-    planned = activations.plan is not None
-    return activations.gpu_parameter_bytes(), saved + (activations.beside.gradients if planned else 0), planned
+    return activations.gpu_parameter_bytes(), saved + activations.beside.gradients
 
 
 @dataclass
@@ -84,22 +77,11 @@ class Row:
     arena: int
     parameters: int
     activations: int
-    planned: bool  # a planner laid the blocks out: their activations are the plan's, else beside it
     budget: int
 
     @property
     def plan(self) -> int:
-        """What the planner counts in ``gpu_memory``."""
-        return self.parameters + (self.activations if self.planned else 0)
-
-    @property
-    def beside(self) -> int:
-        """The activations of a layout the user fixed: GPU memory beside the plan."""
-        return 0 if self.planned else self.activations
-
-    @property
-    def used(self) -> int:
-        return self.plan + self.beside
+        return self.parameters + self.activations
 
 
 @dataclass
@@ -128,13 +110,17 @@ class MemoryRows(L.Callback):
                   *tier_count(trainer), core.context.budgets.gpu)
         self.rows.append(row)
         print(f"| {self.precision} | {row.step} | {_size(row.start)} | {_size(row.peak)} | {_size(row.reserved)} | {format_bytes(row.arena)} | "
-              f"{format_bytes(row.parameters)} | {format_bytes(row.plan - row.parameters)} | {format_bytes(row.plan)} | {format_bytes(row.budget)} | "
-              f"{format_bytes(row.beside)} | {_over(row.peak, row.used)} | {_over(row.peak, row.budget)} |", flush=True)
+              f"{format_bytes(row.parameters)} | {format_bytes(row.activations)} | {format_bytes(row.plan)} | {format_bytes(row.budget)} | "
+              f"{_over(row.peak, row.plan)} | {_over(row.peak, row.budget)} |", flush=True)
         if trainer.global_step == self.replace_after:
             before = _allocated(self.cuda)
-            core._replace_engine(core.recipe(trainer), gpu_bytes=core.context.budgets.gpu)  # as a growth of the batch's shapes does
+            # as a growth of the batch's shapes does, in the share the plan in use gives the parameters
+            # (beside the fixed layout's measured peak)
+            in_use = core.session.in_use
+            share = in_use.gpu_for_parameters if in_use is not None else core.context.budgets.gpu
+            core._replace_engine(core.recipe(trainer), gpu_bytes=share)
             self.replaced = (before, _allocated(self.cuda))
-            print(f"| {self.precision} | placed again | {_size(before)} -> {_size(self.replaced[1])} allocated | | | | | | | | | | |", flush=True)
+            print(f"| {self.precision} | placed again | {_size(before)} -> {_size(self.replaced[1])} allocated | | | | | | | | | |", flush=True)
 
 
 def run(precision: str, args: argparse.Namespace, root: str) -> MemoryRows:
@@ -153,9 +139,8 @@ def summary(precision: str, rows: MemoryRows) -> str:
     reserved = max((r.reserved for r in rows.rows if r.reserved is not None), default=None)
     last = rows.rows[-1]
     before, after = rows.replaced
-    return (f"{precision} peak {_size(peak)} allocated ({_over(peak, last.used)} of the plan's {format_bytes(last.plan)} and "
-            f"{format_bytes(last.beside)} of activations beside it, {_over(peak, last.budget)} of gpu_memory), {_size(reserved)} reserved; "
-            f"placed again: {_size(before)} -> {_size(after)} allocated")
+    return (f"{precision} peak {_size(peak)} allocated ({_over(peak, last.plan)} of the plan's {format_bytes(last.plan)}, {_over(peak, last.budget)} "
+            f"of gpu_memory), {_size(reserved)} reserved; placed again: {_size(before)} -> {_size(after)} allocated")
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -174,9 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"GPT-2 {args.layers} layers x {args.width} wide, batch {args.batch_size} x {args.seq_len}, every block checkpointed, gpu_memory "
           f"{args.gpu_memory}, placed again after step {args.replace_after}, on {args.device}\n")
     print("| precision | step | allocated at its start | peak allocated | peak reserved | engine's arena | plan: parameters as placed "
-          "| plan: activations kept, backward's gradients | plan | gpu_memory | beside the plan: a fixed layout's activations kept "
-          "| peak / (plan + beside) | peak / gpu_memory |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| plan: activations kept, backward's gradients | plan | gpu_memory | peak / plan | peak / gpu_memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     lines = []
     with tempfile.TemporaryDirectory() as root:
         for precision in args.precision:

@@ -5,7 +5,8 @@
     python tools/validate_cost_model.py --default-policy --fractions 2 3 4 6
 
 Trains GPT-2s with the tiered strategy at several GPU-tier budgets (each a different placement:
-units kept in the GPU tier, streaming buffers), with the emulated GPU tier's copies throttled to
+units kept in the GPU tier, streaming buffers; a fraction of the parameters' bytes, beside the kept
+blocks' activations, measured first in a step of their own), with the emulated GPU tier's copies throttled to
 ``--link-gbps`` (slow enough that transfers matter on a CPU). The warm-up steps' own timings after
 the first (compute per unit with waits left out, the compute outside units, the update of every
 unit; ``TieredEngine.last_timing``), averaged, and the run's placement go into
@@ -162,6 +163,17 @@ def print_default_policy(rows: list[tuple], steps: int) -> None:
               f"(largest {max(errors, key=abs):+.1%})")
 
 
+def kept_activations(config: dict[str, Any], run: argparse.Namespace, root: str) -> int:
+    """The kept blocks' activations at their peak, as the first training step measures them (in a
+    step of their own, nothing offloaded): the GPU tier counts them beside the parameters, whose
+    share is then the fraction asked (they are placed again in it after the first step)."""
+    strategy = TieredStrategy(policy=PARAMETERS_ONLY)
+    fit(strategy, config, run, root, StepTimer(), 1)
+    fixed = strategy.tiered.activations.fixed
+    assert fixed is not None, "the first training step measures a kept layout"
+    return fixed.peak_bytes
+
+
 def placement_rows(args: argparse.Namespace, drive: dict[str, Any]) -> list[tuple]:
     """One run per model and GPU-tier fraction: its placement, the prediction from its warm-up
     steps, and the medians measured after them."""
@@ -174,10 +186,11 @@ def placement_rows(args: argparse.Namespace, drive: dict[str, Any]) -> list[tupl
             param_bytes = parameter_bytes(config)
             run = argparse.Namespace(seq_len=seq_len, batch_size=batch)
             hardware = {**throttled(link), **drive}
+            kept = kept_activations(config, run, root)
             for fraction in args.fractions:
                 print(f"{name}: gpu_memory {fraction:.0%} of the parameters", file=sys.stderr, flush=True)
                 probe = Probe(args.warmup)
-                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes), host_memory="4GiB", hardware=hardware, nvme_path=args.nvme,
+                strategy = TieredStrategy(gpu_memory=int(fraction * param_bytes) + kept, host_memory="4GiB", hardware=hardware, nvme_path=args.nvme,
                                           policy={**PARAMETERS_ONLY, "throttle": True, **({"placement": "nvme"} if args.nvme else {})})
                 fit(strategy, config, run, root, probe, args.steps)
                 after = slice(args.warmup, None)

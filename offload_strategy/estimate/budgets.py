@@ -58,8 +58,8 @@ class PresetEstimate:
     nvme_memory: int
     step_seconds: Optional[float]
     units: str  # units in the GPU tier / host memory / NVMe at the least GPU tier
-    # GPU memory the activations take beyond gpu_memory: a preset that keeps every block's
-    # activations (no layout planned) budgets parameters, gradients and states alone
+    # GPU memory the activations take beyond gpu_memory: policy 'none' (everything kept as plain
+    # training does, unplanned) budgets parameters, gradients and states alone
     activations_beside: int = 0
     note: str = ""  # why the preset does not fit (its budgets are then 0)
 
@@ -324,8 +324,9 @@ def accepts(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machi
         planned = plan_on_shapes(model, policy, budgets, machine, search=search)
     except ValueError:  # PlacementError too
         return None
-    planning = layout_planner(policy, model)
-    return _Fit(planned.placement, 0 if planning is not None else _kept_peak(model, running_layout(policy, model, planning)), planned.search)
+    # a layout the user fixed is counted in the GPU tier (the sequence refuses it there); policy 'none' keeps its activations beside
+    beside = _kept_peak(model, running_layout(policy, model, None)) if policy.name == "none" else 0
+    return _Fit(planned.placement, beside, planned.search)
 
 
 def plan_on_shapes(model: ShapeModel, policy: PolicyConfig, budgets: TierBudgets, machine: Machine, sharding: Optional[Sharding] = None,
@@ -369,8 +370,8 @@ def model_units(model: ShapeModel, policy: PolicyConfig, sharding: Optional[Shar
 
 
 def _kept_peak(model: ShapeModel, running: Sequence[str]) -> int:
-    """The activations' peak where no planner lays the blocks out: the strategy budgets the
-    parameters alone, and the activations take their GPU memory beside the budget."""
+    """The activations' peak under policy 'none': the strategy budgets the parameters alone, and
+    the activations take their GPU memory beside the budget."""
     return (peak_bytes(model.blocks, running, model.beside.head) if model.blocks else 0) + model.beside.in_blocks
 
 

@@ -77,6 +77,7 @@ class Ranks(Protocol):
     """What data parallelism changes in the core (``OneProcess``: nothing)."""
 
     engine_when_all_fits: bool  # the engine runs even when every unit fits in the GPU tier
+    share_host_homes: bool  # the ranks of a machine map one copy of the host homes
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         """The ranks the engine reduces gradients across; None on one device."""
@@ -115,6 +116,7 @@ class OneProcess:
     """One device, one process: nothing is reduced or shared."""
 
     engine_when_all_fits = False
+    share_host_homes = False
 
     def data_parallel(self, sizes: list[UnitSize]) -> Optional[DataParallel]:
         return None

@@ -41,9 +41,9 @@ from .sharding import Sharding
 _ACTIVATIONS_NOT_COUNTED = (
     "That minimum is for parameters alone: with policy.activations='auto' the blocks' activations share the GPU "
     "tier too; they are measured in the first training step, and if the tier is then too small the run stops "
-    "in that step's forward, before anything is updated, with the minimum for both. To size gpu_memory for "
-    "parameters alone, use policy='fill' (activations kept outside the budget on a machine without a GPU) or "
-    "policy.activations='swap_host'."
+    "in that step's forward, before anything is updated, with the minimum for both. A layout of your own "
+    "(policy.activations='keep', 'checkpoint', ...) is measured and counted the same way; "
+    "policy.activations='swap_host' keeps most of them out of the GPU tier."
 )
 
 _LAYOUTS: dict[str, Callable[..., ActivationPlan]] = {ActivationPlanner.TERAIO: teraio_layout, ActivationPlanner.LOHAN: lohan_layout}
@@ -445,6 +445,33 @@ class Planner:
             f"no layout of keep / checkpoint / swap fits the activations of {len(costs)} blocks: the smallest peak is "
             f"{least:,} bytes, {measured}. {self.activation_minimum_note(costs, planner, block_policies, beside, running)} "
             f"Raise gpu_memory to that, or {shrink}."
+        )
+
+    @staticmethod
+    def fixed_layout_peak(costs: Sequence[BlockCost], layout: Sequence[str], beside: BesideBlocks) -> int:
+        """A layout the user fixed, counted in the GPU tier as a planned one is: the peak
+        (:func:`peak_bytes`) of the measured ``costs``, with the bytes ``beside`` the blocks."""
+        return beside.in_blocks + peak_bytes(costs, layout, beside.head)
+
+    def refuse_unfitting_fixed_layout(self, peak: int, layout: Sequence[str], measured: str, beside: BesideBlocks, placed: int) -> None:
+        """A layout the user fixed whose ``peak`` (:meth:`fixed_layout_peak`) does not fit beside
+        the least share of the GPU tier the parameters can be placed in for it (their units used
+        together, each recomputed block's too) is refused, with what it holds, what the tier
+        leaves it, and what to do. ``placed``: the parameters' bytes in the tier as placed now
+        (said, not decided on: they may be placed again in less)."""
+        least = self.least_parameter_share(self.working_groups(layout)) if self.model is not None and self.model.sizes else 0
+        left = self.gpu_beside(least)
+        if peak <= left:
+            return
+        counts = ", ".join(f"{layout.count(p)} {p}" for p in sorted(set(layout)))
+        blocks = max(peak - beside.in_blocks - beside.head, 0)
+        raise ValueError(
+            f"the activation layout policy.activations fixes ({counts}, {len(layout)} blocks) holds {format_bytes(peak)} of activations "
+            f"in the GPU tier at its peak ({measured}): {format_bytes(blocks)} in the blocks{beside.note(', ')}. gpu_memory="
+            f"{format_bytes(self.budgets.gpu)} leaves it {format_bytes(max(left, 0))} beside the least the parameters can be placed in, "
+            f"{format_bytes(least)} (as placed they take {format_bytes(placed)}). Raise gpu_memory to at least "
+            f"{format_bytes(least + peak, at_least=True)}, or let the planner lay the blocks out in what is left "
+            f"(policy.activations='auto'), or recompute or swap more of them (policy.activations='checkpoint', 'swap_host', 'swap_nvme')."
         )
 
     def layout(

@@ -39,7 +39,7 @@ def out_of_memory_message(error: str, plan: PlannedUse, held: Optional[Allocator
     asked = error.split(". GPU")[0].strip().rstrip(".")
     planned = plan.parameters + (plan.activations or 0)
     if plan.activations is None:
-        acts = "no plan of its activations (blocks under a fixed policy, or the first training steps still measuring them)"
+        acts = "no plan of its activations (the first training steps still measuring them)"
     else:
         acts = f"{format_bytes(plan.activations)} of activations at their planned peak" + plan.beside.note(" (of it, ") + (")" if plan.beside.bytes else "")
     lines = [

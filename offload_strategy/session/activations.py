@@ -99,6 +99,8 @@ class ActivationControl:
         self.grown_costs: Optional[tuple[list[BlockCost], BesideBlocks]] = None  # a batch outgrew every layout beside the parameters as placed
         self._in_training_step = False
         self.profiled_elements: Optional[int] = None  # the smallest batch the profiled steps ran, under a max_batch
+        self.fixed: Optional[ActivationPlan] = None  # a layout the user fixed, once its first training forward measured its peak
+        self._fixed_counted = False  # ... counted, and not yet taken by the session (``take_fixed_peak``)
 
     @property
     def saved_bytes(self) -> int:
@@ -108,6 +110,8 @@ class ActivationControl:
     def start(self, module: torch.nn.Module, setting: Union[str, Sequence[str]]) -> None:
         self.policies_in_use = ActivationPolicies(module, setting, self.context.policy.block_class)
         self.policies_in_use.after_first_block = self.refuse_from_first_block
+        if self.context.policy.name != "none":  # (policy 'none' keeps everything as plain training does, unplanned)
+            self.policies_in_use.observe()  # a layout the user fixed: counted in the GPU tier once measured
 
     # -- what the core asks ---------------------------------------------------------------------------
 
@@ -132,13 +136,25 @@ class ActivationControl:
     def profiled(self) -> bool:
         """The profiled step measured the blocks and the layout has yet to be chosen."""
         activations = self.policies_in_use
-        return activations is not None and activations.profile is not None and activations.profiled
+        return self.measuring and activations is not None and activations.profiled
 
     @property
     def measuring(self) -> bool:
         """The blocks run the profiling layout: their own is chosen from what it measures."""
         activations = self.policies_in_use
-        return activations is not None and activations.profile is not None
+        return activations is not None and activations.profile is not None and not activations.profile.fixed
+
+    @property
+    def observing(self) -> bool:
+        """A layout the user fixed that no training forward has measured yet."""
+        activations = self.policies_in_use
+        return activations is not None and activations.profile is not None and activations.profile.fixed
+
+    @property
+    def observed(self) -> bool:
+        """A layout the user fixed ran its first training forward, measured, and is not yet checked."""
+        activations = self.policies_in_use
+        return activations is not None and activations.profile is not None and activations.profile.fixed and activations.profiled
 
     @property
     def joint_search(self) -> bool:
@@ -174,7 +190,7 @@ class ActivationControl:
                 f"activation layout was planned for: give max_batch the longest batch the run will see (largest batch size and "
                 f"sequence length), or leave it None to have larger batches laid out again as they come."
             )
-        if self.measuring and elements:
+        if self.policies_in_use is not None and self.policies_in_use.profile is not None and elements:
             self.profiled_elements = elements if self.profiled_elements is None else min(self.profiled_elements, elements)
 
     def gpu_parameter_bytes(self) -> int:
@@ -288,7 +304,7 @@ class ActivationControl:
         block's memory is known from it): when no layout fits even beside the parameters' smallest share of the
         GPU tier, stop there, with the minimum, rather than after the whole step."""
         activations = self.policies_in_use
-        if activations is not None and activations.profile is not None:
+        if self.measuring and activations is not None and activations.profile is not None:
             measured = ("measured in the first block's forward of the first training step (what the forward keeps after the blocks, "
                         "the logits and the loss's among them, is not known yet and may ask for more)")
             # the counter has seen the first block's tensors and those before it
@@ -317,11 +333,38 @@ class ActivationControl:
 
     def refuse_unfitting(self) -> None:
         """Again once forward has measured every block and what it keeps outside them, before
-        backward updates anything."""
+        backward updates anything; a layout the user fixed is counted then."""
         activations = self.policies_in_use
         if self.profiled and activations is not None:
             self._refuse_if_unfitting(activations.block_costs(), "measured in the first training step before any update",
                                       self.measured_beside)  # scaled to max_batch there
+        if self.observed:
+            self._count_fixed_layout()
+
+    def _count_fixed_layout(self) -> None:
+        """A layout the user fixed, measured by the first training forward: its peak in the GPU
+        tier, as a planned layout's (:func:`~offload_strategy.planning.activations.peak_bytes`
+        beside what the forward keeps outside the blocks and the backward's gradients; scaled to
+        ``max_batch``). Refused where it does not fit even beside the parameters' least share;
+        else the session places the parameters again beside it before the next step
+        (``take_fixed_peak``)."""
+        activations, planner = self.policies_in_use, self.context.planner
+        assert activations is not None and planner is not None
+        growth = self.growth
+        costs, beside = _scaled(activations.block_costs(), growth), self.measured_beside.scaled(growth)
+        activations.stop_observing()
+        measured = "measured in the first training step before any update" + (f", scaled {growth:.2f}x to max_batch" if growth > 1 else "")
+        # one decision on every rank (each measured its own batch), before any refuses
+        peak = self._largest_on_every_rank(planner.fixed_layout_peak(costs, activations.policies, beside))
+        planner.refuse_unfitting_fixed_layout(peak, activations.policies, measured, beside, self.gpu_parameter_bytes())
+        self.costs, self.beside = costs, beside
+        self.fixed = ActivationPlan(tuple(activations.policies), 0.0, peak)
+        self._fixed_counted = True
+
+    def take_fixed_peak(self) -> Optional[int]:
+        """Once, after the first training forward measured a layout the user fixed: its peak."""
+        counted, self._fixed_counted = self._fixed_counted, False
+        return self.fixed.peak_bytes if counted and self.fixed is not None else None
 
     def _refuse_if_unfitting(self, costs: list[BlockCost], measured: str, beside: BesideBlocks) -> None:
         activations, planner = self.policies_in_use, self.context.planner
@@ -368,7 +411,7 @@ class ActivationControl:
         """The blocks are timed again in the next training step (the first ran cold; with
         ``keep_fastest``, each block's least time over the steps timed so far is kept)."""
         activations = self.policies_in_use
-        if activations is not None and activations.profile is not None:
+        if self.measuring and activations is not None and activations.profile is not None:
             before = list(activations.profile.forward_seconds) if keep_fastest else None
             activations.end_profile()
             activations.start_profile(before)

@@ -93,6 +93,7 @@ class PlanningRanks(Protocol):
     """What the session asks of data parallelism (the strategies' ``Ranks``)."""
 
     engine_when_all_fits: bool
+    share_host_homes: bool  # the ranks of a machine map one copy of the host homes
 
     def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]: ...
     def same_on_every_rank(self, choice: Any) -> Any: ...
@@ -256,9 +257,17 @@ class PlanSession:
         Returns the placement and whether it is the profiling one."""
         planner = self.planner
         assert planner is not None
-        if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and self.activations.measuring and self.activations.blocks):
+        activations = self.activations
+        # a layout the user fixed is measured in the first training forward as it runs: until then
+        # the parameters take their least share too, and the session places them after it. Not
+        # with host homes shared between ranks under fp32 masters: units that join the GPU tier
+        # when placed again after that step then train a bf16 ulp off DDP (test_ddp_shared_homes'
+        # NVMe, clipping and bf16-true case), which the first-use placement does not show
+        observed = activations.observing and not (self.ranks.share_host_homes and self._fp32_masters)
+        measuring = activations.measuring or observed
+        if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and measuring and activations.blocks):
             return placement, False
-        return sequence.profiling_share(planner, placement, together, gpu_bytes)
+        return sequence.profiling_share(planner, placement, together, gpu_bytes, placed_after=observed)
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
@@ -305,11 +314,36 @@ class PlanSession:
         if warm and self.steps_done == WARM_UP_STEPS + TIMED_STEPS:
             self._before_planning()
         self._note_blocks_the_model_recomputes()
+        if stepped:  # no gradient waits at home
+            self._place_beside_fixed_layout(rules)
         self._plan_when_warm(rules, warm)
         self._place_again_when_asked(rules, stepped)
         if warm and self.prediction.predicted_seconds is None:
             self._predict_fixed_placement()
         return self.in_use if self.in_use is not before else None
+
+    def _place_beside_fixed_layout(self, rules: PlanningRules) -> None:
+        """A layout the user fixed, measured by the first training forward: the parameters, in
+        their least share while it measured (``_profiling_placement``) or in more than its peak
+        leaves, are placed again in what it leaves (as for a layout the planner chose; the
+        optimizer states move exactly)."""
+        peak = self.activations.take_fixed_peak()
+        budgets = self.context.budgets
+        if peak is None or budgets is None:
+            return
+        share = self.gpu_for_parameters(peak)
+        if self.profiling_placement:
+            self.say(f"tiered: the activation layout policy.activations fixes holds {format_bytes(peak)} of gpu_memory={format_bytes(budgets.gpu)} "
+                     f"at its peak (measured in the first training step): the parameters are placed again in the {format_bytes(share)} it leaves.")
+        elif self.activations.gpu_parameter_bytes() > share:
+            self.say(
+                f"tiered: the activation layout policy.activations fixes holds {format_bytes(peak)} of the GPU tier at its peak (measured "
+                f"in the first training step), more than the parameters leave of gpu_memory={format_bytes(budgets.gpu)}: they are "
+                f"placed again in {format_bytes(share)} of it."
+            )
+        else:
+            return
+        self._replace(rules, share, None, self.context.engine is None)
 
     def _plan_when_warm(self, rules: PlanningRules, warm: bool) -> None:
         planner = self.planner
@@ -368,6 +402,8 @@ class PlanSession:
             timing = replace(timing, order=list(engine.timer.profile.order))
         activations = self.activations
         joint = activations.joint_search
+        # a layout the user fixed takes its measured peak of the tier, beside which the search places the parameters
+        fixed = BesideBlocks(outside=activations.fixed.peak_bytes) if activations.fixed is not None else BesideBlocks()
         # on the emulated tier every offloaded gradient is written at home (_direct_gradients): no copy on the link
         trainable, direct = [bool(s.unit.trainable) for s in engine.states], engine.device.is_emulated and not self.policy.gradient_reserve
         profiled = activations.profiled
@@ -378,7 +414,7 @@ class PlanSession:
             plan, order = planner.search(
                 timing, trainable, self._machine(), direct_gradients=direct, blocks=self.profile.blocks if joint else (),
                 links=activations.links() if joint else None, activation_host_bytes=activations.host_left(),
-                beside=self.profile.beside if joint else BesideBlocks(),
+                beside=self.profile.beside if joint else fixed,
             )
         except PlacementError as error:
             # the search's smallest split is conservative; the first-use placement (and the
@@ -391,7 +427,8 @@ class PlanSession:
         self.say(searched_placement_line(count, len(engine.states), plan.parameters.buffers, plan.seconds))
         self.prediction.planned(plan.seconds, "placement search")
         # rank 0's layout: each rank's own search may have chosen another, with another peak
-        resident = sequence.searched_share(planner, order, count, layout, self.in_use.placement, self.profiling_placement)
+        kept = layout if layout is not None else activations.fixed
+        resident = sequence.searched_share(planner, order, count, kept, self.in_use.placement, self.profiling_placement)
         if resident is None:
             return None
         # beside the layout searched with it, not the profiling step's
@@ -530,7 +567,7 @@ class PlanSession:
         budgets = self.context.budgets
         if budgets is None:
             return None
-        plan = self.activations.plan
+        plan = self.activations.plan if self.activations.plan is not None else self.activations.fixed
         return PlannedUse(budgets.gpu, self.activations.gpu_parameter_bytes(), plan.peak_bytes if plan is not None else None, self.activations.beside)
 
     # -- the plan as a file -------------------------------------------------------------------------
@@ -582,7 +619,8 @@ class PlanSession:
         title = "tiered: placement (a unit: parameters that move between tiers as one; optimizer states with their unit's parameters)"
         budgets = self.context.budgets
         if plan.profiling and budgets is not None:
-            title = (f"tiered: placement while the first {WARM_UP_STEPS + TIMED_STEPS} steps measure the activations (fewest buffers: "
+            steps = "step measures" if self.activations.observing else f"{WARM_UP_STEPS + TIMED_STEPS} steps measure"
+            title = (f"tiered: placement while the first {steps} the activations (fewest buffers: "
                      f"{format_bytes(plan.placement.gpu_bytes)} of gpu_memory={format_bytes(budgets.gpu)})")
         lines = [title, *placement_table(tiers)]
         lines.append(f"tiered: gradients {_where_gradients_live(plan.placement, tiers)}")

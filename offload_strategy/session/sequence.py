@@ -70,19 +70,25 @@ class Profile:
 # -- the decisions -----------------------------------------------------------------------------------
 
 
-def profiling_share(planner: Planner, placement: Placement, together: list[list[int]], gpu_bytes: int) -> tuple[Placement, bool]:
+def profiling_share(planner: Planner, placement: Placement, together: list[list[int]], gpu_bytes: int,
+                    placed_after: bool = False) -> tuple[Placement, bool]:
     """The placement the profiled steps run: the parameters in the least share host memory and
     NVMe hold the rest beside (the fewest buffers), ``placement`` (the first-use one in
     ``gpu_bytes``) where that is no smaller or refused; ``placement`` too where nothing is
-    offloaded, the search does not run, or a unit has nothing to train. Returns it and whether it
-    is the profiling one."""
-    if not (placement.offloaded and planner.searching) or any(not size.trainable_bytes for size in planner.units.sizes):
+    offloaded, the search does not run (unless the parameters are ``placed_after`` the profiled
+    step whatever the policy: a layout the user fixed), or a unit has nothing to train. Returns it
+    and whether it is the profiling one."""
+    if not (placement.offloaded and (planner.searching or placed_after)) or any(not size.trainable_bytes for size in planner.units.sizes):
         # a unit with nothing to train that the model's own checkpointing recomputes stays in the
         # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
         # a model's own checkpointing may show itself only in its first backward: the fewest
         # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
         return placement, False
     smallest = planner.least_parameter_share(together)  # what host memory and NVMe can hold the rest of
+    if placed_after:
+        # one buffer beyond the fewest: code outside the step the planner never saw (a callback's
+        # gradients, a functional transform) may hold a unit more than the blocks' groups
+        smallest += max(size.nbytes for size in planner.units.sizes)
     if smallest >= placement.gpu_bytes:
         return placement, False
     try:
@@ -211,6 +217,8 @@ def plan_from_profile(
     together = planner.working_groups(running, model=model)
     first = planner.place(model, budgets.gpu, together, activations_auto=layout_planner is not None)
     run = _Run(planner, layout_planner is not None, running, first, budgets.gpu)
+    if layout_planner is None and profile.blocks and planner.policy.name != "none":
+        _count_fixed_layout(run, profile, measured)
     if measuring:
         assert layout_planner is not None
         run.placement, run.profiling = profiling_share(planner, first, together, budgets.gpu)
@@ -221,6 +229,18 @@ def plan_from_profile(
     searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if search and planner.searching and first.offloaded else None
     layout = _lay_out(run, profile, machine, searched, layout_planner) if measuring and layout_planner is not None else None
     return SequencePlan(run.placement, layout, run.gpu_for_parameters, profiled, searched)
+
+
+def _count_fixed_layout(run: _Run, profile: Profile, measured: str) -> None:
+    """A layout the user fixed, counted in the GPU tier as the session counts it once the first
+    forward measured it (``ActivationControl._count_fixed_layout``): refused where its peak does
+    not fit beside the parameters' least share, the parameters placed again beside it where they
+    take too much (``PlanSession._place_beside_fixed_layout``)."""
+    planner = run.planner
+    peak = Planner.fixed_layout_peak(profile.blocks, run.running, profile.beside)
+    planner.refuse_unfitting_fixed_layout(peak, run.running, measured, profile.beside, run.placement.gpu_bytes)
+    if peak > planner.gpu_beside(run.placement.gpu_bytes):
+        run.place(planner.gpu_beside(peak))
 
 
 def _search(run: _Run, profile: Profile, machine: Machine, joint: bool) -> Optional[AutoPlan]:

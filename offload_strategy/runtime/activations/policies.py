@@ -37,6 +37,7 @@ from ...planning.profile import hold_spikes
 from .swap import SWAP_HOST, SWAP_NVME, ActivationSwap
 from .buffer_replay import BufferReplay
 from .kv_cache import CacheReplay, caches_in
+from .saved_tensors import SavedTensors
 from ..params.forwards import UnitHook
 from ..params.recompute import RecomputeHolds
 from .saved_bytes import SavedBytes
@@ -153,6 +154,10 @@ class BlockProfile:
     largest_through_blocks: int = 0  # the largest tensor it had saved when the last block ended
     reading_blocks: bool = False  # the profiled forward has started the blocks and has yet to end (``end_forward``)
     complete: bool = False  # a profiled forward that ran a block has ended: the blocks it skipped are taken as alike
+    # a layout the user fixed, measured as it runs (``observe``): no block's policy changes, and
+    # each block's first call counts what its forward saves whatever the policy does with it
+    fixed: bool = False
+    block_bytes: dict[int, int] = field(default_factory=dict)
 
 
 class ActivationPolicies:
@@ -230,7 +235,7 @@ class ActivationPolicies:
                 # the policy is looked up as the block runs: the call that changes it follows it
                 block.forward = WrappedForward(self._first_block, block.forward)
                 self._wrapped.append(block)
-            elif choice != KEEP or (self.profile is not None and index == 0):
+            elif choice != KEEP or (self.profile is not None and (index == 0 or self.profile.fixed)):
                 block.forward = WrappedForward(functools.partial(self._run_as, index, choice), block.forward)
                 self._wrapped.append(block)
         if self.blocks and self.block_flops is None:
@@ -242,6 +247,8 @@ class ActivationPolicies:
     def _run_as(self, index: int, choice: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if self._measures(index):
             return self._counted(forward, *args, **kwargs)
+        if self._observes(index):
+            forward = functools.partial(self._counted_under_policy, index, forward)
         if choice == CHECKPOINT:
             return _checkpointed(self, forward, *args, **kwargs)
         if choice == CHECKPOINT_HOST:
@@ -305,13 +312,27 @@ class ActivationPolicies:
         with self.swap.hooks(index, destination), CacheReplay(caches).forward() if caches else contextlib.nullcontext():
             return forward(*args, **kwargs)
 
-    # -- profiling (policy "auto") ------------------------------------------------------------------
+    # -- profiling (policy "auto"; a layout the user fixed, observed) --------------------------------
 
-    def start_profile(self, fastest: Optional[list[float]] = None) -> None:
+    def observe(self) -> None:
+        """A layout the user fixed: the next training forward measures every block as the layout
+        runs it (what each block's forward saves, its input, what the forward keeps beside the
+        blocks), so that its peak is counted in the GPU tier as a planned layout's is; no block's
+        policy changes. ``stop_observing`` when read."""
+        if self.blocks and not self.auto:
+            self.start_profile(fixed=True)
+            self.apply(self.policies)  # every block wrapped while observed
+
+    def stop_observing(self) -> None:
+        if self.profile is not None and self.profile.fixed:
+            self.end_profile()
+            self.apply(self.policies)  # the kept blocks unwrapped again
+
+    def start_profile(self, fastest: Optional[list[float]] = None, fixed: bool = False) -> None:
         """Time the blocks in the next training step (``fastest``: each block's least time so far,
-        kept where this step's is longer)."""
+        kept where this step's is longer; ``fixed``: the user's layout, observed)."""
         # the hooks below live as long as this profile (``end_profile`` removes both)
-        profile = self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks))
+        profile = self.profile = BlockProfile(forward_seconds=[0.0] * len(self.blocks), input_bytes=[0] * len(self.blocks), fixed=fixed)
         kept = list(fastest) if fastest is not None else None
         started: dict[int, float] = {}
         done: set[int] = set()
@@ -389,11 +410,44 @@ class ActivationPolicies:
         """In the profiled forward the first block that runs keeps its activations and counts
         them, whatever its policy in the profiling layout (a step may skip the first block)."""
         profile = self.profile
-        if profile is None or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+        if profile is None or profile.fixed or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
             return False
         if profile.measured is None:
             profile.measured = index
         return profile.measured == index and index not in self._done
+
+    def _observes(self, index: int) -> bool:
+        """Under an observed layout the user fixed, a block's first call in the training forward."""
+        profile = self.profile
+        return (profile is not None and profile.fixed and index not in self._done and torch.is_grad_enabled()
+                and torch._C._current_autograd_node() is None and not self._under_users_hooks())
+
+    def _counted_under_policy(self, index: int, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        """The block's forward under the hooks its policy put on top (a checkpoint's, the swap's,
+        or those the policies stand in for), each saved tensor counted on its way to them: what
+        the block's backward materialises, whether the layout keeps, recomputes or swaps it."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        counted = SavedBytes()
+
+        def pack(t: torch.Tensor) -> Any:
+            packed = top[0](t) if top is not None else t
+            # a streamed weight's 16-bit cast (autocast's) is saved as a reference to its unit and
+            # cast again in backward: it holds nothing in the GPU tier until then
+            if not self.is_parameter(t) and SavedTensors.unit_of(packed) is None:
+                counted.add(t)
+            return packed
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return top[1](packed) if top is not None else packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = forward(*args, **kwargs)
+        profile = self.profile
+        assert profile is not None and profile.fixed, "counted only while observed (``_observes``)"
+        profile.block_bytes[index] = counted.bytes
+        if profile.measured is None:
+            profile.measured = index
+        return out
 
     def _counted(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         """The measured block's forward, every tensor it saves counted and held where
@@ -454,9 +508,18 @@ class ActivationPolicies:
         held = hold_spikes(dict(enumerate(seconds)), dict.fromkeys(range(len(seconds)), "block"))  # a stall of one block is not its work
         seconds = [held[i] for i in range(len(seconds))]
         return [
-            _times(BlockCost(activation_bytes=max(self.profile.activation_bytes, i), input_bytes=i, forward_seconds=f), n)
-            for i, f, n in zip(inputs, seconds, self.calls)
+            _times(BlockCost(activation_bytes=max(self._activation_bytes(k), i), input_bytes=i, forward_seconds=f), n)
+            for k, (i, f, n) in enumerate(zip(inputs, seconds, self.calls))
         ]
+
+    def _activation_bytes(self, index: int) -> int:
+        """What a block's call saves: the measured block's (the blocks are alike), or under an
+        observed layout each block's own (the most of those counted for a block that did not run)."""
+        assert self.profile is not None
+        counted = self.profile.block_bytes
+        if not self.profile.fixed or not counted:
+            return self.profile.activation_bytes
+        return counted.get(index, max(counted.values()))
 
     def per_call_input_bytes(self, costs: Sequence[BlockCost]) -> list[int]:
         """Each block's input for one of its calls, from its costs (which are its calls')."""
@@ -555,10 +618,18 @@ class WrappedForward:
         return self.forward.__reduce_ex__(protocol)
 
 
+def _block_of(forward: Any) -> Any:
+    """The module whose bound forward runs, through the partial an observed layout counts it in
+    (``_counted_under_policy``): its buffers and key-value caches are replayed in recomputation."""
+    while isinstance(forward, functools.partial):
+        forward = forward.args[-1]
+    return getattr(forward, "__self__", None)
+
+
 def _checkpointed(policies: ActivationPolicies, forward: Any, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)  # evaluation: nothing to save or recompute
-    block = getattr(forward, "__self__", None)
+    block = _block_of(forward)
     if not isinstance(block, nn.Module):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     tensors = _module_tensors(block)
