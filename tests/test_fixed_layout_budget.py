@@ -57,20 +57,26 @@ def test_a_kept_layout_that_does_not_fit_the_gpu_tier_is_refused_before_any_upda
     assert backwards.count == 0, "a backward ran before the refusal"
     held = float(re.search(r"holds ([\d.]+) MiB of activations", message).group(1))
     assert held >= 8 * 1280 * 100 / 2**20, message  # every block's activations, and what is beside them
-    left, least = (float(x) for x in re.search(r"leaves it ([\d.]+) KiB beside the least the parameters can be placed in, ([\d.]+) KiB", message).groups())
+    left, least = (float(x) for x in re.search(r"leaves it ([\d.]+) KiB beside the least the parameters can be placed in for the step that measures it, ([\d.]+) KiB", message).groups())
     assert left + least == pytest.approx(GPU_TIER / KiB, abs=0.01) and left < held * 1024, message
     assert "gpu_memory to at least" in message and "policy.activations='auto'" in message and "'checkpoint'" in message
 
 
 def test_the_gpu_memory_the_refusal_names_trains_like_plain(tmp_path: Path) -> None:
-    """The least gpu_memory the refusal names holds the same kept layout, bit for bit as plain."""
+    """The least gpu_memory the refusal names holds the same kept layout, bit for bit as plain, and
+    holds it in the step that measures it too: that step runs the parameters in one buffer more
+    than their least share, which the refusal counted nowhere before (the first step passed the
+    tier it named by a unit's buffer)."""
     keep = {"placement": "host", "activations": "keep"}
     with pytest.raises(ValueError) as refused:
         fit(TieredStrategy(policy=keep, gpu_memory=GPU_TIER, host_memory="256MiB"), tmp_path / "refused", batch=100, steps=2)
     number, unit = re.search(r"gpu_memory to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
     named = int(float(number) * {"KiB": KiB, "MiB": KiB * KiB}[unit]) + KiB  # (the message rounds)
     plain = fit("auto", tmp_path / "plain", batch=100, steps=3)
-    tiered = fit(TieredStrategy(policy=keep, gpu_memory=named, host_memory="256MiB"), tmp_path / "tiered", batch=100, steps=3)
+    share = Parameters()
+    tiered = fit(TieredStrategy(policy=keep, gpu_memory=named, host_memory="256MiB"), tmp_path / "tiered", batch=100, steps=3,
+                 callbacks=(share,))
+    assert all(parameters + peak <= named for parameters, peak in share.steps), (named, share.steps)
     assert tiered.losses == plain.losses
     assert_same_weights(plain.state_dict(), tiered.state_dict())
 
