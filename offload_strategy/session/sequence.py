@@ -85,7 +85,7 @@ def profiling_share(planner: Planner, placement: Placement, together: list[list[
         # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
         return placement, False
     # what host memory and NVMe can hold the rest of (one buffer more where the step measures a fixed layout)
-    smallest = planner.first_step_share(together) if placed_after else planner.least_parameter_share(together)
+    smallest = planner.least_parameter_share(together) + (planner.first_step_buffer() if placed_after else 0)
     if smallest >= placement.gpu_bytes:
         return placement, False
     try:
