@@ -63,14 +63,20 @@ def test_a_kept_layout_that_does_not_fit_the_gpu_tier_is_refused_before_any_upda
 
 
 def test_the_gpu_memory_the_refusal_names_trains_like_plain(tmp_path: Path) -> None:
-    """The least gpu_memory the refusal names holds the same kept layout, bit for bit as plain."""
+    """The least gpu_memory the refusal names holds the same kept layout, bit for bit as plain, and
+    holds it in the step that measures it too: that step runs the parameters in one buffer more
+    than their least share, which the minimum named counted nowhere before (the first step passed
+    the tier it named by a unit's buffer)."""
     keep = {"placement": "host", "activations": "keep"}
     with pytest.raises(ValueError) as refused:
         fit(TieredStrategy(policy=keep, gpu_memory=GPU_TIER, host_memory="256MiB"), tmp_path / "refused", batch=100, steps=2)
     number, unit = re.search(r"gpu_memory to at least ([\d.]+) (KiB|MiB)", str(refused.value)).groups()
     named = int(float(number) * {"KiB": KiB, "MiB": KiB * KiB}[unit]) + KiB  # (the message rounds)
     plain = fit("auto", tmp_path / "plain", batch=100, steps=3)
-    tiered = fit(TieredStrategy(policy=keep, gpu_memory=named, host_memory="256MiB"), tmp_path / "tiered", batch=100, steps=3)
+    share = Parameters()
+    tiered = fit(TieredStrategy(policy=keep, gpu_memory=named, host_memory="256MiB"), tmp_path / "tiered", batch=100, steps=3,
+                 callbacks=(share,))
+    assert all(parameters + peak <= named for parameters, peak in share.steps), (named, share.steps)
     assert tiered.losses == plain.losses
     assert_same_weights(plain.state_dict(), tiered.state_dict())
 
@@ -134,3 +140,26 @@ def test_a_mixed_fixed_layout_is_measured_as_it_runs_and_trains_like_plain(tmp_p
         assert_same_weights(plain.state_dict(), tiered.state_dict())
         peaks[name] = share.steps[-1][1]
     assert 0 < peaks["mixed"] < peaks["kept"], peaks
+
+
+def test_a_tier_that_holds_the_layout_beside_the_least_share_alone_says_the_first_step_passes_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between the parameters' least share beside the layout (accepted) and the minimum the refusal
+    names (that and the one buffer more the measuring step runs them in), the first step passes
+    gpu_memory by less than a unit's buffer: said once with the numbers and the tier that holds it,
+    and the steps after it hold the tier."""
+    keep = {"placement": "host", "activations": "keep"}
+    with pytest.raises(ValueError) as refused:
+        fit(TieredStrategy(policy=keep, gpu_memory=GPU_TIER, host_memory="256MiB"), tmp_path / "refused", batch=100, steps=2)
+    message = str(refused.value)
+    least = float(re.search(r"beside the least the parameters can be placed in, ([\d.]+) KiB", message).group(1))
+    peak = float(re.search(r"holds ([\d.]+) MiB of activations", message).group(1))
+    between = int((least * KiB + peak * KiB * KiB)) + 4 * KiB  # (the message rounds)
+    share = Parameters()
+    fit(TieredStrategy(policy=keep, gpu_memory=between, host_memory="256MiB"), tmp_path / "between", batch=100, steps=3, callbacks=(share,))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered: the first training step, which measured")]
+    assert len(said) == 1 and "holds the first step too" in said[0], said
+    (first, held), *later = share.steps
+    assert first + held > between, share.steps
+    assert later and all(parameters + held <= between for parameters, _ in later), share.steps

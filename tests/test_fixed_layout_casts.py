@@ -37,3 +37,32 @@ def test_a_kept_layout_under_bf16_mixed_counts_no_cast_of_a_streamed_weight(tmp_
     mixed = _peak(tmp_path / "bf16", "bf16-mixed")
     # the same activations, in bf16 where autocast computes in it: never more than fp32's
     assert 0 < mixed <= full, (mixed, full)
+
+
+class MeasuredBlock(L.Callback):
+    """The measured block's saved bytes, as the planner's profile of the first training step has them."""
+
+    def __init__(self) -> None:
+        self.saved: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if self.saved is None:
+            policies = trainer.strategy.tiered.activations.policies_in_use
+            assert policies is not None and policies.profiled, "the first training step measured the blocks"
+            self.saved = policies.block_costs()[0].activation_bytes
+
+
+def _measured(tmp_path, precision: str) -> int:
+    probe = MeasuredBlock()
+    strategy = TieredStrategy(gpu_memory=WEIGHT_BYTES // 5, host_memory=8 * WEIGHT_BYTES, policy={"name": "auto", "placement": "host"})
+    train(strategy, tmp_path, epochs=1, precision=precision, make_model=DeepMLP, max_steps=1, extra_callbacks=(probe,))
+    assert probe.saved is not None
+    return probe.saved
+
+
+def test_the_planner_s_measured_block_under_bf16_mixed_counts_no_cast_of_a_streamed_weight(tmp_path):
+    """The profile the auto layout is planned from counts as an observed layout does (it counted
+    each layer's 128 KiB cast of its weight beside its 4 KiB input)."""
+    full = _measured(tmp_path / "fp32", "32-true")
+    mixed = _measured(tmp_path / "bf16", "bf16-mixed")
+    assert 0 < mixed <= full, (mixed, full)

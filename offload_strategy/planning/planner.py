@@ -447,6 +447,20 @@ class Planner:
             f"Raise gpu_memory to that, or {shrink}."
         )
 
+    def first_step_buffer(self) -> int:
+        """What the first step of a layout the user fixed (the step that measures it) runs the
+        parameters in beyond their least share (:meth:`least_parameter_share`): one buffer, since
+        code outside the step the planner never saw (a callback's gradients, a functional
+        transform) may hold a unit more than the blocks' groups. The minimum a refusal names
+        counts it, so that the tier it names holds that step too."""
+        return max((size.nbytes for size in self.units.sizes), default=0)
+
+    def fixed_layout_minimum(self, peak: int, layout: Sequence[str]) -> int:
+        """The least gpu_memory that holds a fixed layout's ``peak`` through every step, the one
+        that measures it (:meth:`first_step_buffer`) too."""
+        least = self.least_parameter_share(self.working_groups(layout)) if self.model is not None and self.model.sizes else 0
+        return least + self.first_step_buffer() + peak
+
     @staticmethod
     def fixed_layout_peak(costs: Sequence[BlockCost], layout: Sequence[str], beside: BesideBlocks) -> int:
         """A layout the user fixed, counted in the GPU tier as a planned one is: the peak
@@ -470,7 +484,8 @@ class Planner:
             f"in the GPU tier at its peak ({measured}): {format_bytes(blocks)} in the blocks{beside.note(', ')}. gpu_memory="
             f"{format_bytes(self.budgets.gpu)} leaves it {format_bytes(max(left, 0))} beside the least the parameters can be placed in, "
             f"{format_bytes(least)} (as placed they take {format_bytes(placed)}). Raise gpu_memory to at least "
-            f"{format_bytes(least + peak, at_least=True)}, or let the planner lay the blocks out in what is left "
+            f"{format_bytes(self.fixed_layout_minimum(peak, layout), at_least=True)} (the step that measures it runs them in one "
+            f"buffer more), or let the planner lay the blocks out in what is left "
             f"(policy.activations='auto'), or recompute or swap more of them (policy.activations='checkpoint', 'swap_host', 'swap_nvme')."
         )
 

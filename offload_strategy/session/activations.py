@@ -356,10 +356,28 @@ class ActivationControl:
         measured = "measured in the first training step before any update" + (f", scaled {growth:.2f}x to max_batch" if growth > 1 else "")
         # one decision on every rank (each measured its own batch), before any refuses
         peak = self._largest_on_every_rank(planner.fixed_layout_peak(costs, activations.policies, beside))
-        planner.refuse_unfitting_fixed_layout(peak, activations.policies, measured, beside, self.gpu_parameter_bytes())
+        placed = self.gpu_parameter_bytes()
+        planner.refuse_unfitting_fixed_layout(peak, activations.policies, measured, beside, placed)
+        self._say_first_step_over(peak, placed)
         self.costs, self.beside = costs, beside
         self.fixed = ActivationPlan(tuple(activations.policies), 0.0, peak)
         self._fixed_counted = True
+
+    def _say_first_step_over(self, peak: int, placed: int) -> None:
+        """A fixed layout that fits beside the parameters' least share but not beside the one
+        buffer more its measuring step runs them in: that step alone passes gpu_memory, said
+        with the tier that holds it too."""
+        budgets, planner, activations = self.context.budgets, self.context.planner, self.policies_in_use
+        assert budgets is not None and planner is not None and activations is not None
+        if placed + peak <= budgets.gpu:
+            return
+        self.say(
+            f"tiered: the first training step, which measured the activation layout policy.activations fixes, holds "
+            f"{format_bytes(placed + peak)} of gpu_memory={format_bytes(budgets.gpu)} at its peak ({format_bytes(peak)} of activations "
+            f"beside {format_bytes(placed)} of parameters as placed for it); the steps after it place the parameters in what the layout "
+            f"leaves. gpu_memory={format_bytes(planner.fixed_layout_minimum(peak, activations.policies), at_least=True)} holds the first "
+            f"step too (the parameters' least share, one buffer more, and the layout)."
+        )
 
     def take_fixed_peak(self) -> Optional[int]:
         """Once, after the first training forward measured a layout the user fixed: its peak."""

@@ -84,11 +84,8 @@ def profiling_share(planner: Planner, placement: Placement, together: list[list[
         # a model's own checkpointing may show itself only in its first backward: the fewest
         # buffers might not hold them (a frozen base under adapters, a finetuning callback's frozen layers)
         return placement, False
-    smallest = planner.least_parameter_share(together)  # what host memory and NVMe can hold the rest of
-    if placed_after:
-        # one buffer beyond the fewest: code outside the step the planner never saw (a callback's
-        # gradients, a functional transform) may hold a unit more than the blocks' groups
-        smallest += max(size.nbytes for size in planner.units.sizes)
+    # what host memory and NVMe can hold the rest of (one buffer more where the step measures a fixed layout)
+    smallest = planner.least_parameter_share(together) + (planner.first_step_buffer() if placed_after else 0)
     if smallest >= placement.gpu_bytes:
         return placement, False
     try:

@@ -457,9 +457,11 @@ class ActivationPolicies:
         outer, counted, held = self.outer, SavedBytes(), _MeasuredSaved()
 
         def pack(t: torch.Tensor) -> Any:
-            if not self.is_parameter(t):
-                counted.add(t)
             packed = outer[0](t) if outer else t
+            # as observed layouts count (``_counted_under_policy``): a streamed weight's 16-bit
+            # cast, saved as a reference to its unit, holds nothing in the GPU tier until backward
+            if not self.is_parameter(t) and SavedTensors.unit_of(packed) is None:
+                counted.add(t)
             return held.hold(packed) if packed is t and not self.is_parameter(t) else packed
 
         def unpack(packed: Any) -> torch.Tensor:
