@@ -15,7 +15,7 @@ from torch import nn
 from offload_strategy import RUNTIME_HOST_ALLOWANCE
 from offload_strategy.estimate.live_bytes import LiveBytes
 from offload_strategy.runtime.updates.chunks import ELEMENTWISE, UPDATE_CHUNK_BYTES, step_in_chunks
-from offload_strategy.runtime.updates.nvme_states import StatesMadeInBuffer
+from offload_strategy.runtime.updates.nvme_states import NvmeOptimizerStates, StatesMadeInBuffer
 from offload_strategy.runtime.updates.optimizers import UnitOptimizers
 from tests.helpers import assert_same_weights
 from tests.test_recipes import Net, fit, tiered
@@ -99,6 +99,10 @@ def test_a_large_parameters_update_holds_a_chunks_temporaries_and_trains_as_plai
             step(self, *args, **kwargs)
         peaks.append(live.peak - live.bytes)  # beyond what it left: a first step's new states stay (host memory counts them)
 
+    in_place: list[bool] = []
+    kept = NvmeOptimizerStates.in_place
+    monkeypatch.setattr(NvmeOptimizerStates, "in_place", lambda self, *a: in_place.append(kept(self, *a)) or in_place[-1])
+
     plain_losses, plain_weights, _ = fit("auto", tmp_path / "plain", Table, steps=3, **trainer_kwargs)
     monkeypatch.setattr(UnitOptimizers, "step", measured)
     losses, weights, _ = fit(tiered(placement, tmp_path, gpu_memory="40MiB"), tmp_path / "tiered", Table, steps=3, **trainer_kwargs)
@@ -107,3 +111,5 @@ def test_a_large_parameters_update_holds_a_chunks_temporaries_and_trains_as_plai
     # the table's update measured at each step: its temporaries are a chunk's (AdamW's two), which the allowance holds
     assert len(peaks) >= 3 and max(peaks) >= UPDATE_CHUNK_BYTES
     assert max(peaks) <= ADAMW_TEMPORARIES * UPDATE_CHUNK_BYTES + SMALL <= RUNTIME_HOST_ALLOWANCE // 4
+    # each NVMe unit's first states, the table's made a chunk at a time, made in the buffer they are stored from
+    assert all(in_place) and bool(in_place) == (placement == "nvme")
