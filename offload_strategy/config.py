@@ -17,7 +17,9 @@ from typing import Any, Optional, Union
 # machine without a GPU) from construction to after teardown: the runtime's own threads and
 # buffers that no budget counts: the allocator arenas of the update worker, the NVMe threads and
 # autograd's backward thread (glibc keeps one arena per thread, and freed blocks in it), the
-# NVMe store's bounce buffers, and the state Lightning, torch and autograd make at the first step.
+# NVMe store's bounce buffers, the state Lightning, torch and autograd make at the first step,
+# and the optimizer's temporaries of an update in host memory, of a chunk's size whatever the
+# parameter's (runtime/updates/chunks.py: 16 MiB under AdamW).
 # Measured on the development machine at 108 MiB beyond the budgets for a 19M-parameter GPT-2
 # (tests/test_host_bound.py) and 130-145 MiB for the 4- and 8-million-parameter ones of
 # tests/test_beyond_host.py; not the model's size. What glibc keeps of freed blocks grows with the

@@ -67,7 +67,7 @@ def next_offset(offset: int, nbytes: int) -> int:
 _aten = torch.ops.aten
 # ops that make a tensor shaped like their input: how optimizers create their states (Adam's
 # ``zeros_like``, SGD's momentum a ``clone`` of the gradient); -> what fills the new tensor
-_MADE_LIKE: dict[Any, Callable[[torch.Tensor, tuple, dict], Any]] = {
+MADE_LIKE: dict[Any, Callable[[torch.Tensor, tuple, dict], Any]] = {
     _aten.zeros_like.default: lambda out, args, kwargs: out.zero_(),
     _aten.ones_like.default: lambda out, args, kwargs: out.fill_(1),
     _aten.full_like.default: lambda out, args, kwargs: out.fill_(args[1]),
@@ -78,7 +78,7 @@ _MADE_LIKE: dict[Any, Callable[[torch.Tensor, tuple, dict], Any]] = {
 
 class StatesMadeInBuffer(TorchDispatchMode):
     """Active on the updating thread through a unit's first optimizer step: the tensors the
-    optimizer makes like its parameters (``_MADE_LIKE``) are made in ``buffer`` from ``start``
+    optimizer makes like its parameters (``MADE_LIKE``) are made in ``buffer`` from ``start``
     on, one after another as :meth:`NvmeOptimizerStates.learn` lays states out, so the step's new
     states take no memory beyond the buffer (before, they were heap tensors as large as twice the
     unit under Adam, alive beside the buffer they were then copied into). A tensor made otherwise,
@@ -93,7 +93,7 @@ class StatesMadeInBuffer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        fill = _MADE_LIKE.get(func)
+        fill = MADE_LIKE.get(func)
         out = self._place(func, args, kwargs) if fill is not None else None
         if fill is None or out is None:
             return func(*args, **kwargs)

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .chunks import step_in_chunks
+
 # Optimizers whose step re-evaluates the model through a closure, which a unit cannot do alone.
 WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
 # The unit index of the inner optimizer over tensors no unit owns.
@@ -248,12 +250,17 @@ class UnitOptimizers:
                 if key != "params" and key not in kept:
                     inner_group[key] = value
 
-    def step(self, unit_index: int) -> None:
+    def step(self, unit_index: int, chunk_bytes: int = 0) -> None:
+        """The unit's inner step; ``chunk_bytes``: its larger parameters a chunk at a time
+        (``step_in_chunks``: an update in host memory, its temporaries a chunk's)."""
         slot = self.slots[unit_index] if unit_index != LOOSE else self.loose
         if slot is None:
             return
         self.sync_hyperparameters(slot)
-        slot.inner.step(**self.step_kwargs)
+        if chunk_bytes:
+            step_in_chunks(slot.inner, chunk_bytes, **self.step_kwargs)
+        else:
+            slot.inner.step(**self.step_kwargs)
 
     def count_step(self, closure_result: Any = None) -> None:
         """Run the facade's own step over no parameters, with the closure's result and the

@@ -22,6 +22,7 @@ from ...planning.placement import GPU, HOST, HOST_SLOT_ALIGNMENT, NVME, align
 from ..params.cache import UnitCache
 from ..context import EngineContext
 from ..grads.path import GradientPath, clip_by_value
+from .chunks import UPDATE_CHUNK_BYTES
 from .nvme_pipeline import NvmeUpdatePipeline
 from .nvme_states import NvmeOptimizerStates, StatesMadeInBuffer, next_offset
 from .optimizers import LOOSE, UnitOptimizers, UnitSlot, grads_on, host_implementation
@@ -324,12 +325,14 @@ class UnitUpdater:
             self.cache.settle_home(s)
             self.ctx.device.check_host_access(self.ctx.home_bytes(s), "updates a host unit at home")
         if speculation is not None:
-            _step_masters(unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written)
+            _step_masters(
+                unit_optimizers, slot, grads, copies, before=lambda: speculation.save(slot, copies), written=written, chunk_bytes=UPDATE_CHUNK_BYTES,
+            )
             self._remember_state_bytes(s, slot)
             return
         self.freed.check()  # before the step makes its temporaries
         with made:  # a first step of an NVMe unit: its new states made in their buffer
-            _step_masters(unit_optimizers, slot, grads, copies, written=written)
+            _step_masters(unit_optimizers, slot, grads, copies, written=written, chunk_bytes=UPDATE_CHUNK_BYTES)
         self.gradients.consumed(s, positions)
         if s.home == NVME:
             self._write_back_nvme(s, slot, params, states, known, on_worker)
@@ -476,12 +479,13 @@ class UnitUpdater:
 
 def _step_masters(
     unit_optimizers: UnitOptimizers, slot: UnitSlot, grads: list, copies: list[torch.Tensor], before: Optional[Callable[[], None]] = None,
-    written: frozenset[int] = frozenset(),
+    written: frozenset[int] = frozenset(), chunk_bytes: int = 0,
 ) -> None:
     """One unit's inner step on its masters; ``copies`` are the tensors forward computes with (the
     masters themselves, or the 16-bit copies of fp32 masters, refreshed after); ``before``: called
     with the masters current, right before the step. ``written``: ids of parameters user code wrote
-    in place inside the step; an fp32 master takes a written copy's values where they changed it."""
+    in place inside the step; an fp32 master takes a written copy's values where they changed it.
+    ``chunk_bytes``: larger masters are stepped a chunk at a time (an update in host memory)."""
     for position, master in enumerate(slot.masters):
         if id(master) in unit_optimizers.stale or (id(slot.params[position]) in written and _changed(copies[position], master)):
             master.copy_(copies[position])
@@ -489,7 +493,7 @@ def _step_masters(
     if before is not None:
         before()
     with grads_on(slot.masters, grads):
-        unit_optimizers.step(slot.unit_index)
+        unit_optimizers.step(slot.unit_index, chunk_bytes)
     for position, master in enumerate(slot.masters):
         if slot.widened(position) and grads[position] is not None:
             copies[position].copy_(master)
