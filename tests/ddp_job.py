@@ -175,8 +175,9 @@ class PlaceAgain(L.Callback):
     optimizer-state bytes before it (in all, on NVMe, its largest unit's); the bytes of tensors
     made once the new engine is built, alive at once beyond what the placement left alive
     (``LiveBytes``: what taking the states in passed through memory); the most one collective
-    brought to this rank (``LargestCollective``); the units in the GPU tier after it; and the
-    owners of the units that move from NVMe to host memory."""
+    brought to this rank (``LargestCollective``); the units in the GPU tier after it; the owners
+    of the units that move from NVMe to host memory; and the parameters of host units that do
+    not point at their homes after it."""
 
     def __init__(self, at: list[int], fraction: float) -> None:
         self.at, self.fraction = at, fraction
@@ -213,7 +214,9 @@ class PlaceAgain(L.Callback):
         self.placements.append({"loading": live.peak - live.bytes, "collective": collectives.largest, "states": sum(held.values()),
                                 "largest": max(held.values(), default=0), "nvme": sum(on_nvme.values()), "largest_nvme": max(on_nvme.values(), default=0),
                                 "gpu_units": int(core.engine.metrics(reset=False)["units/gpu"]),
-                                "nvme_to_host_owners": [owners[s.unit.index] for s in core.engine.states if homes[s.unit.index] == NVME and s.home == HOST]})
+                                "nvme_to_host_owners": [owners[s.unit.index] for s in core.engine.states if homes[s.unit.index] == NVME and s.home == HOST],
+                                "off_home": sum(p.data_ptr() != home.data_ptr() for s in core.engine.states if s.home == HOST
+                                                for p, home in zip(s.unit.params, s.home_views))})
 
 
 def record_threads() -> dict[str, list[str]]:
