@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import offload_strategy  # noqa: E402,F401  (registers "tiered_ddp")
 from offload_strategy.demos import CausalLM  # noqa: E402
 from offload_strategy import TieredDDPStrategy, TieredStrategy  # noqa: E402
-from offload_strategy.planning.placement import HOST, HOST_SLOT_ALIGNMENT, NVME, align  # noqa: E402
+from offload_strategy.planning.placement import HOST, HOST_SLOT_ALIGNMENT, align  # noqa: E402
 from tests.helpers import PARAMETERS_ONLY, LossRecorder, tiny_data  # noqa: E402
 
 GPT2_4L = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
@@ -175,9 +175,7 @@ class PlaceAgain(L.Callback):
     optimizer-state bytes before it (in all, on NVMe, its largest unit's); the bytes of tensors
     made once the new engine is built, alive at once beyond what the placement left alive
     (``LiveBytes``: what taking the states in passed through memory); the most one collective
-    brought to this rank (``LargestCollective``); the units in the GPU tier after it; the owners
-    of the units that move from NVMe to host memory; and the parameters of host units that do
-    not point at their homes after it."""
+    brought to this rank (``LargestCollective``); and the units in the GPU tier after it."""
 
     def __init__(self, at: list[int], fraction: float) -> None:
         self.at, self.fraction = at, fraction
@@ -192,7 +190,6 @@ class PlaceAgain(L.Callback):
         engine, budget = core.engine, core.context.budgets.gpu
         held = dict(engine.updater.state_bytes)
         on_nvme = dict(engine.nvme_states.sizes) if engine.nvme_states is not None else {}
-        homes = [s.home for s in engine.states]
         fixed = core.session.activations.fixed  # the kept layout's measured peak takes its part of the tier
         share = core.session.gpu_for_parameters(fixed.peak_bytes) if fixed is not None else budget
         gpu_bytes = int(self.fraction * share) if self.at.index(trainer.global_step) % 2 == 0 else share
@@ -209,14 +206,9 @@ class PlaceAgain(L.Callback):
                 core._replace_engine(core.recipe(trainer), gpu_bytes=gpu_bytes)
         finally:
             del core._build_engine
-        exchange = core.engine.exchange
-        owners = exchange.dp.owners if exchange is not None else (0,) * len(homes)
         self.placements.append({"loading": live.peak - live.bytes, "collective": collectives.largest, "states": sum(held.values()),
                                 "largest": max(held.values(), default=0), "nvme": sum(on_nvme.values()), "largest_nvme": max(on_nvme.values(), default=0),
-                                "gpu_units": int(core.engine.metrics(reset=False)["units/gpu"]),
-                                "nvme_to_host_owners": [owners[s.unit.index] for s in core.engine.states if homes[s.unit.index] == NVME and s.home == HOST],
-                                "off_home": sum(p.data_ptr() != home.data_ptr() for s in core.engine.states if s.home == HOST
-                                                for p, home in zip(s.unit.params, s.home_views))})
+                                "gpu_units": int(core.engine.metrics(reset=False)["units/gpu"])})
 
 
 def record_threads() -> dict[str, list[str]]:
