@@ -63,13 +63,24 @@ def test_ranks_sharing_one_copy_of_host_homes_match_ddp(tmp_path, plain_ddp, set
 
 def test_sharing_host_homes_changes_no_result_under_bf16_true(tmp_path):
     """Under bf16-true each owner writes its units' 16-bit parameters from their fp32 masters into
-    the one copy: the run is bit-identical to the ranks keeping a copy each."""
-    # one epoch: three steps per rank, each after the first reading what the owners wrote at the last
-    copies = launch(tmp_path / "copies", "--strategy", "tiered_ddp", "--epochs", "1", "--precision", "bf16-true")
-    shared = launch(tmp_path / "shared", "--strategy", "tiered_ddp", "--epochs", "1", "--precision", "bf16-true", "--share-homes")
+    the one copy: the run is bit-identical to the ranks keeping a copy each (in host memory
+    enough for every unit). The default policy with an NVMe tier: the profiled steps stream every
+    unit, each step after the first reading what the owners wrote at the last, and the searched
+    placement after them moves units from NVMe into the shared homes and from host memory into
+    the GPU tier. Only the first rank writes the homes' values; before, on the other rank the
+    value still to be read from its old file was given a tensor of its own off the home once the
+    engine was built, which the engine took for a value user code gave the parameter: the fp32
+    masters of the units that rank owns were taken again from their bf16 values, and the step
+    after the search came out a bf16 ulp off."""
+    recipe = ("--strategy", "tiered_ddp", "--epochs", "2", "--max-steps", "4", "--precision", "bf16-true", "--default-policy")
+    shared = launch(tmp_path / "shared", *recipe, "--share-homes", "--host-factor", "2.2", "--nvme", str(tmp_path / "nvme"))
+    copies = launch(tmp_path / "copies", *recipe)
     for rank in (0, 1):
+        assert len(shared[rank]["losses"]) == 4  # three profiled steps, one placed by the search
         assert shared[rank]["losses"] == copies[rank]["losses"], f"rank {rank}"
-        assert shared[rank]["metrics"]["tier/host_shared_bytes"] > 0 == copies[rank]["metrics"]["tier/host_shared_bytes"]
+        metrics = shared[rank]["metrics"]
+        assert metrics["tier/host_shared_bytes"] > 0 == copies[rank]["metrics"]["tier/host_shared_bytes"]
+        assert metrics["units/nvme"] > 0 and metrics["units/gpu"] > 0, metrics
     assert_same_weights(load(tmp_path / "copies" / "weights.pt"), load(tmp_path / "shared" / "weights.pt"))
 
 

@@ -251,6 +251,16 @@ class DeferredParameters:
         self._forget(p)
         return True
 
+    def written_elsewhere(self, p: torch.Tensor) -> bool:
+        """Another process writes a deferred parameter's value into the home it is bound to (the
+        host homes a machine's ranks share: its first rank writes them): nothing is computed or
+        read for it here, and it is no longer deferred; False if ``p`` holds its value. Left
+        deferred, ``materialize_all`` would give it a tensor of its own, off its home."""
+        if id(p) not in self.recipes:
+            return False
+        self._forget(p)
+        return True
+
     def defer_read(self, p: nn.Parameter, name: str, read: Callable[[], torch.Tensor]) -> None:
         """``p`` (holding a value of its own, or a placeholder) gives up its memory: its value is read
         by ``read`` when needed."""

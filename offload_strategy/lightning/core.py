@@ -388,7 +388,7 @@ class TieredCore:
                 optimizers=lightning.optimizers, direct_gradients=plan.direct_gradients,
                 checksums=self.policy.checksums, fp32_masters=self.keeps_fp32_masters(), data_parallel=self.ranks.data_parallel(sizes),
                 prefetch=self.policy.prefetch, state_factor=plan.model.state_factor, initial_value=self.deferred.fill,
-                freed_limit=self._freed_memory_limit(device),
+                freed_limit=self._freed_memory_limit(device), value_written_elsewhere=self.deferred.written_elsewhere,
             )
         except BaseException:
             device.close()

@@ -95,12 +95,16 @@ class TieredEngine:
         state_factor: float = 2.0,
         initial_value: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None,
         freed_limit: Optional[int] = None,
+        value_written_elsewhere: Optional[Callable[[torch.Tensor], bool]] = None,
     ) -> None:
         """``freed_limit``: the resident set above which freed memory is given back (``FreedHostMemory``),
         from the move of the values into their homes on."""
         self.model = model
-        # writes a parameter built without memory into its home (construction/deferred.py); False for the others
+        # writes a parameter built without memory (or left to be read from the last engine's
+        # files) into its home (construction/deferred.py); False for the others
         self._initial_value = initial_value or (lambda p, target: False)
+        # such a parameter's value another rank writes into the host home it shares: dropped here
+        self._value_written_elsewhere = value_written_elsewhere or (lambda p: False)
         refuse_dha_on_a_gpu(placement, device)
         self.device = device
         self.placement = placement
@@ -214,8 +218,19 @@ class TieredEngine:
         # files, at a re-placement) goes back before the next unit's, where over the budgets
         self.updater.freed.check()
 
+    def _written_elsewhere(self, s: UnitState, targets: list[torch.Tensor]) -> None:
+        """The unit's host home is shared and another rank writes its values: a parameter whose
+        value is still to be computed or read is not, here. Left pending, it would be given a
+        tensor of its own once the engine is built, off the home, and the engine would take that
+        for a value user code gave it and refresh the owner's fp32 masters from the 16-bit values
+        (a bf16 ulp off training with a copy each, where a unit left on NVMe by the last
+        placement joins the shared homes)."""
+        for p in s.unit.params:
+            self._value_written_elsewhere(p)
+
     def _move_to_homes(self) -> None:
-        self.cache.move_to_homes(self._write_values, self._writes_host_homes())
+        writes = self._writes_host_homes()
+        self.cache.move_to_homes(self._write_values, self._write_values if writes else self._written_elsewhere)
         if self.exchange is not None:
             self.exchange.homes_written()  # where ranks share host homes, none reads them before they hold their values
 

@@ -259,11 +259,8 @@ class PlanSession:
         assert planner is not None
         activations = self.activations
         # a layout the user fixed is measured in the first training forward as it runs: until then
-        # the parameters take their least share too, and the session places them after it. Not
-        # with host homes shared between ranks under fp32 masters: units that join the GPU tier
-        # when placed again after that step then train a bf16 ulp off DDP (test_ddp_shared_homes'
-        # NVMe, clipping and bf16-true case), which the first-use placement does not show
-        observed = activations.observing and not (self.ranks.share_host_homes and self._fp32_masters)
+        # the parameters take their least share too, and the session places them after it
+        observed = activations.observing
         measuring = activations.measuring or observed
         if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and measuring and activations.blocks):
             return placement, False

@@ -503,10 +503,13 @@ class UnitCache:
             s.host_copy.tensor[: buffer.numel()].copy_(buffer)
 
     @torch.no_grad()
-    def move_to_homes(self, write_values: Callable[[UnitState, list[torch.Tensor]], None], writes_host: bool) -> None:
+    def move_to_homes(
+        self, write_values: Callable[[UnitState, list[torch.Tensor]], None], write_host_values: Callable[[UnitState, list[torch.Tensor]], None],
+    ) -> None:
         """Set-up: each unit's values written at its home (``write_values``: into the tensors
-        given; host homes only where ``writes_host``), its parameters pointed there (an NVMe unit's
-        at placeholders of the right shape holding no memory)."""
+        given; host homes through ``write_host_values``, which where another rank writes shared
+        homes writes nothing), its parameters pointed there (an NVMe unit's at placeholders of
+        the right shape holding no memory)."""
         ctx = self.ctx
         for s in ctx.states:
             if s.home == GPU:
@@ -515,8 +518,7 @@ class UnitCache:
                 self.bind(s, targets)
                 s.bound = True
             elif s.home == HOST:
-                if writes_host:
-                    write_values(s, s.home_views)
+                write_host_values(s, s.home_views)
                 self.bind(s, s.home_views)
             else:
                 self._write_to_nvme(s, write_values)
