@@ -344,7 +344,8 @@ class PlanSession:
             )
         else:
             return
-        self._replace(rules, share, None, self.context.engine is None)
+        # from the least share, everything may fit again beside the layout: no engine then
+        self._replace(rules, share, None, self.profiling_placement or self.context.engine is None)
 
     def _plan_when_warm(self, rules: PlanningRules, warm: bool) -> None:
         planner = self.planner

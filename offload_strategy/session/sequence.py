@@ -76,11 +76,11 @@ def profiling_share(planner: Planner, placement: Placement, together: list[list[
     NVMe hold the rest beside (the fewest buffers), ``placement`` (the first-use one in
     ``gpu_bytes``) where that is no smaller or refused; ``placement`` too where the search does
     not run (unless the parameters are ``placed_after`` the profiled step whatever the policy: a
-    layout the user fixed, and something offloaded) or a unit has nothing to train. A
-    ``placement`` that offloads nothing is no exception under the search: every parameter in the
-    GPU tier leaves the profiled steps' activations, not yet measured, only what the parameters
-    do not take. Returns it and whether it is the profiling one."""
-    if not (planner.searching or (placed_after and placement.offloaded)) or any(not size.trainable_bytes for size in planner.units.sizes):
+    layout the user fixed) or a unit has nothing to train. A ``placement`` that offloads nothing
+    is no exception: every parameter in the GPU tier leaves the profiled steps' activations, not
+    yet measured, only what the parameters do not take. Returns it and whether it is the
+    profiling one."""
+    if not (planner.searching or placed_after) or any(not size.trainable_bytes for size in planner.units.sizes):
         # a unit with nothing to train that the model's own checkpointing recomputes stays in the
         # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
         # a model's own checkpointing may show itself only in its first backward: the fewest
