@@ -12,6 +12,7 @@ the tier as before."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,6 +25,7 @@ from offload_strategy.estimate.live_bytes import LiveBytes
 from offload_strategy.session.plans import TIMED_STEPS, WARM_UP_STEPS
 from tests.helpers import assert_same_weights, train
 from tests.test_activation_budget import Stack, fit
+from tests.test_fixed_layout_budget import Backwards
 from tests.test_offload import GPT2_4L
 from tests.test_one_planning_sequence import _replayed, _run
 
@@ -168,3 +170,19 @@ def test_the_first_steps_keep_every_parameter_where_none_can_stream(tmp_path: Pa
     beside them, it is refused before any update, as the least share is every parameter)."""
     steps = _fixed(tmp_path, layout, WITH_ROOM, batch=8, host_memory=host_memory, make=make)
     assert not any(engine for _, _, engine in steps), steps
+
+
+def test_a_fixed_layout_that_cannot_fit_beside_the_least_share_is_refused_before_any_update(tmp_path: Path) -> None:
+    """Eight kept blocks at batch 400 (4.8 MiB) beside even the fewest buffers pass 4.50 MiB:
+    refused before backward with the numbers, the forward that measured them run beside the
+    parameters' least share (before, beside all 4.04 MiB of them)."""
+    backwards = Backwards()
+    strategy = TieredStrategy(policy={"activations": "keep"}, gpu_memory=ALL_FIT, host_memory="256MiB")
+    with pytest.raises(ValueError, match=r"the activation layout policy.activations fixes \(8 keep, 8 blocks\) holds") as refused:
+        fit(strategy, tmp_path, batch=400, steps=2, callbacks=(backwards,))
+    assert backwards.count == 0, "a backward ran before the refusal"
+    message = str(refused.value)
+    number, unit = re.search(r"as placed they take ([\d.]+) (KiB|MiB)", message).groups()
+    placed = float(number) * {"KiB": 1024, "MiB": 2**20}[unit]
+    assert placed < _all_bytes(Stack()) / 4, message
+    assert "gpu_memory to at least" in message, message
