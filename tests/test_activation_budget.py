@@ -145,6 +145,11 @@ def test_activations_no_layout_fits_are_refused_after_the_first_block_with_a_bat
     assert_trains_like_plain(tmp_path / "gpu", named_gpu_memory(message), batch=100)
 
 
+# no search, so no profiling placement: a run whose parameters all fit starts without an engine
+# (under the search its profiled steps stream them, tests/test_profiling_fits.py)
+FILL = {"name": "auto", "placement": "fill"}
+
+
 def test_the_first_engine_built_between_steps_steps_the_batch_it_was_built_in(tmp_path):
     """Parameters, gradients and Adam states (4.0 MiB) fit 6.5 MiB at set-up: no engine. At batch
     1,000 the activations measured by the first three steps do not fit beside them, so the fourth
@@ -152,7 +157,7 @@ def test_the_first_engine_built_between_steps_steps_the_batch_it_was_built_in(tm
     had handed the step to the plain optimizer: that step's update was lost (Adam's step count 3
     after 4 steps) and every weight diverged, silently. Planning now runs before the closure."""
     plain = fit("auto", tmp_path / "plain", batch=1000, steps=5)
-    tiered = fit(TieredStrategy(gpu_memory="6656KiB", host_memory="256MiB"), tmp_path / "tiered", batch=1000, steps=5)
+    tiered = fit(TieredStrategy(gpu_memory="6656KiB", host_memory="256MiB", policy=FILL), tmp_path / "tiered", batch=1000, steps=5)
     assert tiered.losses == plain.losses
     assert_same_weights(plain.state_dict(), tiered.state_dict())
 
@@ -162,7 +167,7 @@ def test_a_run_told_everything_fits_hears_why_the_units_move_when_the_activation
     activations, and the next showed every unit in host memory as if the first had been wrong. Now
     the first line says it holds unless the activations do not fit, and the move is announced with
     the share the parameters get."""
-    fit(TieredStrategy(gpu_memory="6656KiB", host_memory="256MiB"), tmp_path, batch=1000, steps=4)
+    fit(TieredStrategy(gpu_memory="6656KiB", host_memory="256MiB", policy=FILL), tmp_path, batch=1000, steps=4)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tiered:")]
     assert said[0].startswith("tiered: everything fits") and "unless the activations the first training step measures" in said[0]
     assert said[1].startswith("tiered: the activations measured in the first training steps do not fit"), said

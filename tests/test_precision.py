@@ -104,7 +104,8 @@ def test_true_precision_keeps_fp32_masters_when_everything_fits(tmp_path, precis
     or without them depending on gpu_memory. The engine now keeps the masters in the GPU tier."""
     reference_losses, reference_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=FP32MasterLM, precision=precision)
     homes = Homes()
-    strategy = TieredStrategy(gpu_memory="1GiB", host_memory="1GiB")
+    # placement fill: the search's profiled steps would stream the units while they measure the activations
+    strategy = TieredStrategy(gpu_memory="1GiB", host_memory="1GiB", policy={"name": "auto", "placement": "fill"})
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,))
     assert homes.homes == {"gpu"} and homes.master_dtypes == {torch.float32}
     assert losses == reference_losses

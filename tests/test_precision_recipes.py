@@ -77,7 +77,9 @@ def test_clipping_by_value_under_true_precisions_matches_plain(tmp_path, precisi
     torch's clip_grad_value_ failed on the empty list in the first step."""
     clipping = dict(gradient_clip_val=0.002, gradient_clip_algorithm="value")
     reference_losses, reference_weights, _ = train("auto", tmp_path / "plain", epochs=1, make_model=FP32MasterLM, precision=precision, **clipping)
-    strategy = tiers(tmp_path / "nvme", precision) if placement == "tiers" else TieredStrategy(gpu_memory="1GiB", host_memory="1GiB")
+    # resident: placement fill, whose profiled steps keep every unit in the GPU tier (the search's stream them)
+    resident = TieredStrategy(gpu_memory="1GiB", host_memory="1GiB", policy={"name": "auto", "placement": "fill"})
+    strategy = tiers(tmp_path / "nvme", precision) if placement == "tiers" else resident
     homes = Homes()
     losses, weights, _ = train(strategy, tmp_path / "tiered", epochs=1, make_model=gpt2_4l, precision=precision, extra_callbacks=(homes,), **clipping)
     assert homes.homes == ({"gpu", "host", "nvme"} if placement == "tiers" else {"gpu"})

@@ -29,9 +29,10 @@ class _ReplaceAtSteps(L.Callback):
 
 def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, monkeypatch):
     """Also: every engine copies on the run's two copy streams (tests/test_copy_streams.py), here
-    the emulated device's two copy threads, not two new ones per engine. Three engines: none in the
-    first step (everything fits the whole tier while it measures the kept layout), the one placed
-    beside the layout after it, and one after each of steps 2 and 3."""
+    the emulated device's two copy threads, not two new ones per engine. Four engines: the first
+    step's (everything fits the whole tier, not beside the kept layout it measures: the parameters
+    stream through their least share meanwhile), the one placed beside the layout after it, and
+    one after each of steps 2 and 3."""
     freed: list[list[bool]] = []  # per engine built: [arena freed, slab freed, engine gone]
     engines: list[weakref.ref] = []
     seen_at_build: list[list[list[bool]]] = []
@@ -60,11 +61,11 @@ def test_a_replacement_frees_the_old_arena_and_slab_before_allocating(tmp_path, 
     finally:
         if enabled:
             gc.enable()
-    assert len(seen_at_build) == 4 and len(freed) == 3  # the first step's placement built none
+    assert len(seen_at_build) == 4 and len(freed) == 4
     # at each re-placement, every earlier engine's arena and slab are gone already
-    for built, seen in enumerate(seen_at_build[1:]):
+    for built, seen in enumerate(seen_at_build):
         assert seen == [[True, True, True]] * built, built
-    assert len(copy_threads) == 3 and all(threads == copy_threads[0] for threads in copy_threads[1:])
+    assert len(copy_threads) == 4 and all(threads == copy_threads[0] for threads in copy_threads[1:])
     streams = copy_threads[0][-1]
     assert streams.closed and not any(t.is_alive() for t in copy_threads[0][:-1])  # the run's teardown closed them
 
@@ -120,13 +121,17 @@ def test_host_homes_leave_the_slab_unit_by_unit_when_the_engine_closes(tmp_path,
     release = HostSlab.release
     monkeypatch.setattr(HostSlab, "release", lambda slab, view: released.append(release(slab, view)) or released[-1])
     homes: list[int] = []
+    seen: weakref.WeakSet = weakref.WeakSet()  # the engines whose homes are counted (the first step's, then the one placed after it)
 
     class Watch(L.Callback):
-        def on_train_end(self, trainer, pl_module) -> None:
-            # each home starts on a page: its whole pages go
-            homes.extend(s.unit.nbytes // PAGE_BYTES * PAGE_BYTES for s in trainer.strategy.tiered.engine.states if s.home == HOST)
+        def on_train_batch_end(self, trainer, *args) -> None:  # (an engine placed again between steps is built in the step)
+            engine = trainer.strategy.tiered.engine
+            if engine is not None and engine not in seen:
+                seen.add(engine)
+                # each home starts on a page: its whole pages go
+                homes.extend(s.unit.nbytes // PAGE_BYTES * PAGE_BYTES for s in engine.states if s.home == HOST)
 
     strategy = TieredStrategy(gpu_memory=80 * 1024 + KEPT_PEAK, host_memory="1GiB", policy=PARAMETERS_ONLY)
     train(strategy, tmp_path, epochs=1, max_steps=2, extra_callbacks=(Watch(),))
-    assert len(homes) > 10 and sum(homes) > 0
+    assert len(seen) == 0 and len(homes) > 10 and sum(homes) > 0  # both engines closed and gone
     assert sorted(released) == sorted(homes)

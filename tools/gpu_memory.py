@@ -1,7 +1,8 @@
 """The CUDA caching allocator's peaks against the plan's GPU tier, step by step: a GPT-2 whose
 blocks are all checkpointed (recomputed in backward), part of it streamed through a GPU tier of
 ``--gpu-memory``, under ``32-true`` and then ``bf16-mixed``, with the parameters placed again
-(a new engine, as a dynamic-padding growth makes one) after ``--replace-after`` steps.
+(a new engine, as a dynamic-padding growth makes one) after ``--replace-after`` steps;
+``--policy default`` runs the default policy instead (its profiled steps, then its plan).
 
     python tools/gpu_memory.py                          # 12 layers x 1024, batch 8 x 1024, gpu_memory 1GiB
 
@@ -31,7 +32,7 @@ import os
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -45,6 +46,9 @@ from offload_strategy.demos import gpt2_config
 from tools.common import StepTimer, add_run_arguments, fit
 
 PRECISIONS = ("32-true", "bf16-mixed")
+# every block checkpointed, the first units resident as far as the tier allows (a layout the user
+# fixes); or the default policy: the profiled steps, then the search and the layout they plan
+POLICIES: dict[str, Union[str, dict[str, str]]] = {"checkpoint": {"name": "auto", "placement": "fill", "activations": "checkpoint"}, "default": "auto"}
 
 
 def _allocated(cuda: bool) -> Optional[int]:
@@ -128,7 +132,7 @@ def run(precision: str, args: argparse.Namespace, root: str) -> MemoryRows:
     if cuda:
         torch.cuda.empty_cache()  # the other precision's cache gone: each run's reserved bytes its own
     rows = MemoryRows(precision, cuda, args.replace_after)
-    strategy = TieredStrategy(gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"), policy={"name": "auto", "placement": "fill", "activations": "checkpoint"})
+    strategy = TieredStrategy(gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"), policy=POLICIES[args.policy])
     fit(strategy, gpt2_config(args.layers, args.width, positions=args.seq_len), args, Path(root) / precision, StepTimer(), args.steps,
         precision=precision, callbacks=[rows])
     return rows
@@ -149,6 +153,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--gpu-memory", default="1GiB", help="the GPU tier")
     parser.add_argument("--replace-after", type=int, default=3, help="steps before the parameters are placed again")
     parser.add_argument("--precision", nargs="+", default=list(PRECISIONS))
+    parser.add_argument("--policy", choices=list(POLICIES), default="checkpoint",
+                        help="checkpoint: every block checkpointed, placement fill; default: the strategy's default policy")
     add_device_argument(parser)
     return parser.parse_args(argv)
 
@@ -156,7 +162,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse(argv)
     args.accelerator = "gpu" if args.device == "cuda" else "cpu"
-    print(f"GPT-2 {args.layers} layers x {args.width} wide, batch {args.batch_size} x {args.seq_len}, every block checkpointed, gpu_memory "
+    layout = "every block checkpointed" if args.policy == "checkpoint" else "the default policy"
+    print(f"GPT-2 {args.layers} layers x {args.width} wide, batch {args.batch_size} x {args.seq_len}, {layout}, gpu_memory "
           f"{args.gpu_memory}, placed again after step {args.replace_after}, on {args.device}\n")
     print("| precision | step | allocated at its start | peak allocated | peak reserved | engine's arena | plan: parameters as placed "
           "| plan: activations kept, backward's gradients | plan | gpu_memory | peak / plan | peak / gpu_memory |")

@@ -232,6 +232,8 @@ class PlanSession:
         together = planner.working_groups(policies, model=model) if rules.training else list(model.co_resident)  # no recompute without gradients
         gpu_bytes = budgets.gpu if gpu_bytes is None else gpu_bytes
         placement = planner.place(model, gpu_bytes, together, activations_auto=self.activations.auto)
+        # before the everything-fits case: the profiled steps' activations, not measured yet, come beside the parameters
+        placement, profiling = self._profiling_placement(placement, rules, together, gpu_bytes)
         # under *-true 16-bit precisions the engine keeps fp32 masters even with nothing offloaded:
         # without it the same recipe trained with or without masters depending on gpu_memory
         if not placement.offloaded and not self.ranks.engine_when_all_fits and not self._fp32_masters:
@@ -239,7 +241,6 @@ class PlanSession:
             self._fitted_trainable = {id(p) for p in module.parameters() if p.requires_grad}
             self.in_use = None
             return None
-        placement, profiling = self._profiling_placement(placement, rules, together, gpu_bytes)
         plan = Plan(placement, tuple(policies), gpu_bytes, None, model, units, users,
                     self._direct_gradients(model.sizes, placement), profiling=profiling)
         self.in_use, self._order_profiled = plan, False
@@ -340,7 +341,8 @@ class PlanSession:
             )
         else:
             return
-        self._replace(rules, share, None, self.context.engine is None)
+        # from the least share, everything may fit again beside the layout: no engine then
+        self._replace(rules, share, None, self.profiling_placement or self.context.engine is None)
 
     def _plan_when_warm(self, rules: PlanningRules, warm: bool) -> None:
         planner = self.planner
@@ -638,12 +640,16 @@ class PlanSession:
         return "; activations per block: " + (" ".join(BlockPolicy(p).letter for p in policies) if policies else "no repeated blocks")
 
     def _everything_fits(self, placement: Placement, gpu_bytes: int, rules: PlanningRules) -> str:
+        budgets = self.context.budgets
+        assert budgets is not None
+        share = "" if gpu_bytes >= budgets.gpu else f"the {format_bytes(gpu_bytes)} the activations leave of "
         said = (
             f"tiered: everything fits in the GPU tier ({format_bytes(placement.gpu_bytes)} of parameters, gradients and optimizer "
-            f"states in gpu_memory={format_bytes(gpu_bytes)}): nothing is offloaded, training runs as on a single device"
+            f"states in {share}gpu_memory={format_bytes(budgets.gpu)}): nothing is offloaded, training runs as on a single device"
         )
         blocks = f" Blocks: {self.activations.described_blocks}."
-        if rules.training and self.activations.auto and self.activations.blocks:
+        measured = self.phase not in (SessionPhase.INITIAL, SessionPhase.PROFILING)  # placed beside the layout the profiled steps chose
+        if rules.training and self.activations.auto and self.activations.blocks and not measured:
             # the activations are not known yet: a user told "nothing is offloaded" and then shown
             # every unit in host memory after the first step took the two lines for a contradiction
             return said + (

@@ -74,11 +74,13 @@ def profiling_share(planner: Planner, placement: Placement, together: list[list[
                     placed_after: bool = False) -> tuple[Placement, bool]:
     """The placement the profiled steps run: the parameters in the least share host memory and
     NVMe hold the rest beside (the fewest buffers), ``placement`` (the first-use one in
-    ``gpu_bytes``) where that is no smaller or refused; ``placement`` too where nothing is
-    offloaded, the search does not run (unless the parameters are ``placed_after`` the profiled
-    step whatever the policy: a layout the user fixed), or a unit has nothing to train. Returns it
-    and whether it is the profiling one."""
-    if not (placement.offloaded and (planner.searching or placed_after)) or any(not size.trainable_bytes for size in planner.units.sizes):
+    ``gpu_bytes``) where that is no smaller or refused; ``placement`` too where the search does
+    not run (unless the parameters are ``placed_after`` the profiled step whatever the policy: a
+    layout the user fixed) or a unit has nothing to train. A ``placement`` that offloads nothing
+    is no exception: every parameter in the GPU tier leaves the profiled steps' activations, not
+    yet measured, only what the parameters do not take. Returns it and whether it is the
+    profiling one."""
+    if not (planner.searching or placed_after) or any(not size.trainable_bytes for size in planner.units.sizes):
         # a unit with nothing to train that the model's own checkpointing recomputes stays in the
         # GPU tier until the step ends (``RecomputeHolds`` lets go only this runtime's blocks'), and
         # a model's own checkpointing may show itself only in its first backward: the fewest
@@ -223,7 +225,8 @@ def plan_from_profile(
         # the profiled steps stop where no layout fits even beside the parameters' smallest share
         planner.refuse_unfitting_activations(profile.blocks, layout_planner, run.running, measured, profile.beside, running=run.running)
     profiled = run.placement
-    searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if search and planner.searching and first.offloaded else None
+    # the session searches where an engine runs the profiled steps: something offloaded in them
+    searched = _search(run, profile, machine, joint=measuring and layout_planner == "auto") if search and planner.searching and profiled.offloaded else None
     layout = _lay_out(run, profile, machine, searched, layout_planner) if measuring and layout_planner is not None else None
     return SequencePlan(run.placement, layout, run.gpu_for_parameters, profiled, searched)
 
