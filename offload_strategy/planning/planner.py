@@ -371,10 +371,11 @@ class Planner:
         """The first-use placement in ``gpu_bytes`` of the GPU tier (for the rank ``sharding``
         places for, this one's by default); None where a budget refuses it."""
         model, budgets = self.units, self.budgets
+        sharding = sharding if sharding is not None else model.sharding
         try:
             return place_units(
                 model.sizes, groups, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
-                sharding=sharding if sharding is not None else model.sharding, prefetch=self.policy.prefetch, gradients_until_update=model.gradients_until_update,
+                sharding=sharding, prefetch=self.policy.prefetch, gradients_until_update=model.gradients_until_update,
                 spill_gradients=model.spill_gradients, host_reserve=self.host_reserve,
             )
         except PlacementError:
