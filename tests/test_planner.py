@@ -187,3 +187,17 @@ def test_the_least_share_of_the_gpu_tier_holds_on_every_rank_under_sharded_state
         placement = planner.place(units, share, groups, False)
         placed.append((share, {i for i, home in placement.home.items() if home == GPU}))
     assert placed[0] == placed[1] == (20892, {1}), placed
+
+
+def test_searched_units_fall_back_to_the_first_use_placement_on_every_rank_alike():
+    # The same ranks in 20000 bytes of host memory, the search keeping units 0 and 1 resident:
+    # rank 0's host memory holds the rest beside them, rank 1's does not, and rank 1 alone fell
+    # back to the first-use placement (every unit resident) before, rank 0 keeping two.
+    placed = []
+    for rank in (0, 1):
+        units = dataclasses.replace(model((4096, 1024, 1024, 1024)), sharding=Sharding({0: 0, 1: 1, 2: 1, 3: 1}, rank, 2))
+        planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=1 << 20, host=20_000, nvme=0), has_nvme=False, model=units)
+        planner.keep_resident([0, 1, 2, 3], 2, set(), 30_000, 0)
+        placement = planner.place(units, 30_000, [[i] for i in range(4)], False)
+        placed.append({i for i, home in placement.home.items() if home == GPU})
+    assert placed[0] == placed[1] == {0, 1, 2, 3}, placed

@@ -209,13 +209,23 @@ class Planner:
         """``place_units`` within the budgets; a refusal says what the policy and the blocks add."""
         model, budgets = self.units, self.budgets
 
-        def place(persistent: Optional[frozenset[int]] = None) -> Placement:
+        def place_for(sharding: Optional[Sharding], persistent: Optional[frozenset[int]]) -> Placement:
             return place_units(
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
-                all_on_gpu=self.policy.name == "none", homes=homes, sharding=model.sharding, prefetch=self.policy.prefetch, persistent=persistent,
+                all_on_gpu=self.policy.name == "none", homes=homes, sharding=sharding, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
                 buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None, host_reserve=self.host_reserve,
             )
+
+        def place(persistent: Optional[frozenset[int]] = None) -> Placement:
+            mine, *others = _every_rank(model.sharding)
+            placement = place_for(mine, persistent)
+            for sharding in others:  # the searched units fall back, or a refusal is raised, on every rank alike
+                try:
+                    place_for(sharding, persistent)
+                except PlacementError as error:
+                    raise _on_rank(sharding, error) from None
+            return placement
 
         resident = self.resident.units if self.resident is not None and homes is None else None
         try:
@@ -544,6 +554,12 @@ class Planner:
 def _moved_out(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
     """The bytes a layout keeps out of the GPU tier from forward to backward (host memory or NVMe)."""
     return sum(c.host_bytes(p) for c, p in zip(costs, layout))
+
+
+def _on_rank(sharding: Optional[Sharding], error: PlacementError) -> PlacementError:
+    """Another rank's refusal, naming that rank."""
+    rank = sharding.rank if sharding is not None else 0
+    return PlacementError(f"on rank {rank} (each rank holds its own units' optimizer states): {error}", error.nvme_needed, error.tier)
 
 
 def _every_rank(sharding: Optional[Sharding]) -> list[Optional[Sharding]]:
