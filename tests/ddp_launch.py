@@ -57,13 +57,14 @@ def _meeting_point() -> dict[str, str]:
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def launch(out: Path, *args: str) -> dict[int, dict]:
+def launch(out: Path, *args: str, timeout: float = 300) -> dict[int, dict]:
     """Run the job with every rank started at once, as ``torchrun`` starts them (the job's
-    ``--devices`` ranks, two unless the arguments say otherwise); return each rank's report."""
+    ``--devices`` ranks, two unless the arguments say otherwise); return each rank's report
+    (an assertion error, with the first rank's log, past ``timeout`` seconds)."""
     ranks = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
     meet = _meeting_point()
     envs = [{**meet, "LOCAL_RANK": str(r), "NODE_RANK": "0"} for r in range(ranks)] if ranks > 1 else [{}]
-    return _start(out, args, envs, timeout=300)
+    return _start(out, args, envs, timeout=timeout)
 
 
 def launch_by_lightning(out: Path, *args: str) -> dict[int, dict]:

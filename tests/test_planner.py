@@ -1,13 +1,16 @@
 """The planner object: its phases and decisions on cases small enough to work out by hand."""
 
+import dataclasses
+
 import pytest
 
 from offload_strategy.config import PolicyConfig
 from offload_strategy.planning.activations import BlockCost, Links
-from offload_strategy.planning.placement import PlacementError, UnitSize
+from offload_strategy.planning.placement import GPU, PlacementError, UnitSize
 from offload_strategy.planning.cost_model import Machine
 from offload_strategy.planning.planner import ModelUnits, Planner, TierBudgets
 from offload_strategy.planning.profile import StepProfile, hold_spikes
+from offload_strategy.planning.sharding import Sharding
 
 
 def model(sizes=(100, 100, 100), blocks=()) -> ModelUnits:
@@ -168,3 +171,33 @@ def test_the_layout_chosen_after_placing_again_recomputes_only_blocks_placed_tog
         control.links, control.gpu_parameter_bytes, control.host_left = (lambda: None), (lambda: 0), (lambda: 0)
         control.choose_layout_beside([])
         assert control.plan == expected, (offered, control.plan)
+
+
+def test_the_least_share_of_the_gpu_tier_holds_on_every_rank_under_sharded_states():
+    # Two ranks, rank 0 keeping the 4096-byte unit's states, rank 1 the three 1024-byte units'.
+    # In 42000 bytes of host memory, rank 0 holds the rest of the parameters beside the fewest
+    # buffers (8192 bytes of the GPU tier), rank 1 only with unit 1 resident (20892). Each rank
+    # placed in its own least share before, and the two kept different units in the GPU tier
+    # (whose gradients are all-reduced): both now place in the larger, alike.
+    groups, placed = [[i] for i in range(4)], []
+    for rank in (0, 1):
+        units = dataclasses.replace(model((4096, 1024, 1024, 1024)), sharding=Sharding({0: 0, 1: 1, 2: 1, 3: 1}, rank, 2))
+        planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=1 << 20, host=42_000, nvme=0), has_nvme=False, model=units)
+        share = planner.least_parameter_share(groups)
+        placement = planner.place(units, share, groups, False)
+        placed.append((share, {i for i, home in placement.home.items() if home == GPU}))
+    assert placed[0] == placed[1] == (20892, {1}), placed
+
+
+def test_searched_units_fall_back_to_the_first_use_placement_on_every_rank_alike():
+    # The same ranks in 20000 bytes of host memory, the search keeping units 0 and 1 resident:
+    # rank 0's host memory holds the rest beside them, rank 1's does not, and rank 1 alone fell
+    # back to the first-use placement (every unit resident) before, rank 0 keeping two.
+    placed = []
+    for rank in (0, 1):
+        units = dataclasses.replace(model((4096, 1024, 1024, 1024)), sharding=Sharding({0: 0, 1: 1, 2: 1, 3: 1}, rank, 2))
+        planner = Planner(PolicyConfig(placement="search"), TierBudgets(gpu=1 << 20, host=20_000, nvme=0), has_nvme=False, model=units)
+        planner.keep_resident([0, 1, 2, 3], 2, set(), 30_000, 0)
+        placement = planner.place(units, 30_000, [[i] for i in range(4)], False)
+        placed.append({i for i, home in placement.home.items() if home == GPU})
+    assert placed[0] == placed[1] == {0, 1, 2, 3}, placed

@@ -18,7 +18,7 @@ import dataclasses
 import gc
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -92,6 +92,10 @@ class Ranks(Protocol):
     def largest_on_every_rank(self, value: int) -> int:
         """The largest of every rank's ``value`` (each rank's batch may differ)."""
 
+    def check_same_on_every_rank(self, what: str, choice: Hashable) -> None:
+        """A decision every rank must take alike, taken by each alone: an error on every rank,
+        naming each rank's ``choice``, where any differs (``what``: the decision, in words)."""
+
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         """How this backward's gradients are reduced across ranks (see ``GradientExchange``)."""
 
@@ -129,6 +133,9 @@ class OneProcess:
 
     def largest_on_every_rank(self, value: int) -> int:
         return value
+
+    def check_same_on_every_rank(self, what: str, choice: Hashable) -> None:
+        return None
 
     def gradient_reduction(self, accumulating: bool, needs_all_gradients: bool) -> Optional[Reduction]:
         return None

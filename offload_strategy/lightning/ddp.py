@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -326,6 +327,20 @@ class DataParallelRanks:
         largest = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.process_groups()[2])
         return int(largest.item())
+
+    def check_same_on_every_rank(self, what: str, choice: Hashable) -> None:
+        if self.strategy.world_size == 1 or not dist.is_initialized():
+            return
+        every: list[Any] = [None] * self.strategy.world_size
+        dist.all_gather_object(every, choice, group=self.process_groups()[2])
+        differ = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+        if differ:
+            raise RuntimeError(
+                f"tiered_ddp: the ranks disagree on {what}, which every rank must choose alike (the collectives would wait on each "
+                f"other forever): rank 0 chose {every[0]}, rank {differ[0]} {every[differ[0]]}"
+                f"{f' ({len(differ)} ranks differ from rank 0)' if len(differ) > 1 else ''}. This is a bug in the placement: "
+                f"please report it with this run's log and budgets."
+            )
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], engine: Optional[TieredEngine]) -> None:
         """Under sharded states each rank's old engine handed over its own units' states only, and

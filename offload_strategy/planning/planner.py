@@ -209,13 +209,23 @@ class Planner:
         """``place_units`` within the budgets; a refusal says what the policy and the blocks add."""
         model, budgets = self.units, self.budgets
 
-        def place(persistent: Optional[frozenset[int]] = None) -> Placement:
+        def place_for(sharding: Optional[Sharding], persistent: Optional[frozenset[int]]) -> Placement:
             return place_units(
                 model.sizes, together, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
-                all_on_gpu=self.policy.name == "none", homes=homes, sharding=model.sharding, prefetch=self.policy.prefetch, persistent=persistent,
+                all_on_gpu=self.policy.name == "none", homes=homes, sharding=sharding, prefetch=self.policy.prefetch, persistent=persistent,
                 gradients_until_update=model.gradients_until_update, spill_gradients=model.spill_gradients,
                 buffer_per_unit=self.policy.placement == PlacementMode.OFFLOAD_STATES and self.plan is None, host_reserve=self.host_reserve,
             )
+
+        def place(persistent: Optional[frozenset[int]] = None) -> Placement:
+            mine, *others = _every_rank(model.sharding)
+            placement = place_for(mine, persistent)
+            for sharding in others:  # the searched units fall back, or a refusal is raised, on every rank alike
+                try:
+                    place_for(sharding, persistent)
+                except PlacementError as error:
+                    raise _on_rank(sharding, error) from None
+            return placement
 
         resident = self.resident.units if self.resident is not None and homes is None else None
         try:
@@ -330,7 +340,8 @@ class Planner:
         """The least of the GPU tier the parameters can be placed in, ``groups`` of units used
         together: the fewest streaming buffers those groups need, where host memory and NVMe hold
         what that leaves out; else the least share whose placement they hold (bisected: a larger
-        share keeps more units resident, leaving them less). The profiling placement, the layout
+        share keeps more units resident, leaving them less); under sharded states, on every rank
+        (each holds its own units' states, and the ranks must place alike). The profiling placement, the layout
         that places the parameters again and the refusals that name a minimum all count with it,
         so that a budget accepted at set-up is not refused by the placement after the profiled
         steps. Where the first-use placement does not choose the homes (a plan file, a placement
@@ -344,26 +355,37 @@ class Planner:
         known = self._least_shares.get(key)
         if known is not None and known[0] is model:
             return known[1]
-        least, most = smallest, self.budgets.gpu
-        if not self._holds(groups, least) and self._holds(groups, most):
-            while most - least > DEVICE_SLOT_ALIGNMENT:  # ``least`` is refused, ``most`` held
-                middle = (least + most) // 2
-                least, most = (least, middle) if self._holds(groups, middle) else (middle, most)
-            least = most
+        least = smallest
+        for sharding in _every_rank(model.sharding):  # this rank's first: the others' mostly hold at its least
+            least = self._least_held(groups, least, sharding)
         self._least_shares[key] = (model, least)
         return least
 
-    def _holds(self, groups: list[list[int]], gpu_bytes: int) -> bool:
-        """Whether the first-use placement in ``gpu_bytes`` of the GPU tier fits every budget."""
-        return self._first_use(groups, gpu_bytes) is not None
+    def _least_held(self, groups: list[list[int]], least: int, sharding: Optional[Sharding]) -> int:
+        """The least share from ``least`` up whose first-use placement the rank ``sharding`` places
+        for holds (bisected); ``least`` where even the whole budget is refused."""
+        most = self.budgets.gpu
+        if self._holds(groups, least, sharding) or not self._holds(groups, most, sharding):
+            return least
+        while most - least > DEVICE_SLOT_ALIGNMENT:  # ``least`` is refused, ``most`` held
+            middle = (least + most) // 2
+            least, most = (least, middle) if self._holds(groups, middle, sharding) else (middle, most)
+        return most
 
-    def _first_use(self, groups: list[list[int]], gpu_bytes: int) -> Optional[Placement]:
-        """The first-use placement in ``gpu_bytes`` of the GPU tier; None where a budget refuses it."""
+    def _holds(self, groups: list[list[int]], gpu_bytes: int, sharding: Optional[Sharding]) -> bool:
+        """Whether the first-use placement in ``gpu_bytes`` of the GPU tier fits every budget of
+        the rank ``sharding`` places for."""
+        return self._first_use(groups, gpu_bytes, sharding) is not None
+
+    def _first_use(self, groups: list[list[int]], gpu_bytes: int, sharding: Optional[Sharding] = None) -> Optional[Placement]:
+        """The first-use placement in ``gpu_bytes`` of the GPU tier (for the rank ``sharding``
+        places for, this one's by default); None where a budget refuses it."""
         model, budgets = self.units, self.budgets
+        sharding = sharding if sharding is not None else model.sharding
         try:
             return place_units(
                 model.sizes, groups, gpu_bytes=gpu_bytes, host_bytes=budgets.host, nvme_bytes=budgets.nvme, state_factor=model.state_factor,
-                sharding=model.sharding, prefetch=self.policy.prefetch, gradients_until_update=model.gradients_until_update,
+                sharding=sharding, prefetch=self.policy.prefetch, gradients_until_update=model.gradients_until_update,
                 spill_gradients=model.spill_gradients, host_reserve=self.host_reserve,
             )
         except PlacementError:
@@ -532,3 +554,19 @@ class Planner:
 def _moved_out(costs: Sequence[BlockCost], layout: Sequence[str]) -> int:
     """The bytes a layout keeps out of the GPU tier from forward to backward (host memory or NVMe)."""
     return sum(c.host_bytes(p) for c, p in zip(costs, layout))
+
+
+def _on_rank(sharding: Optional[Sharding], error: PlacementError) -> PlacementError:
+    """Another rank's refusal, naming that rank."""
+    rank = sharding.rank if sharding is not None else 0
+    return PlacementError(f"on rank {rank} (each rank holds its own units' optimizer states): {error}", error.nvme_needed, error.tier)
+
+
+def _every_rank(sharding: Optional[Sharding]) -> list[Optional[Sharding]]:
+    """Every rank's view of the sharded states, this rank's first (``[None]`` without sharding).
+    Each rank keeps the states of its own units, so the host memory a share of the GPU tier leaves
+    them differs from rank to rank; the ranks must place alike in the GPU tier all the same (its
+    units' gradients are all-reduced), so a share is the least only where it holds on every rank."""
+    if sharding is None:
+        return [None]
+    return [sharding, *(sharding.as_rank(r) for r in range(sharding.world_size) if r != sharding.rank)]

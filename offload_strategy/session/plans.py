@@ -98,6 +98,7 @@ class PlanningRanks(Protocol):
     def sharding(self, sizes: list[UnitSize], gradients_sent: bool) -> Optional[Sharding]: ...
     def same_on_every_rank(self, choice: Any) -> Any: ...
     def largest_on_every_rank(self, value: int) -> int: ...
+    def check_same_on_every_rank(self, what: str, choice: Hashable) -> None: ...
     def machine(self, links: Machine) -> Machine: ...
 
 
@@ -241,6 +242,7 @@ class PlanSession:
             self._fitted_trainable = {id(p) for p in module.parameters() if p.requires_grad}
             self.in_use = None
             return None
+        self._check_ranks_place_alike(placement)
         plan = Plan(placement, tuple(policies), gpu_bytes, None, model, units, users,
                     self._direct_gradients(model.sizes, placement), profiling=profiling)
         self.in_use, self._order_profiled = plan, False
@@ -266,6 +268,15 @@ class PlanSession:
         if not (rules.training and self.phase in (SessionPhase.INITIAL, SessionPhase.PROFILING) and measuring and activations.blocks):
             return placement, False
         return sequence.profiling_share(planner, placement, together, gpu_bytes, placed_after=observed)
+
+    def _check_ranks_place_alike(self, placement: Placement) -> None:
+        """Under data parallelism every rank must keep the same units in the GPU tier (their
+        gradients are all-reduced, the others' reduced to their owners), and the same in host
+        memory where the ranks share its homes: a rank that placed otherwise would wait in a
+        collective the others never enter. Where they differ, every rank fails here instead."""
+        self.ranks.check_same_on_every_rank("the units in the GPU tier", tuple(sorted(i for i, h in placement.home.items() if h == GPU)))
+        if placement.host_homes_shared:
+            self.ranks.check_same_on_every_rank("the units homed in shared host memory", tuple(sorted(i for i, h in placement.home.items() if h == HOST)))
 
     def _direct_gradients(self, sizes: list[UnitSize], placement: Placement) -> frozenset[int]:
         """Offloaded units whose gradients are written straight into host memory (GO-MemFerry)."""
