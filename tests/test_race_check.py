@@ -3,9 +3,14 @@ host access to a buffer a copy may still use, before the host waited for it, rai
 
 from __future__ import annotations
 
+import gc
+import time
+
 import lightning as L
 import pytest
 import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload_strategy.hardware.device import RACE_CHECK_ENV, CopyRaceError, EmulatedDevice, RaceCheck
 from offload_strategy import TieredStrategy
@@ -103,3 +108,23 @@ def test_host_units_are_updated_at_home_only_after_the_copies_out_of_them(tmp_pa
     assert checked.race_checked and trainer.strategy.metrics()["units/direct_gradients"] > 0
     assert losses == plain_losses
     assert_same_weights(plain_weights, weights)
+
+
+def test_a_copy_s_gpu_tier_side_keeps_its_addresses_until_the_host_waited_for_it():
+    """CUDA's caching allocator reuses no memory a copy stream still uses (``record_stream``). The
+    books held only the addresses: a gradient freed once its copy home had landed, before the
+    host waited for it, gave its memory to the next host buffer, an NVMe read's staging, which
+    the check then took for the gradient's copy still reading it (a CopyRaceError in
+    ``test_swap_host_beyond_host_memory_goes_to_nvme_or_stays``, where the allocator reused it)."""
+    with EmulatedDevice(1 << 20, race_check=RaceCheck(max_delay_s=0.001, seed=4)) as device:
+        gradient, home = torch.ones(8192, dtype=torch.uint8), torch.empty(8192, dtype=torch.uint8)
+        storage = StorageWeakRef(gradient.untyped_storage())
+        event = device.copy_to_host(home, gradient)
+        del gradient
+        time.sleep(0.05)  # landed: the link has let go of it
+        gc.collect()
+        assert not storage.expired(), "the gradient's memory was free to reuse while its copy was in the books"
+        device.host_wait(event)
+        gc.collect()
+        assert storage.expired()
+        assert torch.equal(home, torch.ones(8192, dtype=torch.uint8))

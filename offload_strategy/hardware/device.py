@@ -469,6 +469,10 @@ class _InFlight:
     issued_by: _Call
     order: int  # in the order copies were issued
     ordered_compute_at: Optional[int] = None  # the issue order when compute was made to wait for it
+    # the copy's GPU-tier side, held while booked: CUDA's caching allocator reuses no memory a
+    # copy stream still uses (``record_stream``), so no later tensor, a host buffer least of all,
+    # takes its addresses while the copy is in the books (freed, an emulated tier's memory could)
+    device_side: Optional[torch.Tensor] = None
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -522,7 +526,8 @@ class RaceCheck:
         """Book a copy just issued; the seconds its landing is delayed by."""
         with self._lock:
             self._issued += 1
-            self._in_flight.append(_InFlight(event, direction, _span(dst), _span(src), _caller(), self._issued))
+            device_side = src if direction == _D2H else dst
+            self._in_flight.append(_InFlight(event, direction, _span(dst), _span(src), _caller(), self._issued, device_side=device_side))
             event.on_host_wait = self._host_waited
             return self._random.uniform(0.0, self.max_delay_s)
 
