@@ -477,11 +477,15 @@ class Planner:
         counts it, so that the tier it names holds that step too."""
         return max((size.nbytes for size in self.units.sizes), default=0)
 
+    def _fixed_layout_least(self, layout: Sequence[str]) -> int:
+        """The least share of the GPU tier the parameters can take beside a fixed ``layout``
+        (its recomputed blocks' units together)."""
+        return self.least_parameter_share(self.working_groups(layout)) if self.model is not None and self.model.sizes else 0
+
     def fixed_layout_minimum(self, peak: int, layout: Sequence[str]) -> int:
         """The least gpu_memory that holds a fixed layout's ``peak`` through every step, the one
         that measures it (:meth:`first_step_buffer`) too."""
-        least = self.least_parameter_share(self.working_groups(layout)) if self.model is not None and self.model.sizes else 0
-        return least + self.first_step_buffer() + peak
+        return self._fixed_layout_least(layout) + self.first_step_buffer() + peak
 
     @staticmethod
     def fixed_layout_peak(costs: Sequence[BlockCost], layout: Sequence[str], beside: BesideBlocks) -> int:
@@ -495,7 +499,7 @@ class Planner:
         together, each recomputed block's too) is refused, with what it holds, what the tier
         leaves it, and what to do. ``placed``: the parameters' bytes in the tier as placed now
         (said, not decided on: they may be placed again in less)."""
-        least = self.least_parameter_share(self.working_groups(layout)) if self.model is not None and self.model.sizes else 0
+        least = self._fixed_layout_least(layout)
         left = self.gpu_beside(least)
         if peak <= left:
             return
